@@ -1,0 +1,33 @@
+# Every target creates .venv when missing and installs pdserve into it first.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# CPU-only machines: pin the CPU build first (a bare torch pulls multi-GB CUDA wheels).
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(BIN)/python -m pip install -q torch; \
+	else \
+	  $(BIN)/python -m pip install -q torch==2.13.0; \
+	fi
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/pdserve demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x --durations=15 tests
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.engine
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,75 @@
+"""Per-request sampling and stopping parameters (mirrors the gRPC `SamplingParams`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Sampling order (fixed): repetition / frequency / presence penalties →
+    temperature → top-k → top-p → seeded draw. ``temperature == 0`` is greedy.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 = disabled
+    repetition_penalty: float = 1.0     # 1 = disabled, (0, 2]
+    frequency_penalty: float = 0.0      # [-2, 2]
+    presence_penalty: float = 0.0       # [-2, 2]
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field and its allowed range."""
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_float("temperature", self.temperature, 0.0, None, "a finite number >= 0")
+        _check_float("top_p", self.top_p, 0.0, 1.0, "in (0, 1]")
+        if self.top_p <= 0.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, low=0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, "in (0, 2]")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]")
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=2**64 - 1)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError("stop strings must be non-empty strings")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}")
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_float(name: str, value: object, low: float, high: float | None, allowed: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
+    if math.isnan(value) or math.isinf(value) or value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
