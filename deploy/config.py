@@ -1,0 +1,235 @@
+"""Typed deployment config: one YAML file (``deploy/pools.yaml``) drives a
+deployment. Load it with :func:`load_config`; bad input raises
+:class:`ConfigError` with a one-line message that names the key path.
+
+Object tree (all pydantic v2 models, unknown keys forbidden)::
+
+    PDServeConfig
+      model: ModelConfig            name, dtype, max_model_len
+      pools: PoolsConfig            prefill, decode, long_context (optional)
+        <pool>: PoolConfig          count, min, max, resources, max_restarts, model, kv_cache
+          resources: ResourcesConfig  num_cpus, num_gpus, torch_threads, custom
+        prefill: + max_batch_tokens, chunk_tokens;  decode/long_context: + max_batch_size
+      kv_cache: KVCacheConfig       block_size, memory_fraction | num_blocks | memory_gib
+      kv_transfer: KVTransferConfig transport, compression, chunk_bytes, deadline_s
+      routing: RoutingConfig        local_prefill_tokens, long_request_tokens, max_queue,
+                                    prefill_policy, decode_policy
+      slo: SLOConfig                ttft_p99_ms, tpot_p99_ms
+      workload: WorkloadConfig      input_tokens_mean, output_tokens_mean, histogram_file,
+                                    arrival_rate_rps
+      server: ServerConfig          host, port, metrics_port, log_format
+      security: SecurityConfig      token, token_env, tls_cert, tls_key, tls_client_ca
+      ray: RayConfig                address, namespace
+
+Relative file paths in the YAML are relative to the YAML file; in overrides,
+relative to the working directory.
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+from typing import Any, Mapping, Optional
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from deploy.config_base import PRESET_MODELS, ConfigError, FieldProblem, Section, config_error_from
+from deploy.config_pools import (DecodePoolConfig, PoolConfig, PoolsConfig, PrefillPoolConfig,
+                                 ResourcesConfig)
+from deploy.config_sections import (KVCacheConfig, KVTransferConfig, ModelConfig, RayConfig,
+                                    RoutingConfig, SecurityConfig, ServerConfig, SLOConfig)
+from deploy.config_workload import WorkloadConfig
+
+DEFAULT_CONFIG_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pools.yaml")
+PATH_KEYS = ("model.name", "pools.*.model", "workload.histogram_file", "security.tls_cert",
+             "security.tls_key", "security.tls_client_ca")
+"""Keys whose values are file paths (made absolute when given as overrides)."""
+
+__all__ = [
+    "ConfigError", "PDServeConfig", "ModelConfig", "PoolsConfig", "PoolConfig",
+    "PrefillPoolConfig", "DecodePoolConfig", "ResourcesConfig", "KVCacheConfig",
+    "KVTransferConfig", "RoutingConfig", "SLOConfig", "WorkloadConfig", "ServerConfig",
+    "SecurityConfig", "RayConfig", "load_config", "parse_override", "DEFAULT_CONFIG_PATH",
+]
+
+
+class PDServeConfig(Section):
+    """A whole deployment. ``PDServeConfig.default()`` equals ``deploy/pools.yaml``."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Served model.")
+    pools: PoolsConfig = Field(default_factory=PoolsConfig, description="Actor pools.")
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig,
+                                    description="Paged KV cache of every pool.")
+    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig,
+                                          description="Prefill-to-decode KV shipping.")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="Router policy.")
+    slo: SLOConfig = Field(default_factory=SLOConfig, description="Latency targets.")
+    workload: WorkloadConfig = Field(default_factory=WorkloadConfig,
+                                     description="Traffic assumptions for the planner.")
+    server: ServerConfig = Field(default_factory=ServerConfig, description="Public endpoint.")
+    security: SecurityConfig = Field(default_factory=SecurityConfig,
+                                     description="Token and TLS.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster to join.")
+
+    @classmethod
+    def default(cls) -> "PDServeConfig":
+        """The embedded default: model small, 1 prefill + 1 decode, grpc + fp8, 127.0.0.1:50051."""
+        return cls()
+
+    def pool_model(self, name: str) -> str:
+        """Model (preset name or absolute directory) served by pool ``name``."""
+        return self._pool(name).model or self.model.name
+
+    def pool_kv_cache(self, name: str) -> KVCacheConfig:
+        """Effective KV cache of pool ``name``: its override's keys win; the
+        budget comes from the override when it sets any budget key."""
+        override = self._pool(name).kv_cache
+        if override is None:
+            return self.kv_cache
+        merged = self.kv_cache.model_dump()
+        if override.budget_keys():
+            merged.update(memory_fraction=None, num_blocks=None, memory_gib=None)
+        merged.update({key: getattr(override, key) for key in override.model_fields_set})
+        return KVCacheConfig.model_validate(merged)
+
+    def _pool(self, name: str) -> PoolConfig:
+        pool = dict(self.pools.items()).get(name)
+        if pool is None:
+            raise KeyError(f"no pool named {name!r}")
+        return pool
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "PDServeConfig":
+        pools = self.pools.items()
+        first = pools[0][0]
+        for name, pool in pools[1:]:
+            if self.pool_model(name) != self.pool_model(first):
+                key = name if pool.model is not None else first
+                raise FieldProblem(
+                    f"/pools.{key}.model", f"all pools must serve the same model "
+                    f"(pools.{first}: {self.pool_model(first)!r}, "
+                    f"pools.{name}: {self.pool_model(name)!r})")
+            mine, theirs = self.pool_kv_cache(name).block_size, self.pool_kv_cache(first).block_size
+            if mine != theirs:
+                key = name if pool.kv_cache and "block_size" in pool.kv_cache.model_fields_set \
+                    else first
+                raise FieldProblem(
+                    f"/pools.{key}.kv_cache.block_size", f"pools must share one KV block "
+                    f"layout (pools.{first}: {theirs}, pools.{name}: {mine})")
+        if self.routing.long_request_tokens is not None and self.pools.long_context is None:
+            raise FieldProblem("/routing.long_request_tokens",
+                               "needs a pools.long_context pool to route long requests to")
+        if self.pools.long_context is not None and self.routing.long_request_tokens is None:
+            raise FieldProblem("/pools.long_context",
+                               "needs routing.long_request_tokens (which requests it serves)")
+        if not self.server.is_loopback() and self.security.token is None:
+            raise FieldProblem("/security.token", f"required when server.host is not loopback "
+                               f"({self.server.host!r}); set security.token or security.token_env")
+        return self
+
+
+# ------------------------------------------------------------------- loading
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys instead of keeping the last."""
+
+
+def _mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen[key] = loader.construct_object(value_node, deep=deep)
+    return seen
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+
+def read_yaml(path: str) -> dict:
+    """The mapping in YAML file ``path`` ({} when empty); ConfigError otherwise."""
+    try:
+        with open(path) as f:
+            raw = yaml.load(f, Loader=_Loader)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        raise ConfigError(f"{where}: YAML error: {exc.problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: YAML error: {exc}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return raw
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"pools.prefill.count=2"`` -> ``("pools.prefill.count", 2)``; the value
+    is parsed as YAML (``auto`` stays a string, ``{a: 1}`` becomes a dict)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"{text!r}: expected KEY=VALUE (e.g. pools.prefill.count=2)")
+    try:
+        return key.strip(), yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        return key.strip(), value
+
+
+def _override_value(key: str, value: Any) -> Any:
+    """Relative path values given on the command line are relative to the cwd."""
+    if isinstance(value, str) and any(fnmatch.fnmatchcase(key, pat) for pat in PATH_KEYS):
+        if value not in PRESET_MODELS:
+            return os.path.abspath(os.path.expanduser(value))
+    return value
+
+
+def apply_overrides(raw: dict, overrides: Mapping[str, Any]) -> dict:
+    """Set dotted ``overrides`` into the nested mapping ``raw`` (in place);
+    ``None`` values are skipped so unset CLI flags can be passed through."""
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError(f"{key}: malformed key in override", key)
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                prefix = ".".join(parts[: i + 1])
+                raise ConfigError(f"{key}: cannot set a key under {prefix}, which is not a "
+                                  "mapping", key)
+            node = child
+        node[parts[-1]] = _override_value(key, value)
+    return raw
+
+
+def load_config(path: Optional[str], overrides: Optional[dict[str, object]] = None
+                ) -> PDServeConfig:
+    """Read, override and validate a deployment config.
+
+    Args:
+        path: YAML file; None = the embedded default (same as deploy/pools.yaml).
+        overrides: dotted keys from CLI flags, e.g. ``{"pools.prefill.count": 2}``;
+            applied before validation, so they are checked like file values.
+    Returns:
+        The validated config.
+    Raises:
+        ConfigError: one line naming the key path (or file:line for YAML errors).
+    """
+    raw = read_yaml(path) if path is not None else {}
+    apply_overrides(raw, overrides or {})
+    base_dir = os.path.dirname(os.path.abspath(path)) if path is not None else None
+    try:
+        return PDServeConfig.model_validate(raw, context={"base_dir": base_dir})
+    except ValidationError as exc:
+        raise config_error_from(exc, PDServeConfig) from None
