@@ -1,0 +1,107 @@
+"""Model architecture config read from a Hugging Face `config.json`."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    """The Llama-family fields pdserve needs; everything else in config.json is ignored."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False            # q/k/v bias (qwen2 always, llama optional)
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    torch_dtype: str = "float32"
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{source}: model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        for key in ("vocab_size", "hidden_size", "intermediate_size",
+                    "num_hidden_layers", "num_attention_heads"):
+            if not isinstance(raw.get(key), int) or raw[key] <= 0:
+                raise ValueError(f"{source}: field {key!r} is missing or not a positive integer")
+        num_heads = raw["num_attention_heads"]
+        num_kv_heads = raw.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{source}: num_attention_heads ({num_heads}) must be a multiple "
+                             f"of num_key_value_heads ({num_kv_heads})")
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
+        rope_params = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind not in ("default", "linear", "llama3"):
+                raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported "
+                                 "(supported: linear, llama3)")
+        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", model_type == "mistral") else None
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=model_type == "qwen2" or raw.get("attention_bias", False),
+            mlp_bias=raw.get("mlp_bias", False),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
+            sliding_window=sliding,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: model directory has no config.json")
+        with open(path, encoding="utf-8") as f:
+            try:
+                raw = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(raw, source=path)
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + embed + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes

@@ -1,0 +1,192 @@
+"""The colocated engine: one scheduler, prefill + decode, continuous batching.
+
+A step is three calls: schedule → run → postprocess. The same class serves the
+workers: a prefill actor adds requests with ``prefill_only=True`` and ships the
+KV blocks of each ``prefilled`` output; a decode actor ``adopt``s blocks written
+by the KV receiver and continues decoding.
+"""
+from __future__ import annotations
+
+import random
+import uuid
+
+import torch
+
+from engine.block_manager import BlockManager, prompt_block_hashes
+from engine.config import ModelConfig
+from engine.loader import fingerprint, load_model
+from engine.model_runner import ModelRunner
+from engine.output import OutputProcessor
+from engine.presets import resolve_model
+from engine.request import Completion, Request, RequestOutput, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class Engine:
+    """Args:
+        model: a preset name (`tiny`, `small`) or a Hugging Face model directory.
+        dtype: `auto` (bf16 on CUDA, float32 on CPU), `float32` or `bfloat16`.
+        block_size: tokens per KV block.
+        num_blocks: KV blocks in the pool (default: from `kv_cache_gib`).
+        max_num_batched_tokens: per-step token budget shared by prefill chunks and decodes.
+        chunk_size: most prompt tokens one request computes per step; None disables chunking.
+        max_num_seqs: most requests in the running batch.
+        enable_prefix_cache: reuse full blocks of earlier prompts.
+        max_model_len: context limit (default: the model's max_position_embeddings).
+    """
+
+    def __init__(self, model: str = "tiny", *, dtype: str | torch.dtype = "auto", device: str | None = None,
+                 block_size: int = 16, num_blocks: int | None = None, kv_cache_gib: float = 1.0,
+                 max_num_batched_tokens: int = 2048, chunk_size: int | None = 512, max_num_seqs: int = 64,
+                 enable_prefix_cache: bool = True, max_model_len: int | None = None):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = pick_dtype(dtype, self.device)
+        self.model_dir = resolve_model(model)
+        self.config = ModelConfig.from_dir(self.model_dir)
+        cfg = self.config
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.tokenizer = Tokenizer(self.model_dir, cfg.eos_token_ids, cfg.bos_token_id)
+        self.vocab_size = cfg.vocab_size
+        self.model = load_model(self.model_dir, cfg, self.device, self.dtype, self.max_model_len)
+        self.fingerprint = fingerprint(self.model_dir, cfg)
+        self.block_size = block_size
+        if num_blocks is None:
+            per_block = cfg.kv_bytes_per_token(self.dtype.itemsize) * block_size
+            num_blocks = max(int(kv_cache_gib * (1 << 30)) // per_block, 1)
+        # kv_cache: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
+        self.kv_cache = torch.zeros(cfg.num_hidden_layers, num_blocks, 2, cfg.num_key_value_heads,
+                                    block_size, cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache)
+        from engine.scheduler import Scheduler
+        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, chunk_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device)
+        self.output = OutputProcessor(self.tokenizer, cfg.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+
+    # ---- requests in ----------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field when the request cannot be served."""
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                             f"({params.max_tokens}) = {total} exceeds the context length {self.max_model_len}")
+
+    def _new_request(self, request_id: str | None, prompt, params: SamplingParams, prefill_only: bool) -> Request:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate(ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        req = Request(request_id, ids, params, seed, prefill_only=prefill_only)
+        self.output.attach(req)
+        return req
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, prefill_only: bool = False) -> str:
+        req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req.request_id
+
+    def adopt(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+              params: SamplingParams, block_ids: list[int], num_cached_tokens: int = 0) -> None:
+        """Continue a request whose prompt KV already sits in `block_ids` (allocated from this pool)."""
+        req = self._new_request(request_id, prompt_token_ids, params, False)
+        need = (len(req.prompt_token_ids) + self.block_size - 1) // self.block_size
+        if len(block_ids) < need:
+            raise ValueError(f"block_ids: {len(block_ids)} blocks cannot hold {len(prompt_token_ids)} tokens")
+        req.block_table = list(block_ids)
+        req.num_computed_tokens = len(req.prompt_token_ids)
+        req.num_cached_tokens = num_cached_tokens
+        hashes = prompt_block_hashes(req.prompt_token_ids, self.block_size)
+        req.block_hashes = hashes
+        for block_id, h in zip(block_ids, hashes):
+            self.block_manager.register(block_id, h)
+        self.requests[request_id] = req
+        self.output.process(req, first_token_id)     # counts the first token; may finish at once
+        if req.status.finished:
+            self._finish(req)
+        else:
+            self.scheduler.add_running(req)
+
+    # ---- the step -------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled, tokens = self.runner.run(batch)
+        self.scheduler.commit(batch)
+        outputs = []
+        for req, token in zip(sampled, tokens):
+            out = self.output.process(req, token)
+            if req.prefill_only and not req.status.finished:
+                req.status = RequestStatus.PREFILLED
+                self.scheduler.remove(req)
+                out.prefilled = True
+                out.block_ids = list(req.block_table)
+            elif req.status.finished:
+                self._finish(req)
+            outputs.append(out)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- requests out ---------------------------------------------------
+    def _finish(self, req: Request) -> None:
+        self.scheduler.remove(req)
+        if req.block_table:
+            self.block_manager.free(req.block_table)
+            req.block_table = []
+        self.requests.pop(req.request_id, None)
+
+    def release(self, request_id: str) -> None:
+        """Prefill side: the KV was shipped (or the transfer failed); free the blocks (kept cached)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._finish(req)
+        return RequestOutput(request_id, [], "", "abort", req.num_prompt_tokens, req.num_cached_tokens,
+                             len(req.output_token_ids))
+
+    def generate(self, inputs: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Run every input to completion; results in input order."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(inputs)
+        ids = [self.add_request(inp, p) for inp, p in zip(inputs, params_list)]
+        reqs = {i: self.requests[i] for i in ids}
+        texts = {i: [] for i in ids}
+        reasons: dict[str, str] = {}
+        while len(reasons) < len(ids):
+            for out in self.step():
+                texts[out.request_id].append(out.text_delta)
+                if out.finish_reason:
+                    reasons[out.request_id] = out.finish_reason
+        return [Completion(i, reqs[i].prompt_token_ids, reqs[i].output_token_ids, "".join(texts[i]),
+                           reasons[i], reqs[i].num_cached_tokens) for i in ids]

@@ -1,0 +1,93 @@
+"""A request owns its state: tokens, block table, computed-token count and status."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"                  # queued for (re)prefill
+    RUNNING = "running"                  # in the batch: prefilling in chunks or decoding
+    WAITING_FOR_KV = "waiting_for_kv"    # decode side: KV blocks still arriving
+    PREFILLED = "prefilled"              # prefill side: first token sampled, blocks held for transfer
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int                                  # per-request draw seed (params.seed or a random one)
+    prefill_only: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)   # of full computed blocks, chained
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0                 # prompt tokens served from the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    detokenizer: IncrementalDetokenizer | None = None
+    text: str = ""                             # output text so far (stop strings cut off)
+    num_emitted_chars: int = 0                 # how much of `text` was already streamed
+    stop_reason: str | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finish_reason: str | None          # None while running; "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    prefilled: bool = False            # prefill-only request: KV ready to ship in `block_ids`
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Completion:
+    """The whole result of one prompt from `Engine.generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_cached_tokens: int = 0

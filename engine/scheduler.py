@@ -1,0 +1,150 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+Every step shares one token budget (`max_num_batched_tokens`). Running requests
+go first, in arrival order: a decoding request needs one token, a request still
+prefilling takes its next chunk. Waiting requests then join while budget, batch
+slots and KV blocks allow. When a running request cannot get a block, the most
+recently arrived running request is preempted: its blocks are freed and it goes
+back to the front of the queue, to be recomputed from prompt + output so far.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager, hash_block, prompt_block_hashes
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int,
+                 max_num_seqs: int, chunk_size: int | None):
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.chunk_size = chunk_size            # None: prompts are never split
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """A request whose KV already sits in its blocks (adopted from a prefill actor)."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _size_chunk(self, remaining: int, budget: int, first: bool) -> int:
+        if self.chunk_size is not None:
+            return min(remaining, self.chunk_size, budget)
+        # No chunking: the whole remainder, or nothing; an oversize prompt runs alone.
+        return remaining if remaining <= budget or first else 0
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.max_num_batched_tokens
+        out: list[ScheduledRequest] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._size_chunk(req.num_tokens - req.num_computed_tokens, budget, not out)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self._grow(req, req.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                out.append(ScheduledRequest(req, num_new))
+                budget -= num_new
+                i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            if not self._admit(req, budget, not out):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_new = self._size_chunk(req.num_tokens - req.num_computed_tokens, budget, not out)
+            out.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        return out
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        extra = self._blocks_for(num_tokens) - len(req.block_table)
+        if extra <= 0:
+            return True
+        ids = self.block_manager.allocate(extra)
+        if ids is None:
+            return False
+        req.block_table.extend(ids)
+        return True
+
+    def _admit(self, req: Request, budget: int, first: bool) -> bool:
+        """Take prefix-cache hits and blocks for the first chunk; False (nothing changed) if short."""
+        bm = self.block_manager
+        hashes = prompt_block_hashes(req.all_token_ids, self.block_size)
+        max_hit_blocks = (req.num_tokens - 1) // self.block_size   # leave >= 1 token to compute
+        hits = bm.match_prefix(hashes[:max_hit_blocks])
+        num_computed = len(hits) * self.block_size
+        num_new = self._size_chunk(req.num_tokens - num_computed, budget, first)
+        if num_new == 0:
+            return False
+        need = self._blocks_for(num_computed + num_new) - len(hits)
+        free_after_touch = bm.num_free_blocks - sum(1 for b in hits if bm.blocks[b].ref_count == 0)
+        if need > free_after_touch:
+            return False
+        bm.touch(hits)
+        req.block_table = hits + bm.allocate(need)
+        req.block_hashes = hashes[:len(hits)]
+        req.num_computed_tokens = num_computed
+        if req.num_cached_tokens == 0 and not req.output_token_ids:
+            req.num_cached_tokens = num_computed
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req.block_table)
+        req.block_table = []
+        req.block_hashes = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def remove(self, req: Request) -> None:
+        """Drop a request from the queues (finished, aborted or handed off)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def commit(self, scheduled: list[ScheduledRequest]) -> None:
+        """After the model ran: advance computed counts and cache newly full blocks."""
+        bm = self.block_manager
+        for s in scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            full = req.num_computed_tokens // self.block_size
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            for b in range(len(req.block_hashes), full):
+                parent = hash_block(parent, req.token_ids(b * self.block_size, (b + 1) * self.block_size))
+                req.block_hashes.append(parent)
+                bm.register(req.block_table[b], parent)

@@ -1,0 +1,24 @@
+"""Shared fixtures: tiny model directories, loopback-only networking for every test."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_model_cache(tmp_path_factory):
+    """Presets are materialized once per test session into a private cache."""
+    if "PDSERVE_CACHE" not in os.environ:
+        os.environ["PDSERVE_CACHE"] = str(tmp_path_factory.mktemp("pdserve-cache"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(_isolated_model_cache) -> str:
+    from engine.presets import resolve_model
+    return resolve_model("tiny")
