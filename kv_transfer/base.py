@@ -1,0 +1,183 @@
+"""The KV transfer interface: one ABC per side, a status enum, typed results.
+
+Prefill side (``KVSender``, owned by a prefill actor):
+    send(request_id, kv_cache, src_block_ids, dest, *, transfer_id, layers,
+         deadline_s, num_tokens, first_token_id) -> SendHandle
+        Ship ``kv_cache[layers, src_block_ids]`` to ``dest`` in the background.
+        Call once with all layers, or once per layer range as prefill
+        produces them (same ``transfer_id``); the receiver gets the same bytes.
+        The source blocks must stay unchanged until the handle is done; after
+        DONE or FAILED the sender holds no reference to the cache.
+    handshake(dest) -> None
+        Compare layouts with the receiver now (``send`` does it lazily once per
+        destination). Raises HandshakeError naming both values on a mismatch.
+    close() -> None
+
+    SendHandle.status / .error / .failed_side / .wire_bytes
+    SendHandle.wait(timeout) -> TransferStatus;  SendHandle.done() -> bool
+
+Decode side (``KVReceiver``, owned by a decode actor, given its cache tensor
+and a ``BlockAllocator``):
+    endpoint -> str            address to advertise to prefill actors
+    poll() -> list[TransferResult]
+        Terminal results (DONE / FAILED / EXPIRED / CANCELLED) since the last
+        poll — the decode loop calls it between steps.
+    wait(transfer_id, timeout) -> TransferResult | None
+    status(transfer_id) -> TransferStatus
+    cancel(transfer_id=None, request_id=None) -> list[str]
+        Abort transfers and free their reserved blocks (never DONE ones: those
+        blocks belong to the decode worker already).
+    stats -> ReceiverStats;   close() -> None
+    ``on_complete`` (constructor argument) is called once per terminal result,
+    from a transport thread, besides the poll queue.
+
+Lifecycle of one transfer on the receiver:
+    first chunk arrives -> PENDING: header checked, blocks reserved
+    chunks written into kv_cache[layers, dst_block_ids] -> TRANSFERRING
+    every (layer, block) cell written -> DONE (blocks handed over)
+    bad chunk / sender gone / no blocks -> FAILED, deadline -> EXPIRED,
+    cancel() -> CANCELLED; all three free the reserved blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+class TransferStatus(enum.Enum):
+    PENDING = "pending"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (TransferStatus.DONE, TransferStatus.FAILED, TransferStatus.EXPIRED, TransferStatus.CANCELLED)
+
+
+class FailedSide(enum.Enum):
+    NONE = "none"
+    SENDER = "sender"  # encode error, bad arguments, NaN/Inf in the KV
+    RECEIVER = "receiver"  # refused: token, handshake, no blocks, checksum, expired
+    TRANSPORT = "transport"  # connection lost, peer died, deadline on the wire
+
+
+class TransferError(RuntimeError):
+    """A transfer failed; ``side`` says which end."""
+
+    def __init__(self, message: str, side: FailedSide, status: TransferStatus = TransferStatus.FAILED) -> None:
+        super().__init__(message)
+        self.side = side
+        self.status = status
+
+
+@dataclass(slots=True)
+class TransferResult:
+    """One terminal report from the receiver."""
+
+    transfer_id: str
+    request_id: str
+    status: TransferStatus
+    dst_block_ids: list[int] = field(default_factory=list)  # empty unless DONE
+    num_tokens: int = 0
+    first_token_id: int = -1
+    codec: str = ""
+    error: str = ""
+    nbytes: int = 0  # wire bytes received
+
+
+@dataclass(slots=True)
+class ReceiverStats:
+    num_done: int = 0
+    num_failed: int = 0
+    num_expired: int = 0
+    num_cancelled: int = 0
+    auth_failures: int = 0
+    handshake_failures: int = 0
+    bytes_received: int = 0
+
+
+class SendHandle:
+    """Status of one ``send`` call (one piece of a transfer)."""
+
+    def __init__(self, request_id: str, transfer_id: str) -> None:
+        self.request_id = request_id
+        self.transfer_id = transfer_id
+        self.status = TransferStatus.PENDING
+        self.error = ""
+        self.failed_side = FailedSide.NONE
+        self.wire_bytes = 0
+        self.started_at = time.perf_counter()
+        self.elapsed_s = 0.0
+        self._event = threading.Event()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> TransferStatus:
+        self._event.wait(timeout)
+        return self.status
+
+    def _finish(self, status: TransferStatus, error: str = "", side: FailedSide = FailedSide.NONE) -> None:
+        self.status, self.error, self.failed_side = status, error, side
+        self.elapsed_s = time.perf_counter() - self.started_at
+        self._event.set()
+
+    def __repr__(self) -> str:
+        return f"SendHandle({self.transfer_id}, {self.status.value}, side={self.failed_side.value}, error={self.error!r})"
+
+
+class KVSender(ABC):
+    @abstractmethod
+    def send(
+        self,
+        request_id: str,
+        kv_cache: torch.Tensor,  # [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
+        src_block_ids: list[int],
+        dest: str,
+        *,
+        transfer_id: str | None = None,
+        layers: tuple[int, int] | None = None,
+        deadline_s: float = 30.0,
+        num_tokens: int = 0,
+        first_token_id: int = -1,
+    ) -> SendHandle: ...
+
+    @abstractmethod
+    def handshake(self, dest: str) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class KVReceiver(ABC):
+    @property
+    @abstractmethod
+    def endpoint(self) -> str: ...
+
+    @abstractmethod
+    def poll(self) -> list[TransferResult]: ...
+
+    @abstractmethod
+    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult | None: ...
+
+    @abstractmethod
+    def status(self, transfer_id: str) -> TransferStatus | None: ...
+
+    @abstractmethod
+    def cancel(self, transfer_id: str | None = None, request_id: str | None = None) -> list[str]: ...
+
+    @property
+    @abstractmethod
+    def stats(self) -> ReceiverStats: ...
+
+    @abstractmethod
+    def close(self) -> None: ...

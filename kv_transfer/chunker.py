@@ -1,0 +1,145 @@
+"""Sender-side pipeline: split a transfer into chunks, encode them ahead.
+
+A transfer covers ``kv_cache[layers, src_block_ids]``. Chunks are
+rectangles of (layer, block) cells: several whole layers when a layer's
+blocks fit in ``chunk_bytes``, otherwise one layer and a run of blocks.
+``prefetch`` encodes the next chunks on a thread while the transport sends
+the current one, so encode, send and decode overlap chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer.codec import Codec
+from kv_transfer.layout import KVLayout
+from kv_transfer.wire import ChunkHeader, checksum, pack_header
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    layer_start: int
+    layer_end: int
+    block_start: int
+    block_end: int
+
+
+@dataclass(slots=True)
+class EncodedChunk:
+    header: ChunkHeader
+    header_bytes: bytes
+    payload: torch.Tensor  # uint8 [payload_len], on the cache's device
+
+
+def plan_chunks(layers: tuple[int, int], num_blocks: int, cell_nbytes: int, chunk_bytes: int) -> list[ChunkPlan]:
+    """Cover [layers) x [0, num_blocks) with rectangles of <= chunk_bytes (at least one cell)."""
+    layer_start, layer_end = layers
+    cells = max(1, chunk_bytes // max(1, cell_nbytes))
+    plans: list[ChunkPlan] = []
+    if cells >= num_blocks:
+        step = cells // num_blocks
+        for start in range(layer_start, layer_end, step):
+            plans.append(ChunkPlan(start, min(start + step, layer_end), 0, num_blocks))
+    else:
+        for layer in range(layer_start, layer_end):
+            for start in range(0, num_blocks, cells):
+                plans.append(ChunkPlan(layer, layer + 1, start, min(start + cells, num_blocks)))
+    return plans
+
+
+def encode_chunks(
+    kv_cache: torch.Tensor,  # [num_layers, num_blocks, 2, H, B, D]
+    src_block_ids: list[int],
+    layout: KVLayout,
+    codec: Codec,
+    *,
+    request_id: str,
+    transfer_id: str,
+    layers: tuple[int, int],
+    deadline_at: float,  # time.monotonic() deadline
+    chunk_bytes: int,
+    num_tokens: int = 0,
+    first_token_id: int = -1,
+    with_checksum: bool = True,
+) -> Iterator[EncodedChunk]:
+    num_blocks = len(src_block_ids)
+    cell_shape = (1, 1, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)
+    plans = plan_chunks(layers, num_blocks, codec.payload_nbytes(cell_shape, layout.dtype), chunk_bytes)
+    index = torch.tensor(src_block_ids, dtype=torch.long, device=kv_cache.device)
+    for chunk_index, plan in enumerate(plans):
+        shape = (plan.layer_end - plan.layer_start, plan.block_end - plan.block_start, *cell_shape[2:])
+        payload = torch.empty(codec.payload_nbytes(shape, layout.dtype), dtype=torch.uint8, device=kv_cache.device)
+        codec.encode_from(kv_cache, (plan.layer_start, plan.layer_end), index[plan.block_start : plan.block_end], payload)
+        crc = checksum(payload.numpy()) if with_checksum and payload.device.type == "cpu" else -1
+        header = ChunkHeader(
+            request_id=request_id,
+            transfer_id=transfer_id,
+            model_fingerprint=layout.model_fingerprint,
+            num_layers=layout.num_layers,
+            layer_start=plan.layer_start,
+            layer_end=plan.layer_end,
+            num_blocks=num_blocks,
+            block_start=plan.block_start,
+            block_end=plan.block_end,
+            block_size=layout.block_size,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            dtype=layout.dtype_name,
+            codec=codec.name,
+            scale_layout=codec.scale_layout,
+            chunk_index=chunk_index,
+            num_chunks=len(plans),
+            payload_len=payload.numel(),
+            checksum=crc,
+            deadline_ms=max(0, int((deadline_at - time.monotonic()) * 1000)),
+            num_tokens=num_tokens,
+            first_token_id=first_token_id,
+        )
+        yield EncodedChunk(header, pack_header(header), payload)
+
+
+_DONE = object()
+
+
+def prefetch(chunks: Iterator, depth: int = 2) -> Iterator:
+    """Run ``chunks`` on a thread, ``depth`` items ahead; re-raise its errors here."""
+    items: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                items.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in chunks:
+                if not put(item):
+                    return
+            put(_DONE)
+        except BaseException as exc:  # handed to the consumer
+            put(exc)
+
+    thread = threading.Thread(target=produce, name="kv-encode", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = items.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=5)

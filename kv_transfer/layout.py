@@ -1,0 +1,107 @@
+"""The KV cache layout both ends agree on, and the startup handshake check.
+
+The engine keeps ONE tensor over layers:
+
+    kv_cache: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
+              (index 0 on dim 2 = K, 1 = V)
+
+A request's blocks are ``kv_cache[:, block_ids]``; the transfer ships exactly
+that slab (all layers, or a layer range), so the wire layout follows the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class HandshakeError(ValueError):
+    """The two ends disagree on model, layout, dtype or codec."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported KV dtype {dtype}; expected one of {sorted(DTYPES)}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one block, as the engine's paged cache stores it."""
+
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+    model_fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "block_size", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        dtype_name(self.dtype)
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    @property
+    def block_numel(self) -> int:
+        """Elements of one (layer, block) cell: K and V of every head."""
+        return 2 * self.num_kv_heads * self.block_size * self.head_dim
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block over all layers in the model dtype."""
+        return self.num_layers * self.block_numel * self.dtype.itemsize
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, num_blocks, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def check_cache(self, kv_cache: torch.Tensor) -> None:
+        """Assert that a cache tensor matches this layout (any num_blocks)."""
+        expected = self.cache_shape(kv_cache.shape[1]) if kv_cache.dim() == 6 else None
+        if expected is None or tuple(kv_cache.shape) != expected or kv_cache.dtype != self.dtype:
+            raise ValueError(
+                f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match layout "
+                f"[num_layers={self.num_layers}, num_blocks, 2, num_kv_heads={self.num_kv_heads}, "
+                f"block_size={self.block_size}, head_dim={self.head_dim}] {self.dtype}"
+            )
+
+    def describe(self, codec: str) -> dict[str, object]:
+        """What one end tells the other at handshake time (msgpack-able)."""
+        return {
+            "model_fingerprint": self.model_fingerprint,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "block_size": self.block_size,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype_name,
+            "codec": codec,
+        }
+
+
+HANDSHAKE_KEYS = ("model_fingerprint", "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "codec")
+
+
+def check_compatible(sender: dict, receiver: dict) -> None:
+    """Refuse a mismatch with an error naming both values.
+
+    Raises:
+        HandshakeError: on the first key whose values differ.
+    """
+    for key in HANDSHAKE_KEYS:
+        if sender.get(key) != receiver.get(key):
+            raise HandshakeError(
+                f"KV handshake mismatch on {key}: sender={sender.get(key)!r} receiver={receiver.get(key)!r}"
+            )

@@ -1,0 +1,299 @@
+"""Receiver state shared by every transport: reserve, write, complete, free.
+
+Transports parse chunks and call ``ReceiverCore.accept(header, payload)``;
+the core checks the header against the local layout, reserves destination
+blocks on a transfer's first chunk, decodes each chunk straight into
+``kv_cache[layers, dst_block_ids]`` and marks the transfer DONE once every
+(layer, block) cell arrived. Failures, expiry (reaper thread) and cancel free
+the reserved blocks. Each transfer ends with exactly one ``TransferResult``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kv_transfer.base import FailedSide, ReceiverStats, TransferError, TransferResult, TransferStatus
+from kv_transfer.codec import get_codec
+from kv_transfer.layout import DTYPES, HandshakeError, KVLayout, check_compatible
+from kv_transfer.pool import BlockAllocator
+from kv_transfer.wire import MAX_PAYLOAD_BYTES, ChunkHeader, WireError, checksum, validate_header
+
+# Payload views over received bytes are only read (decode copies into the cache).
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+MAX_FINISHED = 4096  # remembered terminal transfers (late chunks are refused)
+
+
+@dataclass(slots=True)
+class _Transfer:
+    transfer_id: str
+    request_id: str
+    codec: str
+    dst_block_ids: list[int]
+    dst_index: torch.Tensor  # long [num_blocks] on the cache device
+    covered: torch.Tensor  # bool [num_layers, num_blocks]
+    deadline: float  # time.monotonic()
+    num_tokens: int
+    first_token_id: int
+    num_missing: int
+    status: TransferStatus = TransferStatus.PENDING
+    nbytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ReceiverCore:
+    def __init__(
+        self,
+        layout: KVLayout,
+        kv_cache: torch.Tensor,  # [num_layers, num_blocks, 2, H, B, D]
+        allocator: BlockAllocator,
+        *,
+        codec: str = "none",
+        token: str = "",
+        on_complete: Callable[[TransferResult], None] | None = None,
+        default_timeout_s: float = 30.0,
+        max_payload: int = MAX_PAYLOAD_BYTES,
+        reap_interval_s: float = 0.05,
+    ) -> None:
+        layout.check_cache(kv_cache)
+        get_codec(codec)
+        self.layout, self.kv_cache, self.allocator = layout, kv_cache, allocator
+        self.codec, self.token, self.on_complete = codec, token, on_complete
+        self.default_timeout_s, self.max_payload = default_timeout_s, max_payload
+        self.stats = ReceiverStats()
+        self._active: dict[str, _Transfer] = {}
+        self._finished: OrderedDict[str, TransferResult] = OrderedDict()
+        self._ready: list[TransferResult] = []
+        self._cond = threading.Condition()
+        self._closed = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, args=(reap_interval_s,), name="kv-reaper", daemon=True)
+        self._reaper.start()
+
+    # --- checks a transport runs before accepting chunks -------------------
+    def describe(self) -> dict[str, object]:
+        return self.layout.describe(self.codec)
+
+    def check_token(self, token: str | None) -> bool:
+        ok = hmac.compare_digest((token or "").encode(), self.token.encode())
+        if not ok:
+            with self._cond:
+                self.stats.auth_failures += 1
+        return ok
+
+    def check_handshake(self, remote: dict) -> None:
+        try:
+            check_compatible(remote, self.describe())
+        except HandshakeError:
+            with self._cond:
+                self.stats.handshake_failures += 1
+            raise
+
+    # --- the data path ------------------------------------------------------
+    def accept(self, header: ChunkHeader, payload) -> None:
+        """Write one chunk. ``payload``: bytes-like or uint8 tensor [payload_len].
+
+        Raises:
+            TransferError: the chunk was refused; the transfer is failed and its
+                blocks freed (side RECEIVER).
+        """
+        try:
+            validate_header(header, self.describe(), self.max_payload)
+        except HandshakeError as exc:
+            with self._cond:
+                self.stats.handshake_failures += 1
+            self._fail_unknown(header, str(exc))
+            raise TransferError(str(exc), FailedSide.RECEIVER) from None
+        except (WireError, ValueError) as exc:
+            self._fail_unknown(header, str(exc))
+            raise TransferError(str(exc), FailedSide.RECEIVER) from None
+        if not isinstance(payload, torch.Tensor):
+            if header.checksum >= 0 and checksum(payload) != header.checksum:
+                self._fail_unknown(header, f"checksum mismatch in chunk {header.chunk_index}")
+                raise TransferError(f"checksum mismatch in chunk {header.chunk_index}", FailedSide.RECEIVER)
+            payload = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+        elif header.checksum >= 0 and payload.device.type == "cpu" and checksum(payload.numpy()) != header.checksum:
+            self._fail_unknown(header, f"checksum mismatch in chunk {header.chunk_index}")
+            raise TransferError(f"checksum mismatch in chunk {header.chunk_index}", FailedSide.RECEIVER)
+        transfer = self._get_or_reserve(header)
+        with transfer.lock:
+            if transfer.status.is_terminal:
+                raise TransferError(f"transfer {header.transfer_id} is {transfer.status.value}", FailedSide.RECEIVER)
+            transfer.status = TransferStatus.TRANSFERRING
+            shape = header.shape
+            data = get_codec(header.codec).decode(payload, shape, DTYPES[header.dtype])
+            layer_slice = slice(header.layer_start, header.layer_end)
+            block_slice = slice(header.block_start, header.block_end)
+            # kv_cache[l0:l1, dst_ids[b0:b1]] = data  (data: [l, n, 2, H, B, D])
+            self.kv_cache[layer_slice].index_copy_(1, transfer.dst_index[block_slice], data.to(self.kv_cache.device))
+            cells = transfer.covered[layer_slice, block_slice]
+            transfer.num_missing -= int((~cells).sum())
+            cells.fill_(True)
+            transfer.nbytes += header.payload_len
+            result = self._finish(transfer, TransferStatus.DONE) if transfer.num_missing == 0 else None
+        if result is not None:
+            self._publish(result)
+
+    def _get_or_reserve(self, header: ChunkHeader) -> _Transfer:
+        with self._cond:
+            transfer = self._active.get(header.transfer_id)
+            if transfer is not None:
+                return transfer
+            done = self._finished.get(header.transfer_id)
+            if done is not None:
+                raise TransferError(f"transfer {header.transfer_id} is already {done.status.value}", FailedSide.RECEIVER)
+            dst_block_ids = self.allocator.allocate(header.num_blocks)
+            if dst_block_ids is None:
+                error = f"receiver has no room: {header.num_blocks} KV blocks needed"
+                result = TransferResult(header.transfer_id, header.request_id, TransferStatus.FAILED, error=error)
+                self._remember(result)
+                self.stats.num_failed += 1
+            else:
+                num_layers, num_blocks = header.num_layers, header.num_blocks
+                deadline_s = header.deadline_ms / 1000 if header.deadline_ms > 0 else self.default_timeout_s
+                transfer = _Transfer(
+                    transfer_id=header.transfer_id,
+                    request_id=header.request_id,
+                    codec=header.codec,
+                    dst_block_ids=list(dst_block_ids),
+                    dst_index=torch.tensor(dst_block_ids, dtype=torch.long, device=self.kv_cache.device),
+                    covered=torch.zeros(num_layers, num_blocks, dtype=torch.bool),
+                    deadline=time.monotonic() + deadline_s,
+                    num_tokens=header.num_tokens,
+                    first_token_id=header.first_token_id,
+                    num_missing=num_layers * num_blocks,
+                )
+                self._active[header.transfer_id] = transfer
+                return transfer
+        self._publish_only(result)
+        raise TransferError(error, FailedSide.RECEIVER)
+
+    # --- terminal transitions -----------------------------------------------
+    def _finish(self, transfer: _Transfer, status: TransferStatus, error: str = "") -> TransferResult:
+        """Caller holds ``transfer.lock``. Frees blocks unless DONE."""
+        transfer.status = status
+        dst_block_ids = transfer.dst_block_ids if status == TransferStatus.DONE else []
+        if status != TransferStatus.DONE:
+            self.allocator.free(transfer.dst_block_ids)
+        transfer.dst_block_ids = []
+        return TransferResult(
+            transfer.transfer_id,
+            transfer.request_id,
+            status,
+            dst_block_ids=dst_block_ids,
+            num_tokens=transfer.num_tokens,
+            first_token_id=transfer.first_token_id,
+            codec=transfer.codec,
+            error=error,
+            nbytes=transfer.nbytes,
+        )
+
+    def _remember(self, result: TransferResult) -> None:
+        """Caller holds ``self._cond``."""
+        self._active.pop(result.transfer_id, None)
+        self._finished[result.transfer_id] = result
+        while len(self._finished) > MAX_FINISHED:
+            self._finished.popitem(last=False)
+
+    def _publish(self, result: TransferResult) -> None:
+        with self._cond:
+            self._remember(result)
+            counter = {
+                TransferStatus.DONE: "num_done",
+                TransferStatus.FAILED: "num_failed",
+                TransferStatus.EXPIRED: "num_expired",
+                TransferStatus.CANCELLED: "num_cancelled",
+            }[result.status]
+            setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+            self.stats.bytes_received += result.nbytes
+        self._publish_only(result)
+
+    def _publish_only(self, result: TransferResult) -> None:
+        with self._cond:
+            self._ready.append(result)
+            self._cond.notify_all()
+        if self.on_complete is not None:
+            try:
+                self.on_complete(result)
+            except Exception:  # a callback bug must not kill the transport thread
+                pass
+
+    def _end(self, transfer_id: str, status: TransferStatus, error: str) -> bool:
+        with self._cond:
+            transfer = self._active.get(transfer_id)
+        if transfer is None:
+            return False
+        with transfer.lock:
+            if transfer.status.is_terminal:
+                return False
+            result = self._finish(transfer, status, error)
+        self._publish(result)
+        return True
+
+    def fail(self, transfer_id: str, error: str, status: TransferStatus = TransferStatus.FAILED) -> bool:
+        """Fail an active transfer and free its blocks; False if it was not active."""
+        return self._end(transfer_id, status, error)
+
+    def _fail_unknown(self, header: ChunkHeader, error: str) -> None:
+        if not self.fail(header.transfer_id, error):
+            with self._cond:
+                if header.transfer_id in self._finished:
+                    return
+                result = TransferResult(header.transfer_id, header.request_id, TransferStatus.FAILED, error=error)
+                self._remember(result)
+                self.stats.num_failed += 1
+            self._publish_only(result)
+
+    def cancel(self, transfer_id: str | None = None, request_id: str | None = None) -> list[str]:
+        with self._cond:
+            ids = [t.transfer_id for t in self._active.values() if t.transfer_id == transfer_id or t.request_id == request_id]
+            if transfer_id is not None and transfer_id not in self._active and transfer_id not in self._finished:
+                # Tombstone: chunks that arrive later are refused, nothing is reserved.
+                self._finished[transfer_id] = TransferResult(transfer_id, request_id or "", TransferStatus.CANCELLED)
+        return [tid for tid in ids if self._end(tid, TransferStatus.CANCELLED, "cancelled by the decode worker")]
+
+    def _reap(self, interval_s: float) -> None:
+        while not self._closed.wait(interval_s):
+            now = time.monotonic()
+            with self._cond:
+                expired = [t.transfer_id for t in self._active.values() if t.deadline < now]
+            for transfer_id in expired:
+                self._end(transfer_id, TransferStatus.EXPIRED, "deadline passed before all KV chunks arrived")
+
+    # --- what the decode worker reads --------------------------------------
+    def poll(self) -> list[TransferResult]:
+        with self._cond:
+            ready, self._ready = self._ready, []
+        return ready
+
+    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult | None:
+        with self._cond:
+            self._cond.wait_for(lambda: transfer_id in self._finished, timeout)
+            return self._finished.get(transfer_id)
+
+    def status(self, transfer_id: str) -> TransferStatus | None:
+        with self._cond:
+            if transfer_id in self._finished:
+                return self._finished[transfer_id].status
+            transfer = self._active.get(transfer_id)
+            return transfer.status if transfer is not None else None
+
+    @property
+    def num_active(self) -> int:
+        with self._cond:
+            return len(self._active)
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._cond:
+            active = list(self._active)
+        for transfer_id in active:
+            self._end(transfer_id, TransferStatus.FAILED, "receiver closed")
+        self._reaper.join(timeout=1)

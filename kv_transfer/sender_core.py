@@ -1,0 +1,137 @@
+"""Sender plumbing shared by every transport: handles, threads, handshake.
+
+A transport subclasses ``BaseSender`` and implements two methods:
+    _remote_handshake(dest, local) -> dict   exchange layouts with the receiver
+    _ship(dest, chunks, deadline_at) -> int  push encoded chunks, return wire
+                                             bytes, raise TransferError
+``send`` runs the encode pipeline and ``_ship`` on a worker thread and
+drops every reference to the cache when the piece ends.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from abc import abstractmethod
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kv_transfer.base import FailedSide, KVSender, SendHandle, TransferError, TransferStatus
+from kv_transfer.chunker import EncodedChunk, encode_chunks, prefetch
+from kv_transfer.codec import CodecError, get_codec
+from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
+from kv_transfer.wire import DEFAULT_CHUNK_BYTES
+
+
+class BaseSender(KVSender):
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        codec: str = "none",
+        token: str = "",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_workers: int = 4,
+        prefetch_depth: int = 2,
+    ) -> None:
+        self.layout, self.codec, self.token = layout, get_codec(codec), token
+        self.chunk_bytes, self.prefetch_depth = chunk_bytes, prefetch_depth
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-send")
+        self._handshaken: set[str] = set()
+        self._lock = threading.Lock()
+
+    def describe(self) -> dict[str, object]:
+        return self.layout.describe(self.codec.name)
+
+    def handshake(self, dest: str) -> None:
+        with self._lock:
+            if dest in self._handshaken:
+                return
+        local = self.describe()
+        remote = self._remote_handshake(dest, local)
+        check_compatible(local, remote)
+        with self._lock:
+            self._handshaken.add(dest)
+
+    def forget(self, dest: str) -> None:
+        """Drop cached state for a destination (it died or was replaced)."""
+        with self._lock:
+            self._handshaken.discard(dest)
+
+    def send(
+        self,
+        request_id,
+        kv_cache,
+        src_block_ids,
+        dest,
+        *,
+        transfer_id=None,
+        layers=None,
+        deadline_s=30.0,
+        num_tokens=0,
+        first_token_id=-1,
+    ) -> SendHandle:
+        transfer_id = transfer_id or uuid.uuid4().hex
+        handle = SendHandle(request_id, transfer_id)
+        layers = layers or (0, self.layout.num_layers)
+        try:
+            self.layout.check_cache(kv_cache)
+            if not (0 <= layers[0] < layers[1] <= self.layout.num_layers):
+                raise ValueError(f"bad layer range {layers} for {self.layout.num_layers} layers")
+            if not src_block_ids or min(src_block_ids) < 0 or max(src_block_ids) >= kv_cache.shape[1]:
+                raise ValueError(f"src_block_ids must be non-empty ids in [0, {kv_cache.shape[1]})")
+        except ValueError as exc:
+            handle._finish(TransferStatus.FAILED, str(exc), FailedSide.SENDER)
+            return handle
+        deadline_at = time.monotonic() + deadline_s
+        job = dict(
+            kv_cache=kv_cache,
+            src_block_ids=list(src_block_ids),
+            layout=self.layout,
+            codec=self.codec,
+            request_id=request_id,
+            transfer_id=transfer_id,
+            layers=tuple(layers),
+            deadline_at=deadline_at,
+            chunk_bytes=self.chunk_bytes,
+            num_tokens=num_tokens,
+            first_token_id=first_token_id,
+            with_checksum=self._with_checksum(kv_cache),
+        )
+        self._pool.submit(self._run, handle, dest, job)
+        return handle
+
+    def _run(self, handle: SendHandle, dest: str, job: dict) -> None:
+        deadline_at = job["deadline_at"]
+        try:
+            self.handshake(dest)
+            handle.status = TransferStatus.TRANSFERRING
+            chunks = prefetch(encode_chunks(**job), self.prefetch_depth)
+            job.clear()  # the generator holds the cache until it ends; we do not
+            handle.wire_bytes = self._ship(dest, chunks, deadline_at)
+            handle._finish(TransferStatus.DONE)
+        except HandshakeError as exc:
+            handle._finish(TransferStatus.FAILED, str(exc), FailedSide.RECEIVER)
+        except CodecError as exc:
+            handle._finish(TransferStatus.FAILED, str(exc), FailedSide.SENDER)
+        except TransferError as exc:
+            handle._finish(exc.status, str(exc), exc.side)
+        except Exception as exc:  # transport bug or connection problem
+            handle._finish(TransferStatus.FAILED, f"{type(exc).__name__}: {exc}", FailedSide.TRANSPORT)
+        finally:
+            job.clear()
+
+    def _with_checksum(self, kv_cache: torch.Tensor) -> bool:
+        return kv_cache.device.type == "cpu"
+
+    @abstractmethod
+    def _remote_handshake(self, dest: str, local: dict) -> dict: ...
+
+    @abstractmethod
+    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float) -> int: ...
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

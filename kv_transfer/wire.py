@@ -1,0 +1,165 @@
+"""Wire format: a versioned msgpack header followed by raw payload bytes.
+
+One chunk on a byte transport (gRPC message, Ray object) is a frame:
+
+    u32 little-endian header length | msgpack header | payload
+
+where payload = codec scales ++ codec data for
+``kv_cache[layer_start:layer_end, src_block_ids[block_start:block_end]]``.
+The torch transport sends the same header and payload as separate tensors.
+Headers are size-checked and type-checked before the receiver allocates
+anything; the payload length must equal what the header's shape implies.
+No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import asdict, dataclass, fields
+
+import msgpack
+
+from kv_transfer.codec import get_codec
+from kv_transfer.layout import DTYPES, check_compatible
+
+WIRE_VERSION = 1
+MAX_HEADER_BYTES = 64 * 1024
+MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024 - MAX_HEADER_BYTES  # frame stays <= gRPC's 4 MiB default
+FRAME_PREFIX = struct.Struct("<I")
+
+
+class WireError(ValueError):
+    """A malformed, oversized, corrupted or incompatible chunk."""
+
+
+@dataclass(slots=True)
+class ChunkHeader:
+    request_id: str
+    transfer_id: str
+    model_fingerprint: str
+    num_layers: int  # layers of the whole transfer
+    layer_start: int  # this chunk's layer range [layer_start, layer_end)
+    layer_end: int
+    num_blocks: int  # blocks of the whole transfer
+    block_start: int  # this chunk's range into the request's block list
+    block_end: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # source (model) dtype
+    codec: str
+    scale_layout: str
+    chunk_index: int  # within this send() call
+    num_chunks: int
+    payload_len: int
+    checksum: int  # crc32 of the payload, -1 = not computed (device tensors)
+    deadline_ms: int  # time left at send, relative (clocks need not agree)
+    num_tokens: int = 0
+    first_token_id: int = -1
+    version: int = WIRE_VERSION
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of this chunk's KV: [l, n, 2, H, B, D]."""
+        return (
+            self.layer_end - self.layer_start,
+            self.block_end - self.block_start,
+            2,
+            self.num_kv_heads,
+            self.block_size,
+            self.head_dim,
+        )
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "model_fingerprint": self.model_fingerprint,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "block_size": self.block_size,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "codec": self.codec,
+        }
+
+
+_FIELD_TYPES = {f.name: (str if f.type == "str" else int) for f in fields(ChunkHeader)}
+
+
+def pack_header(header: ChunkHeader) -> bytes:
+    data = msgpack.packb(asdict(header), use_bin_type=True)
+    if len(data) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    return data
+
+
+def unpack_header(data: bytes | memoryview) -> ChunkHeader:
+    """Parse and type-check a header; never allocates more than the header itself."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        raw = msgpack.unpackb(data, raw=False, max_str_len=4096, max_bin_len=0, max_array_len=0, max_map_len=64)
+    except Exception as exc:  # msgpack raises several types on garbage
+        raise WireError(f"undecodable header: {exc}") from None
+    if not isinstance(raw, dict):
+        raise WireError("header is not a map")
+    version = raw.get("version")
+    if version != WIRE_VERSION:
+        raise WireError(f"unknown wire version {version!r}; this end speaks {WIRE_VERSION}")
+    missing = [name for name in _FIELD_TYPES if name not in raw]
+    if missing:
+        raise WireError(f"header misses {missing}")
+    for name, kind in _FIELD_TYPES.items():
+        value = raw[name]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise WireError(f"header field {name} has type {type(value).__name__}, expected {kind.__name__}")
+    return ChunkHeader(**{name: raw[name] for name in _FIELD_TYPES})
+
+
+def validate_header(header: ChunkHeader, receiver: dict, max_payload: int = MAX_PAYLOAD_BYTES) -> None:
+    """Check a header against the receiver's layout (see ``KVLayout.describe``).
+
+    Raises:
+        HandshakeError: model, layout, dtype or codec differ.
+        WireError: ranges, sizes or codec fields are inconsistent.
+    """
+    check_compatible(header.describe(), receiver)
+    if header.dtype not in DTYPES:
+        raise WireError(f"unknown dtype {header.dtype!r}")
+    codec = get_codec(header.codec)
+    if header.scale_layout != codec.scale_layout:
+        raise WireError(f"scale layout {header.scale_layout!r} does not match codec {codec.name!r}")
+    if not (0 <= header.layer_start < header.layer_end <= header.num_layers):
+        raise WireError(f"bad layer range [{header.layer_start}, {header.layer_end}) of {header.num_layers}")
+    if not (0 <= header.block_start < header.block_end <= header.num_blocks):
+        raise WireError(f"bad block range [{header.block_start}, {header.block_end}) of {header.num_blocks}")
+    if not (0 <= header.chunk_index < header.num_chunks):
+        raise WireError(f"bad chunk index {header.chunk_index} of {header.num_chunks}")
+    expected = codec.payload_nbytes(header.shape, DTYPES[header.dtype])
+    if header.payload_len != expected or expected > max_payload:
+        raise WireError(f"payload_len {header.payload_len} != {expected} implied by the header (limit {max_payload})")
+
+
+def checksum(payload) -> int:
+    return zlib.crc32(payload)
+
+
+def pack_frame(header: bytes, payload) -> bytes:
+    """One byte message: prefix + header + payload (a single copy of the payload)."""
+    return b"".join((FRAME_PREFIX.pack(len(header)), header, payload))
+
+
+def split_frame(frame: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
+    """Frame -> (checked header, payload view). Raises WireError when truncated."""
+    view = memoryview(frame)
+    if len(view) < FRAME_PREFIX.size:
+        raise WireError(f"truncated frame of {len(view)} bytes")
+    (header_len,) = FRAME_PREFIX.unpack_from(view)
+    if header_len > MAX_HEADER_BYTES or FRAME_PREFIX.size + header_len > len(view):
+        raise WireError(f"frame header length {header_len} exceeds the frame or the limit")
+    header = unpack_header(view[FRAME_PREFIX.size : FRAME_PREFIX.size + header_len])
+    payload = view[FRAME_PREFIX.size + header_len :]
+    if len(payload) != header.payload_len:
+        raise WireError(f"truncated chunk: payload has {len(payload)} bytes, header says {header.payload_len}")
+    return header, payload
