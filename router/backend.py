@@ -1,0 +1,169 @@
+"""The interface between the router's gRPC front end and whatever generates.
+
+The router validates and tokenizes a request, then hands a `GenerationInput`
+to `Backend.generate` and streams each `GenerationChunk` it yields to the
+client. The cluster (Ray prefill/decode pools) implements `Backend`; tests
+use a fake. The router never imports ray.
+
+Request lifecycle as the router sees it::
+
+    validate → GenerationInput → backend.generate(inp) ──yield──► chunk …
+                                                      └─ last chunk: finish_reason, usage, timing
+
+Contract for implementers:
+
+- `generate` is an async generator. Every chunk but the last has
+  ``finish_reason=None``; the last has ``finish_reason`` in
+  ``{"stop", "length", "abort"}`` and should carry ``usage`` and ``timing``.
+  ``text`` is a UTF-8-safe delta (never half a character).
+- Errors: raise `BackendError(code, message)`; ``code`` is a gRPC status
+  name and is sent to the client as that status.
+- Cancellation: when the client disconnects or its deadline passes, the
+  router cancels the consuming task and closes the generator (``aclose``),
+  so a ``CancelledError`` or ``GeneratorExit`` arrives at the backend's
+  current ``await``/``yield``. The backend must free the request's state on
+  every actor in a ``finally`` (or ``except``) block and let it propagate.
+- ``inp.deadline`` (``time.monotonic()`` seconds, or None) is the client's
+  deadline; the router enforces it too, but remote steps should not outlive it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.sampling_params import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+# gRPC status names a backend may raise (others are sent as INTERNAL).
+BACKEND_ERROR_CODES = (
+    "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+)
+
+
+class Tokenizer(Protocol):
+    """What the router needs from a tokenizer."""
+
+    vocab_size: int
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass(slots=True)
+class GenerationInput:
+    """A validated, tokenized request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    deadline: float | None  # time.monotonic() deadline, or None for no deadline
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token counts of a finished request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class Timing:
+    """Where a request's time went, in seconds.
+
+    The router overwrites ``ttft_s`` and ``e2e_s`` with its own measurement
+    (from receipt of the RPC), so a backend may leave them at 0.
+    """
+
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    kv_transfer_s: float = 0.0
+    decode_queue_s: float = 0.0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+
+
+@dataclass(slots=True)
+class GenerationChunk:
+    """New tokens of one request; the last chunk has ``finish_reason`` set."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # None | "stop" | "length" | "abort"
+    usage: Usage | None = None
+    timing: Timing | None = None
+
+
+@dataclass(slots=True)
+class ActorStats:
+    """Load of one actor, as reported by `Backend.stats`."""
+
+    actor_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    kv_blocks_total: int
+    kv_blocks_used: int
+    queued_requests: int
+    running_requests: int
+
+
+class BackendError(Exception):
+    """A request failed in the backend; sent to the client as gRPC status ``code``.
+
+    Args:
+        code: a gRPC status name, e.g. "RESOURCE_EXHAUSTED", "UNAVAILABLE",
+            "INVALID_ARGUMENT", "DEADLINE_EXCEEDED".
+        message: human-readable reason, sent to the client.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        if code not in BACKEND_ERROR_CODES:
+            raise ValueError(f"unknown gRPC status name {code!r}")
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class Backend(ABC):
+    """What the router dispatches to (implemented by the cluster, faked in tests).
+
+    Attributes:
+        tokenizer: ``encode(str) -> list[int]``, ``decode(list[int]) -> str``,
+            ``vocab_size``, ``eos_token_id``.
+        max_model_len: most tokens (prompt + output) one request may hold.
+    """
+
+    tokenizer: Tokenizer
+    max_model_len: int
+
+    @abstractmethod
+    async def generate(self, inp: GenerationInput) -> AsyncIterator[GenerationChunk]:
+        """Generate for one request, yielding chunks as tokens are produced.
+
+        Args:
+            inp: the validated request; ``inp.params`` has passed ``validate()``
+                and prompt + max_tokens fits ``max_model_len``.
+
+        Yields:
+            `GenerationChunk`s; the last has ``finish_reason``, ``usage``, ``timing``.
+
+        Raises:
+            BackendError: the request failed; ``code`` becomes the gRPC status.
+        """
+        raise NotImplementedError
+        yield  # makes this an async generator, like the implementations
+
+    @abstractmethod
+    async def stats(self) -> list[ActorStats]:
+        """Return the current load of every actor."""
+
+    @abstractmethod
+    async def ready(self) -> bool:
+        """Return True once every pool can serve (the health check turns SERVING)."""

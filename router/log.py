@@ -1,0 +1,72 @@
+"""Structured log lines for the router: one per lifecycle event and per finished request.
+
+Events are logged on the ``pdserve.router`` logger with their fields in
+``record.fields``. `configure_logging` installs a text (``event k=v ...``) or
+JSON (one object per line) formatter; without it, records still render as
+text through `TextFormatter` semantics in the message itself.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+logger = logging.getLogger("pdserve.router")
+
+LOG_FORMATS = ("text", "json")
+
+
+def log_event(event: str, level: int = logging.INFO, **fields: object) -> None:
+    """Log one event with key/value fields (never per token)."""
+    if not logger.isEnabledFor(level):
+        return
+    text = " ".join([event] + [f"{k}={_text_value(v)}" for k, v in fields.items()])
+    logger.log(level, text, extra={"event": event, "fields": fields})
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, event, and the event's fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": getattr(record, "event", None) or record.getMessage(),
+        }
+        out.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """``2026-01-01T00:00:00Z INFO pdserve.router event k=v ...``."""
+
+    converter = time.gmtime
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s", "%Y-%m-%dT%H:%M:%SZ")
+
+
+def configure_logging(fmt: str = "text", level: int = logging.INFO) -> None:
+    """Send ``pdserve.*`` logs to stderr as ``fmt`` ("text" or "json")."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
+    root = logging.getLogger("pdserve")
+    for handler in list(root.handlers):
+        if getattr(handler, "_pdserve", False):
+            root.removeHandler(handler)
+    handler = logging.StreamHandler()
+    handler._pdserve = True  # type: ignore[attr-defined]
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False
+
+
+def _text_value(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    text = str(value)
+    return json.dumps(text) if (not text or any(c.isspace() or c in '"=' for c in text)) else text

@@ -1,0 +1,216 @@
+"""Start, drain and stop the router's gRPC server.
+
+The server hosts pdserve.v1.GenerationService, grpc.health.v1.Health and
+server reflection. Health is NOT_SERVING until ``await backend.ready()``
+first returns True, and again from `RouterServer.drain` on.
+
+Example::
+
+    server = await start_server(backend, "127.0.0.1", 50051, token=None)
+    await server.wait_ready()
+    ...
+    await server.drain(timeout=30.0)   # NOT_SERVING; new requests get UNAVAILABLE
+    await server.stop(grace=5.0)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from proto.pdserve.v1 import generation_pb2 as pb
+from router.backend import Backend
+from router.log import log_event
+from router.security import BearerTokenInterceptor, TLSConfig, check_bind, is_loopback
+from router.servicer import SERVICE_NAME, GenerationServicer, parse_generate_request
+
+DEFAULT_MAX_QUEUE = 256
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+HEALTH_SERVICE_NAMES = ("", SERVICE_NAME)
+
+
+class RouterServer:
+    """A running router; build it with `start_server`.
+
+    Attributes:
+        host: the bound host.
+        port: the bound port (the real one when started with port 0).
+        servicer: the `GenerationServicer` (for in-flight counts).
+    """
+
+    def __init__(self, server: grpc.aio.Server, servicer: GenerationServicer, health: health_aio.HealthServicer,
+                 host: str, port: int) -> None:
+        self._server = server
+        self._health = health
+        self._ready = asyncio.Event()
+        self._ready_task: asyncio.Task[None] | None = None
+        self._stopped = False
+        self.servicer = servicer
+        self.host = host
+        self.port = port
+
+    @property
+    def address(self) -> str:
+        """``host:port`` for clients (IPv6 hosts bracketed)."""
+        return f"{_bracket(self.host)}:{self.port}"
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set()
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until health is SERVING; False on timeout."""
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Turn health NOT_SERVING, refuse new requests (UNAVAILABLE), wait for in-flight ones.
+
+        Returns:
+            True if every in-flight request finished within ``timeout``.
+        """
+        if not self.servicer.draining:
+            self.servicer.draining = True
+            self._cancel_ready_task()
+            await self._health.enter_graceful_shutdown()
+            log_event("draining", in_flight=self.servicer.num_in_flight)
+        finished = await self.servicer.wait_idle(timeout)
+        log_event("drained" if finished else "drain_timeout", in_flight=self.servicer.num_in_flight)
+        return finished
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop serving; in-flight requests get ``grace`` seconds, then are cancelled."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.servicer.draining = True
+        self._cancel_ready_task()
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        log_event("stopped", address=self.address)
+
+    async def wait_for_termination(self) -> None:
+        """Block until the server stops."""
+        await self._server.wait_for_termination()
+
+    def _start_ready_watch(self, backend: Backend, poll_s: float) -> None:
+        self._ready_task = asyncio.get_running_loop().create_task(self._watch_ready(backend, poll_s))
+
+    async def _watch_ready(self, backend: Backend, poll_s: float) -> None:
+        while True:
+            try:
+                if await backend.ready():
+                    break
+            except Exception:  # noqa: BLE001 — a failing probe means "not ready yet"
+                logging.getLogger("pdserve.router").exception("backend.ready() failed")
+            await asyncio.sleep(poll_s)
+        for name in HEALTH_SERVICE_NAMES:
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.servicer.ready = True
+        self._ready.set()
+        log_event("ready", address=self.address)
+
+    def _cancel_ready_task(self) -> None:
+        if self._ready_task is not None and not self._ready_task.done():
+            self._ready_task.cancel()
+
+
+async def start_server(
+    backend: Backend,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    token: str | None = None,
+    tls: TLSConfig | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ready_poll_s: float = 0.5,
+) -> RouterServer:
+    """Start the router's gRPC server on the running event loop.
+
+    Args:
+        backend: the `Backend` that generates (the cluster, or a fake).
+        host: interface to bind; anything but loopback requires ``token``.
+        port: TCP port; 0 picks a free one (see ``RouterServer.port``).
+        token: when set, every RPC but the health check must send metadata
+            ``authorization: Bearer <token>``.
+        tls: server certificate and key, optionally a client CA for mTLS.
+        max_queue: most Generate calls in flight; more get RESOURCE_EXHAUSTED.
+        max_message_bytes: largest request/response message accepted.
+        ready_poll_s: how often to poll ``backend.ready()`` until it is True.
+
+    Returns:
+        The running `RouterServer`; health turns SERVING once the backend is ready.
+
+    Raises:
+        ValueError: non-loopback host without a token, or a bad limit.
+        OSError: the address could not be bound.
+    """
+    check_bind(host, token)
+    if max_message_bytes < 1024:
+        raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
+    servicer = GenerationServicer(backend, max_queue)
+    interceptors = [BearerTokenInterceptor(token)] if token else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    _add_generation_service(server, servicer)
+    health = health_aio.HealthServicer()
+    for name in HEALTH_SERVICE_NAMES:
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    bind = f"{_bracket(host)}:{port}"
+    try:
+        bound = server.add_secure_port(bind, tls.server_credentials()) if tls else server.add_insecure_port(bind)
+    except RuntimeError as e:
+        raise OSError(f"could not bind {bind}: {e}") from None
+    if not bound:
+        raise OSError(f"could not bind {bind}")
+    await server.start()
+    router = RouterServer(server, servicer, health, host, bound)
+    if not tls and not is_loopback(host):
+        log_event("insecure_bind", logging.WARNING, address=router.address,
+                  note="the bearer token travels in cleartext; configure TLS")
+    log_event("started", address=router.address, tls=tls is not None, auth=token is not None,
+              max_queue=max_queue)
+    router._start_ready_watch(backend, ready_poll_s)
+    return router
+
+
+def _add_generation_service(server: grpc.aio.Server, servicer: GenerationServicer) -> None:
+    # Registered by hand (not via the generated helper) so that an unparsable
+    # request reaches the servicer and gets INVALID_ARGUMENT instead of INTERNAL.
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=parse_generate_request,
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "GetStats": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStats,
+            request_deserializer=pb.GetStatsRequest.FromString,
+            response_serializer=pb.GetStatsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

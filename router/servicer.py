@@ -1,0 +1,229 @@
+"""`GenerationServicer`: the pdserve.v1.GenerationService handlers.
+
+Lifecycle of one Generate call::
+
+    parse → (draining? UNAVAILABLE) → (in-flight ≥ max_queue? RESOURCE_EXHAUSTED)
+      → validate + tokenize (INVALID_ARGUMENT / ALREADY_EXISTS)
+      → backend.generate(inp): one GenerateResponse per chunk
+      → last chunk: finish_reason, usage, timing → one log line
+
+Client cancellation and deadline expiry cancel the handler task; the backend
+generator is closed (``aclose``) so the backend frees the request.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto.pdserve.v1 import generation_pb2 as pb
+from router.backend import Backend, BackendError, GenerationChunk, GenerationInput, Timing, Usage
+from router.log import log_event
+from router.validation import RequestError, validate_request
+
+SERVICE_NAME = "pdserve.v1.GenerationService"
+
+FINISH_REASON_TO_PROTO = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+ROLE_TO_PROTO = {
+    "prefill": pb.ACTOR_ROLE_PREFILL,
+    "decode": pb.ACTOR_ROLE_DECODE,
+    "colocated": pb.ACTOR_ROLE_COLOCATED,
+}
+
+
+@dataclass(slots=True)
+class UnparsableRequest:
+    """Stands in for a request whose bytes did not parse (e.g. invalid UTF-8)."""
+
+    error: str
+
+
+def parse_generate_request(data: bytes) -> pb.GenerateRequest | UnparsableRequest:
+    """Deserializer that turns a parse failure into INVALID_ARGUMENT, not INTERNAL."""
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except Exception as e:  # noqa: BLE001 — DecodeError and friends
+        return UnparsableRequest(str(e) or type(e).__name__)
+
+
+@dataclass(slots=True)
+class _RequestRecord:
+    """What one request's log line reports."""
+
+    request_id: str
+    received: float
+    num_prompt_tokens: int
+    num_completion_tokens: int = 0
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    status: str = "OK"
+    usage: Usage | None = None
+    timing: Timing = field(default_factory=Timing)
+
+
+class GenerationServicer:
+    """Handlers for pdserve.v1.GenerationService over a `Backend`.
+
+    Args:
+        backend: generates tokens and reports stats.
+        max_queue: most Generate calls in flight at once; more are refused
+            with RESOURCE_EXHAUSTED at once.
+    """
+
+    def __init__(self, backend: Backend, max_queue: int) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self._backend = backend
+        self._max_queue = max_queue
+        self._in_flight: dict[str, float] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.draining = False
+        self.ready = False  # set by the server once backend.ready() is True
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Wait until no Generate call is in flight; False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def Generate(self, request: pb.GenerateRequest | UnparsableRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        received = time.monotonic()
+        try:
+            inp = self._admit(request, context, received)
+        except RequestError as e:
+            await context.abort(grpc.StatusCode[e.code], e.message)
+        record = _RequestRecord(inp.request_id, received, len(inp.prompt_token_ids))
+        self._in_flight[inp.request_id] = received
+        self._idle.clear()
+        error: RequestError | None = None
+        try:
+            error = await self._stream(inp, context, record)
+        except asyncio.CancelledError:
+            expired = inp.deadline is not None and time.monotonic() >= inp.deadline
+            record.status = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+            raise
+        finally:
+            del self._in_flight[inp.request_id]
+            if not self._in_flight:
+                self._idle.set()
+            _log_finished(record)
+        if error is not None:
+            await context.abort(grpc.StatusCode[error.code], error.message)
+
+    async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:  # noqa: N802
+        try:
+            actors = await self._backend.stats()
+        except BackendError as e:
+            await context.abort(grpc.StatusCode[e.code], e.message)
+        response = pb.GetStatsResponse(router_in_flight_requests=len(self._in_flight))
+        totals = response.totals
+        for a in actors:
+            role = ROLE_TO_PROTO.get(a.role, pb.ACTOR_ROLE_UNSPECIFIED)
+            response.actors.add(
+                actor_id=a.actor_id, role=role, kv_blocks_total=a.kv_blocks_total,
+                kv_blocks_used=a.kv_blocks_used, queued_requests=a.queued_requests,
+                running_requests=a.running_requests,
+            )
+            totals.num_prefill_actors += role == pb.ACTOR_ROLE_PREFILL
+            totals.num_decode_actors += role == pb.ACTOR_ROLE_DECODE
+            totals.num_colocated_actors += role == pb.ACTOR_ROLE_COLOCATED
+            totals.kv_blocks_total += a.kv_blocks_total
+            totals.kv_blocks_used += a.kv_blocks_used
+            totals.queued_requests += a.queued_requests
+            totals.running_requests += a.running_requests
+        return response
+
+    def _admit(self, request: pb.GenerateRequest | UnparsableRequest, context: grpc.aio.ServicerContext, received: float) -> GenerationInput:
+        if isinstance(request, UnparsableRequest):
+            raise RequestError("INVALID_ARGUMENT", f"request: not a valid GenerateRequest ({request.error})")
+        if self.draining:
+            raise RequestError("UNAVAILABLE", "server is draining; retry on another replica")
+        if not self.ready:
+            raise RequestError("UNAVAILABLE", "cluster is not ready yet; retry shortly")
+        if len(self._in_flight) >= self._max_queue:
+            raise RequestError(
+                "RESOURCE_EXHAUSTED", f"router is at capacity ({self._max_queue} requests in flight); retry later"
+            )
+        remaining = context.time_remaining()
+        deadline = received + remaining if remaining is not None else None
+        backend = self._backend
+        return validate_request(request, backend.tokenizer, backend.max_model_len, self._in_flight, deadline)
+
+    async def _stream(self, inp: GenerationInput, context: grpc.aio.ServicerContext, record: _RequestRecord) -> RequestError | None:
+        """Relay backend chunks; return the error to send, if any."""
+        try:
+            async with contextlib.aclosing(self._backend.generate(inp)) as chunks:
+                async for chunk in chunks:
+                    await context.write(self._response(inp, chunk, record))
+                    if chunk.finish_reason is not None:
+                        return None
+            record.status = "INTERNAL"
+            return RequestError("INTERNAL", "backend ended the stream without a finish reason")
+        except BackendError as e:
+            record.status = e.code
+            return RequestError(e.code, e.message)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception:  # noqa: BLE001 — bad input must never take the server down
+            logging.getLogger("pdserve.router").exception("request %s failed", inp.request_id)
+            record.status = "INTERNAL"
+            return RequestError("INTERNAL", "internal error while generating; see the router log")
+
+    def _response(self, inp: GenerationInput, chunk: GenerationChunk, record: _RequestRecord) -> pb.GenerateResponse:
+        now = time.monotonic()
+        if chunk.token_ids and record.first_token_at is None:
+            record.first_token_at = now
+        record.num_completion_tokens += len(chunk.token_ids)
+        response = pb.GenerateResponse(request_id=inp.request_id, token_ids=chunk.token_ids, text=chunk.text)
+        if chunk.finish_reason is None:
+            return response
+        if chunk.finish_reason not in FINISH_REASON_TO_PROTO:
+            raise ValueError(f"backend sent unknown finish_reason {chunk.finish_reason!r}")
+        record.finish_reason = chunk.finish_reason
+        usage = chunk.usage or Usage(record.num_prompt_tokens, record.num_completion_tokens, 0)
+        t = chunk.timing or Timing()
+        ttft = (record.first_token_at or now) - record.received
+        record.usage = usage
+        record.timing = Timing(t.queue_s, t.prefill_s, t.kv_transfer_s, t.decode_queue_s, ttft, now - record.received)
+        response.finish_reason = FINISH_REASON_TO_PROTO[chunk.finish_reason]
+        response.usage.CopyFrom(pb.Usage(
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+            cached_prompt_tokens=usage.cached_prompt_tokens,
+        ))
+        rt = record.timing
+        response.timing.CopyFrom(pb.Timing(
+            queue_s=rt.queue_s, prefill_s=rt.prefill_s, kv_transfer_s=rt.kv_transfer_s,
+            decode_queue_s=rt.decode_queue_s, ttft_s=rt.ttft_s, e2e_s=rt.e2e_s,
+        ))
+        return response
+
+
+def _log_finished(record: _RequestRecord) -> None:
+    usage = record.usage
+    t = record.timing
+    log_event(
+        "request_finished",
+        logging.INFO if record.status == "OK" else logging.WARNING,
+        request_id=record.request_id, status=record.status, finish_reason=record.finish_reason or "-",
+        prompt_tokens=record.num_prompt_tokens,
+        completion_tokens=usage.completion_tokens if usage else record.num_completion_tokens,
+        cached_prompt_tokens=usage.cached_prompt_tokens if usage else 0,
+        queue_s=t.queue_s, prefill_s=t.prefill_s, kv_transfer_s=t.kv_transfer_s,
+        decode_queue_s=t.decode_queue_s, ttft_s=t.ttft_s,
+        e2e_s=t.e2e_s if usage else time.monotonic() - record.received,
+    )
