@@ -1,9 +1,8 @@
 """Structured log lines for the router: one per lifecycle event and per finished request.
 
 Events are logged on the ``pdserve.router`` logger with their fields in
-``record.fields``. `configure_logging` installs a text (``event k=v ...``) or
-JSON (one object per line) formatter; without it, records still render as
-text through `TextFormatter` semantics in the message itself.
+``record.fields``; the message itself reads ``event k=v ...``.
+`configure_logging` installs a text or a JSON (one object per line) formatter.
 """
 from __future__ import annotations
 
@@ -69,4 +68,5 @@ def _text_value(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4f}"
     text = str(value)
-    return json.dumps(text) if (not text or any(c.isspace() or c in '"=' for c in text)) else text
+    plain = text and text.isprintable() and not any(c.isspace() or c in '"=' for c in text)
+    return text if plain else json.dumps(text)

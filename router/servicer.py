@@ -106,6 +106,8 @@ class GenerationServicer:
         try:
             inp = self._admit(request, context, received)
         except RequestError as e:
+            log_event("request_rejected", logging.INFO, request_id=_peek_request_id(request), status=e.code,
+                      reason=e.message)
             await context.abort(grpc.StatusCode[e.code], e.message)
         record = _RequestRecord(inp.request_id, received, len(inp.prompt_token_ids))
         self._in_flight[inp.request_id] = received
@@ -211,6 +213,12 @@ class GenerationServicer:
             decode_queue_s=rt.decode_queue_s, ttft_s=rt.ttft_s, e2e_s=rt.e2e_s,
         ))
         return response
+
+
+def _peek_request_id(request: pb.GenerateRequest | UnparsableRequest) -> str:
+    if isinstance(request, UnparsableRequest):
+        return "-"
+    return request.request_id[:64] or "-"
 
 
 def _log_finished(record: _RequestRecord) -> None:
