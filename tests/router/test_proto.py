@@ -1,0 +1,75 @@
+"""The committed generated code is fresh, the public contract (issue 4) is intact,
+and the proto passes `buf lint` when buf is installed."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proto.pdserve.v1 import generation_pb2 as pb
+
+REPO = Path(__file__).resolve().parents[2]
+PROTO = "proto/pdserve/v1/generation.proto"
+GENERATED = ("generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py")
+
+
+def test_generated_code_is_fresh(tmp_path):
+    pytest.importorskip("grpc_tools")
+    cmd = [sys.executable, "-m", "grpc_tools.protoc", "-I.", f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",
+           f"--grpc_python_out={tmp_path}", PROTO]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=60)
+    for name in GENERATED:
+        fresh = (tmp_path / "proto/pdserve/v1" / name).read_text()
+        committed = (REPO / "proto/pdserve/v1" / name).read_text()
+        assert committed == fresh, (
+            f"{name} is stale: run .venv/bin/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. "
+            f"--grpc_python_out=. {PROTO}"
+        )
+
+
+def _fields(message) -> dict[str, int]:
+    return {f.name: f.number for f in message.DESCRIPTOR.fields}
+
+
+def test_public_contract_field_numbers():
+    assert pb.DESCRIPTOR.package == "pdserve.v1"
+    service = pb.DESCRIPTOR.services_by_name["GenerationService"]
+    generate = service.methods_by_name["Generate"]
+    assert generate.server_streaming and not generate.client_streaming
+    assert not service.methods_by_name["GetStats"].server_streaming
+    assert _fields(pb.GenerateRequest) == {"request_id": 1, "prompt": 2, "token_ids": 3, "sampling": 4}
+    assert [f.name for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields] == ["prompt", "token_ids"]
+    assert _fields(pb.TokenIds) == {"ids": 1}
+    assert _fields(pb.SamplingParams) == {
+        "max_tokens": 1, "temperature": 2, "top_p": 3, "top_k": 4, "repetition_penalty": 5,
+        "frequency_penalty": 6, "presence_penalty": 7, "seed": 8, "stop": 9, "ignore_eos": 10,
+    }
+    assert _fields(pb.GenerateResponse) == {
+        "request_id": 1, "token_ids": 2, "text": 3, "finish_reason": 4, "usage": 5, "timing": 6,
+    }
+    assert dict(pb.FinishReason.items()) == {
+        "FINISH_REASON_UNSPECIFIED": 0, "FINISH_REASON_STOP": 1, "FINISH_REASON_LENGTH": 2,
+        "FINISH_REASON_ABORT": 3,
+    }
+
+
+def test_optional_sampling_fields_have_presence():
+    params = pb.SamplingParams(temperature=0.0)
+    assert params.HasField("temperature") and not params.HasField("top_p")
+
+
+def _buf() -> str | None:
+    return os.environ.get("BUF") or shutil.which("buf")
+
+
+@pytest.mark.skipif(_buf() is None, reason="buf not installed (pip install buf-bin, or set BUF=/path/to/buf)")
+def test_buf_lint_and_format():
+    buf = _buf()
+    for args in (["lint", "--path", "pdserve/v1/generation.proto"],
+                 ["format", "--diff", "--exit-code", "pdserve/v1/generation.proto"]):
+        result = subprocess.run([buf, *args], cwd=REPO / "proto", capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
