@@ -1,0 +1,205 @@
+"""Shipped configs load; defaults, overrides and derived values are exact."""
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+from pydantic import BaseModel
+
+from deploy.config import (DEFAULT_CONFIG_PATH, ConfigError, KVCacheConfig, PDServeConfig,
+                           load_config, parse_override)
+from deploy.config_base import PRESET_MODELS
+
+DEPLOY_DIR = os.path.dirname(DEFAULT_CONFIG_PATH)
+SHIPPED = [DEFAULT_CONFIG_PATH] + sorted(glob.glob(os.path.join(DEPLOY_DIR, "examples", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
+def test_every_shipped_pools_yaml_loads(path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_TOKEN", "test-token")  # placement.yaml uses token_env
+    config = load_config(path)
+    assert config.pool_model("prefill") == config.pool_model("decode")
+
+
+def test_shipped_examples_exist():
+    names = {os.path.basename(p) for p in SHIPPED}
+    assert {"pools.yaml", "rag.yaml", "chat.yaml", "placement.yaml"} <= names
+
+
+def test_pools_yaml_is_the_embedded_default():
+    default = PDServeConfig.default()
+    assert load_config(DEFAULT_CONFIG_PATH) == default == load_config(None)
+    assert default.model.name == "small"
+    assert default.pools.prefill.count == 1 and default.pools.decode.count == 1
+    assert default.pools.long_context is None
+    assert (default.kv_transfer.transport, default.kv_transfer.compression) == ("grpc", "fp8")
+    assert (default.server.host, default.server.port) == ("127.0.0.1", 50051)
+    assert default.kv_transfer.chunk_bytes == 4 << 20
+    assert default.kv_cache.block_size == 16
+
+
+def test_rag_is_prefill_heavy_and_chat_decode_heavy():
+    rag = load_config(os.path.join(DEPLOY_DIR, "examples", "rag.yaml"))
+    chat = load_config(os.path.join(DEPLOY_DIR, "examples", "chat.yaml"))
+    assert (rag.workload.input_tokens_mean, rag.workload.output_tokens_mean) == (2000, 100)
+    assert (chat.workload.input_tokens_mean, chat.workload.output_tokens_mean) == (100, 500)
+    for config in (rag, chat):
+        assert config.pools.prefill.is_auto and config.pools.decode.is_auto
+    assert rag.pools.prefill.bounds() == (1, 4) and chat.pools.decode.bounds() == (1, 4)
+
+
+def test_placement_pins_pools_to_node_types(monkeypatch):
+    monkeypatch.setenv("PDSERVE_TOKEN", "t0k")
+    config = load_config(os.path.join(DEPLOY_DIR, "examples", "placement.yaml"))
+    assert config.pools.prefill.resources.custom == {"prefill_node": 1.0}
+    assert config.pools.decode.resources.custom == {"decode_node": 1.0}
+    assert config.security.token.get_secret_value() == "t0k"
+    assert config.kv_transfer.chunk_bytes == 16 << 20
+    assert config.pool_kv_cache("long_context").memory_fraction == 0.95
+
+
+def test_overrides_win_over_file_values(write_yaml):
+    path = write_yaml("pools:\n  prefill: {count: 1}\nkv_transfer: {transport: grpc}\n")
+    config = load_config(path, {"pools.prefill.count": 2, "kv_transfer.transport": "torch",
+                                "pools.decode.resources.custom.decode_node": 1,
+                                "slo.ttft_p99_ms": None})  # None = flag not given
+    assert config.pools.prefill.count == 2
+    assert config.kv_transfer.transport == "torch"
+    assert config.pools.decode.resources.custom == {"decode_node": 1.0}
+    assert config.slo.ttft_p99_ms == 1000.0
+
+
+def test_overrides_are_validated(write_yaml):
+    path = write_yaml("pools:\n  decode: {count: auto, min: 1, max: 4}\n")
+    with pytest.raises(ConfigError, match=r"^pools\.decode\.max: must be >= pools\.decode\.min "
+                       r"\(6 > 2\)$"):
+        load_config(path, {"pools.decode.min": 6, "pools.decode.max": 2})
+    with pytest.raises(ConfigError, match=r"^kv_transfer\.transport: unknown value 'tcp'"):
+        load_config(None, {"kv_transfer.transport": "tcp"})
+    with pytest.raises(ConfigError, match=r"^pools\.prefill\.cuont: unknown key"):
+        load_config(None, {"pools.prefill.cuont": 2})
+    with pytest.raises(ConfigError, match=r"^pools\.decode\.count\.x: cannot set a key under "
+                       r"pools\.decode\.count, which is not a mapping$"):
+        load_config(path, {"pools.decode.count.x": 1})
+    with pytest.raises(ConfigError, match=r"^pools\.prefill\.count: expected an integer or"):
+        load_config(None, {"pools.prefill.count.x": 1})
+
+
+def test_cli_strings_are_coerced_or_rejected():
+    config = load_config(None, dict([parse_override("pools.prefill.count=3"),
+                                     parse_override("pools.decode.count=auto"),
+                                     parse_override("pools.decode.min=1"),
+                                     parse_override("pools.decode.max=8"),
+                                     parse_override("kv_transfer.chunk_bytes=1MiB")]))
+    assert config.pools.prefill.count == 3 and config.pools.decode.bounds() == (1, 8)
+    assert config.kv_transfer.chunk_bytes == 1 << 20
+    assert parse_override("pools.prefill.resources.custom={prefill_node: 1}") == (
+        "pools.prefill.resources.custom", {"prefill_node": 1})
+    assert load_config(None, {"server.port": "6000"}).server.port == 6000
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        parse_override("pools.prefill.count")
+
+
+def test_override_paths_are_relative_to_cwd(model_dir, monkeypatch):
+    monkeypatch.chdir(os.path.dirname(model_dir))
+    config = load_config(None, {"model.name": "my-model"})
+    assert config.model.name == model_dir
+    assert config.pool_model("decode") == model_dir
+
+
+def test_pool_model_override_must_match(model_dir, write_yaml):
+    same = write_yaml(f"model: {{name: {model_dir}}}\npools:\n  decode: {{model: {model_dir}/}}\n")
+    assert load_config(same).pool_model("decode") == model_dir
+    other = write_yaml(f"pools:\n  prefill: {{model: {model_dir}}}\n")
+    with pytest.raises(ConfigError, match=rf"^pools\.prefill\.model: all pools must serve the "
+                       rf"same model \(pools\.prefill: '{model_dir}', pools\.decode: 'small'\)"):
+        load_config(other)
+
+
+def test_pool_kv_cache_inherits_unset_keys():
+    config = load_config(None, {"kv_cache.block_size": 32, "kv_cache.memory_gib": 2,
+                                "pools.prefill.kv_cache": {"num_blocks": 64},
+                                "pools.decode.kv_cache": {"block_size": 32}})
+    prefill, decode = config.pool_kv_cache("prefill"), config.pool_kv_cache("decode")
+    assert (prefill.block_size, prefill.num_blocks, prefill.memory_gib) == (32, 64, None)
+    assert (decode.block_size, decode.memory_gib) == (32, 2.0)
+
+
+def test_resolve_num_blocks():
+    assert KVCacheConfig(num_blocks=7).resolve_num_blocks(1024) == 7
+    assert KVCacheConfig(memory_gib=1).resolve_num_blocks(1 << 20) == 1024
+    assert KVCacheConfig(memory_fraction=0.5).resolve_num_blocks(100, free_bytes=1000) == 5
+    assert KVCacheConfig().resolve_num_blocks(100, free_bytes=1000) == 9  # default 0.9
+
+
+@pytest.mark.parametrize("name, text", [
+    ("lengths.jsonl", '{"input_tokens": 100, "output_tokens": 10}\n\n'
+                      '{"input_tokens": 400, "output_tokens": 30, "count": 3}\n'),
+    ("lengths.csv", "input_tokens,output_tokens,count\n100,10,1\n400,30,3\n"),
+])
+def test_histogram_file_sets_the_means(tmp_path, write_yaml, name, text):
+    (tmp_path / name).write_text(text)
+    config = load_config(write_yaml(f"workload: {{histogram_file: {name}}}\n"))
+    assert (config.workload.input_tokens_mean, config.workload.output_tokens_mean) == (325, 25)
+    assert PDServeConfig.model_validate(config.model_dump()) == config  # round trip
+
+
+@pytest.mark.parametrize("name, text, problem", [
+    ("bad.jsonl", '{"input_tokens": 100, "output_tokens": 10}\nnot json\n', "bad.jsonl:2: invalid JSON"),
+    ("bad.csv", "input_tokens,output\n1,2\n", "bad.csv:1: CSV header lacks output_tokens"),
+    ("neg.csv", "input_tokens,output_tokens\n1,2\n-3,4\n", "neg.csv:3: input_tokens must be"),
+    ("empty.jsonl", "\n", "empty.jsonl: no rows"),
+])
+def test_bad_histogram_names_file_and_line(tmp_path, write_yaml, name, text, problem):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(write_yaml(f"workload: {{histogram_file: {name}}}\n"))
+    assert str(info.value).startswith("workload.histogram_file: ")
+    assert problem in str(info.value)
+
+
+def test_histogram_and_means_conflict(tmp_path, write_yaml):
+    (tmp_path / "h.csv").write_text("input_tokens,output_tokens\n10,20\n")
+    path = write_yaml("workload: {histogram_file: h.csv, input_tokens_mean: 99}\n")
+    with pytest.raises(ConfigError, match=r"^workload\.input_tokens_mean: cannot be combined"):
+        load_config(path)
+
+
+def test_security_token_from_env_and_tls(monkeypatch, pem_files, write_yaml):
+    monkeypatch.setenv("MY_TOKEN", "abc")
+    path = write_yaml("server: {host: 0.0.0.0}\nsecurity: {token_env: MY_TOKEN, "
+                      "tls_cert: cert.pem, tls_key: key.pem, tls_client_ca: ca.pem}\n")
+    config = load_config(path)
+    assert config.security.token.get_secret_value() == "abc"
+    assert config.security.tls_client_ca == pem_files["ca.pem"]
+    for host in ("localhost", "127.0.0.2", "::1"):
+        assert load_config(None, {"server.host": host}).security.token is None
+
+
+def test_resources_threads_and_bounds():
+    config = load_config(None, {"pools.decode.resources.num_cpus": 2.5,
+                                "pools.prefill.resources.torch_threads": 3})
+    assert config.pools.decode.resources.threads() == 2
+    assert config.pools.prefill.resources.threads() == 3
+    assert config.pools.prefill.bounds() == (1, 1) and not config.pools.prefill.is_auto
+
+
+def test_presets_match_the_engine():
+    presets = pytest.importorskip("engine.presets")
+    assert set(PRESET_MODELS) <= set(presets.PRESETS)
+
+
+def _models(model: type[BaseModel]):
+    yield model
+    for field in model.model_fields.values():
+        for arg in [field.annotation, *getattr(field.annotation, "__args__", ())]:
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                yield from _models(arg)
+
+
+def test_every_field_is_documented_and_unknown_keys_forbidden():
+    for model in _models(PDServeConfig):
+        assert model.model_config.get("extra") == "forbid", model.__name__
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
