@@ -18,7 +18,8 @@ import re
 import typing
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, ValidationInfo
+from pydantic import (AllowInfNan, BaseModel, BeforeValidator, ConfigDict, ValidationError,
+                      ValidationInfo)
 
 PRESET_MODELS = ("tiny", "small")
 """Model names served from the embedded presets instead of a directory."""
@@ -55,7 +56,7 @@ def _reject_bool(value: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_reject_bool)]
-Float = Annotated[float, BeforeValidator(_reject_bool)]
+Float = Annotated[float, BeforeValidator(_reject_bool), AllowInfNan(False)]
 
 
 class Section(BaseModel):
@@ -118,8 +119,10 @@ def _describe(err: dict) -> str:
         return f"unknown value {_show(value)} (allowed: {allowed})"
     if kind in ("int_parsing", "int_type", "int_from_float"):
         return f"expected an integer, got {_show(value)}"
-    if kind in ("float_parsing", "float_type", "finite_number"):
+    if kind in ("float_parsing", "float_type"):
         return f"expected a number, got {_show(value)}"
+    if kind == "finite_number":
+        return f"expected a finite number, got {_show(value)}"
     if kind in ("bool_parsing", "bool_type"):
         return f"expected true or false, got {_show(value)}"
     if kind == "string_type":

@@ -7,7 +7,8 @@ import os
 import re
 from typing import Annotated, Literal, Optional
 
-from pydantic import AfterValidator, BeforeValidator, Field, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BeforeValidator, Field, SecretStr, ValidationInfo,
+                      field_validator, model_validator)
 
 from deploy.config_base import PRESET_MODELS, FieldProblem, Float, Int, Section, resolve_path
 
@@ -53,7 +54,8 @@ class KVCacheConfig(Section):
     memory_fraction: Optional[Float] = Field(
         None, gt=0, le=1, description="Fraction of the memory left free after the weights "
         "load (GPU: the actor's device; CPU: the RAM share the worker is given) used for blocks.")
-    num_blocks: Optional[Int] = Field(None, ge=1, description="Exact number of KV blocks per actor.")
+    num_blocks: Optional[Int] = Field(None, ge=1,
+                                      description="Exact number of KV blocks per actor.")
     memory_gib: Optional[Float] = Field(None, gt=0, description="KV block memory per actor, GiB.")
 
     @field_validator("block_size")
@@ -134,7 +136,8 @@ class RoutingConfig(Section):
     prefill_policy: Literal["prefix_then_load"] = Field(
         "prefix_then_load", description="Longest cached prefix, then fewest queued prompt tokens.")
     decode_policy: Literal["most_free_blocks"] = Field(
-        "most_free_blocks", description="Admit where prompt + max_tokens fit; prefer most free blocks.")
+        "most_free_blocks",
+        description="Admit where prompt + max_tokens fit; prefer most free blocks.")
 
 
 class SLOConfig(Section):
@@ -173,7 +176,8 @@ class SecurityConfig(Section):
     """Shared token (router and internal endpoints) and TLS files."""
 
     token: Optional[SecretStr] = Field(None, description="Shared bearer token; prefer token_env.")
-    token_env: Optional[str] = Field(None, description="Environment variable to read the token from.")
+    token_env: Optional[str] = Field(None,
+                                     description="Environment variable holding the token.")
     tls_cert: Optional[str] = Field(None, description="PEM server certificate (with tls_key).")
     tls_key: Optional[str] = Field(None, description="PEM private key of tls_cert.")
     tls_client_ca: Optional[str] = Field(None, description="PEM CA bundle; set = clients need "

@@ -59,6 +59,8 @@ BAD_CONFIGS = [
     ("chunk-garbage", "kv_transfer: {chunk_bytes: lots}\n", "kv_transfer.chunk_bytes",
      "expected bytes (an integer or e.g. '4MiB'), got 'lots'"),
     ("negative-slo", "slo: {tpot_p99_ms: -5}\n", "slo.tpot_p99_ms", "must be > 0, got -5"),
+    ("infinite-deadline", "kv_transfer: {deadline_s: .inf}\n", "kv_transfer.deadline_s",
+     "expected a finite number, got inf"),
     ("zero-rate", "workload: {arrival_rate_rps: 0}\n", "workload.arrival_rate_rps",
      "must be > 0, got 0"),
     ("missing-tls-file", "security: {tls_cert: {tmp}/nope.pem, tls_key: {tmp}/nope.key}\n",

@@ -146,7 +146,8 @@ def test_histogram_file_sets_the_means(tmp_path, write_yaml, name, text):
 
 
 @pytest.mark.parametrize("name, text, problem", [
-    ("bad.jsonl", '{"input_tokens": 100, "output_tokens": 10}\nnot json\n', "bad.jsonl:2: invalid JSON"),
+    ("bad.jsonl", '{"input_tokens": 100, "output_tokens": 10}\nnot json\n',
+     "bad.jsonl:2: invalid JSON"),
     ("bad.csv", "input_tokens,output\n1,2\n", "bad.csv:1: CSV header lacks output_tokens"),
     ("neg.csv", "input_tokens,output_tokens\n1,2\n-3,4\n", "neg.csv:3: input_tokens must be"),
     ("empty.jsonl", "\n", "empty.jsonl: no rows"),
