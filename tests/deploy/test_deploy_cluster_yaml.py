@@ -110,3 +110,20 @@ def test_local_workers_pick_resources_from_their_ip(tmp_path, ips, expected):
     env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
     result = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, env=env)
     assert result.stdout == expected, result.stderr
+
+
+def test_placement_example_fits_the_cloud_node_types(monkeypatch):
+    """Each pool of examples/placement.yaml finds a node type with its custom
+    resource, and the node types' max_workers hold every pool at its max."""
+    from deploy.config import load_config
+    monkeypatch.setenv("PDSERVE_TOKEN", "t")
+    pools = load_config(os.path.join(DEPLOY_DIR, "examples", "placement.yaml")).pools
+    node_types = load(os.path.join(DEPLOY_DIR, "cluster.yaml"))["available_node_types"]
+    demand: dict[str, float] = {}
+    for _, pool in pools.items():
+        (resource, amount), = pool.resources.custom.items()
+        demand[resource] = demand.get(resource, 0) + amount * pool.bounds()[1]
+    for resource, needed in demand.items():
+        supply = sum(spec.get("resources", {}).get(resource, 0) * spec.get("max_workers", 0)
+                     for spec in node_types.values())
+        assert supply >= needed, (resource, supply, needed)
