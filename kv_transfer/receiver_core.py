@@ -28,6 +28,7 @@ from kv_transfer.wire import MAX_PAYLOAD_BYTES, ChunkHeader, WireError, checksum
 
 # Payload views over received bytes are only read (decode copies into the cache).
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 MAX_FINISHED = 4096  # remembered terminal transfers (late chunks are refused)
 

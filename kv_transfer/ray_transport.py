@@ -1,0 +1,176 @@
+"""Ray transport: payloads through the object store (same node, zero-copy reads).
+
+The receiver starts a small async ``inbox`` actor; its endpoint is
+"ray://<actor name>". Senders ``ray.put`` each chunk's payload (numpy uint8)
+and push (kind, piece id, token, msgpack header, [payload ref]) to the inbox;
+a receiver thread pops items, reads payloads with ``ray.get`` (a read-only
+view of shared memory), writes them into the cache, and acks each piece
+(handshake or the last chunk of a send) through the inbox. Only bytes and
+object refs cross; ``ray`` is imported lazily so kv_transfer stays ray-free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import msgpack
+import torch
+
+from kv_transfer.base import FailedSide, TransferError, TransferStatus
+from kv_transfer.chunker import EncodedChunk
+from kv_transfer.layout import HandshakeError
+from kv_transfer.receiver import CoreReceiver
+from kv_transfer.sender_core import BaseSender
+from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header
+
+PREFIX = "ray://"
+
+
+class _Inbox:
+    """Mailbox actor body (wrapped with ray.remote lazily)."""
+
+    def __init__(self) -> None:
+        self.items: asyncio.Queue = asyncio.Queue()
+        self.acks: dict[str, bytes] = {}
+        self.events: dict[str, asyncio.Event] = {}
+
+    async def push(self, item: list) -> None:
+        await self.items.put(item)
+
+    async def pop(self, max_items: int, timeout_s: float) -> list:
+        try:
+            first = await asyncio.wait_for(self.items.get(), timeout_s)
+        except asyncio.TimeoutError:
+            return []
+        batch = [first]
+        while len(batch) < max_items and not self.items.empty():
+            batch.append(self.items.get_nowait())
+        return batch
+
+    async def ack(self, piece_id: str, reply: bytes) -> None:
+        self.acks[piece_id] = reply
+        self.events.setdefault(piece_id, asyncio.Event()).set()
+
+    async def wait_ack(self, piece_id: str, timeout_s: float) -> bytes | None:
+        event = self.events.setdefault(piece_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self.events.pop(piece_id, None)
+        return self.acks.pop(piece_id, None)
+
+
+def _ray():
+    import ray  # lazy: only the ray transport needs it
+
+    return ray
+
+
+class RayReceiver(CoreReceiver):
+    def __init__(self, layout, kv_cache, allocator, *, name: str | None = None, **kwargs):
+        super().__init__(layout, kv_cache, allocator, **kwargs)
+        ray = _ray()
+        name = name or f"pdserve-kv-inbox-{uuid.uuid4().hex[:12]}"
+        self._inbox = ray.remote(num_cpus=0, max_concurrency=64)(_Inbox).options(name=name).remote()
+        self._endpoint = PREFIX + name
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kv-ray-recv", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        ray = _ray()
+        errors: dict[str, str] = {}  # piece id -> first error of that piece
+        while not self._closed.is_set():
+            try:
+                batch = ray.get(self._inbox.pop.remote(64, 0.2))
+            except Exception:
+                if self._closed.wait(0.1):
+                    return
+                continue
+            for kind, piece_id, token, header_bytes, refs, is_last in batch:
+                reply = self._handle(ray, kind, piece_id, token, header_bytes, refs, errors)
+                if reply is not None or is_last:
+                    error = reply if reply is not None else errors.pop(piece_id, "")
+                    answer = {"ok": not error, "error": error, "layout": self.core.describe()}
+                    self._inbox.ack.remote(piece_id, msgpack.packb(answer))
+
+    def _handle(self, ray, kind, piece_id, token, header_bytes, refs, errors) -> str | None:
+        """Returns an error string to ack at once, or None to continue the piece."""
+        if not isinstance(token, str) or not self.core.check_token(token):
+            return "receiver rejected the cluster token"
+        if kind == "handshake":
+            try:
+                self.core.check_handshake(msgpack.unpackb(header_bytes, raw=False, max_map_len=64))
+            except Exception as exc:
+                return str(exc)
+            return ""
+        if piece_id in errors:
+            return None
+        try:
+            if not isinstance(header_bytes, bytes) or len(header_bytes) > MAX_HEADER_BYTES or len(refs) != 1:
+                raise WireError("malformed ray chunk")
+            header = unpack_header(header_bytes)
+            array = ray.get(refs[0])
+            if array.nbytes != header.payload_len:
+                self.core.fail(header.transfer_id, "truncated chunk")
+                raise WireError(f"truncated chunk: {array.nbytes} bytes, header says {header.payload_len}")
+            self.core.accept(header, torch.from_numpy(array) if array.nbytes else torch.empty(0, dtype=torch.uint8))
+        except Exception as exc:
+            errors[piece_id] = str(exc) or type(exc).__name__
+        return None
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=2)
+        try:
+            _ray().kill(self._inbox)
+        except Exception:
+            pass
+        super().close()
+
+
+class RaySender(BaseSender):
+    def _inbox(self, dest: str):
+        if not dest.startswith(PREFIX):
+            raise TransferError(f"bad ray endpoint {dest!r}; expected {PREFIX}<name>", FailedSide.SENDER)
+        try:
+            return _ray().get_actor(dest[len(PREFIX) :])
+        except ValueError:
+            raise TransferError(f"no KV inbox actor at {dest}", FailedSide.TRANSPORT) from None
+
+    def _ask(self, inbox, piece_id: str, timeout_s: float) -> dict:
+        reply = _ray().get(inbox.wait_ack.remote(piece_id, max(0.001, timeout_s)))
+        if reply is None:
+            raise TransferError("receiver did not answer before the deadline", FailedSide.TRANSPORT, TransferStatus.EXPIRED)
+        return msgpack.unpackb(reply, raw=False, max_map_len=64)
+
+    def _remote_handshake(self, dest: str, local: dict) -> dict:
+        inbox, piece_id = self._inbox(dest), uuid.uuid4().hex
+        inbox.push.remote(["handshake", piece_id, self.token, msgpack.packb(local), [], True])
+        answer = self._ask(inbox, piece_id, 10.0)
+        if not answer["ok"]:
+            error = str(answer["error"])
+            raise HandshakeError(error) if "mismatch" in error else TransferError(error, FailedSide.RECEIVER)
+        return answer["layout"]
+
+    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float) -> int:
+        ray, inbox, piece_id = _ray(), self._inbox(dest), uuid.uuid4().hex
+        refs, wire_bytes, pending = [], 0, None
+        for chunk in chunks:
+            if pending is not None:
+                inbox.push.remote(["chunk", piece_id, self.token, *pending, False])
+            ref = ray.put(chunk.payload.cpu().numpy())
+            refs.append(ref)  # keep objects alive until the receiver acked
+            pending = (chunk.header_bytes, [ref])
+            wire_bytes += len(chunk.header_bytes) + chunk.payload.numel()
+        inbox.push.remote(["chunk", piece_id, self.token, *pending, True])
+        answer = self._ask(inbox, piece_id, deadline_at - time.monotonic())
+        if not answer["ok"]:
+            raise TransferError(str(answer["error"]), FailedSide.RECEIVER)
+        return wire_bytes
