@@ -26,6 +26,7 @@ from router.log import log_event
 from router.validation import RequestError, validate_request
 
 SERVICE_NAME = "pdserve.v1.GenerationService"
+THREAD_TOKENIZE_CHARS = 8192  # prompts at least this long are tokenized in a worker thread
 
 FINISH_REASON_TO_PROTO = {
     "stop": pb.FINISH_REASON_STOP,
@@ -88,6 +89,7 @@ class GenerationServicer:
         self._idle.set()
         self.draining = False
         self.ready = False  # set by the server once backend.ready() is True
+        self._num_admitting = 0
 
     @property
     def num_in_flight(self) -> int:
@@ -103,12 +105,15 @@ class GenerationServicer:
 
     async def Generate(self, request: pb.GenerateRequest | UnparsableRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         received = time.monotonic()
+        self._num_admitting += 1  # holds a slot while the request is validated
         try:
-            inp = self._admit(request, context, received)
+            inp = await self._admit(request, context, received)
         except RequestError as e:
             log_event("request_rejected", logging.INFO, request_id=_peek_request_id(request), status=e.code,
                       reason=e.message)
             await context.abort(grpc.StatusCode[e.code], e.message)
+        finally:
+            self._num_admitting -= 1
         record = _RequestRecord(inp.request_id, received, len(inp.prompt_token_ids))
         self._in_flight[inp.request_id] = received
         self._idle.clear()
@@ -132,6 +137,9 @@ class GenerationServicer:
             actors = await self._backend.stats()
         except BackendError as e:
             await context.abort(grpc.StatusCode[e.code], e.message)
+        except Exception:  # noqa: BLE001
+            logging.getLogger("pdserve.router").exception("backend.stats() failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "could not collect stats; see the router log")
         response = pb.GetStatsResponse(router_in_flight_requests=len(self._in_flight))
         totals = response.totals
         for a in actors:
@@ -150,21 +158,34 @@ class GenerationServicer:
             totals.running_requests += a.running_requests
         return response
 
-    def _admit(self, request: pb.GenerateRequest | UnparsableRequest, context: grpc.aio.ServicerContext, received: float) -> GenerationInput:
+    async def _admit(self, request: pb.GenerateRequest | UnparsableRequest, context: grpc.aio.ServicerContext,
+                     received: float) -> GenerationInput:
         if isinstance(request, UnparsableRequest):
             raise RequestError("INVALID_ARGUMENT", f"request: not a valid GenerateRequest ({request.error})")
-        if self.draining:
-            raise RequestError("UNAVAILABLE", "server is draining; retry on another replica")
-        if not self.ready:
-            raise RequestError("UNAVAILABLE", "cluster is not ready yet; retry shortly")
-        if len(self._in_flight) >= self._max_queue:
+        self._check_open()
+        if len(self._in_flight) + self._num_admitting > self._max_queue:
             raise RequestError(
                 "RESOURCE_EXHAUSTED", f"router is at capacity ({self._max_queue} requests in flight); retry later"
             )
         remaining = context.time_remaining()
         deadline = received + remaining if remaining is not None else None
-        backend = self._backend
-        return validate_request(request, backend.tokenizer, backend.max_model_len, self._in_flight, deadline)
+        tokenizer, max_model_len = self._backend.tokenizer, self._backend.max_model_len
+        if request.WhichOneof("input") != "prompt" or len(request.prompt) < THREAD_TOKENIZE_CHARS:
+            return validate_request(request, tokenizer, max_model_len, self._in_flight, deadline)
+        # Long prompts are tokenized off the event loop so other streams keep flowing.
+        inp = await asyncio.to_thread(
+            validate_request, request, tokenizer, max_model_len, frozenset(self._in_flight), deadline
+        )
+        if inp.request_id in self._in_flight:
+            raise RequestError("ALREADY_EXISTS", f"request_id {inp.request_id!r} is already in flight")
+        self._check_open()
+        return inp
+
+    def _check_open(self) -> None:
+        if self.draining:
+            raise RequestError("UNAVAILABLE", "server is draining; retry on another replica")
+        if not self.ready:
+            raise RequestError("UNAVAILABLE", "cluster is not ready yet; retry shortly")
 
     async def _stream(self, inp: GenerationInput, context: grpc.aio.ServicerContext, record: _RequestRecord) -> RequestError | None:
         """Relay backend chunks; return the error to send, if any."""

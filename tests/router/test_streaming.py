@@ -133,3 +133,31 @@ def test_async_client_concurrent_requests(server):
     texts = asyncio.run(run())
     assert texts == [f"req{i:02d}"[::-1] for i in range(16)]
     assert len(server.backend.finished) == 16
+
+
+def test_long_prompt_is_tokenized_off_the_loop(serve, make_backend):
+    running = serve(make_backend(max_model_len=10_000))
+    responses = list(generate(running.address, "a" * 8999 + "z", max_tokens=2, timeout=10))
+    assert "".join(r.text for r in responses) == "za"
+    assert responses[-1].usage.prompt_tokens == 9000
+    with pytest.raises(grpc.RpcError) as e:
+        list(generate(running.address, "b" * 9999, max_tokens=2, timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "9999 tokens" in e.value.details()
+
+
+def test_get_stats_failure_is_a_clear_status(server, monkeypatch):
+    async def broken() -> list:
+        raise RuntimeError("actor died")
+
+    monkeypatch.setattr(server.backend, "stats", broken)
+    with pytest.raises(grpc.RpcError) as e:
+        get_stats(server.address, timeout=10)
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "stats" in e.value.details()
+    monkeypatch.setattr(server.backend, "stats", lambda: _raise(BackendError("UNAVAILABLE", "no decode actors")))
+    with pytest.raises(grpc.RpcError) as e:
+        get_stats(server.address, timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and e.value.details() == "no decode actors"
+
+
+async def _raise(error: Exception) -> list:
+    raise error
