@@ -16,7 +16,7 @@ from router.backend import (
 from router.client import AsyncGenerationClient, ClientTLS, build_request, generate, get_stats
 from router.log import configure_logging
 from router.security import TLSConfig
-from router.server import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_QUEUE, RouterServer, start_server
+from router.server import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_QUEUE, RouterServer, serve_until_signal, start_server
 from router.servicer import SERVICE_NAME, GenerationServicer
 from router.validation import RequestError, validate_request
 
@@ -25,5 +25,5 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_MAX_QUEUE", "GenerationChunk", "GenerationInput",
     "GenerationServicer", "RequestError", "RouterServer", "SERVICE_NAME", "TLSConfig", "Timing",
     "Tokenizer", "Usage", "build_request", "configure_logging", "generate", "get_stats",
-    "start_server", "validate_request",
+    "serve_until_signal", "start_server", "validate_request",
 ]

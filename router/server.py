@@ -11,11 +11,14 @@ Example::
     ...
     await server.drain(timeout=30.0)   # NOT_SERVING; new requests get UNAVAILABLE
     await server.stop(grace=5.0)
+
+or, in a CLI, ``await serve_until_signal(server)`` drains on SIGTERM/SIGINT.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -191,6 +194,37 @@ async def start_server(
               max_queue=max_queue)
     router._start_ready_watch(backend, ready_poll_s)
     return router
+
+
+async def serve_until_signal(
+    server: RouterServer,
+    *,
+    drain_timeout: float = 30.0,
+    grace: float = 5.0,
+    signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+) -> bool:
+    """Serve until SIGTERM/SIGINT, then drain and stop (call from the main thread's loop).
+
+    Health turns NOT_SERVING and new requests get UNAVAILABLE at once;
+    in-flight requests get ``drain_timeout`` seconds to finish, then ``grace``
+    more before they are cancelled.
+
+    Returns:
+        True if every in-flight request finished during the drain.
+    """
+    loop = asyncio.get_running_loop()
+    received = asyncio.Event()
+    for sig in signals:
+        loop.add_signal_handler(sig, received.set)
+    try:
+        await received.wait()
+        log_event("signal_received", address=server.address)
+        drained = await server.drain(drain_timeout)
+        await server.stop(grace)
+        return drained
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
 
 
 def _add_generation_service(server: grpc.aio.Server, servicer: GenerationServicer) -> None:
