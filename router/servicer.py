@@ -112,6 +112,9 @@ class GenerationServicer:
             log_event("request_rejected", logging.INFO, request_id=_peek_request_id(request), status=e.code,
                       reason=e.message)
             await context.abort(grpc.StatusCode[e.code], e.message)
+        except Exception:  # noqa: BLE001 — e.g. a tokenizer bug; never take the server down
+            logging.getLogger("pdserve.router").exception("admitting request failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error while validating; see the router log")
         finally:
             self._num_admitting -= 1
         record = _RequestRecord(inp.request_id, received, len(inp.prompt_token_ids))

@@ -161,3 +161,15 @@ def test_get_stats_failure_is_a_clear_status(server, monkeypatch):
 
 async def _raise(error: Exception) -> list:
     raise error
+
+
+def test_tokenizer_crash_is_internal_and_server_keeps_serving(server, monkeypatch):
+    def broken(text: str) -> list[int]:
+        raise RuntimeError("tokenizer bug")
+
+    monkeypatch.setattr(server.backend.tokenizer, "encode", broken)
+    with pytest.raises(grpc.RpcError) as e:
+        list(generate(server.address, "abc", timeout=10))
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "validating" in e.value.details()
+    monkeypatch.undo()
+    assert list(generate(server.address, "abc", max_tokens=1, timeout=10))[-1].finish_reason
