@@ -75,23 +75,27 @@ class FakeSender(BaseSender):
 
     def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float) -> int:
         receiver = self._receiver(dest)
-        wire_bytes = 0
-        transfer_id = ""
-        for chunk in chunks:
-            transfer_id = chunk.header.transfer_id
-            if time.monotonic() > deadline_at:
-                raise TransferError("send deadline passed", FailedSide.TRANSPORT, TransferStatus.EXPIRED)
-            frame = pack_frame(chunk.header_bytes, chunk.payload.cpu().numpy())
-            if self.hub.tamper is not None:
-                frame = self.hub.tamper(frame)
-                if frame is None:  # the sender vanished mid-stream
-                    receiver.core.fail(transfer_id, "sender disconnected mid-transfer")
-                    raise TransferError("stream dropped", FailedSide.TRANSPORT)
-            try:
-                header, payload = split_frame(frame)
-            except WireError as exc:
-                receiver.core.fail(transfer_id, str(exc))
-                raise TransferError(str(exc), FailedSide.RECEIVER) from None
-            receiver.core.accept(header, payload)
-            wire_bytes += len(frame)
+        wire_bytes, transfer_id = 0, ""
+        try:
+            for chunk in chunks:
+                transfer_id = chunk.header.transfer_id
+                if time.monotonic() > deadline_at:
+                    raise TransferError("send deadline passed", FailedSide.TRANSPORT, TransferStatus.EXPIRED)
+                frame = pack_frame(chunk.header_bytes, chunk.payload.cpu().numpy())
+                if self.hub.tamper is not None:
+                    frame = self.hub.tamper(frame)
+                    if frame is None:  # the sender vanished mid-stream
+                        raise TransferError("stream dropped", FailedSide.TRANSPORT)
+                try:
+                    header, payload = split_frame(frame)
+                except WireError as exc:
+                    receiver.core.fail(transfer_id, str(exc))
+                    raise TransferError(str(exc), FailedSide.RECEIVER) from None
+                receiver.core.accept(header, payload)
+                wire_bytes += len(frame)
+        except Exception as exc:
+            # Like a broken stream: the receiver frees what it reserved.
+            if transfer_id and not (isinstance(exc, TransferError) and exc.side == FailedSide.RECEIVER):
+                receiver.core.fail(transfer_id, f"sender aborted mid-transfer: {exc}")
+            raise
         return wire_bytes

@@ -18,12 +18,12 @@ import uuid
 from collections.abc import Iterator
 
 import msgpack
-import torch
 
 from kv_transfer.base import FailedSide, TransferError, TransferStatus
 from kv_transfer.chunker import EncodedChunk
 from kv_transfer.layout import HandshakeError
 from kv_transfer.receiver import CoreReceiver
+from kv_transfer.receiver_core import readonly_tensor
 from kv_transfer.sender_core import BaseSender
 from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header
 
@@ -86,6 +86,7 @@ class RayReceiver(CoreReceiver):
     def _loop(self) -> None:
         ray = _ray()
         errors: dict[str, str] = {}  # piece id -> first error of that piece
+        self._piece_transfers: dict[str, set[str]] = {}
         while not self._closed.is_set():
             try:
                 batch = ray.get(self._inbox.pop.remote(64, 0.2))
@@ -96,6 +97,7 @@ class RayReceiver(CoreReceiver):
             for kind, piece_id, token, header_bytes, refs, is_last in batch:
                 reply = self._handle(ray, kind, piece_id, token, header_bytes, refs, errors)
                 if reply is not None or is_last:
+                    self._piece_transfers.pop(piece_id, None)
                     error = reply if reply is not None else errors.pop(piece_id, "")
                     answer = {"ok": not error, "error": error, "layout": self.core.describe()}
                     self._inbox.ack.remote(piece_id, msgpack.packb(answer))
@@ -110,17 +112,22 @@ class RayReceiver(CoreReceiver):
             except Exception as exc:
                 return str(exc)
             return ""
+        if kind == "abort":  # the sender failed mid-piece: free what it reserved
+            for transfer_id in self._piece_transfers.get(piece_id, ()):
+                self.core.fail(transfer_id, "sender aborted mid-transfer")
+            return "sender aborted"
         if piece_id in errors:
             return None
         try:
             if not isinstance(header_bytes, bytes) or len(header_bytes) > MAX_HEADER_BYTES or len(refs) != 1:
                 raise WireError("malformed ray chunk")
             header = unpack_header(header_bytes)
+            self._piece_transfers.setdefault(piece_id, set()).add(header.transfer_id)
             array = ray.get(refs[0])
             if array.nbytes != header.payload_len:
                 self.core.fail(header.transfer_id, "truncated chunk")
                 raise WireError(f"truncated chunk: {array.nbytes} bytes, header says {header.payload_len}")
-            self.core.accept(header, torch.from_numpy(array) if array.nbytes else torch.empty(0, dtype=torch.uint8))
+            self.core.accept(header, readonly_tensor(array.reshape(-1)))
         except Exception as exc:
             errors[piece_id] = str(exc) or type(exc).__name__
         return None
@@ -162,13 +169,19 @@ class RaySender(BaseSender):
     def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float) -> int:
         ray, inbox, piece_id = _ray(), self._inbox(dest), uuid.uuid4().hex
         refs, wire_bytes, pending = [], 0, None
-        for chunk in chunks:
+        try:
+            for chunk in chunks:
+                if pending is not None:
+                    inbox.push.remote(["chunk", piece_id, self.token, *pending, False])
+                ref = ray.put(chunk.payload.cpu().numpy())
+                refs.append(ref)  # keep objects alive until the receiver acked
+                pending = (chunk.header_bytes, [ref])
+                wire_bytes += len(chunk.header_bytes) + chunk.payload.numel()
+        except Exception:
             if pending is not None:
                 inbox.push.remote(["chunk", piece_id, self.token, *pending, False])
-            ref = ray.put(chunk.payload.cpu().numpy())
-            refs.append(ref)  # keep objects alive until the receiver acked
-            pending = (chunk.header_bytes, [ref])
-            wire_bytes += len(chunk.header_bytes) + chunk.payload.numel()
+                inbox.push.remote(["abort", piece_id, self.token, b"", [], True])
+            raise
         inbox.push.remote(["chunk", piece_id, self.token, *pending, True])
         answer = self._ask(inbox, piece_id, deadline_at - time.monotonic())
         if not answer["ok"]:

@@ -26,10 +26,6 @@ from kv_transfer.layout import DTYPES, HandshakeError, KVLayout, check_compatibl
 from kv_transfer.pool import BlockAllocator
 from kv_transfer.wire import MAX_PAYLOAD_BYTES, ChunkHeader, WireError, checksum, validate_header
 
-# Payload views over received bytes are only read (decode copies into the cache).
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-
 MAX_FINISHED = 4096  # remembered terminal transfers (late chunks are refused)
 
 
@@ -48,6 +44,17 @@ class _Transfer:
     status: TransferStatus = TransferStatus.PENDING
     nbytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def readonly_tensor(buffer) -> torch.Tensor:
+    """uint8 view over received bytes or a read-only numpy array (decode only reads it)."""
+    if len(buffer) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        if hasattr(buffer, "__array_interface__"):
+            return torch.from_numpy(buffer)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 class ReceiverCore:
@@ -119,7 +126,7 @@ class ReceiverCore:
             if header.checksum >= 0 and checksum(payload) != header.checksum:
                 self._fail_unknown(header, f"checksum mismatch in chunk {header.chunk_index}")
                 raise TransferError(f"checksum mismatch in chunk {header.chunk_index}", FailedSide.RECEIVER)
-            payload = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+            payload = readonly_tensor(payload)
         elif header.checksum >= 0 and payload.device.type == "cpu" and checksum(payload.numpy()) != header.checksum:
             self._fail_unknown(header, f"checksum mismatch in chunk {header.chunk_index}")
             raise TransferError(f"checksum mismatch in chunk {header.chunk_index}", FailedSide.RECEIVER)

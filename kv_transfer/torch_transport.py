@@ -31,12 +31,13 @@ import torch.distributed as dist
 
 from kv_transfer.base import FailedSide, TransferError, TransferStatus
 from kv_transfer.chunker import EncodedChunk
+from kv_transfer.codec import CodecError
 from kv_transfer.layout import HandshakeError, check_compatible
 from kv_transfer.receiver import CoreReceiver
 from kv_transfer.sender_core import BaseSender
 from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header
 
-KIND_CHUNK, KIND_CLOSE = 1, 2
+KIND_CHUNK, KIND_CLOSE, KIND_ABORT = 1, 2, 3
 _IDLE_TIMEOUT = timedelta(days=1)  # an idle pair waits in recv; peer death still wakes it
 
 
@@ -141,13 +142,19 @@ class TorchReceiver(CoreReceiver):
             kind, header_len, payload_len, is_last = (int(v) for v in meta.cpu())
             if kind == KIND_CLOSE:
                 return False
-            if kind != KIND_CHUNK or not (0 < header_len <= MAX_HEADER_BYTES) or not (0 <= payload_len <= self.core.max_payload):
+            if kind == KIND_ABORT:  # the sender failed to encode: end the piece
+                for transfer_id in in_flight:
+                    self.core.fail(transfer_id, "sender aborted mid-transfer")
+                error = error or "sender aborted"
+                is_last = 1
+            elif kind != KIND_CHUNK or not (0 < header_len <= MAX_HEADER_BYTES) or not (0 <= payload_len <= self.core.max_payload):
                 raise WireError(f"bad chunk meta {kind, header_len, payload_len}")  # stream unusable: drop the pair
-            header_buf = torch.empty(header_len, dtype=torch.uint8, device=self.device)
-            group.recv([header_buf], 0, 0).wait()
-            payload = torch.empty(payload_len, dtype=torch.uint8, device=self.device)
-            group.recv([payload], 0, 0).wait()
-            if not error:
+            else:
+                header_buf = torch.empty(header_len, dtype=torch.uint8, device=self.device)
+                group.recv([header_buf], 0, 0).wait()
+                payload = torch.empty(payload_len, dtype=torch.uint8, device=self.device)
+                group.recv([payload], 0, 0).wait()
+            if kind == KIND_CHUNK and not error:
                 try:
                     header = unpack_header(header_buf.cpu().numpy().tobytes())
                     in_flight.add(header.transfer_id)
@@ -237,12 +244,19 @@ class TorchSender(BaseSender):
         wire_bytes = 0
         with pair.lock:
             try:
-                pending = None
-                for chunk in chunks:
-                    if pending is not None:
-                        wire_bytes += self._send_chunk(pair, pending, False, deadline_at)
-                    pending = chunk
-                wire_bytes += self._send_chunk(pair, pending, True, deadline_at)
+                pending, encode_error = None, None
+                try:
+                    for chunk in chunks:
+                        if pending is not None:
+                            wire_bytes += self._send_chunk(pair, pending, False, deadline_at)
+                        pending = chunk
+                except (CodecError, ValueError) as exc:
+                    encode_error = exc
+                if encode_error is None:
+                    wire_bytes += self._send_chunk(pair, pending, True, deadline_at)
+                else:  # tell the receiver to free what it reserved, keep the pair in sync
+                    meta = torch.tensor([KIND_ABORT, 0, 0, 1], dtype=torch.int64, device=self.device)
+                    self._wait(pair.group.send([meta], 1, 0), deadline_at)
                 ack = torch.empty(2, dtype=torch.int64, device=self.device)
                 self._wait(pair.group.recv([ack], 1, 0), deadline_at)
                 ok, error_len = (int(v) for v in ack.cpu())
@@ -250,8 +264,11 @@ class TorchSender(BaseSender):
                     error = torch.empty(error_len, dtype=torch.uint8, device=self.device)
                     self._wait(pair.group.recv([error], 1, 0), deadline_at)
                     message = error.cpu().numpy().tobytes().decode(errors="replace")
-                    raise TransferError(message, FailedSide.RECEIVER)
-            except (TransferError, HandshakeError):
+                    if encode_error is None:
+                        raise TransferError(message, FailedSide.RECEIVER)
+                if encode_error is not None:
+                    raise encode_error
+            except (TransferError, HandshakeError, CodecError):
                 raise
             except Exception as exc:
                 self._drop(dest)
