@@ -32,7 +32,7 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     decode_rows: torch.Tensor | None     # [Bd] rows of decode tokens in the batch
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] (padded with block 0)
-    decode_mask: torch.Tensor | None     # [Bd, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None     # [Bd, 1, max_blocks * block_size] bool
 
 
 def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
@@ -65,7 +65,7 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
         meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
         lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
         cols = torch.arange(width * block_size, device=device)
-        meta.decode_mask = (cols[None, :] < lens[:, None])[:, None, None, :]
+        meta.decode_mask = (cols[None, :] < lens[:, None])[:, None, :]   # [Bd, 1, L]
     return meta
 
 
@@ -75,11 +75,30 @@ def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
     layer_cache[meta.slot_blocks, 1, :, meta.slot_offsets] = v
 
 
-def _gather(layer_cache: torch.Tensor, block_table: torch.Tensor, which: int) -> torch.Tensor:
-    # block_table: [..., nb] -> [..., Hkv, nb * bs, D]
-    x = layer_cache[block_table, which]                  # [..., nb, Hkv, bs, D]
-    x = x.transpose(-4, -3)                              # [..., Hkv, nb, bs, D]
-    return x.reshape(*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1])
+def gather_kv(layer_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """One copy of the K/V a batch reads, kv-heads leading.
+
+    block_table: [B, nb] -> [2, Hkv, B, nb * bs, D]. Heads lead so that GQA needs
+    no repeat: each kv head's query group attends as one batch entry.
+    """
+    num_seqs, nb = block_table.shape
+    src = layer_cache.permute(1, 2, 0, 3, 4)              # [2, Hkv, NB, bs, D] (view)
+    x = src.index_select(2, block_table.reshape(-1))      # [2, Hkv, B * nb, bs, D]
+    return x.view(2, x.shape[1], num_seqs, nb * x.shape[3], x.shape[4])
+
+
+def grouped_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q: [B, n, Hq, D], kv: [2, Hkv, B, T, D], mask: [B, n, T] bool or None -> [B, n, Hq, D]."""
+    num_seqs, n, num_heads, dim = q.shape
+    num_kv_heads = kv.shape[1]
+    group = num_heads // num_kv_heads
+    # [B, n, Hkv, g, D] -> [Hkv, B, n * g, D]: the query group rides in the query-length dim
+    qg = q.view(num_seqs, n, num_kv_heads, group, dim).permute(2, 0, 1, 3, 4).reshape(
+        num_kv_heads, num_seqs, n * group, dim)
+    if mask is not None:
+        mask = mask[:, :, None, :].expand(num_seqs, n, group, mask.shape[-1]).reshape(num_seqs, n * group, -1)
+    o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=scale)  # [Hkv, B, n*g, D]
+    return o.view(num_kv_heads, num_seqs, n, group, dim).permute(1, 2, 0, 3, 4).reshape(num_seqs, n, num_heads, dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -89,22 +108,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     for p in meta.prefills:
         rows = slice(p.token_offset, p.token_offset + p.num_new)
-        qs = q[rows].transpose(0, 1)                     # [Hq, n, D]
-        if p.start == 0:
-            ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+        if p.start == 0:      # fresh prompt: attend over the new K/V directly, no gather
+            qs, ks, vs = (x[rows].transpose(0, 1) for x in (q, k, v))   # [H, n, D]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        else:
+            out[rows] = o.transpose(0, 1)
+        else:                 # continuing a cached prefix: causal with an offset
             total = p.start + p.num_new
-            ks = _gather(layer_cache, p.block_table, 0)[:, :total]   # [Hkv, total, D]
-            vs = _gather(layer_cache, p.block_table, 1)[:, :total]
+            kv = gather_kv(layer_cache, p.block_table[None])[:, :, :, :total]   # [2, Hkv, 1, total, D]
             qpos = torch.arange(p.start, total, device=q.device)
             mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]  # [n, total]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[rows] = o.transpose(0, 1)
+            out[rows] = grouped_attention(q[rows][None], kv, mask[None], scale)[0]
     if meta.decode_rows is not None:
-        qd = q[meta.decode_rows].unsqueeze(2)            # [Bd, Hq, 1, D]
-        kd = _gather(layer_cache, meta.decode_block_tables, 0)   # [Bd, Hkv, L, D]
-        vd = _gather(layer_cache, meta.decode_block_tables, 1)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        out[meta.decode_rows] = o.squeeze(2)
+        kv = gather_kv(layer_cache, meta.decode_block_tables)        # [2, Hkv, Bd, L, D]
+        qd = q[meta.decode_rows][:, None]                              # [Bd, 1, Hq, D]
+        out[meta.decode_rows] = grouped_attention(qd, kv, meta.decode_mask, scale)[:, 0]
     return out

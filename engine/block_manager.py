@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import hashlib
 import struct
+import threading
 
 
 @dataclass(slots=True)
@@ -38,7 +39,11 @@ def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
 
 
 class BlockManager:
-    """Owns every block; requests own only their block tables (lists of ids)."""
+    """Owns every block; requests own only their block tables (lists of ids).
+
+    Thread-safe: a KV receiver reserves blocks from its own threads while the
+    engine loop schedules; multi-call sequences hold `lock` (re-entrant).
+    """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
         assert num_blocks > 0 and block_size > 0
@@ -47,6 +52,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.enable_prefix_cache = enable_prefix_cache
+        self.lock = threading.RLock()
 
     # ---- capacity -------------------------------------------------------
     @property
@@ -79,47 +85,51 @@ class BlockManager:
 
     def touch(self, block_ids: list[int]) -> None:
         """Take a reference on cached blocks (prefix hits)."""
-        for block_id in block_ids:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_queue[block_id]
-            block.ref_count += 1
+        with self.lock:
+            for block_id in block_ids:
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self.free_queue[block_id]
+                block.ref_count += 1
 
     def register(self, block_id: int, block_hash: bytes) -> None:
         """Mark a full block as holding the tokens `block_hash` describes."""
-        if not self.enable_prefix_cache:
-            return
-        block = self.blocks[block_id]
-        if block.block_hash is not None or block_hash in self.cached:
-            return
-        block.block_hash = block_hash
-        self.cached[block_hash] = block_id
+        with self.lock:
+            if not self.enable_prefix_cache:
+                return
+            block = self.blocks[block_id]
+            if block.block_hash is not None or block_hash in self.cached:
+                return
+            block.block_hash = block_hash
+            self.cached[block_hash] = block_id
 
     # ---- allocate / free ------------------------------------------------
     def allocate(self, num_blocks: int) -> list[int] | None:
         """Fresh blocks with ref_count 1, evicting LRU cached blocks; None if too few are free."""
-        if num_blocks > len(self.free_queue):
-            return None
-        ids = []
-        for _ in range(num_blocks):
-            block_id, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[block_id]
-            assert block.ref_count == 0
-            if block.block_hash is not None:
-                del self.cached[block.block_hash]
-                block.block_hash = None
-            block.ref_count = 1
-            ids.append(block_id)
-        return ids
+        with self.lock:
+            if num_blocks > len(self.free_queue):
+                return None
+            ids = []
+            for _ in range(num_blocks):
+                block_id, _ = self.free_queue.popitem(last=False)
+                block = self.blocks[block_id]
+                assert block.ref_count == 0
+                if block.block_hash is not None:
+                    del self.cached[block.block_hash]
+                    block.block_hash = None
+                block.ref_count = 1
+                ids.append(block_id)
+            return ids
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference on each block, in reverse so a request's tail is evicted first."""
-        for block_id in reversed(block_ids):
-            block = self.blocks[block_id]
-            assert block.ref_count > 0, f"double free of block {block_id}"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
+        with self.lock:
+            for block_id in reversed(block_ids):
+                block = self.blocks[block_id]
+                assert block.ref_count > 0, f"double free of block {block_id}"
+                block.ref_count -= 1
+                if block.ref_count == 0:
+                    self.free_queue[block_id] = None
 
     def check_no_leaks(self) -> None:
         """Assert every block is unreferenced (call once all requests finished)."""

@@ -56,6 +56,10 @@ class Scheduler:
         return remaining if remaining <= budget or first else 0
 
     def schedule(self) -> list[ScheduledRequest]:
+        with self.block_manager.lock:      # a KV receiver may reserve blocks concurrently
+            return self._schedule()
+
+    def _schedule(self) -> list[ScheduledRequest]:
         budget = self.max_num_batched_tokens
         out: list[ScheduledRequest] = []
         preempted = False
