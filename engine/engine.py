@@ -109,8 +109,12 @@ class Engine:
         return req.request_id
 
     def adopt(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
-              params: SamplingParams, block_ids: list[int], num_cached_tokens: int = 0) -> None:
-        """Continue a request whose prompt KV already sits in `block_ids` (allocated from this pool)."""
+              params: SamplingParams, block_ids: list[int], num_cached_tokens: int = 0) -> RequestOutput:
+        """Continue a request whose prompt KV already sits in `block_ids` (allocated from this pool).
+
+        The blocks become the request's (freed when it ends). Returns the output for
+        `first_token_id`, which may already finish the request (EOS, max_tokens == 1).
+        """
         req = self._new_request(request_id, prompt_token_ids, params, False)
         need = (len(req.prompt_token_ids) + self.block_size - 1) // self.block_size
         if len(block_ids) < need:
@@ -123,11 +127,12 @@ class Engine:
         for block_id, h in zip(block_ids, hashes):
             self.block_manager.register(block_id, h)
         self.requests[request_id] = req
-        self.output.process(req, first_token_id)     # counts the first token; may finish at once
+        out = self.output.process(req, first_token_id)     # counts the first token; may finish at once
         if req.status.finished:
             self._finish(req)
         else:
             self.scheduler.add_running(req)
+        return out
 
     # ---- the step -------------------------------------------------------
     def step(self) -> list[RequestOutput]:

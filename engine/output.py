@@ -40,7 +40,8 @@ class OutputProcessor:
         req.num_emitted_chars = end
         finish = req.status.value if req.status.finished else None
         return RequestOutput(req.request_id, [token], text_delta, finish, req.num_prompt_tokens,
-                             req.num_cached_tokens, len(req.output_token_ids))
+                             req.num_cached_tokens, len(req.output_token_ids),
+                             first_scheduled_time=req.first_scheduled_time)
 
     @staticmethod
     def _check_stop(req: Request, delta_len: int) -> None:

@@ -42,6 +42,7 @@ class Request:
     text: str = ""                             # output text so far (stop strings cut off)
     num_emitted_chars: int = 0                 # how much of `text` was already streamed
     stop_reason: str | None = None
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
     @property
@@ -79,6 +80,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     prefilled: bool = False            # prefill-only request: KV ready to ship in `block_ids`
     block_ids: list[int] = field(default_factory=list)
+    first_scheduled_time: float | None = None
 
 
 @dataclass(slots=True)

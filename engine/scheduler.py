@@ -9,6 +9,7 @@ back to the front of the queue, to be recomputed from prompt + output so far.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -85,6 +86,8 @@ class Scheduler:
             if not self._admit(req, budget, not out):
                 break
             self.waiting.popleft()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             num_new = self._size_chunk(req.num_tokens - req.num_computed_tokens, budget, not out)
