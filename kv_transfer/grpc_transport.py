@@ -143,21 +143,28 @@ class GrpcSender(BaseSender):
         return _unpack_small(reply)
 
     def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float) -> int:
-        counted = [0]
+        counted, encode_error = [0], []
 
         def frames() -> Iterator[bytes]:
-            for chunk in chunks:
-                frame = pack_frame(chunk.header_bytes, chunk.payload.cpu().numpy())
-                counted[0] += len(frame)
-                yield frame
+            try:
+                for chunk in chunks:
+                    frame = pack_frame(chunk.header_bytes, chunk.payload.cpu().numpy())
+                    counted[0] += len(frame)
+                    yield frame
+            except Exception as exc:  # end the stream early: the receiver frees what it reserved
+                encode_error.append(exc)
 
         call = self._channel(dest).stream_unary(f"/{SERVICE}/PushKV")
         try:
             call(frames(), timeout=max(0.001, deadline_at - time.monotonic()), metadata=self._metadata())
         except grpc.RpcError as exc:
+            if encode_error:
+                raise encode_error[0] from None
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.forget(dest)  # the receiver may come back with another layout
             raise self._error(exc) from None
+        if encode_error:
+            raise encode_error[0]
         return counted[0]
 
     def _error(self, exc: grpc.RpcError) -> TransferError:

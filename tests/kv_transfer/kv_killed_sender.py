@@ -1,0 +1,63 @@
+"""Helper process for the fault tests: start a transfer, then hang until killed.
+
+    python kv_killed_sender.py grpc|torch DEST TOKEN
+
+Sends the first chunk of transfer "killed" (request "victim"), prints SENT,
+and blocks with the stream / process group still open.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from kv_transfer import KVLayout, get_codec  # noqa: E402
+from kv_transfer.chunker import encode_chunks  # noqa: E402
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, block_size=4, head_dim=8, dtype=torch.float32, model_fingerprint="tiny-test")
+
+
+def first_chunk():
+    cache = torch.randn(LAYOUT.cache_shape(4))
+    chunks = encode_chunks(
+        cache, [0, 1, 2], LAYOUT, get_codec("none"), request_id="victim", transfer_id="killed",
+        layers=(0, 3), deadline_at=time.monotonic() + 120, chunk_bytes=200,
+    )
+    return next(chunks)
+
+
+def main() -> None:
+    kind, dest, token = sys.argv[1:4]
+    chunk = first_chunk()
+    if kind == "grpc":
+        import grpc
+
+        from kv_transfer.grpc_transport import SERVICE, TOKEN_KEY
+        from kv_transfer.wire import pack_frame
+
+        def frames():
+            yield pack_frame(chunk.header_bytes, chunk.payload.numpy())
+            print("SENT", flush=True)
+            threading.Event().wait()  # the stream stays open until we are killed
+
+        channel = grpc.insecure_channel(dest)
+        channel.stream_unary(f"/{SERVICE}/PushKV")(frames(), metadata=((TOKEN_KEY, token),))
+    else:
+        from kv_transfer.torch_transport import TorchSender
+
+        sender = TorchSender(LAYOUT, token=token)
+        pair, _ = sender._pair(dest)
+        sender._send_chunk(pair, chunk, False, time.monotonic() + 60)
+        print("SENT", flush=True)
+        threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

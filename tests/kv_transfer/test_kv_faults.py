@@ -1,0 +1,203 @@
+"""Every failure ends cleanly: status, which side, and every reserved block back in the pool."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import TOKEN, assert_no_leak, random_cache
+
+import kv_transfer.sender_core as sender_core
+from kv_transfer import FailedSide, KVLayout, TransferStatus
+from kv_transfer.wire import FRAME_PREFIX
+
+HELPER = os.path.join(os.path.dirname(__file__), "kv_killed_sender.py")
+
+
+def wait_for(predicate, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("kind", ["fake", "grpc", "torch"])
+def test_deadline_expiry_frees_blocks(make_pair, layout, kind):
+    pair = make_pair(kind, layout)
+    src = random_cache(layout, 6)
+    handle = pair.sender.send("r", src, [1, 2, 3], pair.dest, transfer_id="t", layers=(0, 1), deadline_s=0.3)
+    assert handle.wait(10) == TransferStatus.DONE  # the piece arrived; the other layers never do
+    assert pair.pool.num_used == 3
+    result = pair.receiver.wait("t", 5)
+    assert result.status == TransferStatus.EXPIRED and result.dst_block_ids == []
+    assert "deadline" in result.error
+    assert_no_leak(pair.pool)
+    late = pair.sender.send("r", src, [1, 2, 3], pair.dest, transfer_id="t", layers=(1, 3))
+    assert late.wait(10) == TransferStatus.FAILED and late.failed_side == FailedSide.RECEIVER
+    assert "expired" in late.error
+    assert_no_leak(pair.pool)
+
+
+@pytest.mark.parametrize("kind", ["grpc", "torch"])
+def test_sender_killed_mid_transfer(make_pair, layout, kind):
+    pair = make_pair(kind, layout)
+    process = subprocess.Popen([sys.executable, HELPER, kind, pair.dest, TOKEN], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "SENT"
+        assert wait_for(lambda: pair.receiver.status("killed") == TransferStatus.TRANSFERRING)
+        assert pair.pool.num_used == 3
+        process.send_signal(signal.SIGKILL)
+        result = pair.receiver.wait("killed", 10)  # the deadline is 120 s: this is the broken connection
+        assert result.status == TransferStatus.FAILED and result.request_id == "victim"
+        assert_no_leak(pair.pool)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def corrupt_second_chunk(monkeypatch):
+    real = sender_core.encode_chunks
+
+    def tampered(**job):
+        for chunk in real(**job):
+            if chunk.header.chunk_index == 1:
+                chunk.payload[-1] ^= 0xFF  # after the checksum was taken
+            yield chunk
+
+    monkeypatch.setattr(sender_core, "encode_chunks", tampered)
+
+
+@pytest.mark.parametrize("kind", ["fake", "grpc", "torch", "ray"])
+def test_corrupted_chunk_fails_on_checksum(make_pair, layout, kind, monkeypatch):
+    pair = make_pair(kind, layout, chunk_bytes=200)
+    corrupt_second_chunk(monkeypatch)
+    handle = pair.sender.send("r", random_cache(layout, 5), [0, 1, 2, 3], pair.dest)
+    assert handle.wait(30) == TransferStatus.FAILED
+    assert handle.failed_side == FailedSide.RECEIVER and "checksum mismatch in chunk 1" in handle.error
+    result = pair.receiver.wait(handle.transfer_id, 5)
+    assert result.status == TransferStatus.FAILED and "checksum" in result.error
+    assert_no_leak(pair.pool)
+
+
+@pytest.mark.parametrize("tamper, message", [
+    (lambda frame: frame[:-3], "truncated chunk"),
+    (lambda frame: frame.replace(b"\xa7version\x01", b"\xa7version\x07"), "unknown wire version 7"),
+    (lambda frame: FRAME_PREFIX.pack(1 << 30) + frame[4:], "header length"),
+])
+def test_malformed_frames_fail_cleanly(make_pair, layout, tamper, message):
+    pair = make_pair("fake", layout, chunk_bytes=200)
+    count = [0]
+
+    def second_frame_tampered(frame):
+        count[0] += 1
+        return tamper(frame) if count[0] == 2 else frame
+
+    pair.receiver.hub.tamper = second_frame_tampered
+    handle = pair.sender.send("r", random_cache(layout, 5), [0, 1, 2, 3], pair.dest)
+    assert handle.wait(10) == TransferStatus.FAILED and message in handle.error, handle
+    assert pair.receiver.wait(handle.transfer_id, 5).status == TransferStatus.FAILED
+    assert_no_leak(pair.pool)
+
+
+@pytest.mark.parametrize("kind", ["fake", "grpc", "torch", "ray"])
+def test_wrong_token_is_rejected_and_counted(make_pair, layout, kind):
+    pair = make_pair(kind, layout, sender_token="not-the-token")
+    handle = pair.sender.send("r", random_cache(layout, 3), [0, 1], pair.dest)
+    assert handle.wait(30) == TransferStatus.FAILED, handle
+    assert handle.failed_side == FailedSide.RECEIVER and "token" in handle.error
+    assert pair.receiver.stats.auth_failures >= 1
+    assert not bool(pair.dst_cache.any())
+    assert_no_leak(pair.pool)
+
+
+@pytest.mark.parametrize("kind", ["fake", "grpc", "torch", "ray"])
+def test_mismatched_handshake_names_both_values(make_pair, layout, kind):
+    other = KVLayout(layout.num_layers, layout.num_kv_heads, layout.block_size * 2, layout.head_dim, layout.dtype, layout.model_fingerprint)
+    pair = make_pair(kind, layout, receiver_layout=other)
+    handle = pair.sender.send("r", random_cache(layout, 3), [0, 1], pair.dest)
+    assert handle.wait(30) == TransferStatus.FAILED
+    assert "block_size" in handle.error and "sender=4" in handle.error and "receiver=8" in handle.error, handle.error
+    assert pair.receiver.stats.handshake_failures == 1
+    assert_no_leak(pair.pool)
+
+
+def test_codec_mismatch_is_refused(make_pair, layout):
+    pair = make_pair("grpc", layout)
+    pair.sender.codec = sender_core.get_codec("fp8")
+    handle = pair.sender.send("r", random_cache(layout, 3), [0], pair.dest)
+    assert handle.wait(10) == TransferStatus.FAILED
+    assert "codec: sender='fp8' receiver='none'" in handle.error
+
+
+@pytest.mark.parametrize("kind", ["fake", "grpc", "torch"])
+def test_receiver_out_of_blocks(make_pair, layout, kind):
+    pair = make_pair(kind, layout, num_dst_blocks=4)
+    pair.pool.take([1, 3])
+    handle = pair.sender.send("r", random_cache(layout, 5), [0, 1, 2], pair.dest)
+    assert handle.wait(10) == TransferStatus.FAILED and handle.failed_side == FailedSide.RECEIVER
+    assert "no room" in handle.error
+    assert_no_leak(pair.pool, [1, 3])
+
+
+@pytest.mark.parametrize("kind", ["fake", "grpc", "torch", "ray"])
+def test_nan_in_kv_fails_on_the_sender_side(make_pair, layout, kind):
+    pair = make_pair(kind, layout, codec="fp8", chunk_bytes=200)
+    src = random_cache(layout, 4)
+    src[2, 3, 1, 0, 0, 0] = float("nan")  # last layer: earlier chunks were already shipped
+    handle = pair.sender.send("r", src, [0, 1, 2, 3], pair.dest)
+    assert handle.wait(10) == TransferStatus.FAILED and handle.failed_side == FailedSide.SENDER
+    assert "NaN" in handle.error
+    assert pair.receiver.wait(handle.transfer_id, 5).status == TransferStatus.FAILED
+    ok = pair.sender.send("r2", random_cache(layout, 4), [0, 1], pair.dest)  # the link still works
+    assert ok.wait(10) == TransferStatus.DONE, ok
+    assert_no_leak(pair.pool, pair.receiver.wait(ok.transfer_id, 5).dst_block_ids)
+
+
+def test_cancel_by_request_and_by_transfer_id(make_pair, layout):
+    pair = make_pair("fake", layout)
+    src = random_cache(layout, 6)
+    pair.sender.send("victim", src, [0, 1], pair.dest, transfer_id="a", layers=(0, 1)).wait(5)
+    pair.sender.send("other", src, [2, 3, 4], pair.dest, transfer_id="b", layers=(0, 1)).wait(5)
+    assert pair.pool.num_used == 5
+    assert pair.receiver.cancel(request_id="victim") == ["a"]
+    assert_no_leak(pair.pool, [2, 3, 4])
+    assert pair.receiver.cancel(transfer_id="b") == ["b"]
+    assert_no_leak(pair.pool)
+    assert {(r.transfer_id, r.status) for r in pair.receiver.poll()} == {("a", TransferStatus.CANCELLED), ("b", TransferStatus.CANCELLED)}
+    # cancelling before the first chunk arrives: later chunks are refused, nothing is reserved
+    assert pair.receiver.cancel(transfer_id="c") == []
+    late = pair.sender.send("x", src, [0], pair.dest, transfer_id="c")
+    assert late.wait(5) == TransferStatus.FAILED and "cancelled" in late.error
+    assert_no_leak(pair.pool)
+
+
+def test_done_blocks_belong_to_the_decode_worker(make_pair, layout):
+    pair = make_pair("fake", layout)
+    seen = []
+    pair.receiver.core.on_complete = seen.append
+    handle = pair.sender.send("r", random_cache(layout, 3), [2, 0], pair.dest, transfer_id="t")
+    assert handle.wait(5) == TransferStatus.DONE
+    assert pair.receiver.cancel(transfer_id="t") == []  # DONE is final: cancel frees nothing
+    assert pair.pool.used_ids == {0, 1}
+    assert [(r.transfer_id, r.dst_block_ids) for r in seen] == [("t", [0, 1])]
+    assert_no_leak(pair.pool, [0, 1])
+
+
+def test_sender_drops_the_cache_after_done(make_pair, layout):
+    import gc
+    import weakref
+
+    pair = make_pair("grpc", layout)
+    src = random_cache(layout, 4)
+    ref = weakref.ref(src)
+    assert pair.sender.send("r", src, [1, 3], pair.dest).wait(10) == TransferStatus.DONE
+    del src
+    gc.collect()
+    assert wait_for(lambda: ref() is None, 2), "sender still holds the prefill cache"

@@ -1,0 +1,93 @@
+"""torch transport: lazy pairwise groups, LRU bound, teardown when a peer dies; factory and imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import TOKEN, assert_no_leak, random_cache
+
+from kv_transfer import FailedSide, SimpleBlockPool, TransferStatus, make_receiver, make_sender
+
+
+def receiver(layout, pool):
+    cache = torch.zeros(layout.cache_shape(pool.num_blocks), dtype=layout.dtype)
+    return make_receiver("torch", layout, cache, pool, token=TOKEN), cache
+
+
+def test_groups_are_lazy_bounded_and_evicted_lru(layout):
+    pools = [SimpleBlockPool(8) for _ in range(3)]
+    receivers = [receiver(layout, pool)[0] for pool in pools]
+    sender = make_sender("torch", layout, token=TOKEN, max_groups=2)
+    try:
+        assert sender.num_groups == 0  # nothing until the first send
+        src = random_cache(layout, 4)
+        for r in receivers + receivers[:1]:
+            handle = sender.send("r", src, [1, 2], r.endpoint)
+            assert handle.wait(20) == TransferStatus.DONE, handle
+        assert sender.num_groups == 2
+        assert list(sender._pairs) == [receivers[2].endpoint, receivers[0].endpoint]  # receiver 1 was evicted
+        assert [p.num_used for p in pools] == [4, 2, 2]
+    finally:
+        sender.close()
+        for r in receivers:
+            r.close()
+
+
+def test_unreachable_receiver_is_a_transport_failure(layout):
+    sender = make_sender("torch", layout, token=TOKEN, connect_timeout_s=1)
+    try:
+        handle = sender.send("r", random_cache(layout, 2), [0], "127.0.0.1:1")  # nobody listens there
+        assert handle.wait(30) == TransferStatus.FAILED and handle.failed_side == FailedSide.TRANSPORT, handle
+        assert sender.num_groups == 0
+    finally:
+        sender.close()
+
+
+def test_receiver_process_death_fails_the_send_and_drops_the_group(layout, tmp_path):
+    script = tmp_path / "recv.py"
+    script.write_text(
+        "import os, sys, time, torch\n"
+        f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).resolve().parents[2])!r})\n"
+        "os.environ['GLOO_SOCKET_IFNAME'] = 'lo'\n"
+        "from kv_transfer import KVLayout, SimpleBlockPool, make_receiver\n"
+        "layout = KVLayout(3, 2, 4, 8, torch.float32, 'tiny-test')\n"
+        "pool = SimpleBlockPool(8)\n"
+        f"r = make_receiver('torch', layout, torch.zeros(layout.cache_shape(8)), pool, token={TOKEN!r})\n"
+        "print(r.endpoint, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    sender = make_sender("torch", layout, token=TOKEN)
+    try:
+        endpoint = process.stdout.readline().strip()
+        src = random_cache(layout, 4)
+        assert sender.send("r", src, [0, 1], endpoint).wait(30) == TransferStatus.DONE
+        process.kill()
+        process.wait()
+        handle = sender.send("r", src, [0, 1], endpoint)
+        assert handle.wait(30) == TransferStatus.FAILED and handle.failed_side == FailedSide.TRANSPORT, handle
+        assert sender.num_groups == 0
+    finally:
+        process.kill()
+        sender.close()
+
+
+def test_factory_rejects_unknown_transport(layout):
+    with pytest.raises(ValueError, match="unknown KV transport 'carrier-pigeon'"):
+        make_sender("carrier-pigeon", layout)
+
+
+def test_kv_transfer_imports_neither_ray_nor_engine():
+    code = (
+        "import sys, torch, kv_transfer\n"
+        "from kv_transfer import KVLayout, make_sender\n"
+        "make_sender('grpc', KVLayout(1, 1, 1, 1, torch.float32)).close()\n"
+        "make_sender('torch', KVLayout(1, 1, 1, 1, torch.float32)).close()\n"
+        "print('ray' in sys.modules, any(m == 'engine' or m.startswith('engine.') for m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+    assert_no_leak(SimpleBlockPool(1))
