@@ -136,11 +136,13 @@ class ReceiverCore:
                 raise TransferError(f"transfer {header.transfer_id} is {transfer.status.value}", FailedSide.RECEIVER)
             transfer.status = TransferStatus.TRANSFERRING
             shape = header.shape
+            if payload.device != self.kv_cache.device:  # decode where the cache lives (GPU)
+                payload = payload.to(self.kv_cache.device)
             data = get_codec(header.codec).decode(payload, shape, DTYPES[header.dtype])
             layer_slice = slice(header.layer_start, header.layer_end)
             block_slice = slice(header.block_start, header.block_end)
             # kv_cache[l0:l1, dst_ids[b0:b1]] = data  (data: [l, n, 2, H, B, D])
-            self.kv_cache[layer_slice].index_copy_(1, transfer.dst_index[block_slice], data.to(self.kv_cache.device))
+            self.kv_cache[layer_slice].index_copy_(1, transfer.dst_index[block_slice], data)
             cells = transfer.covered[layer_slice, block_slice]
             transfer.num_missing -= int((~cells).sum())
             cells.fill_(True)

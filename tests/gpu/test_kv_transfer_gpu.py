@@ -1,0 +1,99 @@
+"""kv_transfer on CUDA: codecs on device, gRPC/fake with device caches, NCCL pairs.
+
+Skipped without a CUDA device; the NCCL test needs two GPUs (NCCL refuses
+two ranks on one device).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+from kv_transfer import FakeHub, KVLayout, SimpleBlockPool, TransferStatus, get_codec, make_receiver, make_sender  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+TOKEN = "gpu-token"
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, block_size=16, head_dim=64, dtype=torch.bfloat16, model_fingerprint="gpu-test")
+
+
+def cache(num_blocks: int, seed: int = 0, device: str = "cuda") -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.cache_shape(num_blocks), generator=generator).to(LAYOUT.dtype).to(device)
+
+
+@pytest.mark.parametrize("name", ["none", "fp8", "fp8_tensor"])
+def test_codec_on_cuda_matches_cpu(name):
+    codec = get_codec(name)
+    x = cache(8)[:, [5, 2, 7]]  # [L, n, 2, H, B, D]
+    shape = tuple(x.shape)
+    out_gpu = torch.empty(codec.payload_nbytes(shape, x.dtype), dtype=torch.uint8, device="cuda")
+    out_cpu = torch.empty_like(out_gpu, device="cpu")
+    codec.encode(x, out_gpu)
+    codec.encode(x.cpu(), out_cpu)
+    assert torch.equal(out_gpu.cpu(), out_cpu)
+    assert torch.equal(codec.decode(out_gpu, shape, x.dtype).cpu(), codec.decode(out_cpu, shape, x.dtype))
+
+
+@pytest.mark.parametrize("kind", ["fake", "grpc"])
+@pytest.mark.parametrize("codec", ["none", "fp8"])
+def test_device_caches_round_trip(kind, codec):
+    pool = SimpleBlockPool(32)
+    pool.take([0, 3])
+    dst = torch.zeros(LAYOUT.cache_shape(32), dtype=LAYOUT.dtype, device="cuda")
+    extra = {"hub": FakeHub()} if kind == "fake" else {}
+    receiver = make_receiver(kind, LAYOUT, dst, pool, codec=codec, token=TOKEN, **extra)
+    sender = make_sender(kind, LAYOUT, codec=codec, token=TOKEN, chunk_bytes=1 << 16, **extra)
+    try:
+        src = cache(16)
+        ids = [9, 1, 14, 4]
+        handle = sender.send("r", src, ids, receiver.endpoint)
+        assert handle.wait(30) == TransferStatus.DONE, handle
+        result = receiver.wait(handle.transfer_id, 10)
+        got, expected = dst[:, result.dst_block_ids], src[:, ids]
+        if codec == "none":
+            assert torch.equal(got, expected)
+        else:
+            assert float((got.float() - expected.float()).norm() / expected.float().norm()) < 0.04
+        assert pool.used_ids == {0, 3, *result.dst_block_ids}
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def _nccl_receiver(queue, done):
+    torch.cuda.set_device(1)
+    pool = SimpleBlockPool(16)
+    dst = torch.zeros(LAYOUT.cache_shape(16), dtype=LAYOUT.dtype, device="cuda:1")
+    receiver = make_receiver("torch", LAYOUT, dst, pool, token=TOKEN)
+    queue.put(receiver.endpoint)
+    transfer_id = queue.get()
+    result = receiver.wait(transfer_id, 60)
+    queue.put((result.status.value, dst[:, result.dst_block_ids].cpu()))
+    done.wait(60)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL pairs need two GPUs")
+def test_nccl_pair_round_trip():
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Event()
+    process = ctx.Process(target=_nccl_receiver, args=(queue, done))
+    process.start()
+    try:
+        endpoint = queue.get(timeout=60)
+        src = cache(8, device="cuda:0")
+        sender = make_sender("torch", LAYOUT, token=TOKEN, device="cuda:0")
+        handle = sender.send("r", src, [3, 6, 1], endpoint)
+        queue.put(handle.transfer_id)
+        assert handle.wait(60) == TransferStatus.DONE, handle
+        status, got = queue.get(timeout=60)
+        assert status == "done" and torch.equal(got, src[:, [3, 6, 1]].cpu())
+        sender.close()
+    finally:
+        done.set()
+        process.join(30)
+        process.kill()
