@@ -19,6 +19,7 @@ its in-flight transfers fail; the next send builds a fresh one.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -48,17 +49,26 @@ def _split_host_port(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _make_group(store, rank: int, backend: str, timeout: timedelta, interface: str | None):
+def _make_group(store, rank: int, backend: str, timeout: timedelta, device_host: str, interface: str | None):
     prefix_store = dist.PrefixStore("pg/", store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefix_store, rank, 2, options)
     options = dist.ProcessGroupGloo._Options()
-    device = dist.ProcessGroupGloo.create_device(interface=interface) if interface else dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-    options._devices = [device]
+    options._devices = [_gloo_device(device_host, interface)]
     options._timeout = timeout
     return dist.ProcessGroupGloo(prefix_store, rank, 2, options)
+
+
+def _gloo_device(host: str, interface: str | None):
+    """Loopback peers talk over 127.0.0.1; others over ``interface`` or GLOO_SOCKET_IFNAME."""
+    interface = interface or (None if host.startswith("127.") or host == "localhost" else os.environ.get("GLOO_SOCKET_IFNAME"))
+    if interface:
+        return dist.ProcessGroupGloo.create_device(interface=interface)
+    if host.startswith("127.") or host == "localhost":
+        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    return dist.ProcessGroupGloo.create_default_device()
 
 
 def _unpack_small(data: bytes) -> dict:
@@ -76,6 +86,7 @@ class TorchReceiver(CoreReceiver):
         self.device = kv_cache.device
         self.backend = "nccl" if kv_cache.is_cuda else "gloo"
         self.max_groups, self.interface = max_groups, interface
+        self.host = host
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
         self._endpoint = f"{host}:{self._store.port}"
         self._closed = threading.Event()
@@ -122,7 +133,7 @@ class TorchReceiver(CoreReceiver):
     def _serve_pair(self, index: int) -> None:
         in_flight: set[str] = set()
         try:
-            group = _make_group(dist.PrefixStore(f"pair/{index}/", self._store), 1, self.backend, _IDLE_TIMEOUT, self.interface)
+            group = _make_group(dist.PrefixStore(f"pair/{index}/", self._store), 1, self.backend, _IDLE_TIMEOUT, self.host, self.interface)
             while not self._closed.is_set():
                 if not self._serve_piece(group, in_flight):
                     break
@@ -213,7 +224,7 @@ class TorchSender(BaseSender):
             error = str(reply.get("error"))
             raise HandshakeError(error) if "mismatch" in error else TransferError(error, FailedSide.RECEIVER)
         check_compatible(self.describe(), reply.get("layout") or {})
-        group = _make_group(dist.PrefixStore(f"pair/{index}/", store), 0, self.backend, _IDLE_TIMEOUT, self.interface)
+        group = _make_group(dist.PrefixStore(f"pair/{index}/", store), 0, self.backend, _IDLE_TIMEOUT, host, self.interface)
         pair = _Pair(store, group, index)
         with self._pairs_lock:
             self._pairs[dest] = pair
