@@ -117,13 +117,20 @@ class DecodeWorker:
             self._on_transfer(orphan[0])
 
     def _abort(self, request_id: str) -> None:
+        """Drop the request wherever it is; its stream gets a final "abort" event."""
+        aborted = []
         for tid, j in list(self._waiting_kv.items()):
             if j.job.request_id == request_id:
                 del self._waiting_kv[tid]
                 if self.receiver:
                     self.receiver.cancel(transfer_id=tid)
-        if self._running.pop(request_id, None) is not None:
+                aborted.append(j)
+        j = self._running.pop(request_id, None)
+        if j is not None:
             self.engine.abort(request_id)
+            aborted.append(j)
+        for j in aborted:
+            j.emit(DecodeEvent(request_id, [], "", finish_reason="abort"))
 
     def _on_transfer(self, result: TransferResult) -> None:
         j = self._waiting_kv.pop(result.transfer_id, None)

@@ -1,0 +1,57 @@
+"""Ray actor around `DecodeWorker`: `generate` is a Ray streaming generator of DecodeEvents."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from decode_worker.worker import DecodeEvent, DecodeJob, DecodeWorker
+from engine.args import EngineArgs
+from kv_transfer.settings import TransferSettings, build_receiver, layout_of
+
+log = logging.getLogger(__name__)
+
+
+class DecodeActor:
+    def __init__(self, engine_args: EngineArgs, transfer: TransferSettings, actor_id: str):
+        if transfer.bind_host == "auto":          # multi-node: listen on this node's address
+            import ray
+            transfer = dataclasses.replace(transfer, bind_host=ray.util.get_node_ip_address())
+        engine = engine_args.build()
+        self.layout = layout_of(engine.kv_cache, engine.fingerprint)
+        self.transfer = transfer
+        self.worker = DecodeWorker(engine, lambda on_complete: build_receiver(
+            transfer, self.layout, engine.kv_cache, engine.block_manager, on_complete), actor_id)
+        self.worker.start()
+        log.info("decode actor %s ready: model %s, %d KV blocks, KV endpoint %s", actor_id,
+                 engine.model_dir, engine.block_manager.num_blocks, self.worker.endpoint)
+
+    async def generate(self, job: DecodeJob):
+        """Yields lists of DecodeEvents (everything new since the last yield) until the request ends."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[DecodeEvent] = asyncio.Queue()
+        self.worker.submit(job, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        finished = False
+        try:
+            while not finished:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                finished = any(ev.finish_reason or ev.error_code for ev in batch)
+                yield batch
+        finally:
+            if not finished:            # the consumer went away: free the request here
+                self.worker.abort(job.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+
+    async def stats(self) -> dict:
+        return self.worker.stats()
+
+    async def info(self) -> dict:
+        engine = self.worker.engine
+        return {"role": "decode", "actor_id": self.worker.actor_id, "endpoint": self.worker.endpoint,
+                "layout": self.layout.describe(self.transfer.codec),
+                "kv_blocks_total": engine.block_manager.num_blocks, "block_size": engine.block_size,
+                "max_model_len": engine.max_model_len}

@@ -1,0 +1,198 @@
+"""`ClusterBackend`: the router's Backend over Ray prefill and decode actor pools.
+
+One request, as dispatched here:
+
+    admission (reserve KV blocks on a decode actor; wait in a bounded queue if none fits)
+      → pick a prefill actor (longest cached prefix, then least queued prompt tokens)
+      → decode.generate(job) stream opened first (the job waits for its KV), then
+        prefill.prefill(job) ships the KV straight to that decode actor
+      → decode events stream back as chunks; the prefill result adds timings
+    A failed prefill or transfer is retried on another prefill actor (bounded);
+    short uncached prompts (`local_prefill_tokens`) are prefilled by the decode
+    actor itself. Cancellation aborts the request on both actors.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import ray
+
+from decode_worker.worker import DecodeEvent, DecodeJob
+from engine.block_manager import prompt_block_hashes
+from prefill_worker.worker import PrefillJob, PrefillResult
+from router.backend import ActorStats, Backend, BackendError, GenerationChunk, GenerationInput, Timing, Usage
+from router.dispatch import AdmissionQueue, DecodeView, PrefillView, pick_prefill
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RoutingSettings:
+    local_prefill_tokens: int = 0
+    long_request_tokens: int | None = None
+    max_queue: int = 1024
+    max_attempts: int = 3
+    transfer_deadline_s: float = 30.0
+
+
+class _Retry(Exception):
+    """The prefill side failed; try again on another prefill actor."""
+
+
+class ClusterBackend(Backend):
+    def __init__(self, prefill: list[PrefillView], decode: list[DecodeView], tokenizer, max_model_len: int,
+                 block_size: int, routing: RoutingSettings, long_decode: list[DecodeView] | None = None):
+        self.prefill = prefill
+        self.decode = decode
+        self.long_decode = long_decode or []
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.routing = routing
+        self.admission = AdmissionQueue(routing.max_queue)
+
+    async def ready(self) -> bool:
+        return bool(self.decode) and all(v.healthy for v in self.decode)
+
+    async def stats(self) -> list[ActorStats]:
+        views = [*self.prefill, *self.decode, *self.long_decode]
+        results = await asyncio.gather(*(v.handle.stats.remote() for v in views), return_exceptions=True)
+        return [ActorStats(**r) for r in results if isinstance(r, dict)]
+
+    def _decode_pool(self, total_tokens: int) -> list[DecodeView]:
+        limit = self.routing.long_request_tokens
+        if self.long_decode and limit is not None and total_tokens > limit:
+            return self.long_decode
+        return self.decode
+
+    async def generate(self, inp: GenerationInput):
+        start = time.monotonic()
+        prompt = inp.prompt_token_ids
+        total = len(prompt) + inp.params.max_tokens
+        need = -(-total // self.block_size)
+        pool = self._decode_pool(total)
+        if not pool or need > max(v.kv_blocks_total for v in pool):
+            raise BackendError("RESOURCE_EXHAUSTED", f"request needs {need} KV blocks ({total} tokens); "
+                               f"the largest decode actor holds {max((v.kv_blocks_total for v in pool), default=0)}")
+        timeout = None if inp.deadline is None else max(inp.deadline - time.monotonic(), 0.0)
+        view = await self.admission.acquire(pool, need, timeout)
+        if view is None:
+            raise BackendError("RESOURCE_EXHAUSTED", f"no decode actor has room for {need} KV blocks and "
+                               f"the admission queue is full ({self.routing.max_queue}) or the deadline passed")
+        hashes = prompt_block_hashes(prompt, self.block_size)
+        timing = Timing(queue_s=time.monotonic() - start)
+        excluded: set[str] = set()
+        try:
+            for attempt in range(self.routing.max_attempts):
+                try:
+                    async for chunk in self._attempt(inp, view, hashes, timing, excluded):
+                        yield chunk
+                    return
+                except _Retry as e:
+                    log.warning("request %s: attempt %d failed (%s); retrying", inp.request_id, attempt + 1, e)
+            raise BackendError("UNAVAILABLE", f"prefill or KV transfer failed {self.routing.max_attempts} times")
+        finally:
+            await self.admission.release(view, need)
+
+    async def _attempt(self, inp: GenerationInput, view: DecodeView, hashes: list[bytes], timing: Timing,
+                       excluded: set[str]):
+        rid, prompt = inp.request_id, inp.prompt_token_ids
+        pview, cached = pick_prefill(self.prefill, hashes, excluded)
+        uncached = len(prompt) - cached * self.block_size
+        local = pview is None or uncached < self.routing.local_prefill_tokens
+        transfer_id = None if local else uuid.uuid4().hex
+        deadline_s = self.routing.transfer_deadline_s
+        djob = DecodeJob(rid, prompt, inp.params, transfer_id, 0, deadline_s)
+        stream = view.handle.generate.options(num_returns="streaming").remote(djob)
+        pref_task = None
+        if not local:
+            pview.queued_tokens += uncached
+            pjob = PrefillJob(rid, prompt, inp.params, view.endpoint, transfer_id, deadline_s)
+            pref_task = asyncio.ensure_future(self._prefill(pview, pjob, uncached))
+        usage = Usage(len(prompt), 0, 0)
+        finished = False
+        events = stream.__aiter__()
+        next_task = asyncio.ensure_future(events.__anext__())
+        try:
+            while True:
+                waiting = {next_task} | ({pref_task} if pref_task is not None else set())
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if pref_task in done:
+                    result: PrefillResult = pref_task.result()
+                    pref_task = None
+                    chunk = self._on_prefill(result, pview, hashes, timing, usage, view)
+                    if chunk is not None:            # ended at its first token: no decode needed
+                        finished = True
+                        yield chunk
+                        return
+                if next_task in done:
+                    try:
+                        ref = next_task.result()
+                    except StopAsyncIteration:
+                        raise BackendError("INTERNAL", f"decode stream of {rid} ended without a finish")
+                    batch: list[DecodeEvent] = await ref
+                    for ev in batch:
+                        chunk = self._on_event(ev, timing, usage)
+                        if chunk.finish_reason:
+                            finished = True
+                        yield chunk
+                        if finished:
+                            return
+                    next_task = asyncio.ensure_future(events.__anext__())
+        except ray.exceptions.RayError as e:
+            raise BackendError("UNAVAILABLE", f"decode actor {view.actor_id} failed: {e}") from None
+        except _Retry:
+            if not local and len(self.prefill) > len(excluded) + 1:
+                excluded.add(pview.actor_id)       # try a different prefill actor next
+            raise
+        finally:
+            next_task.cancel()
+            if pref_task is not None:
+                pref_task.cancel()
+            if not finished:
+                view.handle.abort.remote(rid)
+                if not local:
+                    pview.handle.abort.remote(rid)
+
+    async def _prefill(self, pview: PrefillView, job: PrefillJob, uncached: int) -> PrefillResult:
+        try:
+            return await pview.handle.prefill.remote(job)
+        except ray.exceptions.RayError as e:
+            return PrefillResult(job.request_id, job.transfer_id, "failed", error=str(e), failed_side="sender")
+        finally:
+            pview.queued_tokens -= uncached
+
+    def _on_prefill(self, result: PrefillResult, pview: PrefillView, hashes: list[bytes], timing: Timing,
+                    usage: Usage, view: DecodeView) -> GenerationChunk | None:
+        if result.status in ("failed", "aborted"):
+            view.handle.abort.remote(result.request_id)
+            raise _Retry(f"prefill actor {pview.actor_id}: {result.error or result.status}")
+        pview.remember(hashes)
+        timing.queue_s += result.queue_s
+        timing.prefill_s = result.prefill_s
+        timing.kv_transfer_s = result.transfer_s
+        usage.cached_prompt_tokens = result.num_cached_tokens
+        if result.status == "finished":
+            view.handle.abort.remote(result.request_id)
+            usage.completion_tokens = 1
+            text = self.tokenizer.decode([result.first_token_id])
+            return GenerationChunk([result.first_token_id], text, result.finish_reason, usage, timing)
+        return None
+
+    def _on_event(self, ev: DecodeEvent, timing: Timing, usage: Usage) -> GenerationChunk:
+        if ev.error_code:
+            if ev.error_code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") and "KV" in ev.error:
+                raise _Retry(ev.error)
+            raise BackendError(ev.error_code, ev.error)
+        if ev.decode_queue_s:
+            timing.decode_queue_s = ev.decode_queue_s
+        usage.completion_tokens += len(ev.token_ids)
+        if ev.finish_reason:
+            if not usage.cached_prompt_tokens:
+                usage.cached_prompt_tokens = ev.num_cached_tokens
+            return GenerationChunk(ev.token_ids, ev.text, ev.finish_reason, usage, timing)
+        return GenerationChunk(ev.token_ids, ev.text, None)

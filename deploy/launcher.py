@@ -1,0 +1,138 @@
+"""Start the cluster a config describes: Ray, the prefill/decode actor pools, the router.
+
+This is the one place that applies Ray to the plain worker classes
+(`ray.remote(PrefillActor)`, `ray.remote(DecodeActor)`) with resources from
+pools.yaml, and the startup check that every pool agrees on the KV layout.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+from dataclasses import dataclass, field
+
+from deploy.config import PDServeConfig
+from engine.args import EngineArgs
+from engine.config import ModelConfig
+from engine.presets import resolve_model
+from engine.tokenizer import Tokenizer
+from kv_transfer.layout import HandshakeError, check_compatible
+from kv_transfer.settings import TransferSettings
+from router.dispatch import DecodeView, PrefillView
+
+log = logging.getLogger(__name__)
+
+CPU_KV_DEFAULT_BYTES = 1 << 30       # budget base per actor on CPU when only memory_fraction is set
+
+
+def init_ray(address: str | None = None, namespace: str = "pdserve", num_cpus: float | None = None) -> None:
+    """Join `address`, or start a local Ray instance with every listener on 127.0.0.1."""
+    import ray
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, namespace=namespace, log_to_driver=True)
+        return
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # keep Ray on loopback
+    ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False,
+             _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
+
+
+def engine_args(cfg: PDServeConfig, pool: str, model_dir: str) -> EngineArgs:
+    p = getattr(cfg.pools, pool)
+    kv = cfg.pool_kv_cache(pool)
+    mcfg = ModelConfig.from_dir(model_dir)
+    dtype = cfg.model.dtype
+    itemsize = 4 if dtype == "float32" or (dtype == "auto" and p.resources.num_gpus == 0) else 2
+    per_block = mcfg.kv_bytes_per_token(itemsize) * kv.block_size
+    num_blocks = kv.resolve_num_blocks(per_block, CPU_KV_DEFAULT_BYTES)
+    args = EngineArgs(model=model_dir, dtype=dtype, block_size=kv.block_size, num_blocks=max(num_blocks, 1),
+                      max_model_len=cfg.model.max_model_len, torch_threads=p.resources.threads())
+    if pool == "prefill":
+        args.max_num_batched_tokens = p.max_batch_tokens
+        args.chunk_size = p.chunk_tokens
+    else:
+        args.max_num_seqs = p.max_batch_size
+        args.chunk_size = cfg.pools.prefill.chunk_tokens
+    return args
+
+
+def transfer_settings(cfg: PDServeConfig, cluster_token: str, bind_host: str) -> TransferSettings:
+    t = cfg.kv_transfer
+    return TransferSettings(t.transport, t.compression, cluster_token, t.chunk_bytes, t.deadline_s, bind_host)
+
+
+@dataclass
+class Pools:
+    prefill: list[PrefillView] = field(default_factory=list)
+    decode: list[DecodeView] = field(default_factory=list)
+    long_decode: list[DecodeView] = field(default_factory=list)
+
+    @property
+    def handles(self) -> list:
+        return [v.handle for v in (*self.prefill, *self.decode, *self.long_decode)]
+
+
+def _actor_options(cfg: PDServeConfig, pool: str, name: str) -> dict:
+    p = getattr(cfg.pools, pool)
+    r = p.resources
+    return dict(name=name, num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=dict(r.custom) or None,
+                max_restarts=p.max_restarts, max_concurrency=1000, lifetime=None)
+
+
+async def start_pools(cfg: PDServeConfig, cluster_token: str, counts: dict[str, int] | None = None) -> Pools:
+    """Create every actor, wait until each is up, and refuse mismatched KV layouts."""
+    import ray
+
+    from decode_worker.actor import DecodeActor
+    from prefill_worker.actor import PrefillActor
+    model_dir = resolve_model(cfg.model.name)       # materialize a preset once, before actors race for it
+    multi_node = bool(cfg.ray.address)
+    bind_host = ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
+    transfer = transfer_settings(cfg, cluster_token, "auto" if multi_node else bind_host)
+    counts = counts or {}
+    suffix = secrets.token_hex(3)
+    specs = []
+    for pool, _ in cfg.pools.items():
+        n = counts.get(pool) or getattr(cfg.pools, pool).bounds()[0]
+        cls = PrefillActor if pool == "prefill" else DecodeActor
+        for i in range(n):
+            actor_id = f"{pool}-{i}"
+            handle = ray.remote(cls).options(**_actor_options(cfg, pool, f"pdserve-{actor_id}-{suffix}")).remote(
+                engine_args(cfg, pool, model_dir), transfer, actor_id)
+            specs.append((pool, handle))
+    log.info("starting %d actors (%s)", len(specs), ", ".join(sorted({p for p, _ in specs})))
+    infos = await asyncio.gather(*(h.info.remote() for _, h in specs))
+    check_layouts(infos)
+    pools = Pools()
+    for (pool, handle), info in zip(specs, infos):
+        if pool == "prefill":
+            pools.prefill.append(PrefillView(info["actor_id"], handle, info["kv_blocks_total"]))
+        else:
+            view = DecodeView(info["actor_id"], handle, info["endpoint"], info["kv_blocks_total"])
+            (pools.decode if pool == "decode" else pools.long_decode).append(view)
+    return pools
+
+
+def check_layouts(infos: list[dict]) -> None:
+    """Every actor must agree on model fingerprint, block size, KV layout, dtype and codec."""
+    first = infos[0]
+    for info in infos[1:]:
+        try:
+            check_compatible(first["layout"], info["layout"])
+        except HandshakeError as e:
+            raise HandshakeError(f"{first['actor_id']} vs {info['actor_id']}: {e}") from None
+
+
+def cluster_token(cfg: PDServeConfig) -> str:
+    """The configured token, else a random one: internal endpoints always authenticate."""
+    token = cfg.security.token
+    return token.get_secret_value() if token is not None else secrets.token_urlsafe(24)
+
+
+def load_tokenizer(cfg: PDServeConfig) -> tuple[Tokenizer, int]:
+    model_dir = resolve_model(cfg.model.name)
+    mcfg = ModelConfig.from_dir(model_dir)
+    max_len = min(cfg.model.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    return Tokenizer(model_dir, mcfg.eos_token_ids, mcfg.bos_token_id), max_len

@@ -1,0 +1,56 @@
+"""A running cluster in this process: Ray pools + ClusterBackend + router gRPC server."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from deploy.cluster_backend import ClusterBackend, RoutingSettings
+from deploy.config import PDServeConfig
+from deploy.launcher import Pools, cluster_token, init_ray, load_tokenizer, start_pools
+from router.security import TLSConfig
+from router.server import RouterServer, start_server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningCluster:
+    cfg: PDServeConfig
+    pools: Pools
+    backend: ClusterBackend
+    server: RouterServer
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.server.host}:{self.server.port}"
+
+    async def stop(self, grace: float = 1.0) -> None:
+        import ray
+        await self.server.stop(grace)
+        for handle in self.pools.handles:
+            ray.kill(handle, no_restart=True)
+        log.info("cluster stopped")
+
+
+def tls_of(cfg: PDServeConfig) -> TLSConfig | None:
+    s = cfg.security
+    return TLSConfig(s.tls_cert, s.tls_key, s.tls_client_ca) if s.tls_cert else None
+
+
+async def start_cluster(cfg: PDServeConfig, port: int | None = None) -> RunningCluster:
+    """Bring up everything `cfg` describes; `port=0` picks a free port (tests)."""
+    init_ray(cfg.ray.address, cfg.ray.namespace)
+    pools = await start_pools(cfg, cluster_token(cfg))
+    tokenizer, max_len = load_tokenizer(cfg)
+    r = cfg.routing
+    routing = RoutingSettings(r.local_prefill_tokens, r.long_request_tokens, r.max_queue,
+                              transfer_deadline_s=cfg.kv_transfer.deadline_s)
+    backend = ClusterBackend(pools.prefill, pools.decode, tokenizer, max_len, cfg.kv_cache.block_size,
+                             routing, pools.long_decode)
+    token = cfg.security.token.get_secret_value() if cfg.security.token else None
+    server = await start_server(backend, cfg.server.host, cfg.server.port if port is None else port,
+                                token=token, tls=tls_of(cfg), max_queue=r.max_queue)
+    log.info("pdserve ready on %s:%d — %d prefill + %d decode actors, model %s, KV %s/%s",
+             cfg.server.host, server.port, len(pools.prefill), len(pools.decode), cfg.model.name,
+             cfg.kv_transfer.transport, cfg.kv_transfer.compression)
+    return RunningCluster(cfg, pools, backend, server)

@@ -1,0 +1,52 @@
+"""Ray actor around `PrefillWorker` (the only module here that touches Ray's API surface)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from engine.args import EngineArgs
+from kv_transfer.settings import TransferSettings, build_sender, layout_of
+from prefill_worker.worker import PrefillJob, PrefillResult, PrefillWorker
+
+log = logging.getLogger(__name__)
+
+
+class PrefillActor:
+    """Async actor: `prefill` awaits the worker's result without blocking other calls."""
+
+    def __init__(self, engine_args: EngineArgs, transfer: TransferSettings, actor_id: str):
+        engine = engine_args.build()
+        self.layout = layout_of(engine.kv_cache, engine.fingerprint)
+        self.transfer = transfer
+        self.worker = PrefillWorker(engine, build_sender(transfer, self.layout, engine.device), actor_id)
+        self.worker.start()
+        log.info("prefill actor %s ready: model %s, %d KV blocks, transport %s/%s", actor_id,
+                 engine.model_dir, engine.block_manager.num_blocks, transfer.transport, transfer.codec)
+
+    async def prefill(self, job: PrefillJob) -> PrefillResult:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done(result: PrefillResult) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+        self.worker.submit(job, done)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.worker.abort(job.request_id)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+
+    async def stats(self) -> dict:
+        return self.worker.stats()
+
+    async def info(self) -> dict:
+        engine = self.worker.engine
+        return {"role": "prefill", "actor_id": self.worker.actor_id, "layout": self.layout.describe(
+            self.transfer.codec), "kv_blocks_total": engine.block_manager.num_blocks,
+            "block_size": engine.block_size, "max_model_len": engine.max_model_len}
+
+    async def ping(self) -> bool:
+        return True

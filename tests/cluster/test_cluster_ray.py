@@ -1,0 +1,78 @@
+"""The whole service on local Ray: gRPC in, prefill and decode pools, KV handoff, tokens out."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from deploy.config import load_config
+from deploy.running import start_cluster
+from proto.pdserve.v1 import generation_pb2 as pb
+from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+from cluster_helpers import prompts_and_params
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    from deploy.launcher import init_ray
+    import ray
+    init_ray(num_cpus=8)
+    yield
+    ray.shutdown()
+
+
+def _config(tiny_model_dir, transport="grpc", codec="none", n_prefill=1, n_decode=1, **routing):
+    overrides = {
+        "model.name": tiny_model_dir, "model.dtype": "float32",
+        "pools.prefill.count": n_prefill, "pools.decode.count": n_decode,
+        "pools.prefill.resources.num_cpus": 0.5, "pools.decode.resources.num_cpus": 0.5,
+        "pools.prefill.resources.torch_threads": 1, "pools.decode.resources.torch_threads": 1,
+        "kv_cache.num_blocks": 512, "kv_transfer.transport": transport, "kv_transfer.compression": codec,
+    }
+    overrides.update({f"routing.{k}": v for k, v in routing.items()})
+    return load_config(None, overrides)
+
+
+async def _generate_all(address, prompts, params):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+
+        async def one(i, p, prm):
+            req = pb.GenerateRequest(request_id=f"r{i}", token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
+                max_tokens=prm.max_tokens, temperature=prm.temperature, ignore_eos=prm.ignore_eos))
+            return [m async for m in stub.Generate(req)]
+        return await asyncio.gather(*(one(i, p, prm) for i, (p, prm) in enumerate(zip(prompts, params))))
+
+
+async def _stats(address):
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pb_grpc.GenerationServiceStub(channel).GetStats(pb.GetStatsRequest())
+
+
+def _run(cfg, prompts, params):
+    async def main():
+        cluster = await start_cluster(cfg, port=0)
+        try:
+            await cluster.server.wait_ready(30)
+            replies = await _generate_all(cluster.address, prompts, params)
+            await asyncio.sleep(0.3)
+            stats = await _stats(cluster.address)
+            return replies, stats
+        finally:
+            await cluster.stop()
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("transport,n", [("grpc", 1), ("grpc", 2), ("torch", 1), ("ray", 1)])
+def test_disaggregated_equals_colocated(ray_local, tiny_model_dir, reference, transport, n):
+    prompts, params = prompts_and_params(32, seed=11)
+    replies, stats = _run(_config(tiny_model_dir, transport, "none", n, n), prompts, params)
+    expected = reference(prompts, params)
+    for i, msgs in enumerate(replies):
+        assert [t for m in msgs for t in m.token_ids] == expected[i], f"request {i}"
+        assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert msgs[-1].usage.completion_tokens == len(expected[i])
+    assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
+    assert len(stats.actors) == 2 * n
