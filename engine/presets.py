@@ -25,7 +25,7 @@ PRESETS: dict[str, dict] = {
                   num_key_value_heads=4, vocab_size=16384, max_position_embeddings=4096,
                   tie_word_embeddings=False),
 }
-PRESET_VERSION = "v1"
+PRESET_VERSION = "v2"
 
 _WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which "
           "but have an they you were her she there been one all we their has would when if so no what "
@@ -39,11 +39,17 @@ _EXTRA = ["你好世界", "缓存", "模型", "こんにちは", "データ", "�
           "{\"key\": [1, 2, 3]}", "0123456789", "    ", "\n"]
 
 
-def _corpus(seed: int = 0, num_sentences: int = 20000) -> list[str]:
+_SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]
+
+
+def _corpus(seed: int = 0, num_sentences: int = 30000) -> list[str]:
+    """English-like lines: common words plus pseudo-words, so BPE can learn a large vocabulary."""
     rng = random.Random(seed)
+    pseudo = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4))) for _ in range(20000)]
     lines = []
     for _ in range(num_sentences):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 16))]
+        words = [rng.choice(_WORDS) if rng.random() < 0.6 else rng.choice(pseudo)
+                 for _ in range(rng.randint(4, 16))]
         if rng.random() < 0.2:
             words.insert(rng.randrange(len(words)), rng.choice(_EXTRA))
         if rng.random() < 0.1:
@@ -114,9 +120,15 @@ def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 def write_model_dir(out_dir: str, cfg: dict, seed: int = 0, tokenizer_vocab: int | None = None,
-                    max_shard_bytes: int | None = None) -> str:
-    """Write config.json, safetensors (sharded over `max_shard_bytes`) and tokenizer files."""
+                    max_shard_bytes: int | None = None, match_vocab: bool = False) -> str:
+    """Write config.json, safetensors (sharded over `max_shard_bytes`) and tokenizer files.
+
+    match_vocab: shrink the model's vocab_size to the tokenizer's (no untokenizable ids).
+    """
     os.makedirs(out_dir, exist_ok=True)
+    tok = build_tokenizer(min(tokenizer_vocab or cfg["vocab_size"], cfg["vocab_size"]))
+    if match_vocab:
+        cfg = {**cfg, "vocab_size": tok.get_vocab_size(with_added_tokens=True)}
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
     weights = random_weights(cfg, seed)
@@ -124,7 +136,6 @@ def write_model_dir(out_dir: str, cfg: dict, seed: int = 0, tokenizer_vocab: int
         save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     else:
         _save_sharded(out_dir, weights, max_shard_bytes)
-    tok = build_tokenizer(min(tokenizer_vocab or cfg["vocab_size"], cfg["vocab_size"]))
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump({"add_bos_token": False, "bos_token": "<s>", "eos_token": "</s>",
@@ -163,7 +174,7 @@ def cache_root() -> str:
 def init_preset(name: str, out_dir: str) -> str:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r} (presets: {', '.join(PRESETS)})")
-    return write_model_dir(out_dir, hf_config(PRESETS[name]), seed=1234 + len(name))
+    return write_model_dir(out_dir, hf_config(PRESETS[name]), seed=1234 + len(name), match_vocab=True)
 
 
 def resolve_model(model: str) -> str:

@@ -1,0 +1,180 @@
+"""`pdserve` command line: serve | generate | demo | plan | profile | bench | model init."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+from deploy.config import ConfigError, load_config, parse_override
+
+SERVE_FLAGS = {  # flag dest -> config key
+    "model": "model.name", "host": "server.host", "port": "server.port",
+    "prefill_actors": "pools.prefill.count", "decode_actors": "pools.decode.count",
+    "transport": "kv_transfer.transport", "kv_compression": "kv_transfer.compression",
+    "address": "ray.address", "metrics_port": "server.metrics_port", "log_format": "server.log_format",
+    "dtype": "model.dtype",
+}
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="pools.yaml (default: the embedded default)")
+    p.add_argument("--model", help="preset name (tiny, small) or a model directory")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config key, e.g. --set kv_cache.num_blocks=2048")
+
+
+def config_from_args(args: argparse.Namespace):
+    overrides = {key: getattr(args, dest, None) for dest, key in SERVE_FLAGS.items()}
+    for item in args.set:
+        key, value = parse_override(item)
+        overrides[key] = value
+    return load_config(args.config, overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from deploy.running import start_cluster
+    from router.log import configure_logging
+    from router.server import serve_until_signal
+    cfg = config_from_args(args)
+    configure_logging(cfg.server.log_format)
+
+    async def main() -> None:
+        cluster = await start_cluster(cfg)
+        await cluster.server.wait_ready(120)
+        drained = await serve_until_signal(cluster.server)
+        await cluster.stop()
+        logging.getLogger("pdserve").info("shut down (drained=%s)", drained)
+    asyncio.run(main())
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from router.client import generate
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos or None)
+    try:
+        last = None
+        for msg in generate(args.address, args.prompt, token=args.token, timeout=args.timeout, **sampling):
+            last = msg
+            if args.json:
+                from google.protobuf.json_format import MessageToDict
+                print(json.dumps(MessageToDict(msg)), flush=True)
+            else:
+                print(msg.text, end="", flush=True)
+        if not args.json and last is not None:
+            t = last.timing
+            print(f"\n[{last.usage.completion_tokens} tokens, ttft {t.ttft_s * 1e3:.0f} ms, "
+                  f"e2e {t.e2e_s * 1e3:.0f} ms]", file=sys.stderr)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from deploy.demo import run_demo
+    return run_demo(config_from_args(args))
+
+
+def cmd_model_init(args: argparse.Namespace) -> int:
+    from engine.presets import init_preset
+    path = init_preset(args.name, args.dir)
+    print(f"wrote preset {args.name!r} to {path}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+    module = importlib.import_module(f"bench.{args.what}")
+    return module.main(args.rest)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from deploy.plan_cli import run_plan
+    return run_plan(config_from_args(args), as_json=args.json, profile_path=args.profile)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from deploy.plan_cli import run_profile
+    return run_profile(config_from_args(args), args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="start Ray pools and the gRPC router")
+    add_config_flags(p)
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--prefill-actors", type=int)
+    p.add_argument("--decode-actors", type=int)
+    p.add_argument("--transport", choices=["grpc", "torch", "ray"])
+    p.add_argument("--kv-compression", choices=["fp8", "none"])
+    p.add_argument("--address", help="Ray address to join (e.g. auto); default: a local Ray on 127.0.0.1")
+    p.add_argument("--metrics-port", type=int)
+    p.add_argument("--log-format", choices=["text", "json"])
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("generate", help="stream one completion from a running server")
+    p.add_argument("prompt")
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--token", help="bearer token of the server")
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--json", action="store_true", help="print each response message as JSON")
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("demo", help="start the embedded cluster, run a few requests, stop")
+    add_config_flags(p)
+    p.set_defaults(fn=cmd_demo)
+
+    for name, fn, helptext in (("plan", cmd_plan, "size the pools from a profile"),
+                               ("profile", cmd_profile, "measure prefill FLOP/s and decode bytes/s")):
+        p = sub.add_parser(name, help=helptext)
+        add_config_flags(p)
+        if name == "plan":
+            p.add_argument("--json", action="store_true")
+            p.add_argument("--profile", help="profile file (default: profile this machine first)")
+        else:
+            p.add_argument("--out", help="where to save the profile")
+        p.set_defaults(fn=fn)
+
+    p = sub.add_parser("bench", help="benchmarks: engine | transfer | serve")
+    p.add_argument("what", choices=["engine", "transfer", "serve"])
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("model", help="model presets")
+    msub = p.add_subparsers(dest="model_command", required=True)
+    m = msub.add_parser("init", help="write a preset as a Hugging Face directory")
+    m.add_argument("name", choices=["tiny", "small"])
+    m.add_argument("dir")
+    m.set_defaults(fn=cmd_model_init)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command not in ("serve",):
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
