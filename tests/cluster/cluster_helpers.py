@@ -31,3 +31,54 @@ class Collector:
             finished = sum(1 for evs in self.events.values() if evs[-1].finish_reason or evs[-1].error_code)
             if finished >= self.expected:
                 self.done.set()
+
+
+class ClusterThread:
+    """A running cluster on its own event loop thread, for sync tests with plain gRPC clients."""
+
+    def __init__(self, cfg):
+        import asyncio
+
+        from deploy.running import start_cluster
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.cluster = self.call(start_cluster(cfg, port=0))
+        self.call(self.cluster.server.wait_ready(60))
+        self.address = self.cluster.address
+
+    def call(self, coro, timeout: float = 120.0):
+        import asyncio
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.call(self.cluster.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def wait_blocks_free(address: str, timeout: float = 10.0):
+    """GetStats until every actor reports zero used KV blocks; returns the last response."""
+    import time
+
+    from router.client import get_stats
+    end = time.monotonic() + timeout
+    while True:
+        stats = get_stats(address, timeout=5)
+        if all(a.kv_blocks_used == 0 for a in stats.actors) or time.monotonic() > end:
+            return stats
+        time.sleep(0.1)
+
+
+def cluster_config(model_dir: str, transport: str = "grpc", codec: str = "none", n_prefill: int = 1,
+                   n_decode: int = 1, **routing):
+    from deploy.config import load_config
+    overrides = {
+        "model.name": model_dir, "model.dtype": "float32",
+        "pools.prefill.count": n_prefill, "pools.decode.count": n_decode,
+        "pools.prefill.resources.num_cpus": 0.5, "pools.decode.resources.num_cpus": 0.5,
+        "pools.prefill.resources.torch_threads": 1, "pools.decode.resources.torch_threads": 1,
+        "kv_cache.num_blocks": 512, "kv_transfer.transport": transport, "kv_transfer.compression": codec,
+    }
+    overrides.update({f"routing.{k}": v for k, v in routing.items()})
+    return load_config(None, overrides)

@@ -13,3 +13,13 @@ def reference(tiny_model_dir):
     def run(prompts, params):
         return [c.token_ids for c in engine.generate(prompts, params)]
     return run
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    import ray
+
+    from deploy.launcher import init_ray
+    init_ray(num_cpus=8)
+    yield
+    ray.shutdown()

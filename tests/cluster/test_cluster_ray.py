@@ -6,33 +6,11 @@ import asyncio
 import grpc
 import pytest
 
-from deploy.config import load_config
 from deploy.running import start_cluster
 from proto.pdserve.v1 import generation_pb2 as pb
 from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
-from cluster_helpers import prompts_and_params
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    from deploy.launcher import init_ray
-    import ray
-    init_ray(num_cpus=8)
-    yield
-    ray.shutdown()
-
-
-def _config(tiny_model_dir, transport="grpc", codec="none", n_prefill=1, n_decode=1, **routing):
-    overrides = {
-        "model.name": tiny_model_dir, "model.dtype": "float32",
-        "pools.prefill.count": n_prefill, "pools.decode.count": n_decode,
-        "pools.prefill.resources.num_cpus": 0.5, "pools.decode.resources.num_cpus": 0.5,
-        "pools.prefill.resources.torch_threads": 1, "pools.decode.resources.torch_threads": 1,
-        "kv_cache.num_blocks": 512, "kv_transfer.transport": transport, "kv_transfer.compression": codec,
-    }
-    overrides.update({f"routing.{k}": v for k, v in routing.items()})
-    return load_config(None, overrides)
+from cluster_helpers import cluster_config, prompts_and_params
 
 
 async def _generate_all(address, prompts, params):
@@ -65,10 +43,10 @@ def _run(cfg, prompts, params):
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("transport,n", [("grpc", 1), ("grpc", 2), ("torch", 1), ("ray", 1)])
+@pytest.mark.parametrize("transport,n", [("grpc", 1), ("grpc", 2), ("torch", 1), ("torch", 2), ("ray", 1), ("ray", 2)])
 def test_disaggregated_equals_colocated(ray_local, tiny_model_dir, reference, transport, n):
     prompts, params = prompts_and_params(32, seed=11)
-    replies, stats = _run(_config(tiny_model_dir, transport, "none", n, n), prompts, params)
+    replies, stats = _run(cluster_config(tiny_model_dir, transport, "none", n, n), prompts, params)
     expected = reference(prompts, params)
     for i, msgs in enumerate(replies):
         assert [t for m in msgs for t in m.token_ids] == expected[i], f"request {i}"
