@@ -87,6 +87,14 @@ def gather_kv(layer_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Ten
     return x.view(2, x.shape[1], num_seqs, nb * x.shape[3], x.shape[4])
 
 
+def expand_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[Hkv, T, D] -> [Hkv, group, T, D] as a stride-0 view: GQA without a copy.
+
+    (SDPA's own `enable_gqa` drops CPU to the slow math kernel; this keeps flash.)
+    """
+    return x[:, None].expand(x.shape[0], group, x.shape[1], x.shape[2])
+
+
 def grouped_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q: [B, n, Hq, D], kv: [2, Hkv, B, T, D], mask: [B, n, T] bool or None -> [B, n, Hq, D]."""
     num_seqs, n, num_heads, dim = q.shape
@@ -95,8 +103,8 @@ def grouped_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | No
     # [B, n, Hkv, g, D] -> [Hkv, B, n * g, D]: the query group rides in the query-length dim
     qg = q.view(num_seqs, n, num_kv_heads, group, dim).permute(2, 0, 1, 3, 4).reshape(
         num_kv_heads, num_seqs, n * group, dim)
-    if mask is not None:
-        mask = mask[:, :, None, :].expand(num_seqs, n, group, mask.shape[-1]).reshape(num_seqs, n * group, -1)
+    if mask is not None:   # 4-D [1, B, n * g, T]: the shape the CPU flash kernel accepts
+        mask = mask[:, :, None, :].expand(num_seqs, n, group, mask.shape[-1]).reshape(1, num_seqs, n * group, -1)
     o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=scale)  # [Hkv, B, n*g, D]
     return o.view(num_kv_heads, num_seqs, n, group, dim).permute(1, 2, 0, 3, 4).reshape(num_seqs, n, num_heads, dim)
 
@@ -109,9 +117,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for p in meta.prefills:
         rows = slice(p.token_offset, p.token_offset + p.num_new)
         if p.start == 0:      # fresh prompt: attend over the new K/V directly, no gather
-            qs, ks, vs = (x[rows].transpose(0, 1) for x in (q, k, v))   # [H, n, D]
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-            out[rows] = o.transpose(0, 1)
+            num_kv_heads = k.shape[1]
+            group = q.shape[1] // num_kv_heads
+            qs = q[rows].reshape(-1, num_kv_heads, group, q.shape[-1]).permute(1, 2, 0, 3)   # [Hkv, g, n, D]
+            ks, vs = (expand_heads(x[rows].transpose(0, 1), group) for x in (k, v))     # [Hkv, g, n, D]
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            out[rows].view(p.num_new, num_kv_heads, group, -1).copy_(o.permute(2, 0, 1, 3))
         else:                 # continuing a cached prefix: causal with an offset
             total = p.start + p.num_new
             kv = gather_kv(layer_cache, p.block_table[None])[:, :, :, :total]   # [2, Hkv, 1, total, D]
