@@ -151,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="where to save the profile")
         p.set_defaults(fn=fn)
 
-    p = sub.add_parser("bench", help="benchmarks: engine | transfer | serve")
-    p.add_argument("what", choices=["engine", "transfer", "serve"])
+    p = sub.add_parser("bench", help="benchmarks: engine | transfer | serve | kv_quality")
+    p.add_argument("what", choices=["engine", "transfer", "serve", "kv_quality"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_bench)
 
