@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transfer.codec import Codec
+from kv_transfer.buffers import payload_pool, scratch_pool
+from kv_transfer.codec import Codec, pin_transfer_thread
 from kv_transfer.layout import KVLayout
 from kv_transfer.wire import ChunkHeader, checksum, pack_header
 
@@ -35,6 +36,10 @@ class EncodedChunk:
     header: ChunkHeader
     header_bytes: bytes
     payload: torch.Tensor  # uint8 [payload_len], on the cache's device
+
+    def release(self) -> None:
+        """The payload's bytes are on the wire (or copied): its buffer may be reused."""
+        payload_pool.release(self.payload)
 
 
 def plan_chunks(layers: tuple[int, int], num_blocks: int, cell_nbytes: int, chunk_bytes: int) -> list[ChunkPlan]:
@@ -74,8 +79,9 @@ def encode_chunks(
     index = torch.tensor(src_block_ids, dtype=torch.long, device=kv_cache.device)
     for chunk_index, plan in enumerate(plans):
         shape = (plan.layer_end - plan.layer_start, plan.block_end - plan.block_start, *cell_shape[2:])
-        payload = torch.empty(codec.payload_nbytes(shape, layout.dtype), dtype=torch.uint8, device=kv_cache.device)
-        codec.encode_from(kv_cache, (plan.layer_start, plan.layer_end), index[plan.block_start : plan.block_end], payload)
+        payload = payload_pool.acquire(codec.payload_nbytes(shape, layout.dtype), kv_cache.device)
+        with scratch_pool.lease() as scratch:
+            codec.encode_from(kv_cache, (plan.layer_start, plan.layer_end), index[plan.block_start : plan.block_end], payload, scratch)
         crc = checksum(payload.numpy()) if with_checksum and payload.device.type == "cpu" else -1
         header = ChunkHeader(
             request_id=request_id,
@@ -122,6 +128,7 @@ def prefetch(chunks: Iterator, depth: int = 2) -> Iterator:
         return False
 
     def produce() -> None:
+        pin_transfer_thread()
         try:
             for item in chunks:
                 if not put(item):

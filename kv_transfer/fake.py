@@ -82,6 +82,7 @@ class FakeSender(BaseSender):
                 if time.monotonic() > deadline_at:
                     raise TransferError("send deadline passed", FailedSide.TRANSPORT, TransferStatus.EXPIRED)
                 frame = pack_frame(chunk.header_bytes, chunk.payload.cpu().numpy())
+                chunk.release()
                 if self.hub.tamper is not None:
                     frame = self.hub.tamper(frame)
                     if frame is None:  # the sender vanished mid-stream

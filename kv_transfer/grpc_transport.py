@@ -149,6 +149,7 @@ class GrpcSender(BaseSender):
             try:
                 for chunk in chunks:
                     frame = pack_frame(chunk.header_bytes, chunk.payload.cpu().numpy())
+                    chunk.release()
                     counted[0] += len(frame)
                     yield frame
             except Exception as exc:  # end the stream early: the receiver frees what it reserved

@@ -173,7 +173,8 @@ class RaySender(BaseSender):
             for chunk in chunks:
                 if pending is not None:
                     inbox.push.remote(["chunk", piece_id, self.token, *pending, False])
-                ref = ray.put(chunk.payload.cpu().numpy())
+                ref = ray.put(chunk.payload.cpu().numpy())  # copies into the object store
+                chunk.release()
                 refs.append(ref)  # keep objects alive until the receiver acked
                 pending = (chunk.header_bytes, [ref])
                 wire_bytes += len(chunk.header_bytes) + chunk.payload.numel()

@@ -292,6 +292,7 @@ class TorchSender(BaseSender):
         meta = torch.tensor([KIND_CHUNK, header.numel(), payload.numel(), int(is_last)], dtype=torch.int64, device=self.device)
         for tensor in (meta, header, payload):
             self._wait(pair.group.send([tensor], 1, 0), deadline_at)
+        chunk.release()
         return 32 + header.numel() + payload.numel()
 
     @staticmethod

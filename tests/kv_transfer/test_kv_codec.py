@@ -85,3 +85,15 @@ def test_fp8_wire_bytes_with_scales(dtype, limit):
     assert ratio <= limit
     # one float32 scale per (layer, block, K/V, head)
     assert get_codec("fp8").scales_nbytes(shape) == 4 * 32 * 16 * 2 * 8
+
+
+def test_fp8_bit_decode_matches_torch_cast_for_every_code():
+    codec = get_codec("fp8")
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # e4m3fn NaN codes are never produced
+    shape = (1, 1, 1, 1, 1, codes.numel())
+    scale = torch.tensor([0.37], dtype=torch.float32)
+    payload = torch.cat([scale.view(torch.uint8), codes])
+    expected = codes.view(torch.float8_e4m3fn).float() * scale
+    assert torch.equal(codec.decode(payload, shape, torch.float32).flatten(), expected)
+    assert torch.equal(codec.decode(payload, shape, torch.bfloat16).flatten(), expected.to(torch.bfloat16))

@@ -1,0 +1,221 @@
+"""KV transfer benchmark: ``pdserve bench transfer [--json FILE] [--quick]``.
+
+For each link x transport x codec x payload (1, 16, 128 MiB of bfloat16 KV):
+effective GB/s (uncompressed KV bytes / end-to-end time of one send, encode
+and decode included), wire bytes, and the codec's encode / decode GB/s on
+that payload; beside them, measured in the same run, the machine's memcpy
+GB/s and a raw TCP socket's GB/s between two processes on each link.
+
+Links: ``loopback`` and, when run as root with iproute2, two network
+namespaces joined by a veth pair shaped by ``tc`` to 10 Gbit/s and 1 Gbit/s
+(built and removed by the bench). Ray runs on loopback only (same node).
+Sender and receiver are separate processes (Ray actors for ``ray``). Times
+are the best of ``--reps`` after a warm-up send. GB/s = 1e9 bytes/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from bench import netns
+from bench.transfer_peer import LAYOUT, MIB, num_blocks_for
+from kv_transfer import get_codec
+from kv_transfer.buffers import scratch_pool
+from kv_transfer.codec import pin_transfer_thread
+from kv_transfer.chunker import encode_chunks
+from kv_transfer.wire import DEFAULT_CHUNK_BYTES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKEN = "bench-transfer-token"
+
+
+def memcpy_gbps(mib: int = 128, reps: int = 5) -> float:
+    src = torch.empty(mib * MIB, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return mib * MIB / best / 1e9
+
+
+def codec_gbps(codec_name: str, payload_mib: float, reps: int = 3) -> tuple[float, float]:
+    """Encode / decode GB/s of model-dtype KV through the chunked hot path (one thread, as transfers run)."""
+    pin_transfer_thread()
+    codec, num_blocks = get_codec(codec_name), num_blocks_for(payload_mib)
+    cache = torch.randn(LAYOUT.cache_shape(num_blocks)).to(LAYOUT.dtype)
+    dst = torch.zeros_like(cache)
+    ids = list(range(num_blocks))
+    dst_index = torch.tensor(ids[::-1])
+    nbytes = num_blocks * LAYOUT.block_nbytes
+    best_encode = best_decode = float("inf")
+
+    def chunks():
+        return encode_chunks(cache, ids, LAYOUT, codec, request_id="b", transfer_id="b", layers=(0, LAYOUT.num_layers),
+                             deadline_at=time.monotonic() + 60, chunk_bytes=DEFAULT_CHUNK_BYTES, with_checksum=False)
+
+    encoded = [(chunk.header, chunk.payload.clone()) for chunk in chunks()]
+    for _ in range(reps):
+        start = time.perf_counter()
+        for chunk in chunks():
+            chunk.release()  # as a transport does once the bytes are on the wire
+        best_encode = min(best_encode, time.perf_counter() - start)
+        start = time.perf_counter()
+        for h, payload in encoded:
+            with scratch_pool.lease() as scratch:
+                data = codec.decode(payload, h.shape, LAYOUT.dtype, scratch)
+                dst[h.layer_start : h.layer_end].index_copy_(1, dst_index[h.block_start : h.block_end], data)
+        best_decode = min(best_decode, time.perf_counter() - start)
+    return nbytes / best_encode / 1e9, nbytes / best_decode / 1e9
+
+
+def _spawn(prefix: list[str], args: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen(prefix + [sys.executable, "-m", "bench.transfer_peer", *args], cwd=ROOT, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _ready(process: subprocess.Popen) -> str:
+    line = process.stdout.readline().strip()
+    if not line.startswith("READY "):
+        raise RuntimeError(f"peer did not start: {line!r}")
+    return line.split(" ", 1)[1]
+
+
+def _env(device: str | None) -> dict:
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=device or "lo", PYTHONPATH=ROOT)
+    return env
+
+
+def socket_gbps(link, mib: int) -> float:
+    recv_prefix, send_prefix, host, recv_dev, send_dev = _sides(link)
+    receiver = _spawn(recv_prefix, ["sock-recv", "--host", host], _env(recv_dev))
+    try:
+        dest = _ready(receiver)
+        out = subprocess.run(send_prefix + [sys.executable, "-m", "bench.transfer_peer", "sock-send", "--dest", dest, "--mib", str(mib)],
+                             cwd=ROOT, env=_env(send_dev), capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])["socket_gbps"]
+    finally:
+        receiver.kill()
+        receiver.wait()
+
+
+def _sides(link):
+    if link is None:
+        return [], [], "127.0.0.1", "lo", "lo"
+    return link.exec_prefix("b"), link.exec_prefix("a"), link.address("b"), link.device("b"), link.device("a")
+
+
+def run_pair(link, transport: str, codec: str, payloads: list[float], reps: int) -> list[dict]:
+    recv_prefix, send_prefix, host, recv_dev, send_dev = _sides(link)
+    common = ["--transport", transport, "--codec", codec, "--token", TOKEN, "--payloads", ",".join(map(str, payloads))]
+    receiver = _spawn(recv_prefix, ["recv", "--host", host, *common], _env(recv_dev))
+    try:
+        dest = _ready(receiver)
+        out = subprocess.run(send_prefix + [sys.executable, "-m", "bench.transfer_peer", "send", "--dest", dest, "--reps", str(reps), *common],
+                             cwd=ROOT, env=_env(send_dev), capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "sender failed")
+        return [json.loads(line) for line in out.stdout.strip().splitlines()]
+    finally:
+        receiver.stdin.close()
+        try:
+            receiver.wait(10)
+        except subprocess.TimeoutExpired:
+            receiver.kill()
+
+
+def run_ray(codec: str, payloads: list[float], reps: int) -> list[dict]:
+    import ray
+
+    from bench.transfer_peer import RecvPeer, SendPeer
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    recv_actor = ray.remote(num_cpus=0)(RecvPeer).remote("ray", codec, "", TOKEN, int(max(payloads)))
+    send_actor = ray.remote(num_cpus=0)(SendPeer).remote("ray", codec, TOKEN)
+    try:
+        return ray.get(send_actor.run.remote(ray.get(recv_actor.endpoint.remote()), payloads, reps))
+    finally:
+        ray.get([send_actor.close.remote(), recv_actor.close.remote()])
+        ray.kill(send_actor)
+        ray.kill(recv_actor)
+
+
+def print_table(result: dict) -> None:
+    base = result["baselines"]
+    links = ", ".join(f"{name} {value:.2f}" for name, value in base["link_socket_gbps"].items())
+    print(f"memcpy {base['memcpy_gbps']:.2f} GB/s | raw TCP socket (2 processes): {links} GB/s")
+    print(f"{'link':<9} {'transport':<9} {'codec':<5} {'MiB':>5} {'effective GB/s':>14} {'vs socket':>9} {'wire MiB':>9} {'encode GB/s':>11} {'decode GB/s':>11}")
+    for r in result["records"]:
+        socket = base["link_socket_gbps"].get(r["link"], 0) or float("nan")
+        print(f"{r['link']:<9} {r['transport']:<9} {r['codec']:<5} {r['payload_mib']:>5g} {r['effective_gbps']:>14.2f} "
+              f"{r['effective_gbps'] / socket:>8.0%} {r['wire_bytes'] / MIB:>9.2f} {r['encode_gbps']:>11.2f} {r['decode_gbps']:>11.2f}")
+    for note in result["notes"]:
+        print("note:", note)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--quick", action="store_true", help="1 and 16 MiB, fewer reps, no ray")
+    parser.add_argument("--transports", default="grpc,torch,ray")
+    parser.add_argument("--codecs", default="none,fp8")
+    parser.add_argument("--links", default="loopback,10gbit,1gbit")
+    args = parser.parse_args(argv)
+    payloads = [1.0, 16.0] if args.quick else [1.0, 16.0, 128.0]
+    reps = 2 if args.quick else 3
+    transports = [t for t in args.transports.split(",") if not (args.quick and t == "ray")]
+    codecs, links = args.codecs.split(","), args.links.split(",")
+    notes: list[str] = []
+    codec_speed = {(c, p): codec_gbps(c, p, reps) for c in codecs for p in payloads}
+    result = {"baselines": {"memcpy_gbps": memcpy_gbps(), "socket_gbps": 0.0, "link_socket_gbps": {}}, "records": [], "notes": notes}
+
+    def measure(link_name: str, link) -> None:
+        result["baselines"]["link_socket_gbps"][link_name] = socket_gbps(link, 128 if link_name != "1gbit" else 32)
+        for transport in transports:
+            if transport == "ray" and link is not None:
+                continue  # the object store is same-node only
+            for codec in codecs:
+                try:
+                    rows = run_ray(codec, payloads, reps) if transport == "ray" else run_pair(link, transport, codec, payloads, reps)
+                except Exception as exc:
+                    notes.append(f"{link_name} {transport} {codec}: failed: {exc}")
+                    continue
+                for row in rows:
+                    encode, decode = codec_speed[(codec, row["payload_mib"])]
+                    result["records"].append({
+                        "link": link_name, "transport": transport, "codec": codec, "payload_mib": row["payload_mib"],
+                        "effective_gbps": row["kv_bytes"] / row["seconds"] / 1e9, "wire_bytes": row["wire_bytes"],
+                        "encode_gbps": encode, "decode_gbps": decode,
+                    })
+
+    if "loopback" in links:
+        measure("loopback", None)
+        result["baselines"]["socket_gbps"] = result["baselines"]["link_socket_gbps"]["loopback"]
+    shaped = [name for name in links if name in ("10gbit", "1gbit")]
+    reason = netns.available() if shaped else None
+    if reason:
+        notes.append(reason)
+        print(reason, file=sys.stderr)
+    elif shaped:
+        with netns.ShapedLink() as link:
+            for name in shaped:
+                link.set_rate(name)
+                measure(name, link)
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
