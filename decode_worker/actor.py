@@ -13,15 +13,17 @@ log = logging.getLogger(__name__)
 
 
 class DecodeActor:
-    def __init__(self, engine_args: EngineArgs, transfer: TransferSettings, actor_id: str):
-        if transfer.bind_host == "auto":          # multi-node: listen on this node's address
+    def __init__(self, engine_args: EngineArgs, transfer: TransferSettings | None, actor_id: str):
+        """transfer None: a colocated actor (no KV receiver; prefills every request itself)."""
+        if transfer is not None and transfer.bind_host == "auto":          # multi-node: listen on this node's address
             import ray
             transfer = dataclasses.replace(transfer, bind_host=ray.util.get_node_ip_address())
         engine = engine_args.build()
         self.layout = layout_of(engine.kv_cache, engine.fingerprint)
         self.transfer = transfer
-        self.worker = DecodeWorker(engine, lambda on_complete: build_receiver(
-            transfer, self.layout, engine.kv_cache, engine.block_manager, on_complete), actor_id)
+        make_receiver = None if transfer is None else (lambda on_complete: build_receiver(
+            transfer, self.layout, engine.kv_cache, engine.block_manager, on_complete))
+        self.worker = DecodeWorker(engine, make_receiver, actor_id, role="decode" if transfer else "colocated")
         self.worker.start()
         log.info("decode actor %s ready: model %s, %d KV blocks, KV endpoint %s", actor_id,
                  engine.model_dir, engine.block_manager.num_blocks, self.worker.endpoint)
@@ -51,7 +53,7 @@ class DecodeActor:
 
     async def info(self) -> dict:
         engine = self.worker.engine
-        return {"role": "decode", "actor_id": self.worker.actor_id, "endpoint": self.worker.endpoint,
-                "layout": self.layout.describe(self.transfer.codec),
+        return {"role": self.worker.role, "actor_id": self.worker.actor_id, "endpoint": self.worker.endpoint,
+                "layout": self.layout.describe(self.transfer.codec if self.transfer else "none"),
                 "kv_blocks_total": engine.block_manager.num_blocks, "block_size": engine.block_size,
                 "max_model_len": engine.max_model_len}

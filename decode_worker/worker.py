@@ -65,10 +65,11 @@ class DecodeWorker:
     """Plain class (unit-testable without Ray); `decode_worker.actor` wraps it."""
 
     def __init__(self, engine: Engine, make_receiver: Callable[[Callable], KVReceiver] | None,
-                 actor_id: str = "decode-0", orphan_lease_s: float = 10.0):
+                 actor_id: str = "decode-0", orphan_lease_s: float = 10.0, role: str = "decode"):
         """make_receiver(on_complete) builds the KV receiver; its completions wake the loop."""
         self.engine = engine
         self.actor_id = actor_id
+        self.role = role                  # "decode", or "colocated" when it prefills everything itself
         self.orphan_lease_s = orphan_lease_s
         self._waiting_kv: dict[str, _Job] = {}        # transfer_id -> job
         self._orphans: dict[str, tuple[TransferResult, float]] = {}
@@ -196,6 +197,6 @@ class DecodeWorker:
     # ---- load report ----------------------------------------------------
     def stats(self) -> dict:
         bm = self.engine.block_manager
-        return {"actor_id": self.actor_id, "role": "decode", "kv_blocks_total": bm.num_blocks,
+        return {"actor_id": self.actor_id, "role": self.role, "kv_blocks_total": bm.num_blocks,
                 "kv_blocks_used": bm.num_used_blocks, "queued_requests": len(self._waiting_kv)
                 + len(self.engine.scheduler.waiting), "running_requests": len(self.engine.scheduler.running)}

@@ -81,8 +81,14 @@ def _actor_options(cfg: PDServeConfig, pool: str, name: str) -> dict:
                 max_restarts=p.max_restarts, max_concurrency=1000, lifetime=None)
 
 
-async def start_pools(cfg: PDServeConfig, cluster_token: str, counts: dict[str, int] | None = None) -> Pools:
-    """Create every actor, wait until each is up, and refuse mismatched KV layouts."""
+async def start_pools(cfg: PDServeConfig, cluster_token: str, counts: dict[str, int] | None = None,
+                      mode: str = "disaggregated", chunked: bool = True) -> Pools:
+    """Create every actor, wait until each is up, and refuse mismatched KV layouts.
+
+    mode "colocated": the baseline at equal resources — as many colocated engines (decode
+    actors without a KV receiver, prefilling every request themselves, chunked or not) as
+    the disaggregated layout has actors in all, each with the decode pool's resources.
+    """
     import ray
 
     from decode_worker.actor import DecodeActor
@@ -94,7 +100,16 @@ async def start_pools(cfg: PDServeConfig, cluster_token: str, counts: dict[str, 
     counts = counts or {}
     suffix = secrets.token_hex(3)
     specs = []
-    for pool, _ in cfg.pools.items():
+    if mode == "colocated":
+        n = sum(counts.get(pool) or getattr(cfg.pools, pool).bounds()[0] for pool in ("prefill", "decode"))
+        for i in range(n):
+            args = engine_args(cfg, "decode", model_dir)
+            args.chunk_size = args.chunk_size if chunked else None
+            args.max_num_batched_tokens = cfg.pools.prefill.max_batch_tokens
+            handle = ray.remote(DecodeActor).options(**_actor_options(cfg, "decode", f"pdserve-colocated-{i}-{suffix}")
+                                                     ).remote(args, None, f"colocated-{i}")
+            specs.append(("decode", handle))
+    for pool, _ in (cfg.pools.items() if mode == "disaggregated" else ()):
         n = counts.get(pool) or getattr(cfg.pools, pool).bounds()[0]
         cls = PrefillActor if pool == "prefill" else DecodeActor
         for i in range(n):

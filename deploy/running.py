@@ -37,10 +37,14 @@ def tls_of(cfg: PDServeConfig) -> TLSConfig | None:
     return TLSConfig(s.tls_cert, s.tls_key, s.tls_client_ca) if s.tls_cert else None
 
 
-async def start_cluster(cfg: PDServeConfig, port: int | None = None) -> RunningCluster:
-    """Bring up everything `cfg` describes; `port=0` picks a free port (tests)."""
+async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str = "disaggregated",
+                        chunked: bool = True) -> RunningCluster:
+    """Bring up everything `cfg` describes; `port=0` picks a free port (tests).
+
+    mode "colocated" serves the same model from colocated engines (the baseline).
+    """
     init_ray(cfg.ray.address, cfg.ray.namespace)
-    pools = await start_pools(cfg, cluster_token(cfg))
+    pools = await start_pools(cfg, cluster_token(cfg), mode=mode, chunked=chunked)
     tokenizer, max_len = load_tokenizer(cfg)
     r = cfg.routing
     routing = RoutingSettings(r.local_prefill_tokens, r.long_request_tokens, r.max_queue,
@@ -50,7 +54,7 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None) -> RunningC
     token = cfg.security.token.get_secret_value() if cfg.security.token else None
     server = await start_server(backend, cfg.server.host, cfg.server.port if port is None else port,
                                 token=token, tls=tls_of(cfg), max_queue=r.max_queue)
-    log.info("pdserve ready on %s:%d — %d prefill + %d decode actors, model %s, KV %s/%s",
-             cfg.server.host, server.port, len(pools.prefill), len(pools.decode), cfg.model.name,
+    log.info("pdserve ready on %s:%d (%s) — %d prefill + %d decode actors, model %s, KV %s/%s",
+             cfg.server.host, server.port, mode, len(pools.prefill), len(pools.decode), cfg.model.name,
              cfg.kv_transfer.transport, cfg.kv_transfer.compression)
     return RunningCluster(cfg, pools, backend, server)

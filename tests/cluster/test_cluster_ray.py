@@ -54,3 +54,21 @@ def test_disaggregated_equals_colocated(ray_local, tiny_model_dir, reference, tr
         assert msgs[-1].usage.completion_tokens == len(expected[i])
     assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
     assert len(stats.actors) == 2 * n
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_colocated_mode_equals_engine(ray_local, tiny_model_dir, reference, chunked):
+    from deploy.running import start_cluster
+    prompts, params = prompts_and_params(8, seed=12)
+    cfg = cluster_config(tiny_model_dir)
+
+    async def main():
+        cluster = await start_cluster(cfg, port=0, mode="colocated", chunked=chunked)
+        try:
+            await cluster.server.wait_ready(30)
+            return await _generate_all(cluster.address, prompts, params), await _stats(cluster.address)
+        finally:
+            await cluster.stop()
+    replies, stats = asyncio.run(main())
+    assert [[t for m in msgs for t in m.token_ids] for msgs in replies] == reference(prompts, params)
+    assert {a.role for a in stats.actors} == {pb.ACTOR_ROLE_COLOCATED}

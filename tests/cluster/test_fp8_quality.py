@@ -4,7 +4,7 @@ from __future__ import annotations
 from bench.kv_quality import measure
 
 
-def test_fp8_kv_error_is_small_and_per_block_beats_per_tensor(tiny_model_dir):
+def test_fp8_kv_error_is_small_and_greedy_mostly_agrees(tiny_model_dir):
     result = measure(tiny_model_dir, num_requests=6, max_tokens=16, codecs=("fp8", "fp8_tensor"))
     fp8 = result["fp8"]
     assert 0 < fp8["first_step_logits_rel_l2_mean"] < 0.05     # a broken codec gives O(1)
