@@ -45,7 +45,10 @@ class _Retry(Exception):
 
 class ClusterBackend(Backend):
     def __init__(self, prefill: list[PrefillView], decode: list[DecodeView], tokenizer, max_model_len: int,
-                 block_size: int, routing: RoutingSettings, long_decode: list[DecodeView] | None = None):
+                 block_size: int, routing: RoutingSettings, long_decode: list[DecodeView] | None = None,
+                 codec: str = "none", metrics=None):
+        """metrics: None, or an object with kv_transfer(seconds, kv_bytes, wire_bytes, codec),
+        transfer_failed(), local_prefill() and prefix_hit_tokens(n) (router.metrics.Metrics)."""
         self.prefill = prefill
         self.decode = decode
         self.long_decode = long_decode or []
@@ -54,6 +57,8 @@ class ClusterBackend(Backend):
         self.block_size = block_size
         self.routing = routing
         self.admission = AdmissionQueue(routing.max_queue)
+        self.codec = codec
+        self.metrics = metrics
 
     async def ready(self) -> bool:
         return bool(self.decode) and all(v.healthy for v in self.decode)
@@ -109,6 +114,8 @@ class ClusterBackend(Backend):
         djob = DecodeJob(rid, prompt, inp.params, transfer_id, 0, deadline_s)
         stream = view.handle.generate.options(num_returns="streaming").remote(djob)
         pref_task = None
+        if local and self.metrics:
+            self.metrics.local_prefill()
         if not local:
             pview.queued_tokens += uncached
             pjob = PrefillJob(rid, prompt, inp.params, view.endpoint, transfer_id, deadline_s)
@@ -170,8 +177,14 @@ class ClusterBackend(Backend):
                     usage: Usage, view: DecodeView) -> GenerationChunk | None:
         if result.status in ("failed", "aborted"):
             view.handle.abort.remote(result.request_id)
+            if self.metrics and result.status == "failed":
+                self.metrics.transfer_failed()
             raise _Retry(f"prefill actor {pview.actor_id}: {result.error or result.status}")
         pview.remember(hashes)
+        if self.metrics:
+            self.metrics.prefix_hit_tokens(result.num_cached_tokens)
+            if result.status == "sent":
+                self.metrics.kv_transfer(result.transfer_s, result.kv_bytes, result.wire_bytes, self.codec)
         timing.queue_s += result.queue_s
         timing.prefill_s = result.prefill_s
         timing.kv_transfer_s = result.transfer_s
@@ -196,3 +209,28 @@ class ClusterBackend(Backend):
                 usage.cached_prompt_tokens = ev.num_cached_tokens
             return GenerationChunk(ev.token_ids, ev.text, ev.finish_reason, usage, timing)
         return GenerationChunk(ev.token_ids, ev.text, None)
+
+    # ---- pool changes (autoscaler, pool manager) -------------------------
+    def pool(self, name: str) -> list:
+        return {"prefill": self.prefill, "decode": self.decode, "long_context": self.long_decode}[name]
+
+    async def add(self, name: str, views: list) -> None:
+        """New actors take traffic from now on."""
+        self.pool(name).extend(views)
+        await self.admission.notify()
+
+    async def drain(self, name: str, view, timeout: float = 300.0) -> bool:
+        """Stop sending `view` new requests, wait for its in-flight ones, then drop it from the pool.
+
+        Returns True when it drained in time (the caller then kills the actor).
+        """
+        view.draining = True
+        if isinstance(view, PrefillView):
+            view.healthy = False              # pick_prefill skips it
+        busy = (lambda: view.queued_tokens > 0) if isinstance(view, PrefillView) else (lambda: view.running > 0)
+        end = time.monotonic() + timeout
+        while busy() and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        if view in self.pool(name):
+            self.pool(name).remove(view)
+        return not busy()

@@ -81,52 +81,71 @@ def _actor_options(cfg: PDServeConfig, pool: str, name: str) -> dict:
                 max_restarts=p.max_restarts, max_concurrency=1000, lifetime=None)
 
 
-async def start_pools(cfg: PDServeConfig, cluster_token: str, counts: dict[str, int] | None = None,
-                      mode: str = "disaggregated", chunked: bool = True) -> Pools:
+class ActorFactory:
+    """Creates pool actors with the resources pools.yaml gives them (also used by the autoscaler)."""
+
+    def __init__(self, cfg: PDServeConfig, cluster_token: str, mode: str = "disaggregated", chunked: bool = True):
+        self.cfg, self.mode, self.chunked = cfg, mode, chunked
+        self.model_dir = resolve_model(cfg.model.name)    # materialize a preset once, before actors race for it
+        multi_node = bool(cfg.ray.address)
+        self.transfer = transfer_settings(cfg, cluster_token, "auto" if multi_node else "127.0.0.1")
+        self.suffix = secrets.token_hex(3)
+        self.first: dict | None = None
+        self._next_index: dict[str, int] = {}
+
+    def spawn(self, pool: str):
+        """Start one actor of `pool` ("prefill" | "decode" | "long_context"); returns its handle."""
+        import ray
+
+        from decode_worker.actor import DecodeActor
+        from prefill_worker.actor import PrefillActor
+        index = self._next_index.get(pool, 0)
+        self._next_index[pool] = index + 1
+        if self.mode == "colocated":
+            args = engine_args(self.cfg, "decode", self.model_dir)
+            args.chunk_size = args.chunk_size if self.chunked else None
+            args.max_num_batched_tokens = self.cfg.pools.prefill.max_batch_tokens
+            actor_id, cls, transfer, res_pool = f"colocated-{index}", DecodeActor, None, "decode"
+        else:
+            args = engine_args(self.cfg, pool, self.model_dir)
+            cls = PrefillActor if pool == "prefill" else DecodeActor
+            actor_id, transfer, res_pool = f"{pool}-{index}", self.transfer, pool
+        options = _actor_options(self.cfg, res_pool, f"pdserve-{actor_id}-{self.suffix}")
+        return ray.remote(cls).options(**options).remote(args, transfer, actor_id)
+
+    async def views(self, spawned: list[tuple[str, object]]) -> list:
+        """Wait for spawned actors; check their layouts agree with the first one ever seen."""
+        infos = await asyncio.gather(*(h.info.remote() for _, h in spawned))
+        if self.first is None and infos:
+            self.first = infos[0]
+        check_layouts([self.first, *infos])
+        out = []
+        for (pool, handle), info in zip(spawned, infos):
+            if pool == "prefill":
+                out.append(PrefillView(info["actor_id"], handle, info["kv_blocks_total"]))
+            else:
+                out.append(DecodeView(info["actor_id"], handle, info["endpoint"], info["kv_blocks_total"]))
+        return out
+
+
+async def start_pools(factory: ActorFactory, counts: dict[str, int] | None = None) -> Pools:
     """Create every actor, wait until each is up, and refuse mismatched KV layouts.
 
-    mode "colocated": the baseline at equal resources — as many colocated engines (decode
-    actors without a KV receiver, prefilling every request themselves, chunked or not) as
-    the disaggregated layout has actors in all, each with the decode pool's resources.
+    Colocated mode (the baseline at equal resources) runs as many colocated engines —
+    decode actors without a KV receiver that prefill every request themselves — as the
+    disaggregated layout has actors in all, each with the decode pool's resources.
     """
-    import ray
-
-    from decode_worker.actor import DecodeActor
-    from prefill_worker.actor import PrefillActor
-    model_dir = resolve_model(cfg.model.name)       # materialize a preset once, before actors race for it
-    multi_node = bool(cfg.ray.address)
-    bind_host = ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
-    transfer = transfer_settings(cfg, cluster_token, "auto" if multi_node else bind_host)
-    counts = counts or {}
-    suffix = secrets.token_hex(3)
-    specs = []
-    if mode == "colocated":
-        n = sum(counts.get(pool) or getattr(cfg.pools, pool).bounds()[0] for pool in ("prefill", "decode"))
-        for i in range(n):
-            args = engine_args(cfg, "decode", model_dir)
-            args.chunk_size = args.chunk_size if chunked else None
-            args.max_num_batched_tokens = cfg.pools.prefill.max_batch_tokens
-            handle = ray.remote(DecodeActor).options(**_actor_options(cfg, "decode", f"pdserve-colocated-{i}-{suffix}")
-                                                     ).remote(args, None, f"colocated-{i}")
-            specs.append(("decode", handle))
-    for pool, _ in (cfg.pools.items() if mode == "disaggregated" else ()):
-        n = counts.get(pool) or getattr(cfg.pools, pool).bounds()[0]
-        cls = PrefillActor if pool == "prefill" else DecodeActor
-        for i in range(n):
-            actor_id = f"{pool}-{i}"
-            handle = ray.remote(cls).options(**_actor_options(cfg, pool, f"pdserve-{actor_id}-{suffix}")).remote(
-                engine_args(cfg, pool, model_dir), transfer, actor_id)
-            specs.append((pool, handle))
-    log.info("starting %d actors (%s)", len(specs), ", ".join(sorted({p for p, _ in specs})))
-    infos = await asyncio.gather(*(h.info.remote() for _, h in specs))
-    check_layouts(infos)
+    cfg, counts = factory.cfg, counts or {}
+    size = {pool: counts.get(pool) or getattr(cfg.pools, pool).bounds()[0] for pool, _ in cfg.pools.items()}
+    if factory.mode == "colocated":
+        spawned = [("decode", factory.spawn("decode")) for _ in range(size["prefill"] + size["decode"])]
+    else:
+        spawned = [(pool, factory.spawn(pool)) for pool in size for _ in range(size[pool])]
+    log.info("starting %d actors (%s)", len(spawned), ", ".join(f"{n} {p}" for p, n in size.items()))
+    views = await factory.views(spawned)
     pools = Pools()
-    for (pool, handle), info in zip(specs, infos):
-        if pool == "prefill":
-            pools.prefill.append(PrefillView(info["actor_id"], handle, info["kv_blocks_total"]))
-        else:
-            view = DecodeView(info["actor_id"], handle, info["endpoint"], info["kv_blocks_total"])
-            (pools.decode if pool == "decode" else pools.long_decode).append(view)
+    for (pool, _), view in zip(spawned, views):
+        {"prefill": pools.prefill, "decode": pools.decode, "long_context": pools.long_decode}[pool].append(view)
     return pools
 
 

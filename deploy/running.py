@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from deploy.cluster_backend import ClusterBackend, RoutingSettings
 from deploy.config import PDServeConfig
-from deploy.launcher import Pools, cluster_token, init_ray, load_tokenizer, start_pools
+from deploy.launcher import ActorFactory, Pools, cluster_token, init_ray, load_tokenizer, start_pools
 from router.security import TLSConfig
 from router.server import RouterServer, start_server
 
@@ -19,6 +19,7 @@ class RunningCluster:
     pools: Pools
     backend: ClusterBackend
     server: RouterServer
+    factory: ActorFactory
 
     @property
     def address(self) -> str:
@@ -27,7 +28,8 @@ class RunningCluster:
     async def stop(self, grace: float = 1.0) -> None:
         import ray
         await self.server.stop(grace)
-        for handle in self.pools.handles:
+        b = self.backend
+        for handle in [v.handle for v in (*b.prefill, *b.decode, *b.long_decode)]:
             ray.kill(handle, no_restart=True)
         log.info("cluster stopped")
 
@@ -44,17 +46,18 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     mode "colocated" serves the same model from colocated engines (the baseline).
     """
     init_ray(cfg.ray.address, cfg.ray.namespace)
-    pools = await start_pools(cfg, cluster_token(cfg), mode=mode, chunked=chunked)
+    factory = ActorFactory(cfg, cluster_token(cfg), mode, chunked)
+    pools = await start_pools(factory)
     tokenizer, max_len = load_tokenizer(cfg)
     r = cfg.routing
     routing = RoutingSettings(r.local_prefill_tokens, r.long_request_tokens, r.max_queue,
                               transfer_deadline_s=cfg.kv_transfer.deadline_s)
     backend = ClusterBackend(pools.prefill, pools.decode, tokenizer, max_len, cfg.kv_cache.block_size,
-                             routing, pools.long_decode)
+                             routing, pools.long_decode, codec=cfg.kv_transfer.compression)
     token = cfg.security.token.get_secret_value() if cfg.security.token else None
     server = await start_server(backend, cfg.server.host, cfg.server.port if port is None else port,
                                 token=token, tls=tls_of(cfg), max_queue=r.max_queue)
     log.info("pdserve ready on %s:%d (%s) — %d prefill + %d decode actors, model %s, KV %s/%s",
              cfg.server.host, server.port, mode, len(pools.prefill), len(pools.decode), cfg.model.name,
              cfg.kv_transfer.transport, cfg.kv_transfer.compression)
-    return RunningCluster(cfg, pools, backend, server)
+    return RunningCluster(cfg, pools, backend, server, factory)

@@ -52,7 +52,8 @@ class PrefillResult:
     queue_s: float = 0.0
     prefill_s: float = 0.0
     transfer_s: float = 0.0
-    wire_bytes: int = 0
+    kv_bytes: int = 0                  # KV shipped, in the model dtype
+    wire_bytes: int = 0                # what the codec put on the wire
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class _Pending:
     submitted: float
     handle: SendHandle | None = None
     result: PrefillResult | None = None
+    kv_bytes: int = 0
 
 
 class PrefillWorker:
@@ -125,6 +127,8 @@ class PrefillWorker:
                 p.on_done(result)
                 continue
             p.result = result
+            cache = self.engine.kv_cache
+            p.kv_bytes = len(out.block_ids) * cache[:, 0].numel() * cache.element_size()
             p.handle = self.sender.send(out.request_id, self.engine.kv_cache, out.block_ids, p.job.dest,
                                         transfer_id=p.job.transfer_id, deadline_s=p.job.deadline_s,
                                         num_tokens=out.num_prompt_tokens, first_token_id=req_first)
@@ -143,6 +147,7 @@ class PrefillWorker:
             result = p.result
             result.transfer_s = p.handle.elapsed_s
             result.wire_bytes = p.handle.wire_bytes
+            result.kv_bytes = p.kv_bytes
             if p.handle.status is not TransferStatus.DONE:
                 result.status = "failed"
                 result.error = p.handle.error or p.handle.status.value

@@ -22,6 +22,7 @@ class PrefillView:
     kv_blocks_total: int
     queued_tokens: int = 0
     healthy: bool = True
+    draining: bool = False
     prefix: OrderedDict = field(default_factory=OrderedDict)   # block hash -> None, LRU order
 
     def cached_blocks(self, hashes: list[bytes]) -> int:
