@@ -90,20 +90,28 @@ class Engine:
             raise ValueError(f"max_tokens: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
                              f"({params.max_tokens}) = {total} exceeds the context length {self.max_model_len}")
 
-    def _new_request(self, request_id: str | None, prompt, params: SamplingParams, prefill_only: bool) -> Request:
+    def _new_request(self, request_id: str | None, prompt, params: SamplingParams, prefill_only: bool,
+                     resume_output_ids: list[int] = ()) -> Request:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(ids, params)
+        if len(resume_output_ids) >= params.max_tokens:
+            raise ValueError(f"resume_output_ids: {len(resume_output_ids)} tokens already reach max_tokens")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req = Request(request_id, ids, params, seed, prefill_only=prefill_only)
+        req.output_token_ids = list(resume_output_ids)
         self.output.attach(req)
         return req
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, prefill_only: bool = False) -> str:
-        req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only)
+                    request_id: str | None = None, prefill_only: bool = False,
+                    resume_output_ids: list[int] = ()) -> str:
+        """Queue a request. `resume_output_ids`: tokens it already produced elsewhere (migration):
+        they are recomputed like after a preemption and generation continues after them, with the
+        same seeded draws and penalties as if it had never moved."""
+        req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only, resume_output_ids)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req.request_id

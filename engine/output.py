@@ -13,7 +13,7 @@ class OutputProcessor:
         self.eos = set(eos_token_ids)
 
     def attach(self, req: Request) -> None:
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.all_token_ids)
 
     def process(self, req: Request, token: int) -> RequestOutput:
         """Append one sampled token; returns the step's output for the request."""

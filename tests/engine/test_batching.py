@@ -103,3 +103,18 @@ def test_abort_frees_blocks(tiny_model_dir):
     assert engine.abort(rid).finish_reason == "abort"
     assert not engine.has_unfinished()
     engine.block_manager.check_no_leaks()
+
+
+def test_resume_after_migration_continues_identically(tiny_model_dir):
+    """A request moved mid-stream (prompt + tokens so far recomputed) continues exactly, seeded too."""
+    prompts, params = _prompts(4, 1024, seed=4), _params(4)
+    params = [SamplingParams(max_tokens=30, temperature=t, seed=9, ignore_eos=True) for t in (0.0, 0.9, 0.0, 1.2)]
+    full = _solo(tiny_model_dir, prompts, params)
+    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=256)
+    for p, prm, expected in zip(prompts, params, full):
+        rid = engine.add_request(p, prm, resume_output_ids=expected[:11])
+        got = []
+        while engine.has_unfinished():
+            got += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+        assert expected[:11] + got == expected
+    engine.block_manager.check_no_leaks()
