@@ -1,12 +1,14 @@
 """A running cluster in this process: Ray pools + ClusterBackend + router gRPC server."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
 from deploy.cluster_backend import ClusterBackend, RoutingSettings
 from deploy.config import PDServeConfig
 from deploy.launcher import ActorFactory, Pools, cluster_token, init_ray, load_tokenizer, start_pools
+from router.metrics import Metrics, poll_stats
 from router.security import TLSConfig
 from router.server import RouterServer, start_server
 
@@ -20,6 +22,8 @@ class RunningCluster:
     backend: ClusterBackend
     server: RouterServer
     factory: ActorFactory
+    metrics: Metrics | None = None           # set when server.metrics_port is
+    metrics_task: asyncio.Task | None = None
 
     @property
     def address(self) -> str:
@@ -28,6 +32,10 @@ class RunningCluster:
     async def stop(self, grace: float = 1.0) -> None:
         import ray
         await self.server.stop(grace)
+        if self.metrics_task is not None:
+            self.metrics_task.cancel()
+        if self.metrics is not None:
+            self.metrics.stop()
         b = self.backend
         for handle in [v.handle for v in (*b.prefill, *b.decode, *b.long_decode)]:
             ray.kill(handle, no_restart=True)
@@ -52,12 +60,17 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     r = cfg.routing
     routing = RoutingSettings(r.local_prefill_tokens, r.long_request_tokens, r.max_queue,
                               transfer_deadline_s=cfg.kv_transfer.deadline_s)
+    metrics = Metrics() if cfg.server.metrics_port else None
     backend = ClusterBackend(pools.prefill, pools.decode, tokenizer, max_len, cfg.kv_cache.block_size,
-                             routing, pools.long_decode, codec=cfg.kv_transfer.compression)
+                             routing, pools.long_decode, codec=cfg.kv_transfer.compression, metrics=metrics)
     token = cfg.security.token.get_secret_value() if cfg.security.token else None
     server = await start_server(backend, cfg.server.host, cfg.server.port if port is None else port,
-                                token=token, tls=tls_of(cfg), max_queue=r.max_queue)
+                                token=token, tls=tls_of(cfg), max_queue=r.max_queue, metrics=metrics)
+    metrics_task = None
+    if metrics is not None:
+        metrics.serve(cfg.server.host, cfg.server.metrics_port)
+        metrics_task = asyncio.get_running_loop().create_task(poll_stats(backend, metrics))
     log.info("pdserve ready on %s:%d (%s) — %d prefill + %d decode actors, model %s, KV %s/%s",
              cfg.server.host, server.port, mode, len(pools.prefill), len(pools.decode), cfg.model.name,
              cfg.kv_transfer.transport, cfg.kv_transfer.compression)
-    return RunningCluster(cfg, pools, backend, server, factory)
+    return RunningCluster(cfg, pools, backend, server, factory, metrics, metrics_task)

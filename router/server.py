@@ -135,6 +135,7 @@ async def start_server(
     max_queue: int = DEFAULT_MAX_QUEUE,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ready_poll_s: float = 0.5,
+    metrics=None,
 ) -> RouterServer:
     """Start the router's gRPC server on the running event loop.
 
@@ -148,6 +149,7 @@ async def start_server(
         max_queue: most Generate calls in flight; more get RESOURCE_EXHAUSTED.
         max_message_bytes: largest request/response message accepted.
         ready_poll_s: how often to poll ``backend.ready()`` until it is True.
+        metrics: optional `router.metrics.Metrics` that every finished request is reported to.
 
     Returns:
         The running `RouterServer`; health turns SERVING once the backend is ready.
@@ -159,7 +161,7 @@ async def start_server(
     check_bind(host, token)
     if max_message_bytes < 1024:
         raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
-    servicer = GenerationServicer(backend, max_queue)
+    servicer = GenerationServicer(backend, max_queue, metrics)
     interceptors = [BearerTokenInterceptor(token)] if token else []
     server = grpc.aio.server(
         interceptors=interceptors,

@@ -64,6 +64,8 @@ class _RequestRecord:
     num_prompt_tokens: int
     num_completion_tokens: int = 0
     first_token_at: float | None = None
+    last_token_at: float | None = None
+    itl_s: list[float] = field(default_factory=list)  # gaps between token messages, as relayed
     finish_reason: str | None = None
     status: str = "OK"
     usage: Usage | None = None
@@ -77,12 +79,14 @@ class GenerationServicer:
         backend: generates tokens and reports stats.
         max_queue: most Generate calls in flight at once; more are refused
             with RESOURCE_EXHAUSTED at once.
+        metrics: optional `router.metrics.Metrics`; each finished request is reported to it.
     """
 
-    def __init__(self, backend: Backend, max_queue: int) -> None:
+    def __init__(self, backend: Backend, max_queue: int, metrics=None) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self._backend = backend
+        self._metrics = metrics
         self._max_queue = max_queue
         self._in_flight: dict[str, float] = {}
         self._idle = asyncio.Event()
@@ -132,6 +136,8 @@ class GenerationServicer:
             if not self._in_flight:
                 self._idle.set()
             _log_finished(record)
+            if self._metrics is not None:
+                _report_finished(self._metrics, record)
         if error is not None:
             await context.abort(grpc.StatusCode[error.code], error.message)
 
@@ -212,8 +218,12 @@ class GenerationServicer:
 
     def _response(self, inp: GenerationInput, chunk: GenerationChunk, record: _RequestRecord) -> pb.GenerateResponse:
         now = time.monotonic()
-        if chunk.token_ids and record.first_token_at is None:
-            record.first_token_at = now
+        if chunk.token_ids:
+            if record.first_token_at is None:
+                record.first_token_at = now
+            else:
+                record.itl_s.append(now - record.last_token_at)
+            record.last_token_at = now
         record.num_completion_tokens += len(chunk.token_ids)
         response = pb.GenerateResponse(request_id=inp.request_id, token_ids=chunk.token_ids, text=chunk.text)
         if chunk.finish_reason is None:
@@ -245,6 +255,25 @@ def _peek_request_id(request: pb.GenerateRequest | UnparsableRequest) -> str:
     return request.request_id[:64] or "-"
 
 
+def _tpot(record: _RequestRecord) -> float:
+    """Time per output token after the first (0 for fewer than two tokens)."""
+    n, t = record.num_completion_tokens, record.timing
+    return (t.e2e_s - t.ttft_s) / (n - 1) if record.usage and n > 1 else 0.0
+
+
+def _report_finished(metrics, record: _RequestRecord) -> None:
+    try:
+        ok = record.usage is not None
+        t = record.timing
+        metrics.request_finished(
+            record.finish_reason if ok else record.status.lower(),
+            ttft_s=t.ttft_s if ok else None, e2e_s=t.e2e_s, queue_s=t.queue_s,
+            num_output_tokens=record.num_completion_tokens, itl_s=record.itl_s,
+        )
+    except Exception:  # noqa: BLE001 — metrics never fail a request
+        logging.getLogger("pdserve.router").exception("metrics.request_finished failed")
+
+
 def _log_finished(record: _RequestRecord) -> None:
     usage = record.usage
     t = record.timing
@@ -258,4 +287,5 @@ def _log_finished(record: _RequestRecord) -> None:
         queue_s=t.queue_s, prefill_s=t.prefill_s, kv_transfer_s=t.kv_transfer_s,
         decode_queue_s=t.decode_queue_s, ttft_s=t.ttft_s,
         e2e_s=t.e2e_s if usage else time.monotonic() - record.received,
+        tpot_s=_tpot(record),
     )

@@ -1,0 +1,144 @@
+"""Prometheus metrics of the router: one `Metrics` object per cluster, its own registry.
+
+Who feeds what::
+
+    GenerationServicer (per finished request) → request_finished: TTFT, TPOT, ITL, E2E,
+                                                queue seconds, requests_total{finish_reason}
+    ClusterBackend hooks                      → kv_transfer, transfer_failed, local_prefill,
+                                                prefix_hit_tokens
+    poll_stats (periodic backend.stats())     → blocks_used: pdserve_kv_blocks_used{actor,role}
+
+`Metrics.serve(host, port)` exposes ``/metrics`` over HTTP (prometheus_client's
+server on a daemon thread); `Metrics.exposition()` returns the same text.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+log = logging.getLogger("pdserve.router")
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class Metrics:
+    """Every pdserve metric, registered in a private `CollectorRegistry`.
+
+    Hook methods are cheap and never raise into the request path.
+    """
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("pdserve_ttft_seconds", "Router receipt to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_tpot_seconds", "Time per output token after the first, per request.",
+                              buckets=TOKEN_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_itl_seconds", "Gap between token messages as the router relays them.",
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_seconds", "Router receipt to last token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("pdserve_queue_seconds", "Admission plus prefill queue time per request.",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "KV shipping time per request.",
+                                             buckets=TRANSFER_BUCKETS, registry=r)
+        self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "Uncompressed KV bytes moved prefill to decode.",
+                                ["codec"], registry=r)
+        self.wire_bytes = Counter("pdserve_kv_wire_bytes", "KV bytes on the wire (after the codec).", registry=r)
+        self.prefix_hits = Counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+                                   registry=r)
+        self.blocks = Gauge("pdserve_kv_blocks_used", "KV blocks in use per actor.", ["actor", "role"], registry=r)
+        self.blocks_total = Gauge("pdserve_kv_blocks_total", "KV blocks per actor.", ["actor", "role"], registry=r)
+        self.requests = Counter("pdserve_requests", "Finished requests by finish reason (or failure status).",
+                                ["finish_reason"], registry=r)
+        self.transfer_failures = Counter("pdserve_transfer_failures", "Failed prefills or KV transfers.", registry=r)
+        self.local_prefills = Counter("pdserve_local_prefills", "Prompts prefilled on their decode actor.",
+                                      registry=r)
+        self._actors: set[tuple[str, str]] = set()
+        self._http = None
+
+    # ---- router hooks ---------------------------------------------------------
+    def request_finished(self, finish_reason: str, *, ttft_s: float | None, e2e_s: float, queue_s: float,
+                         num_output_tokens: int, itl_s: Sequence[float] = ()) -> None:
+        """One request ended. ``finish_reason`` is stop/length/abort, or a failure status in lower case.
+
+        TPOT excludes the first token: (e2e - ttft) / (tokens - 1), for requests of two or more tokens.
+        """
+        self.requests.labels(finish_reason).inc()
+        if ttft_s is None:
+            return
+        self.ttft.observe(ttft_s)
+        self.e2e.observe(e2e_s)
+        self.queue.observe(queue_s)
+        if num_output_tokens > 1:
+            self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+        for gap in itl_s:
+            self.itl.observe(gap)
+
+    # ---- ClusterBackend hooks -------------------------------------------------
+    def kv_transfer(self, seconds: float, kv_bytes: int, wire_bytes: int, codec: str) -> None:
+        self.kv_transfer_seconds.observe(seconds)
+        self.kv_bytes.labels(codec).inc(kv_bytes)
+        self.wire_bytes.inc(wire_bytes)
+
+    def transfer_failed(self) -> None:
+        self.transfer_failures.inc()
+
+    def local_prefill(self) -> None:
+        self.local_prefills.inc()
+
+    def prefix_hit_tokens(self, n: int) -> None:
+        if n > 0:
+            self.prefix_hits.inc(n)
+
+    # ---- load poll ------------------------------------------------------------
+    def blocks_used(self, actor_id: str, role: str, used: int, total: int | None = None) -> None:
+        self.blocks.labels(actor_id, role).set(used)
+        if total is not None:
+            self.blocks_total.labels(actor_id, role).set(total)
+        self._actors.add((actor_id, role))
+
+    def observe_stats(self, stats: Sequence) -> None:
+        """Set the block gauges from `ActorStats`; drop actors that left the pools."""
+        seen = set()
+        for s in stats:
+            self.blocks_used(s.actor_id, s.role, s.kv_blocks_used, s.kv_blocks_total)
+            seen.add((s.actor_id, s.role))
+        for gone in self._actors - seen:
+            for gauge in (self.blocks, self.blocks_total):
+                try:
+                    gauge.remove(*gone)
+                except KeyError:
+                    pass
+        self._actors = seen
+
+    # ---- exposition -----------------------------------------------------------
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)
+
+    def serve(self, host: str, port: int) -> None:
+        """Serve ``/metrics`` on ``host:port`` from a daemon thread."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+async def poll_stats(backend, metrics: Metrics, interval_s: float = 1.0) -> None:
+    """Feed `metrics.observe_stats` from ``await backend.stats()`` every ``interval_s`` until cancelled."""
+    while True:
+        try:
+            metrics.observe_stats(await backend.stats())
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 — a failed poll must not stop the next one
+            log.exception("metrics poll of backend.stats() failed")
+        await asyncio.sleep(interval_s)

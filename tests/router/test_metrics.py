@@ -1,0 +1,74 @@
+"""Router metrics: the servicer reports each finished request; hooks and the stats poll feed gauges."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from router import ActorStats, generate
+from router.metrics import Metrics, poll_stats
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.exposition().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_request_finished_feeds_histograms(serve, caplog):
+    caplog.set_level(logging.INFO, logger="pdserve.router")
+    metrics = Metrics()
+    running = serve(metrics=metrics)
+    list(generate(running.address, "abcdef", request_id="m1", max_tokens=5, timeout=10))
+    s = samples(metrics)
+    assert s[("pdserve_requests_total", (("finish_reason", "length"),))] == 1
+    for name in ("ttft", "e2e", "queue", "tpot"):
+        assert s[(f"pdserve_{name}_seconds_count", ())] == 1
+    assert s[("pdserve_itl_seconds_count", ())] == 4          # 5 token messages → 4 gaps
+    assert s[("pdserve_queue_seconds_sum", ())] == 0.001      # the fake backend's queue_s
+    finished = next(r for r in caplog.records if getattr(r, "event", "") == "request_finished")
+    f = finished.fields
+    assert f["tpot_s"] > 0 and f["ttft_s"] <= f["e2e_s"] and f["finish_reason"] == "length"
+    assert {"queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s", "completion_tokens"} <= set(f)
+
+
+def test_hooks_and_stats_poll():
+    metrics = Metrics()
+    metrics.kv_transfer(0.01, 4096, 1100, "fp8")
+    metrics.kv_transfer(0.02, 4096, 1100, "fp8")
+    metrics.transfer_failed()
+    metrics.local_prefill()
+    metrics.prefix_hit_tokens(32)
+    metrics.prefix_hit_tokens(0)
+    metrics.request_finished("cancelled", ttft_s=None, e2e_s=0.0, queue_s=0.0, num_output_tokens=0)
+
+    class Backend:
+        calls = 0
+
+        async def stats(self):
+            Backend.calls += 1
+            if Backend.calls == 1:
+                return [ActorStats("prefill-0", "prefill", 64, 3, 0, 0), ActorStats("decode-0", "decode", 64, 7, 0, 1)]
+            return [ActorStats("decode-0", "decode", 64, 5, 0, 1)]
+
+    async def poll_twice():
+        task = asyncio.ensure_future(poll_stats(Backend(), metrics, interval_s=0.01))
+        while Backend.calls < 3:
+            await asyncio.sleep(0.005)
+        task.cancel()
+
+    asyncio.run(poll_twice())
+    s = samples(metrics)
+    assert s[("pdserve_kv_transfer_bytes_total", (("codec", "fp8"),))] == 8192
+    assert s[("pdserve_kv_wire_bytes_total", ())] == 2200
+    assert s[("pdserve_kv_transfer_seconds_count", ())] == 2
+    assert s[("pdserve_transfer_failures_total", ())] == 1
+    assert s[("pdserve_local_prefills_total", ())] == 1
+    assert s[("pdserve_prefix_cache_hit_tokens_total", ())] == 32
+    assert s[("pdserve_requests_total", (("finish_reason", "cancelled"),))] == 1
+    assert s[("pdserve_ttft_seconds_count", ())] == 0
+    assert s[("pdserve_kv_blocks_used", (("actor", "decode-0"), ("role", "decode")))] == 5
+    assert ("pdserve_kv_blocks_used", (("actor", "prefill-0"), ("role", "prefill"))) not in s  # left the pool
