@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 import dataclasses
 import logging
 
@@ -18,6 +19,7 @@ class DecodeActor:
         if transfer is not None and transfer.bind_host == "auto":          # multi-node: listen on this node's address
             import ray
             transfer = dataclasses.replace(transfer, bind_host=ray.util.get_node_ip_address())
+        self.incarnation = uuid.uuid4().hex     # changes when Ray restarts the actor
         engine = engine_args.build()
         self.layout = layout_of(engine.kv_cache, engine.fingerprint)
         self.transfer = transfer
@@ -53,7 +55,7 @@ class DecodeActor:
 
     async def info(self) -> dict:
         engine = self.worker.engine
-        return {"role": self.worker.role, "actor_id": self.worker.actor_id, "endpoint": self.worker.endpoint,
+        return {"role": self.worker.role, "actor_id": self.worker.actor_id, "incarnation": self.incarnation, "endpoint": self.worker.endpoint,
                 "layout": self.layout.describe(self.transfer.codec if self.transfer else "none"),
                 "kv_blocks_total": engine.block_manager.num_blocks, "block_size": engine.block_size,
                 "max_model_len": engine.max_model_len}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine import Engine, RequestOutput, SamplingParams
 from engine.loop import EngineLoop
@@ -36,6 +36,7 @@ class DecodeJob:
     transfer_id: str | None = None       # None: prefill locally
     num_cached_tokens: int = 0           # prompt tokens the prefill actor had cached
     kv_timeout_s: float = 30.0
+    resume_output_ids: list[int] = field(default_factory=list)   # migrated: tokens already streamed
 
 
 @dataclass(slots=True)
@@ -105,7 +106,8 @@ class DecodeWorker:
             return
         if job.transfer_id is None:
             try:
-                self.engine.add_request(job.prompt_token_ids, job.params, request_id=job.request_id)
+                self.engine.add_request(job.prompt_token_ids, job.params, request_id=job.request_id,
+                                        resume_output_ids=job.resume_output_ids)
             except ValueError as e:
                 j.emit(DecodeEvent(job.request_id, [], "", error_code="INVALID_ARGUMENT", error=str(e)))
                 return

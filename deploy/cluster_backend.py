@@ -43,6 +43,10 @@ class _Retry(Exception):
     """The prefill side failed; try again on another prefill actor."""
 
 
+class _DecodeLost(Exception):
+    """The decode actor died under the request; continue on another one."""
+
+
 class ClusterBackend(Backend):
     def __init__(self, prefill: list[PrefillView], decode: list[DecodeView], tokenizer, max_model_len: int,
                  block_size: int, routing: RoutingSettings, long_decode: list[DecodeView] | None = None,
@@ -83,35 +87,62 @@ class ClusterBackend(Backend):
         if not pool or need > max(v.kv_blocks_total for v in pool):
             raise BackendError("RESOURCE_EXHAUSTED", f"request needs {need} KV blocks ({total} tokens); "
                                f"the largest decode actor holds {max((v.kv_blocks_total for v in pool), default=0)}")
+        view = await self._admit(pool, need, inp)
+        hashes = prompt_block_hashes(prompt, self.block_size)
+        timing = Timing(queue_s=time.monotonic() - start)
+        excluded: set[str] = set()          # prefill actors that failed this request
+        lost: set[str] = set()              # decode actors that died under it
+        emitted: list[int] = []             # tokens the client already has
+        failures = 0
+        try:
+            while True:
+                try:
+                    async for chunk in self._attempt(inp, view, hashes, timing, excluded, emitted):
+                        emitted.extend(chunk.token_ids)
+                        yield chunk
+                    return
+                except _Retry as e:
+                    failures += 1
+                    log.warning("request %s: prefill/transfer attempt %d failed: %s", inp.request_id, failures, e)
+                except _DecodeLost as e:
+                    failures += 1
+                    view.healthy = False     # the pool manager restores it once the actor is back
+                    lost.add(view.actor_id)
+                    await self.admission.release(view, need)
+                    view = None
+                    log.warning("request %s: decode actor lost after %d tokens (%s); migrating",
+                                inp.request_id, len(emitted), e)
+                    view = await self.admission.acquire(pool, need, 0.0 if inp.deadline is None else
+                                                        max(inp.deadline - time.monotonic(), 0.0), exclude=lost)
+                    if view is None:
+                        raise BackendError("UNAVAILABLE", f"decode actor died mid-stream ({e}) and no other "
+                                           "decode actor can take the request") from None
+                if failures >= self.routing.max_attempts:
+                    raise BackendError("UNAVAILABLE", f"request failed {failures} times (prefill, KV transfer or "
+                                       "decode actor); giving up")
+        finally:
+            if view is not None:
+                await self.admission.release(view, need)
+
+    async def _admit(self, pool: list[DecodeView], need: int, inp: GenerationInput) -> DecodeView:
         timeout = None if inp.deadline is None else max(inp.deadline - time.monotonic(), 0.0)
         view = await self.admission.acquire(pool, need, timeout)
         if view is None:
             raise BackendError("RESOURCE_EXHAUSTED", f"no decode actor has room for {need} KV blocks and "
                                f"the admission queue is full ({self.routing.max_queue}) or the deadline passed")
-        hashes = prompt_block_hashes(prompt, self.block_size)
-        timing = Timing(queue_s=time.monotonic() - start)
-        excluded: set[str] = set()
-        try:
-            for attempt in range(self.routing.max_attempts):
-                try:
-                    async for chunk in self._attempt(inp, view, hashes, timing, excluded):
-                        yield chunk
-                    return
-                except _Retry as e:
-                    log.warning("request %s: attempt %d failed (%s); retrying", inp.request_id, attempt + 1, e)
-            raise BackendError("UNAVAILABLE", f"prefill or KV transfer failed {self.routing.max_attempts} times")
-        finally:
-            await self.admission.release(view, need)
+        return view
 
     async def _attempt(self, inp: GenerationInput, view: DecodeView, hashes: list[bytes], timing: Timing,
-                       excluded: set[str]):
+                       excluded: set[str], resume: list[int]):
+        """One try on one decode actor. `resume`: tokens already streamed (after a migration the
+        new decode actor recomputes prompt + resume locally and continues)."""
         rid, prompt = inp.request_id, inp.prompt_token_ids
         pview, cached = pick_prefill(self.prefill, hashes, excluded)
         uncached = len(prompt) - cached * self.block_size
-        local = pview is None or uncached < self.routing.local_prefill_tokens
+        local = bool(resume) or pview is None or uncached < self.routing.local_prefill_tokens
         transfer_id = None if local else uuid.uuid4().hex
         deadline_s = self.routing.transfer_deadline_s
-        djob = DecodeJob(rid, prompt, inp.params, transfer_id, 0, deadline_s)
+        djob = DecodeJob(rid, prompt, inp.params, transfer_id, 0, deadline_s, list(resume))
         stream = view.handle.generate.options(num_returns="streaming").remote(djob)
         pref_task = None
         if local and self.metrics:
@@ -120,7 +151,7 @@ class ClusterBackend(Backend):
             pview.queued_tokens += uncached
             pjob = PrefillJob(rid, prompt, inp.params, view.endpoint, transfer_id, deadline_s)
             pref_task = asyncio.ensure_future(self._prefill(pview, pjob, uncached))
-        usage = Usage(len(prompt), 0, 0)
+        usage = Usage(len(prompt), len(resume), 0)
         finished = False
         events = stream.__aiter__()
         next_task = asyncio.ensure_future(events.__anext__())
@@ -151,7 +182,7 @@ class ClusterBackend(Backend):
                             return
                     next_task = asyncio.ensure_future(events.__anext__())
         except ray.exceptions.RayError as e:
-            raise BackendError("UNAVAILABLE", f"decode actor {view.actor_id} failed: {e}") from None
+            raise _DecodeLost(f"decode actor {view.actor_id}: {type(e).__name__}") from None
         except _Retry:
             if not local and len(self.prefill) > len(excluded) + 1:
                 excluded.add(pview.actor_id)       # try a different prefill actor next

@@ -122,9 +122,11 @@ class ActorFactory:
         out = []
         for (pool, handle), info in zip(spawned, infos):
             if pool == "prefill":
-                out.append(PrefillView(info["actor_id"], handle, info["kv_blocks_total"]))
+                view = PrefillView(info["actor_id"], handle, info["kv_blocks_total"])
             else:
-                out.append(DecodeView(info["actor_id"], handle, info["endpoint"], info["kv_blocks_total"]))
+                view = DecodeView(info["actor_id"], handle, info["endpoint"], info["kv_blocks_total"])
+            view.incarnation = info["incarnation"]
+            out.append(view)
         return out
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from deploy.cluster_backend import ClusterBackend, RoutingSettings
 from deploy.config import PDServeConfig
+from deploy.pool_manager import PoolManager
 from deploy.launcher import ActorFactory, Pools, cluster_token, init_ray, load_tokenizer, start_pools
 from router.metrics import Metrics, poll_stats
 from router.security import TLSConfig
@@ -24,6 +25,8 @@ class RunningCluster:
     factory: ActorFactory
     metrics: Metrics | None = None           # set when server.metrics_port is
     metrics_task: asyncio.Task | None = None
+    manager: PoolManager | None = None
+    manager_task: asyncio.Task | None = None
 
     @property
     def address(self) -> str:
@@ -32,6 +35,8 @@ class RunningCluster:
     async def stop(self, grace: float = 1.0) -> None:
         import ray
         await self.server.stop(grace)
+        if self.manager_task is not None:
+            self.manager_task.cancel()
         if self.metrics_task is not None:
             self.metrics_task.cancel()
         if self.metrics is not None:
@@ -73,4 +78,6 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     log.info("pdserve ready on %s:%d (%s) — %d prefill + %d decode actors, model %s, KV %s/%s",
              cfg.server.host, server.port, mode, len(pools.prefill), len(pools.decode), cfg.model.name,
              cfg.kv_transfer.transport, cfg.kv_transfer.compression)
-    return RunningCluster(cfg, pools, backend, server, factory, metrics, metrics_task)
+    manager = PoolManager(backend, factory)
+    manager_task = asyncio.get_running_loop().create_task(manager.run())
+    return RunningCluster(cfg, pools, backend, server, factory, metrics, metrics_task, manager, manager_task)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 import logging
 
 from engine.args import EngineArgs
@@ -15,6 +16,7 @@ class PrefillActor:
     """Async actor: `prefill` awaits the worker's result without blocking other calls."""
 
     def __init__(self, engine_args: EngineArgs, transfer: TransferSettings, actor_id: str):
+        self.incarnation = uuid.uuid4().hex     # changes when Ray restarts the actor
         engine = engine_args.build()
         self.layout = layout_of(engine.kv_cache, engine.fingerprint)
         self.transfer = transfer
@@ -44,7 +46,7 @@ class PrefillActor:
 
     async def info(self) -> dict:
         engine = self.worker.engine
-        return {"role": "prefill", "actor_id": self.worker.actor_id, "layout": self.layout.describe(
+        return {"role": "prefill", "actor_id": self.worker.actor_id, "incarnation": self.incarnation, "layout": self.layout.describe(
             self.transfer.codec), "kv_blocks_total": engine.block_manager.num_blocks,
             "block_size": engine.block_size, "max_model_len": engine.max_model_len}
 

@@ -23,6 +23,7 @@ class PrefillView:
     queued_tokens: int = 0
     healthy: bool = True
     draining: bool = False
+    incarnation: str = ""
     prefix: OrderedDict = field(default_factory=OrderedDict)   # block hash -> None, LRU order
 
     def cached_blocks(self, hashes: list[bytes]) -> int:
@@ -51,6 +52,7 @@ class DecodeView:
     running: int = 0
     healthy: bool = True
     draining: bool = False
+    incarnation: str = ""
 
     @property
     def free_blocks(self) -> int:

@@ -1,0 +1,81 @@
+"""Pool manager: keeps every pool whole.
+
+Every `interval_s` it asks each actor for `info()`. An actor that does not
+answer is marked unhealthy (the router stops sending it work); one that Ray
+restarted (`max_restarts`) answers with a new incarnation and, for decode, a
+new KV endpoint, and is taken back; one that stays dead for
+`replace_after` checks is replaced by a fresh actor of the same pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from deploy.cluster_backend import ClusterBackend
+from deploy.launcher import ActorFactory
+from router.dispatch import DecodeView
+
+log = logging.getLogger(__name__)
+
+
+class PoolManager:
+    def __init__(self, backend: ClusterBackend, factory: ActorFactory, interval_s: float = 1.0,
+                 timeout_s: float = 5.0, replace_after: int = 3):
+        self.backend, self.factory = backend, factory
+        self.interval_s, self.timeout_s, self.replace_after = interval_s, timeout_s, replace_after
+        self._misses: dict[int, int] = {}
+        self.replaced = 0
+        self.restarted = 0
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.check_once()
+            except Exception:                  # never let the watchdog die
+                log.exception("pool manager check failed")
+
+    async def check_once(self) -> None:
+        checks = [(name, view) for name in ("prefill", "decode", "long_context")
+                  for view in list(self.backend.pool(name))]
+        results = await asyncio.gather(*(self._info(v) for _, v in checks))
+        for (name, view), info in zip(checks, results):
+            if info is None:
+                view.healthy = False
+                misses = self._misses[id(view)] = self._misses.get(id(view), 0) + 1
+                if misses == 1:
+                    log.warning("%s actor %s is not answering; taking it out of rotation", name, view.actor_id)
+                if misses >= self.replace_after:
+                    await self._replace(name, view)
+                continue
+            self._misses.pop(id(view), None)
+            if info["incarnation"] != view.incarnation:
+                view.incarnation = info["incarnation"]
+                if isinstance(view, DecodeView):
+                    view.endpoint = info["endpoint"]
+                self.restarted += 1
+                log.info("%s actor %s restarted by Ray; back in rotation", name, view.actor_id)
+            if not view.draining:
+                view.healthy = True
+        await self.backend.admission.notify()
+
+    async def _info(self, view) -> dict | None:
+        try:
+            return await asyncio.wait_for(view.handle.info.remote(), self.timeout_s)
+        except Exception:
+            return None
+
+    async def _replace(self, name: str, view) -> None:
+        import ray
+        self._misses.pop(id(view), None)
+        if view in self.backend.pool(name):
+            self.backend.pool(name).remove(view)
+        try:
+            ray.kill(view.handle, no_restart=True)
+        except Exception:
+            pass
+        handle = self.factory.spawn(name)
+        [new] = await self.factory.views([(name, handle)])
+        await self.backend.add(name, [new])
+        self.replaced += 1
+        log.warning("%s actor %s replaced by %s", name, view.actor_id, new.actor_id)
