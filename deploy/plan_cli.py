@@ -1,0 +1,124 @@
+"""`pdserve profile` and `pdserve plan`.
+
+    pdserve profile [--config F] [--out FILE] [--local]
+        Measure on one actor of each pool (Ray, the pools' resources); --local measures
+        in-process engines built from the same EngineArgs instead (no Ray). Saves the
+        profile to FILE, default the config's cached profile (see default_profile_path).
+    pdserve plan [--config F] [--model M] [--profile FILE] [--json] [--local]
+        Size the pools from FILE, else the cached profile, else profile first (with progress).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from deploy.config import PDServeConfig
+from deploy.launcher import engine_args
+from deploy.planner import Plan, Profile, inputs_from_config, plan
+from deploy.profiler import (default_profile_path, load_profile, profile_cluster, profile_local, save_profile)
+from engine.presets import resolve_model
+
+
+def measure(cfg: PDServeConfig, local: bool = False, progress: bool = True) -> dict:
+    return profile_local(cfg, progress=progress) if local else profile_cluster(cfg, progress=progress)
+
+
+def run_profile(cfg: PDServeConfig, out: str | None = None, local: bool = False) -> int:
+    profile = measure(cfg, local)
+    path = save_profile(profile, out or default_profile_path(cfg))
+    p = Profile(profile)
+    print(f"profile saved to {path}: peak prefill {p.peak_flops_per_s / 1e9:.1f} GFLOP/s, "
+          f"peak decode {p.peak_bytes_per_s / 1e9:.2f} GB/s, {len(profile['prefill']['points'])} prefill + "
+          f"{len(profile['decode']['points'])} decode points ({profile['source']})")
+    return 0
+
+
+def plan_for(cfg: PDServeConfig, profile: dict) -> Plan:
+    kv_blocks = engine_args(cfg, "decode", resolve_model(cfg.model.name)).num_blocks
+    return plan(Profile(profile), *inputs_from_config(cfg, kv_blocks))
+
+
+def obtain_profile(cfg: PDServeConfig, profile_path: str | None, local: bool = False) -> tuple[dict, str]:
+    """(profile, where it came from): the given file, the cached one, or a fresh measurement."""
+    if profile_path:
+        return load_profile(profile_path), profile_path
+    path = default_profile_path(cfg)
+    if os.path.isfile(path):
+        try:
+            return load_profile(path), path
+        except ValueError:
+            pass
+    print("no profile for this config on this machine yet: profiling first", file=sys.stderr)
+    return load_profile(save_profile(measure(cfg, local), path)), path
+
+
+def run_plan(cfg: PDServeConfig, as_json: bool = False, profile_path: str | None = None, local: bool = False) -> int:
+    try:
+        profile, source = obtain_profile(cfg, profile_path, local)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = plan_for(cfg, profile)
+    if as_json:
+        print(json.dumps({"profile": source, "model": cfg.model.name, **result.to_dict()}, indent=2))
+    else:
+        print(format_plan(result, cfg.model.name, source))
+    return 0
+
+
+def _si(x: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.2f} {unit}"
+
+
+def _table(title: str, rows: list[tuple[str, str]]) -> list[str]:
+    width = max(len(k) for k, _ in rows)
+    vwidth = max(len(v) for _, v in rows)
+    rule = "+" + "-" * (width + 2) + "+" + "-" * (vwidth + 2) + "+"
+    return [title, rule, *(f"| {k:<{width}} | {v:>{vwidth}} |" for k, v in rows), rule, ""]
+
+
+def format_plan(p: Plan, model: str, source: str) -> str:
+    led, w = p.ledger, p.workload
+    bound = "compute" if led["prefill_arithmetic_intensity"] > led["machine_balance_flops_per_byte"] else "memory"
+    dbound = "compute" if led["decode_arithmetic_intensity"] > led["machine_balance_flops_per_byte"] else "memory"
+    lines = [f"pdserve plan — model {model}; workload {w['input_tokens']:.0f} in / {w['output_tokens']:.0f} out "
+             f"tokens at {w['arrival_rate_rps']:g} req/s; SLO TTFT p99 {p.slo['ttft_s'] * 1e3:.0f} ms, "
+             f"TPOT p99 {p.slo['tpot_s'] * 1e3:.0f} ms", f"profile: {source}", ""]
+    lines += _table("Ledger", [
+        ("prefill FLOPs per request", _si(led["prefill_flops_per_request"], "FLOP")),
+        ("prefill time per request (measured)", f"{led['prefill_seconds_per_request'] * 1e3:.1f} ms"),
+        ("prefill achieved", _si(led["prefill_flops_per_s"], "FLOP/s")),
+        ("prefill arithmetic intensity", f"{led['prefill_arithmetic_intensity']:.1f} FLOP/B ({bound}-bound)"),
+        ("decode mean context", f"{led['decode_context_mean']:.0f} tokens"),
+        ("decode bytes per step (weights + KV)", _si(led["decode_bytes_per_step"], "B")),
+        ("  of which weights", _si(led["decode_weight_bytes"], "B")),
+        ("decode step, theoretical (bytes / peak)", f"{led['decode_theoretical_step_s'] * 1e3:.1f} ms"),
+        ("decode step, measured", f"{led['decode_measured_step_s'] * 1e3:.1f} ms"),
+        ("decode achieved", _si(led["decode_bytes_per_s"], "B/s")),
+        ("decode arithmetic intensity", f"{led['decode_arithmetic_intensity']:.1f} FLOP/B ({dbound}-bound)"),
+        ("KV bytes per token", _si(led["kv_bytes_per_token"], "B")),
+        ("KV bytes per request (prompt + max_tokens)", _si(led["kv_bytes_per_request"], "B")),
+        ("machine peak (measured)", f"{_si(led['peak_flops_per_s'], 'FLOP/s')}, {_si(led['peak_bytes_per_s'], 'B/s')}"),
+        ("machine balance point", f"{led['machine_balance_flops_per_byte']:.1f} FLOP/B"),
+    ])
+    d, f = p.decode, p.prefill
+    lines += _table("Per actor", [
+        ("decode batch (TPOT SLO, KV budget)", f"{d['batch']} (KV allows {d['kv_limit']}, max {d['max_batch_size']})"),
+        ("decode tokens/s per actor", f"{d['tokens_per_s_per_actor']:.1f}"),
+        ("prefill capacity tokens/s per actor", f"{f['capacity_tokens_per_s']:.1f}"),
+        ("prefill utilization at TTFT SLO", f"{f['utilization']:.0%}"),
+        ("prefill tokens/s per actor at SLO", f"{f['tokens_per_s_per_actor']:.1f}"),
+        ("predicted p99 TTFT", f"{f['predicted_p99_ttft_s'] * 1e3:.0f} ms"),
+    ])
+    lines += _table("Counts", [
+        ("prefill actors (needed → planned)", f"{p.needed_prefill:.2f} → {p.n_prefill}"),
+        ("decode actors (needed → planned)", f"{p.needed_decode:.2f} → {p.n_decode}"),
+        ("prefill : decode (needed)", f"{p.ratio:.2f}"),
+    ])
+    lines.append("Reasoning")
+    lines += [f"  - {r}" for r in p.reasons]
+    return "\n".join(lines)

@@ -1,0 +1,256 @@
+"""Pool sizing from a profile: pure functions, no I/O.
+
+    decode:  B* = the largest batch whose measured step time at the workload's mean
+             context (prompt + output/2) meets the TPOT SLO, within max_batch_size and
+             the KV budget (each request reserves prompt + max_tokens of blocks);
+             tokens/s per actor = B* / step(B*); n_decode = rate · out / (util · that).
+    prefill: t_p = measured time of one prompt of the mean length (chunked as served);
+             capacity = S / t_p tokens/s; the TTFT SLO caps the utilization ρ so that
+             t_p + p99 queueing wait (M/M/1: ln(100ρ)·t_p/(1−ρ)) ≤ TTFT;
+             n_prefill = rate · S / (ρ · capacity).
+Counts follow from the measurements and the workload; no ratio is assumed. The
+autoscaler calls `plan` with observed lengths and rate and correction factors
+(measured / predicted TTFT and TPOT) that scale the predicted times.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import asdict, dataclass, field
+
+from engine.profile import ModelCosts
+
+
+@dataclass(slots=True, frozen=True)
+class Workload:
+    input_tokens: float
+    output_tokens: float
+    arrival_rate_rps: float
+
+
+@dataclass(slots=True, frozen=True)
+class SLO:
+    ttft_s: float
+    tpot_s: float
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    """What the config allows: decode KV blocks and batch size, and each pool's count bounds."""
+    decode_kv_blocks: int
+    block_size: int
+    max_batch_size: int
+    prefill_bounds: tuple[int, int] = (1, 1 << 30)
+    decode_bounds: tuple[int, int] = (1, 1 << 30)
+
+
+@dataclass(slots=True, frozen=True)
+class Corrections:
+    """measured / predicted, from live traffic (1.0 = trust the profile)."""
+    ttft: float = 1.0
+    tpot: float = 1.0
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys) (sorted xs); linear extension beyond the ends."""
+    if len(xs) == 1:
+        return ys[0] * (x / xs[0] if xs[0] else 1.0)
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
+
+
+class Profile:
+    """Measured points, with interpolation: prefill seconds(S), decode step seconds(B, C)."""
+
+    def __init__(self, data: dict):
+        self.data = data
+        self.prefill_costs = ModelCosts.from_dict(data["prefill"]["engine"]["costs"])
+        self.costs = ModelCosts.from_dict(data["decode"]["engine"]["costs"])
+        pts = sorted(data["prefill"]["points"], key=lambda p: p["prompt_len"])
+        self._s = [p["prompt_len"] for p in pts]
+        self._rate = [p["flops_per_s"] for p in pts]
+        self._decode: dict[int, tuple[list[int], list[float]]] = {}
+        for p in sorted(data["decode"]["points"], key=lambda p: (p["context"], p["batch"])):
+            xs, ys = self._decode.setdefault(p["context"], ([], []))
+            xs.append(p["batch"])
+            ys.append(p["seconds"])
+        self._contexts = sorted(self._decode)
+
+    @property
+    def peak_flops_per_s(self) -> float:
+        return max(self._rate)
+
+    @property
+    def peak_bytes_per_s(self) -> float:
+        return max(p["bytes_per_s"] for p in self.data["decode"]["points"])
+
+    def prefill_seconds(self, prompt_len: float) -> float:
+        """One prompt, from the achieved FLOP/s interpolated at its length."""
+        rate = _interp(self._s, self._rate, prompt_len) if prompt_len <= self._s[-1] else self._rate[-1]
+        return self.prefill_costs.prefill_flops(round(prompt_len)) / rate
+
+    def decode_step_seconds(self, batch: float, context: float) -> float:
+        """One step of `batch` sequences at `context` tokens: piecewise-linear in batch,
+        then linear in context between the measured contexts (clamped to the nearest outside)."""
+        cs = self._contexts
+        at = [_interp(*self._decode[c], batch) for c in cs]
+        if len(cs) == 1 or context <= cs[0]:
+            return at[0]
+        if context >= cs[-1]:
+            return at[-1]
+        return _interp(cs, at, context)
+
+
+@dataclass(slots=True)
+class Plan:
+    workload: dict
+    slo: dict
+    ledger: dict
+    decode: dict
+    prefill: dict
+    n_prefill: int
+    n_decode: int
+    needed_prefill: float
+    needed_decode: float
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        """prefill : decode actors, unrounded (what the workload needs)."""
+        return self.needed_prefill / self.needed_decode if self.needed_decode else math.inf
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ratio"] = self.ratio
+        return d
+
+
+def p99_ttft(service_s: float, utilization: float) -> float:
+    """Service time + p99 wait of an M/M/1 queue at `utilization` (a conservative bound)."""
+    if utilization <= 0.01:
+        return service_s
+    if utilization >= 1:
+        return math.inf
+    return service_s + math.log(100 * utilization) * service_s / (1 - utilization)
+
+
+def max_utilization(service_s: float, ttft_slo_s: float) -> float:
+    """Largest utilization whose p99 TTFT meets the SLO (0 when one prompt alone misses it)."""
+    if service_s > ttft_slo_s:
+        return 0.0
+    lo, hi = 0.01, 0.999
+    if p99_ttft(service_s, hi) <= ttft_slo_s:
+        return hi
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if p99_ttft(service_s, mid) <= ttft_slo_s else (lo, mid)
+    return lo
+
+
+def decode_batch(profile: Profile, context: float, slo_s: float, kv_limit: int, max_batch: int,
+                 tpot_correction: float = 1.0) -> tuple[int, bool]:
+    """(largest batch meeting the TPOT SLO within the limits, whether B=1 meets it)."""
+    top = max(min(kv_limit, max_batch), 1)
+    best = 0
+    for b in range(1, top + 1):
+        if profile.decode_step_seconds(b, context) * tpot_correction <= slo_s:
+            best = b
+    return max(best, 1), best > 0
+
+
+def _clamp(n: int, bounds: tuple[int, int]) -> int:
+    return min(max(n, bounds[0]), bounds[1])
+
+
+def plan(profile: Profile, workload: Workload, slo: SLO, limits: Limits, corrections: Corrections = Corrections(),
+         decode_utilization: float = 0.9, unfeasible_utilization: float = 0.9) -> Plan:
+    """Size the pools. Args:
+        decode_utilization: share of a decode actor's token rate the plan may use (headroom for bursts).
+        unfeasible_utilization: prefill utilization to size for when one prompt alone misses the TTFT SLO.
+    """
+    s_in, s_out, rate = workload.input_tokens, workload.output_tokens, workload.arrival_rate_rps
+    costs = profile.costs
+    reasons: list[str] = []
+    context = s_in + s_out / 2
+    per_request_blocks = math.ceil((s_in + s_out) / limits.block_size)
+    kv_limit = limits.decode_kv_blocks // per_request_blocks
+    if kv_limit < 1:
+        reasons.append(f"KV budget: one request needs {per_request_blocks} blocks, a decode actor has "
+                       f"{limits.decode_kv_blocks}: requests of this length cannot be served")
+    batch, tpot_ok = decode_batch(profile, context, slo.tpot_s, max(kv_limit, 1), limits.max_batch_size,
+                                  corrections.tpot)
+    step_s = profile.decode_step_seconds(batch, context) * corrections.tpot
+    decode_tps = batch / step_s
+    binding = ("TPOT SLO" if batch < min(kv_limit, limits.max_batch_size) else
+               "KV budget" if kv_limit <= limits.max_batch_size else "max_batch_size")
+    reasons.append(f"decode batch {batch} (limits: KV budget {kv_limit}, max_batch_size "
+                   f"{limits.max_batch_size}, TPOT SLO {slo.tpot_s * 1e3:.0f} ms → bound by {binding}); "
+                   f"step {step_s * 1e3:.1f} ms at context {context:.0f} → {decode_tps:.1f} tokens/s per actor")
+    if not tpot_ok:
+        reasons.append(f"TPOT SLO unreachable: one sequence alone steps in {step_s * 1e3:.1f} ms")
+    needed_decode = rate * s_out / (decode_utilization * decode_tps)
+    reasons.append(f"decode demand {rate * s_out:.1f} tokens/s ÷ ({decode_utilization:.0%} × {decode_tps:.1f}) "
+                   f"= {needed_decode:.2f} actors")
+
+    prefill_s = profile.prefill_seconds(s_in) * corrections.ttft
+    capacity = s_in / prefill_s
+    util = max_utilization(prefill_s, slo.ttft_s)
+    ttft_ok = util > 0
+    if not ttft_ok:
+        reasons.append(f"TTFT SLO unreachable: one {s_in:.0f}-token prompt takes {prefill_s:.2f} s > "
+                       f"{slo.ttft_s:.2f} s; sized for throughput at {unfeasible_utilization:.0%} utilization")
+        util = unfeasible_utilization
+    prefill_tps = capacity * util
+    needed_prefill = rate * s_in / prefill_tps
+    reasons.append(f"prefill {prefill_s * 1e3:.0f} ms per {s_in:.0f}-token prompt → capacity {capacity:.0f} "
+                   f"tokens/s; TTFT SLO allows {util:.0%} utilization → {prefill_tps:.0f} tokens/s per actor; "
+                   f"demand {rate * s_in:.0f} tokens/s → {needed_prefill:.2f} actors")
+    n_prefill = _clamp(max(math.ceil(needed_prefill - 1e-9), 1), limits.prefill_bounds)
+    n_decode = _clamp(max(math.ceil(needed_decode - 1e-9), 1), limits.decode_bounds)
+    for name, need, n, bounds in (("prefill", needed_prefill, n_prefill, limits.prefill_bounds),
+                                  ("decode", needed_decode, n_decode, limits.decode_bounds)):
+        if math.ceil(need - 1e-9) > bounds[1]:
+            reasons.append(f"{name}: needs {math.ceil(need)} actors but max is {bounds[1]}")
+
+    flops_prefill = profile.prefill_costs.prefill_flops(round(s_in))
+    prefill_bytes = costs.weight_bytes + s_in * costs.kv_bytes_per_token
+    step_bytes = costs.decode_bytes(batch, context)
+    step_flops = costs.decode_flops(batch, context)
+    balance = profile.peak_flops_per_s / profile.peak_bytes_per_s
+    ledger = {
+        "prefill_flops_per_request": flops_prefill,
+        "prefill_seconds_per_request": prefill_s,
+        "prefill_flops_per_s": flops_prefill / prefill_s,
+        "prefill_arithmetic_intensity": flops_prefill / prefill_bytes,
+        "decode_context_mean": context,
+        "decode_bytes_per_step": step_bytes,
+        "decode_weight_bytes": float(costs.weight_bytes),
+        "decode_theoretical_step_s": step_bytes / profile.peak_bytes_per_s,
+        "decode_measured_step_s": step_s,
+        "decode_bytes_per_s": step_bytes / step_s,
+        "decode_arithmetic_intensity": step_flops / step_bytes,
+        "kv_bytes_per_token": costs.kv_bytes_per_token,
+        "kv_bytes_per_request": (s_in + s_out) * costs.kv_bytes_per_token,
+        "peak_flops_per_s": profile.peak_flops_per_s,
+        "peak_bytes_per_s": profile.peak_bytes_per_s,
+        "machine_balance_flops_per_byte": balance,
+    }
+    decode = {"batch": batch, "kv_limit": kv_limit, "max_batch_size": limits.max_batch_size, "step_s": step_s,
+              "tokens_per_s_per_actor": decode_tps, "tpot_slo_met": tpot_ok, "utilization": decode_utilization}
+    prefill = {"seconds_per_request": prefill_s, "capacity_tokens_per_s": capacity, "utilization": util,
+               "tokens_per_s_per_actor": prefill_tps, "predicted_p99_ttft_s": p99_ttft(prefill_s, util),
+               "ttft_slo_met": ttft_ok}
+    return Plan({"input_tokens": s_in, "output_tokens": s_out, "arrival_rate_rps": rate},
+                {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, ledger, decode, prefill,
+                n_prefill, n_decode, needed_prefill, needed_decode, reasons)
+
+
+def inputs_from_config(cfg, decode_kv_blocks: int) -> tuple[Workload, SLO, Limits]:
+    """The plan's inputs from a PDServeConfig (duck-typed: the planner stays pure)."""
+    w, s, pools = cfg.workload, cfg.slo, cfg.pools
+    workload = Workload(w.input_tokens_mean, w.output_tokens_mean, w.arrival_rate_rps)
+    slo = SLO(s.ttft_p99_ms / 1e3, s.tpot_p99_ms / 1e3)
+    limits = Limits(decode_kv_blocks, cfg.pool_kv_cache("decode").block_size, pools.decode.max_batch_size,
+                    pools.prefill.bounds(), pools.decode.bounds())
+    return workload, slo, limits
