@@ -1,0 +1,209 @@
+"""Autoscaler: for pools with `count: auto`, apply the planner to live traffic, within min..max.
+
+Every `interval_s`:
+
+    observe  ─ finished requests of the last `window_s` (ClusterBackend.completed): arrival
+               rate, mean prompt/output lengths, measured TTFT and TPOT; in-flight work
+               (decode requests running or waiting for admission, queued prefill tokens)
+    correct  ─ correction = measured / predicted TTFT and TPOT (smoothed, clamped), so the
+               profile's times follow what the cluster really does under load
+    plan     ─ planner.plan(observed workload, corrections) → n_prefill, n_decode; a backlog
+               term (in-flight decode requests / planned batch; queued prefill tokens that
+               the TTFT SLO must clear) can only raise the target
+    act      ─ grow at once (spawn, wait until ready, add to the backend); shrink one actor
+               after `scale_down_after` consecutive ticks that want fewer: drain it (no new
+               requests, in-flight ones finish), then kill it. No request is lost.
+
+Before any request finished, the configured workload is the observation (the plan's start point).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from deploy.planner import Corrections, Plan, Profile, SLO, Workload, inputs_from_config, p99_ttft, plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class AutoscaleSettings:
+    interval_s: float = 10.0            # control-loop period
+    window_s: float = 60.0              # observations older than this are forgotten
+    scale_down_after: int = 3           # consecutive ticks that want fewer actors before one is removed
+    drain_timeout_s: float = 300.0      # longest wait for a draining actor's in-flight requests
+    correction_bounds: tuple[float, float] = (0.5, 4.0)
+    smoothing: float = 0.5              # EMA weight of the newest correction
+    profile: dict | None = None         # None: the cached profile of the config, else measure the actors
+
+
+@dataclass(slots=True)
+class Observation:
+    workload: Workload
+    num_finished: int
+    ttft_s: float | None                # p90 of the window (None: no data)
+    tpot_s: float | None                # mean of the window
+    decode_in_flight: int
+    prefill_queued_tokens: int
+
+
+@dataclass(slots=True)
+class Decision:
+    time: float
+    observation: Observation
+    plan: Plan
+    corrections: Corrections
+    targets: dict[str, int]
+    sizes: dict[str, int] = field(default_factory=dict)
+
+
+class Autoscaler:
+    def __init__(self, cfg, backend, factory, profile: Profile, settings: AutoscaleSettings | None = None):
+        self.cfg, self.backend, self.factory, self.profile = cfg, backend, factory, profile
+        self.settings = settings or AutoscaleSettings()
+        self.pools = [name for name, p in cfg.pools.items() if p.is_auto and name in ("prefill", "decode")]
+        self.corrections = Corrections()
+        self.history: list[Decision] = []
+        self._want_fewer: dict[str, int] = {}
+        self._started = time.monotonic()
+        self._last_lengths: tuple[float, float] | None = None
+
+    # ---- loop -----------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.interval_s)
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:                # never let the control loop die
+                log.exception("autoscaler tick failed")
+
+    async def tick(self) -> Decision:
+        obs = self.observe(time.monotonic())
+        kv_blocks = min((v.kv_blocks_total for v in self.backend.decode), default=1)
+        _, slo, limits = inputs_from_config(self.cfg, kv_blocks)
+        self.corrections = self._correct(obs, slo)
+        result = plan(self.profile, obs.workload, slo, limits, self.corrections)
+        targets = self.targets(result, obs, slo)
+        decision = Decision(time.monotonic(), obs, result, self.corrections, targets)
+        for name in self.pools:
+            await self._scale(name, targets[name])
+        decision.sizes = {name: len(self.backend.pool(name)) for name in ("prefill", "decode")}
+        self.history.append(decision)
+        del self.history[:-1000]
+        return decision
+
+    # ---- observe / correct / plan ---------------------------------------
+    def observe(self, now: float) -> Observation:
+        window = self.settings.window_s
+        recent = [r for r in list(self.backend.completed) if now - r[0] <= window]
+        span = max(min(window, now - self._started), self.settings.interval_s, 1e-3)
+        w = self.cfg.workload
+        if recent:
+            self._last_lengths = (statistics.fmean(r[1] for r in recent), statistics.fmean(r[2] for r in recent))
+        if self._last_lengths is None and not self.backend.completed:
+            workload = Workload(w.input_tokens_mean, w.output_tokens_mean, w.arrival_rate_rps)   # the prior
+        else:
+            s_in, s_out = self._last_lengths or (w.input_tokens_mean, w.output_tokens_mean)
+            workload = Workload(s_in, max(s_out, 1.0), max(len(recent) / span, 1e-6))
+        ttfts = sorted(r[3] for r in recent)
+        tpots = [r[4] for r in recent if r[2] > 1]
+        decode_in_flight = sum(v.running for v in self.backend.decode) + self.backend.admission.num_waiting
+        queued = sum(v.queued_tokens for v in self.backend.prefill)
+        return Observation(workload, len(recent), ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
+                           statistics.fmean(tpots) if tpots else None, decode_in_flight, queued)
+
+    def _correct(self, obs: Observation, slo: SLO) -> Corrections:
+        """measured / predicted at the current pool sizes, smoothed and clamped."""
+        lo, hi = self.settings.correction_bounds
+        a = self.settings.smoothing
+        ttft, tpot = self.corrections.ttft, self.corrections.tpot
+        w = obs.workload
+        if obs.ttft_s is not None:
+            t_p = self.profile.prefill_seconds(w.input_tokens)
+            n = max(len(self.backend.prefill), 1)
+            util = min(w.arrival_rate_rps * t_p / n, 0.95)
+            predicted = p99_ttft(t_p, util)
+            ttft = (1 - a) * ttft + a * min(max(obs.ttft_s / predicted, lo), hi)
+        if obs.tpot_s is not None:
+            n = max(len(self.backend.decode), 1)
+            concurrency = max(w.arrival_rate_rps * w.output_tokens * obs.tpot_s / n, 1.0)
+            predicted = self.profile.decode_step_seconds(concurrency, w.input_tokens + w.output_tokens / 2)
+            tpot = (1 - a) * tpot + a * min(max(obs.tpot_s / predicted, lo), hi)
+        return Corrections(ttft, tpot)
+
+    def targets(self, result: Plan, obs: Observation, slo: SLO) -> dict[str, int]:
+        """Plan counts, raised by what the in-flight backlog needs, within each pool's bounds."""
+        decode_backlog = math.ceil(obs.decode_in_flight / max(result.decode["batch"], 1))
+        clear_rate = result.prefill["capacity_tokens_per_s"] * slo.ttft_s
+        prefill_backlog = math.ceil(obs.prefill_queued_tokens / clear_rate) if clear_rate > 0 else 0
+        out = {}
+        for name, planned, backlog in (("prefill", result.n_prefill, prefill_backlog),
+                                       ("decode", result.n_decode, decode_backlog)):
+            lo, hi = getattr(self.cfg.pools, name).bounds()
+            out[name] = min(max(planned, backlog, lo), hi)
+        return out
+
+    # ---- act ------------------------------------------------------------
+    async def _scale(self, name: str, target: int) -> None:
+        current = len(self.backend.pool(name))
+        if target > current:
+            self._want_fewer[name] = 0
+            await self.grow(name, target - current)
+        elif target < current:
+            self._want_fewer[name] = self._want_fewer.get(name, 0) + 1
+            if self._want_fewer[name] >= self.settings.scale_down_after:
+                self._want_fewer[name] = 0
+                await self.shrink(name)
+        else:
+            self._want_fewer[name] = 0
+
+    async def grow(self, name: str, count: int) -> None:
+        handles = [(name, self.factory.spawn(name)) for _ in range(count)]
+        views = await self.factory.views(handles)
+        await self.backend.add(name, views)
+        log.info("autoscaler: %s pool grew by %d to %d (%s)", name, count, len(self.backend.pool(name)),
+                 ", ".join(v.actor_id for v in views))
+
+    async def shrink(self, name: str) -> bool:
+        """Drain the least busy actor (its in-flight requests finish), then kill it."""
+        import ray
+        pool = [v for v in self.backend.pool(name) if not v.draining]
+        lo, _ = getattr(self.cfg.pools, name).bounds()
+        if len(pool) <= lo:
+            return False
+        busy = (lambda v: v.queued_tokens) if name == "prefill" else (lambda v: v.running)
+        view = min(pool, key=busy)
+        drained = await self.backend.drain(name, view, self.settings.drain_timeout_s)
+        if not drained:
+            log.warning("autoscaler: %s actor %s still busy after %.0fs; killing it anyway", name,
+                        view.actor_id, self.settings.drain_timeout_s)
+        ray.kill(view.handle, no_restart=True)
+        log.info("autoscaler: %s pool shrank to %d (removed %s)", name, len(self.backend.pool(name)), view.actor_id)
+        return drained
+
+
+async def start_autoscaler(cfg, backend, factory, settings: AutoscaleSettings | None = None) -> Autoscaler:
+    """Autoscaler with the config's cached profile, or one measured now on the first actors (quick)."""
+    import os
+
+    from deploy.profiler import default_profile_path, load_profile, plan_points, profile_actors
+    settings = settings or AutoscaleSettings()
+    data = settings.profile
+    if data is None:
+        path = default_profile_path(cfg)
+        if os.path.isfile(path):
+            try:
+                data = load_profile(path)
+            except ValueError:
+                data = None
+    if data is None:
+        log.info("autoscaler: no profile for this config yet; measuring the first actors (quick)")
+        handles = {"prefill": backend.prefill[0].handle, "decode": backend.decode[0].handle}
+        data = await profile_actors(handles, plan_points(cfg, factory.model_dir, quick=True), progress=False)
+    return Autoscaler(cfg, backend, factory, Profile(data), settings)

@@ -1,0 +1,140 @@
+"""Planner (pure functions) on synthetic profiles with exact expectations; the profiler's
+measurements on a tiny engine; `pdserve plan --json` from a profile file."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from deploy.planner import (SLO, Corrections, Limits, Profile, Workload, decode_batch, max_utilization, p99_ttft,
+                            plan)
+from engine.profile import ModelCosts
+
+COSTS = ModelCosts(num_layers=4, hidden_size=256, attn_dim=256, layer_params=2_000_000, head_params=250_000,
+                   weight_bytes=9_000_000, kv_bytes_per_token=4096, dtype_bytes=4)
+
+
+def synthetic(flops_per_s: float = 1e10, step=lambda b, c: 0.01 + 0.001 * b + 1e-6 * b * c) -> dict:
+    """Prefill at a constant FLOP/s; decode step time linear in batch (exact under interpolation)."""
+    engine = {"costs": COSTS.to_dict()}
+    prefill = [{"prompt_len": s, "seconds": COSTS.prefill_flops(s) / flops_per_s, "flops": COSTS.prefill_flops(s),
+                "flops_per_s": flops_per_s} for s in (128, 512, 2048)]
+    decode = [{"batch": b, "context": c, "seconds": step(b, c), "bytes": COSTS.decode_bytes(b, c),
+               "bytes_per_s": COSTS.decode_bytes(b, c) / step(b, c)}
+              for c in (128, 1024, 2048) for b in (1, 4, 16, 64, 256)]
+    return {"version": 1, "source": "synthetic", "prefill": {"engine": engine, "points": prefill},
+            "decode": {"engine": engine, "points": decode}}
+
+
+LIMITS = Limits(decode_kv_blocks=100_000, block_size=16, max_batch_size=256)
+
+
+def test_flop_and_byte_counts():
+    s = 1000
+    assert COSTS.prefill_flops(s) == 2 * 2_000_000 * s + 4 * 4 * s * s * 256 + 2 * 250_000
+    assert COSTS.decode_bytes(8, 500) == 9_000_000 + 8 * 500 * 4096
+
+
+def test_interpolation_reproduces_measured_points():
+    p = Profile(synthetic())
+    assert p.decode_step_seconds(16, 1024) == pytest.approx(0.01 + 0.016 + 1e-6 * 16 * 1024)
+    assert p.decode_step_seconds(10, 1024) == pytest.approx(0.01 + 0.010 + 1e-6 * 10 * 1024)   # between points
+    assert p.decode_step_seconds(10, 1536) == pytest.approx(0.01 + 0.010 + 1e-6 * 10 * 1536)   # between contexts
+    assert p.prefill_seconds(700) == pytest.approx(COSTS.prefill_flops(700) / 1e10)
+
+
+def test_decode_batch_is_largest_meeting_tpot():
+    p = Profile(synthetic(step=lambda b, c: 0.01 + 0.001 * b))
+    assert decode_batch(p, 1000, 0.020, 10_000, 256) == (10, True)       # 0.01 + 0.001·10 = 0.020
+    assert decode_batch(p, 1000, 0.020, 6, 256) == (6, True)             # KV budget binds
+    assert decode_batch(p, 1000, 0.020, 10_000, 4) == (4, True)          # max_batch_size binds
+    assert decode_batch(p, 1000, 0.005, 10_000, 256) == (1, False)       # unreachable: report B=1
+    assert decode_batch(p, 1000, 0.020, 10_000, 256, tpot_correction=3.0) == (1, False)
+
+
+def test_plan_numbers_follow_the_profile():
+    p = Profile(synthetic(step=lambda b, c: 0.01 + 0.001 * b))
+    w, slo = Workload(512, 128, 4.0), SLO(ttft_s=1.0, tpot_s=0.05)
+    result = plan(p, w, slo, LIMITS)
+    assert result.decode["batch"] == 40                                  # 0.01 + 0.04 = 0.05
+    assert result.decode["tokens_per_s_per_actor"] == pytest.approx(40 / 0.05)
+    assert result.needed_decode == pytest.approx(4 * 128 / (0.9 * 800))
+    t_p = COSTS.prefill_flops(512) / 1e10
+    util = result.prefill["utilization"]
+    assert p99_ttft(t_p, util) == pytest.approx(1.0, rel=1e-6)           # the SLO binds the utilization
+    assert result.needed_prefill == pytest.approx(4 * 512 / (util * 512 / t_p))
+    assert result.n_prefill == math.ceil(result.needed_prefill) and result.n_decode == math.ceil(result.needed_decode)
+    led = result.ledger
+    assert led["kv_bytes_per_request"] == 640 * 4096
+    assert led["decode_bytes_per_step"] == COSTS.decode_bytes(40, 576)
+    assert led["machine_balance_flops_per_byte"] == pytest.approx(p.peak_flops_per_s / p.peak_bytes_per_s)
+
+
+def test_prefill_heavy_workload_gets_higher_prefill_ratio():
+    p = Profile(synthetic())
+    slo = SLO(ttft_s=2.0, tpot_s=0.1)
+    rag = plan(p, Workload(2000, 100, 2.0), slo, LIMITS)
+    chat = plan(p, Workload(100, 500, 2.0), slo, LIMITS)
+    assert rag.ratio > 5 * chat.ratio
+    assert rag.n_prefill > chat.n_prefill and chat.n_decode > rag.n_decode
+
+
+def test_bounds_clamp_and_explain():
+    p = Profile(synthetic())
+    limits = Limits(100_000, 16, 256, prefill_bounds=(1, 2), decode_bounds=(2, 3))
+    result = plan(p, Workload(2000, 100, 50.0), SLO(2.0, 0.1), limits)
+    assert result.n_prefill == 2 and result.needed_prefill > 2
+    assert any("max is 2" in r for r in result.reasons)
+    idle = plan(p, Workload(100, 10, 0.001), SLO(2.0, 0.1), limits)
+    assert (idle.n_prefill, idle.n_decode) == (1, 2)
+
+
+def test_unreachable_ttft_is_reported_and_sized_for_throughput():
+    p = Profile(synthetic(flops_per_s=1e9))
+    result = plan(p, Workload(2000, 100, 1.0), SLO(ttft_s=0.1, tpot_s=0.1), LIMITS)
+    assert not result.prefill["ttft_slo_met"] and result.prefill["utilization"] == 0.9
+    assert any("TTFT SLO unreachable" in r for r in result.reasons)
+
+
+def test_corrections_scale_predictions():
+    p = Profile(synthetic(step=lambda b, c: 0.01 + 0.001 * b))
+    base = plan(p, Workload(512, 128, 4.0), SLO(1.0, 0.05), LIMITS)
+    slower = plan(p, Workload(512, 128, 4.0), SLO(1.0, 0.05), LIMITS, Corrections(ttft=2.0, tpot=1.25))
+    assert slower.decode["batch"] == 30                                  # 1.25·(0.01 + 0.001·30) = 0.05
+    assert slower.prefill["seconds_per_request"] == pytest.approx(2 * base.prefill["seconds_per_request"])
+    assert slower.needed_prefill > base.needed_prefill
+
+
+def test_max_utilization_edges():
+    assert max_utilization(2.0, 1.0) == 0.0
+    assert max_utilization(0.001, 100.0) == pytest.approx(0.999)
+    u = max_utilization(0.1, 0.5)
+    assert p99_ttft(0.1, u) <= 0.5 < p99_ttft(0.1, u + 0.01)
+
+
+def test_measurements_on_a_tiny_engine(tiny_model_dir):
+    from engine import Engine
+    from engine.profile import engine_costs, measure_decode, measure_prefill
+    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=64, chunk_size=32)
+    pre = measure_prefill(engine, 100)
+    assert pre["flops"] == engine_costs(engine).prefill_flops(100) and pre["seconds"] > 0
+    dec = measure_decode(engine, 4, 100, repeats=1)
+    costs = engine_costs(engine)
+    assert dec["bytes"] == costs.weight_bytes + 4 * 100 * costs.kv_bytes_per_token
+    assert measure_decode(engine, 64, 100) is None                      # does not fit 64 blocks
+    engine.block_manager.check_no_leaks()
+
+
+def test_plan_cli_json_from_profile_file(tmp_path, tiny_model_dir, capsys):
+    from deploy.cli import main
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(synthetic()))
+    rc = main(["plan", "--model", tiny_model_dir, "--profile", str(path), "--json",
+               "--set", "kv_cache.num_blocks=4096", "--set", "workload.arrival_rate_rps=3"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n_prefill"] >= 1 and out["n_decode"] >= 1 and out["ledger"]["kv_bytes_per_token"] == 4096
+    rc = main(["plan", "--model", tiny_model_dir, "--profile", str(path)])
+    table = capsys.readouterr().out
+    assert rc == 0 and "prefill FLOPs per request" in table and "decode actors (needed → planned)" in table
