@@ -1,0 +1,180 @@
+"""Serving benchmark: latency, throughput and goodput of pdserve under a workload.
+
+    python -m bench.serve --embedded --model tiny --workload mixed --request-rate 2 --num-requests 50
+    python -m bench.serve --address 127.0.0.1:50051 --metrics-url http://127.0.0.1:9090/metrics
+    python -m bench.serve --embedded --compare colocated,disaggregated --workload mixed --json out.json
+    python -m bench.serve --embedded --sweep concurrency --compare colocated,disaggregated --plot-dir img/
+
+One run = warm-up requests (excluded, prompts unrelated to the measured ones), then the
+workload on its arrival schedule; with ``--cache cold,warm`` the identical workload runs a
+second time so every prompt prefix is cached. Figures: see `bench.serve_metrics`.
+``--compare`` runs the identical workload (same seed) against each serving variant at
+equal total actors and prints them side by side with ratios (disaggregated / other).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+
+from bench.serve_cluster import Target, bench_config, embedded, variants_of
+from bench.serve_load import run_load
+from bench.serve_metrics import counter_delta, scrape, summarize
+from bench.serve_report import lengths_line, table
+from bench.workloads import describe, make_workload
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__.split("\n")[0])
+    t = p.add_argument_group("target")
+    t.add_argument("--address", help="host:port of a running router")
+    t.add_argument("--token", help="bearer token of that router")
+    t.add_argument("--metrics-url", help="its Prometheus endpoint, for KV bytes (e.g. http://127.0.0.1:9090/metrics)")
+    t.add_argument("--embedded", action="store_true", help="start the cluster in this process")
+    t.add_argument("--mode", choices=["disaggregated", "colocated", "colocated-chunked"], default="disaggregated")
+    t.add_argument("--compare", help="variants to run side by side, e.g. colocated,disaggregated (embedded)")
+    t.add_argument("--config", help="pools.yaml for the embedded cluster")
+    t.add_argument("--model", help="preset (tiny, small) or model directory for the embedded cluster")
+    t.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", default="mixed", help="chat | rag | mixed | shared-prefix | FILE.jsonl")
+    w.add_argument("--num-requests", type=int, default=64)
+    w.add_argument("--num-warmup", type=int, default=2)
+    w.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length")
+    w.add_argument("--prompt-len", type=int, help="fix every prompt's length")
+    w.add_argument("--output-len", type=int, help="fix every output's length")
+    w.add_argument("--request-rate", type=float, default=math.inf, help="mean arrivals per second (inf: all at once)")
+    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
+    w.add_argument("--concurrency", type=int, help="most requests in flight")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--cache", default="cold", help="cold, warm or cold,warm (prefix cache state)")
+    w.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
+    s = p.add_argument_group("SLOs and output")
+    s.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    s.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    s.add_argument("--sweep", choices=["output-len", "prompt-len", "concurrency", "rate"])
+    s.add_argument("--sweep-values", help="comma-separated values of the swept variable")
+    s.add_argument("--plot-dir", default=".", help="where sweep PNGs go")
+    s.add_argument("--hf-baseline", action="store_true", help="also time HF transformers generate (static batching)")
+    s.add_argument("--hf-batch-size", type=int, default=8)
+    s.add_argument("--json", help="write every figure and per-request record here")
+    s.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def workload_kwargs(args: argparse.Namespace) -> dict:
+    return dict(scale=args.scale, prompt_len=args.prompt_len, output_len=args.output_len)
+
+
+async def measure(target: Target, args: argparse.Namespace, specs: list, *, seed: int, label: str,
+                  request_rate: float | None = None, concurrency: int | None = None) -> dict[str, dict]:
+    """Warm up, then run ``specs`` once per ``--cache`` state against ``target``."""
+    from router.client import AsyncGenerationClient
+    rate = args.request_rate if request_rate is None else request_rate
+    conc = args.concurrency if concurrency is None else concurrency
+    slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    states = [c.strip() for c in args.cache.split(",") if c.strip()]
+    out: dict[str, dict] = {}
+    async with AsyncGenerationClient(target.address, token=target.token) as client:
+        if args.num_warmup:
+            warm = make_workload(args.workload, args.num_warmup, seed + 10_000, **workload_kwargs(args))
+            await run_load(client, warm, concurrency=args.num_warmup, seed=seed, tag="warmup", progress=False,
+                           timeout=args.timeout)
+        for i, state in enumerate(states):
+            if state == "warm" and i == 0:   # warm alone: one unmeasured pass fills the cache
+                await run_load(client, specs, concurrency=4, seed=seed, tag="fill", progress=False,
+                               timeout=args.timeout)
+            before = scrape(target.metrics_url)
+            records, duration = await run_load(
+                client, specs, request_rate=rate, burstiness=args.burstiness, concurrency=conc, seed=seed,
+                label=f"{label} ({state})", tag=f"{label}-{state}", progress=not args.no_progress,
+                timeout=args.timeout)
+            summary = summarize(records, duration, *slo)
+            summary.update(counter_delta(before, scrape(target.metrics_url)))
+            summary.update(cache=state, request_rate=rate, concurrency=conc, variant=target.label)
+            summary["records"] = [r.to_dict() for r in records]
+            out[label if state == states[0] else f"{label}-{state}"] = summary
+    return out
+
+
+async def run_variants(args: argparse.Namespace, fn) -> dict[str, dict]:
+    """``await fn(target)`` against each variant (embedded) or the given address; merged results."""
+    if args.address:
+        return await fn(Target("server", args.address, args.metrics_url, args.token))
+    cfg = bench_config(args.config, args.model, args.dtype, args.set)
+    results: dict[str, dict] = {}
+    for variant in variants_of(args.compare, args.mode):
+        async with embedded(cfg, variant) as target:
+            results.update(await fn(target))
+    return results
+
+
+async def bench_runs(args: argparse.Namespace) -> dict:
+    specs = make_workload(args.workload, args.num_requests, args.seed, **workload_kwargs(args))
+    lengths = describe(specs)
+    print(f"workload {args.workload}: {len(specs)} requests; {lengths_line(lengths)}", file=sys.stderr)
+    runs = await run_variants(args, lambda t: measure(t, args, specs, seed=args.seed, label=t.label))
+    if args.hf_baseline:
+        from bench.serve_hf import hf_static_batching
+        cfg = bench_config(args.config, args.model, args.dtype, args.set)
+        runs["hf-static"] = hf_static_batching(cfg, specs, args.hf_batch_size)
+    return {"workload": args.workload, "lengths": lengths, "num_requests": len(specs),
+            "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "seed": args.seed,
+            "request_rate": args.request_rate, "burstiness": args.burstiness, "concurrency": args.concurrency,
+            "runs": runs}
+
+
+def print_runs(result: dict) -> None:
+    runs = {k: v for k, v in result["runs"].items()}
+    ref = "disaggregated" if "disaggregated" in runs and len(runs) > 1 else None
+    print(f"\nworkload {result['workload']}, {result['num_requests']} requests, rate {result['request_rate']} req/s, "
+          f"SLO TTFT {result['slo']['ttft_ms']:.0f} ms / TPOT {result['slo']['tpot_ms']:.0f} ms")
+    print(lengths_line(result["lengths"]))
+    print(table(runs, ratio_of=ref))
+    for name, run in runs.items():
+        for err in run.get("errors", []):
+            print(f"  {name} error: {err}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if bool(args.address) == bool(args.embedded):
+        print("give exactly one of --address or --embedded", file=sys.stderr)
+        return 2
+    if args.compare and args.address:
+        print("--compare starts each variant itself: use it with --embedded", file=sys.stderr)
+        return 2
+    try:
+        if args.sweep:
+            from bench.serve_sweep import run_sweep
+            result = asyncio.run(run_sweep(args))
+        else:
+            result = asyncio.run(bench_runs(args))
+            print_runs(result)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(clean_json(result), f, indent=1, default=str)
+        print(f"wrote {args.json}", file=sys.stderr)
+    failed = sum(r.get("failed", 0) for r in result.get("runs", {}).values())
+    return 1 if failed else 0
+
+
+def clean_json(value: object) -> object:
+    """nan and inf become null, so the file is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: clean_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean_json(v) for v in value]
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

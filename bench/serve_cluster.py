@@ -1,0 +1,83 @@
+"""Benchmark targets: a running router (``--address``) or an embedded cluster per serving variant.
+
+Variants at equal total actors (each with the decode pool's resources):
+
+    disaggregated       P prefill + D decode actors, KV shipped between them
+    colocated           P + D colocated engines, whole prompts prefilled between decode steps
+    colocated-chunked   the same with chunked prefill (``pools.prefill.chunk_tokens``)
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass
+
+VARIANTS = {  # label -> (start_cluster mode, chunked prefill)
+    "disaggregated": ("disaggregated", True),
+    "colocated": ("colocated", False),
+    "colocated-chunked": ("colocated", True),
+}
+
+
+@dataclass(slots=True)
+class Target:
+    """Where a run sends its requests."""
+
+    label: str
+    address: str
+    metrics_url: str | None = None
+    token: str | None = None
+    num_actors: int = 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def variants_of(compare: str | None, mode: str) -> list[str]:
+    """``--compare colocated,disaggregated`` → the three variants; without it, ``mode`` alone."""
+    if not compare:
+        return [mode]
+    out = []
+    for name in (x.strip() for x in compare.split(",") if x.strip()):
+        if name == "colocated":
+            out += ["colocated", "colocated-chunked"]
+        elif name in VARIANTS:
+            out.append(name)
+        else:
+            raise ValueError(f"--compare: unknown variant {name!r} (colocated, colocated-chunked, disaggregated)")
+    return list(dict.fromkeys(out))
+
+
+def bench_config(config_path: str | None, model: str | None, dtype: str | None, overrides: list[str]):
+    """The deployment config for embedded runs: a free metrics port, CLI overrides applied."""
+    from deploy.config import load_config, parse_override
+    values: dict[str, object] = {"model.name": model, "model.dtype": dtype}
+    for item in overrides:
+        key, value = parse_override(item)
+        values[key] = value
+    values["server.metrics_port"] = free_port()
+    return load_config(config_path, values)
+
+
+@contextlib.asynccontextmanager
+async def embedded(cfg, variant: str):
+    """Start the cluster of ``variant`` in this process; stop it (and its actors) on exit."""
+    from deploy.launcher import init_ray
+    from deploy.running import start_cluster
+    mode, chunked = VARIANTS[variant]
+    n = cfg.pools.prefill.bounds()[0] + cfg.pools.decode.bounds()[0]
+    cpus = max(cfg.pools.prefill.resources.num_cpus, cfg.pools.decode.resources.num_cpus) * n
+    init_ray(cfg.ray.address, cfg.ray.namespace, num_cpus=None if cfg.ray.address else max(cpus, os.cpu_count() or 1))
+    cluster = await start_cluster(cfg, port=0, mode=mode, chunked=chunked)
+    try:
+        if not await cluster.server.wait_ready(300):
+            raise RuntimeError(f"{variant} cluster did not become ready")
+        token = cfg.security.token.get_secret_value() if cfg.security.token else None
+        url = f"http://{cfg.server.host}:{cfg.server.metrics_port}/metrics"
+        yield Target(variant, cluster.address, url, token, n)
+    finally:
+        await cluster.stop()

@@ -1,0 +1,131 @@
+"""Serving workloads: lists of `RequestSpec` (prompt + output length), deterministic per seed.
+
+    chat           short prompts, long outputs
+    rag            long prompts, short outputs
+    mixed          both, interleaved: long prompts arrive while chat requests decode
+    shared-prefix  one long common system prompt + a short unique question each
+    FILE.jsonl     one object a line: {"prompt": str} or {"prompt_len": int}, plus "output_len"
+
+Prompts are token ids (exact lengths, any tokenizer) drawn from ids 2..999, which every
+preset's vocabulary holds; JSONL prompts may be text. `scale` multiplies every length,
+so one definition serves a GPU and a 2-core laptop.
+"""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from dataclasses import dataclass
+
+WORKLOADS = ("chat", "rag", "mixed", "shared-prefix")
+TOKEN_ID_RANGE = (2, 1000)
+
+# (prompt_min, prompt_max, output_min, output_max) before scaling
+SHAPES = {
+    "chat": (64, 256, 128, 384),
+    "rag": (1024, 2048, 16, 64),
+    "shared-prefix": (32, 128, 64, 192),   # unique part; the common prefix is SHARED_PREFIX_LEN
+}
+SHARED_PREFIX_LEN = 1024
+MIXED_RAG_FRACTION = 0.3
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    """One request of a workload: token ids (or text) and how many tokens to generate."""
+
+    prompt_token_ids: list[int] | None
+    output_len: int
+    prompt: str | None = None
+    kind: str = ""
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids) if self.prompt_token_ids is not None else len(self.prompt or "")
+
+
+def _scaled(lo: int, hi: int, scale: float) -> tuple[int, int]:
+    return max(1, round(lo * scale)), max(1, round(hi * scale))
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*TOKEN_ID_RANGE) for _ in range(n)]
+
+
+def _shaped(rng: random.Random, shape: str, scale: float, kind: str | None = None) -> RequestSpec:
+    p_lo, p_hi = _scaled(*SHAPES[shape][:2], scale)
+    o_lo, o_hi = _scaled(*SHAPES[shape][2:], scale)
+    return RequestSpec(_tokens(rng, rng.randint(p_lo, p_hi)), rng.randint(o_lo, o_hi), kind=kind or shape)
+
+
+def make_workload(name: str, num_requests: int, seed: int = 0, scale: float = 1.0,
+                  prompt_len: int | None = None, output_len: int | None = None) -> list[RequestSpec]:
+    """Build ``num_requests`` requests of workload ``name`` (or read a JSONL file).
+
+    Args:
+        name: one of `WORKLOADS`, or a path ending in ``.jsonl``.
+        seed: the same seed gives the same prompts and lengths.
+        scale: multiplies every prompt and output length.
+        prompt_len, output_len: fix every request's prompt / output length (sweeps).
+    """
+    rng = random.Random(f"{name}-{seed}")
+    if name.endswith(".jsonl"):
+        specs = read_jsonl(name, rng)
+        specs = [specs[i % len(specs)] for i in range(num_requests)]
+    elif name in ("chat", "rag"):
+        specs = [_shaped(rng, name, scale) for _ in range(num_requests)]
+    elif name == "mixed":
+        specs = [_shaped(rng, "rag" if rng.random() < MIXED_RAG_FRACTION else "chat", scale)
+                 for _ in range(num_requests)]
+    elif name == "shared-prefix":
+        prefix = _tokens(rng, max(1, round(SHARED_PREFIX_LEN * scale)))
+        specs = []
+        for _ in range(num_requests):
+            spec = _shaped(rng, "shared-prefix", scale)
+            spec.prompt_token_ids = prefix + spec.prompt_token_ids
+            specs.append(spec)
+    else:
+        raise ValueError(f"unknown workload {name!r}: use one of {', '.join(WORKLOADS)} or a FILE.jsonl")
+    for spec in specs:
+        if prompt_len is not None:
+            spec.prompt_token_ids, spec.prompt = _tokens(rng, prompt_len), None
+        if output_len is not None:
+            spec.output_len = output_len
+    return specs
+
+
+def read_jsonl(path: str, rng: random.Random) -> list[RequestSpec]:
+    """Requests from a JSONL file; raises ValueError naming the bad line."""
+    specs = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                output_len = int(row["output_len"])
+                if "prompt" in row:
+                    spec = RequestSpec(None, output_len, prompt=str(row["prompt"]), kind="file")
+                else:
+                    spec = RequestSpec(_tokens(rng, int(row["prompt_len"])), output_len, kind="file")
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: need prompt or prompt_len, and output_len ({e})") from None
+            if output_len < 1 or spec.prompt_len < 1:
+                raise ValueError(f"{path}:{lineno}: lengths must be >= 1")
+            specs.append(spec)
+    if not specs:
+        raise ValueError(f"{path}: no requests")
+    return specs
+
+
+def length_stats(values: list[int]) -> dict[str, float]:
+    """min / mean / p50 / p90 / max of a list of lengths."""
+    s = sorted(values)
+    return {"min": s[0], "mean": round(statistics.fmean(s), 1), "p50": s[len(s) // 2],
+            "p90": s[min(len(s) - 1, int(0.9 * len(s)))], "max": s[-1]}
+
+
+def describe(specs: list[RequestSpec]) -> dict[str, dict[str, float]]:
+    """The input and output length distributions of a workload (reported with every run)."""
+    return {"input_len": length_stats([s.prompt_len for s in specs]),
+            "output_len": length_stats([s.output_len for s in specs])}
