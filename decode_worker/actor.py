@@ -59,3 +59,20 @@ class DecodeActor:
                 "layout": self.layout.describe(self.transfer.codec if self.transfer else "none"),
                 "kv_blocks_total": engine.block_manager.num_blocks, "block_size": engine.block_size,
                 "max_model_len": engine.max_model_len}
+
+    async def profile(self, spec: dict) -> dict | None:
+        """One `engine.profile` measurement (see `run_point`), run on the engine loop thread
+        between steps so it never races the loop."""
+        from engine.profile import run_point
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def measure() -> None:
+            try:
+                result = run_point(self.worker.engine, spec)
+            except Exception as e:  # report, never kill the loop
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+                return
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+        self.worker.loop.call(measure)
+        return await fut

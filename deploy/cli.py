@@ -96,12 +96,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from deploy.plan_cli import run_plan
-    return run_plan(config_from_args(args), as_json=args.json, profile_path=args.profile)
+    return run_plan(config_from_args(args), as_json=args.json, profile_path=args.profile, local=args.local)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from deploy.plan_cli import run_profile
-    return run_profile(config_from_args(args), args.out)
+    return run_profile(config_from_args(args), args.out, local=args.local)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true")
             p.add_argument("--profile", help="profile file (default: profile this machine first)")
         else:
-            p.add_argument("--out", help="where to save the profile")
+            p.add_argument("--out", help="where to save the profile (default: the config's cached profile)")
+        p.add_argument("--local", action="store_true",
+                       help="measure in-process engines with the pools' settings instead of Ray actors")
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("bench", help="benchmarks: engine | transfer | serve | kv_quality")

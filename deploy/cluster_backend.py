@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 import ray
@@ -63,6 +64,8 @@ class ClusterBackend(Backend):
         self.admission = AdmissionQueue(routing.max_queue)
         self.codec = codec
         self.metrics = metrics
+        # finished requests for the autoscaler: (end, prompt_tokens, output_tokens, ttft_s, tpot_s)
+        self.completed: deque[tuple[float, int, int, float, float]] = deque(maxlen=4096)
 
     async def ready(self) -> bool:
         return bool(self.decode) and all(v.healthy for v in self.decode)
@@ -94,12 +97,16 @@ class ClusterBackend(Backend):
         lost: set[str] = set()              # decode actors that died under it
         emitted: list[int] = []             # tokens the client already has
         failures = 0
+        first: float | None = None          # when the first token went out (autoscaler stats)
         try:
             while True:
                 try:
                     async for chunk in self._attempt(inp, view, hashes, timing, excluded, emitted):
+                        if chunk.token_ids and not emitted:
+                            first = time.monotonic()
                         emitted.extend(chunk.token_ids)
                         yield chunk
+                    self._record(start, first, len(prompt), len(emitted))
                     return
                 except _Retry as e:
                     failures += 1
@@ -123,6 +130,12 @@ class ClusterBackend(Backend):
         finally:
             if view is not None:
                 await self.admission.release(view, need)
+
+    def _record(self, start: float, first: float | None, num_prompt: int, num_output: int) -> None:
+        now = time.monotonic()
+        first = first or now
+        tpot = (now - first) / (num_output - 1) if num_output > 1 else 0.0
+        self.completed.append((now, num_prompt, num_output, first - start, tpot))
 
     async def _admit(self, pool: list[DecodeView], need: int, inp: GenerationInput) -> DecodeView:
         timeout = None if inp.deadline is None else max(inp.deadline - time.monotonic(), 0.0)

@@ -27,6 +27,8 @@ class RunningCluster:
     metrics_task: asyncio.Task | None = None
     manager: PoolManager | None = None
     manager_task: asyncio.Task | None = None
+    autoscaler: object | None = None          # deploy.autoscaler.Autoscaler when a pool is `count: auto`
+    autoscaler_task: asyncio.Task | None = None
 
     @property
     def address(self) -> str:
@@ -35,6 +37,8 @@ class RunningCluster:
     async def stop(self, grace: float = 1.0) -> None:
         import ray
         await self.server.stop(grace)
+        if self.autoscaler_task is not None:
+            self.autoscaler_task.cancel()
         if self.manager_task is not None:
             self.manager_task.cancel()
         if self.metrics_task is not None:
@@ -53,10 +57,12 @@ def tls_of(cfg: PDServeConfig) -> TLSConfig | None:
 
 
 async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str = "disaggregated",
-                        chunked: bool = True) -> RunningCluster:
+                        chunked: bool = True, autoscale=None) -> RunningCluster:
     """Bring up everything `cfg` describes; `port=0` picks a free port (tests).
 
     mode "colocated" serves the same model from colocated engines (the baseline).
+    autoscale: `deploy.autoscaler.AutoscaleSettings` for pools with `count: auto` (default settings
+    when None); the autoscaler runs whenever a pool is auto in disaggregated mode.
     """
     init_ray(cfg.ray.address, cfg.ray.namespace)
     factory = ActorFactory(cfg, cluster_token(cfg), mode, chunked)
@@ -80,4 +86,9 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
              cfg.kv_transfer.transport, cfg.kv_transfer.compression)
     manager = PoolManager(backend, factory)
     manager_task = asyncio.get_running_loop().create_task(manager.run())
-    return RunningCluster(cfg, pools, backend, server, factory, metrics, metrics_task, manager, manager_task)
+    cluster = RunningCluster(cfg, pools, backend, server, factory, metrics, metrics_task, manager, manager_task)
+    if mode == "disaggregated" and any(p.is_auto for _, p in cfg.pools.items()):
+        from deploy.autoscaler import start_autoscaler
+        cluster.autoscaler = await start_autoscaler(cfg, backend, factory, autoscale)
+        cluster.autoscaler_task = asyncio.get_running_loop().create_task(cluster.autoscaler.run())
+    return cluster

@@ -52,3 +52,20 @@ class PrefillActor:
 
     async def ping(self) -> bool:
         return True
+
+    async def profile(self, spec: dict) -> dict | None:
+        """One `engine.profile` measurement (see `run_point`), run on the engine loop thread
+        between steps so it never races the loop."""
+        from engine.profile import run_point
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def measure() -> None:
+            try:
+                result = run_point(self.worker.engine, spec)
+            except Exception as e:  # report, never kill the loop
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+                return
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+        self.worker.loop.call(measure)
+        return await fut
