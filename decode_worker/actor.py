@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 import dataclasses
 import logging
@@ -55,7 +56,8 @@ class DecodeActor:
 
     async def info(self) -> dict:
         engine = self.worker.engine
-        return {"role": self.worker.role, "actor_id": self.worker.actor_id, "incarnation": self.incarnation, "endpoint": self.worker.endpoint,
+        return {"role": self.worker.role, "actor_id": self.worker.actor_id, "incarnation": self.incarnation,
+                "pid": os.getpid(), "endpoint": self.worker.endpoint,
                 "layout": self.layout.describe(self.transfer.codec if self.transfer else "none"),
                 "kv_blocks_total": engine.block_manager.num_blocks, "block_size": engine.block_size,
                 "max_model_len": engine.max_model_len}

@@ -38,10 +38,15 @@ class RoutingSettings:
     max_queue: int = 1024
     max_attempts: int = 3
     transfer_deadline_s: float = 30.0
+    stream_idle_s: float = 60.0          # no prefill result and no token for this long: the actor is stuck
 
 
 class _Retry(Exception):
     """The prefill side failed; try again on another prefill actor."""
+
+    def __init__(self, message: str, receiver_suspect: bool = False):
+        super().__init__(message)
+        self.receiver_suspect = receiver_suspect    # the transport failed: is the decode actor alive?
 
 
 class _DecodeLost(Exception):
@@ -101,7 +106,7 @@ class ClusterBackend(Backend):
         try:
             while True:
                 try:
-                    async for chunk in self._attempt(inp, view, hashes, timing, excluded, emitted):
+                    async for chunk in self._attempt(inp, view, hashes, timing, excluded, emitted, failures):
                         if chunk.token_ids and not emitted:
                             first = time.monotonic()
                         emitted.extend(chunk.token_ids)
@@ -111,19 +116,20 @@ class ClusterBackend(Backend):
                 except _Retry as e:
                     failures += 1
                     log.warning("request %s: prefill/transfer attempt %d failed: %s", inp.request_id, failures, e)
+                    if e.receiver_suspect and not await self._alive(view):
+                        dead = view.actor_id
+                        view = await self._switch_decode(view, pool, need, lost, inp)
+                        if view is None:
+                            raise BackendError("UNAVAILABLE", f"decode actor {dead} is unreachable and no "
+                                               "other decode actor can take the request") from None
                 except _DecodeLost as e:
                     failures += 1
-                    view.healthy = False     # the pool manager restores it once the actor is back
-                    lost.add(view.actor_id)
-                    await self.admission.release(view, need)
-                    view = None
                     log.warning("request %s: decode actor lost after %d tokens (%s); migrating",
                                 inp.request_id, len(emitted), e)
-                    view = await self.admission.acquire(pool, need, 0.0 if inp.deadline is None else
-                                                        max(inp.deadline - time.monotonic(), 0.0), exclude=lost)
+                    view = await self._switch_decode(view, pool, need, lost, inp)
                     if view is None:
-                        raise BackendError("UNAVAILABLE", f"decode actor died mid-stream ({e}) and no other "
-                                           "decode actor can take the request") from None
+                        raise BackendError("UNAVAILABLE", f"{e}; no other decode actor can take the "
+                                           "request") from None
                 if failures >= self.routing.max_attempts:
                     raise BackendError("UNAVAILABLE", f"request failed {failures} times (prefill, KV transfer or "
                                        "decode actor); giving up")
@@ -137,6 +143,22 @@ class ClusterBackend(Backend):
         tpot = (now - first) / (num_output - 1) if num_output > 1 else 0.0
         self.completed.append((now, num_prompt, num_output, first - start, tpot))
 
+    async def _alive(self, view: DecodeView, timeout: float = 2.0) -> bool:
+        try:
+            await asyncio.wait_for(view.handle.info.remote(), timeout)
+            return True
+        except Exception:
+            return False
+
+    async def _switch_decode(self, view: DecodeView, pool: list[DecodeView], need: int, lost: set[str],
+                             inp: GenerationInput) -> DecodeView | None:
+        """Move the request's KV reservation to another decode actor (the old one is gone); None if none can."""
+        view.healthy = False             # the pool manager restores it once the actor is back
+        lost.add(view.actor_id)
+        await self.admission.release(view, need)
+        timeout = 0.0 if inp.deadline is None else max(inp.deadline - time.monotonic(), 0.0)
+        return await self.admission.acquire(pool, need, timeout, exclude=lost)
+
     async def _admit(self, pool: list[DecodeView], need: int, inp: GenerationInput) -> DecodeView:
         timeout = None if inp.deadline is None else max(inp.deadline - time.monotonic(), 0.0)
         view = await self.admission.acquire(pool, need, timeout)
@@ -146,10 +168,14 @@ class ClusterBackend(Backend):
         return view
 
     async def _attempt(self, inp: GenerationInput, view: DecodeView, hashes: list[bytes], timing: Timing,
-                       excluded: set[str], resume: list[int]):
+                       excluded: set[str], resume: list[int], attempt: int):
         """One try on one decode actor. `resume`: tokens already streamed (after a migration the
-        new decode actor recomputes prompt + resume locally and continues)."""
-        rid, prompt = inp.request_id, inp.prompt_token_ids
+        new decode actor recomputes prompt + resume locally and continues).
+
+        Each attempt has its own id on the actors, so a late abort of a failed attempt can
+        never hit the retry that replaced it."""
+        prompt = inp.prompt_token_ids
+        rid = inp.request_id if attempt == 0 else f"{inp.request_id}#{attempt}"
         pview, cached = pick_prefill(self.prefill, hashes, excluded)
         uncached = len(prompt) - cached * self.block_size
         local = bool(resume) or pview is None or uncached < self.routing.local_prefill_tokens
@@ -171,7 +197,14 @@ class ClusterBackend(Backend):
         try:
             while True:
                 waiting = {next_task} | ({pref_task} if pref_task is not None else set())
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(waiting, timeout=self.routing.stream_idle_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    if pref_task is not None:
+                        raise _Retry(f"prefill actor {pview.actor_id} sent nothing for "
+                                     f"{self.routing.stream_idle_s:.0f}s")
+                    raise _DecodeLost(f"decode actor {view.actor_id} sent nothing for "
+                                      f"{self.routing.stream_idle_s:.0f}s")
                 if pref_task in done:
                     result: PrefillResult = pref_task.result()
                     pref_task = None
@@ -223,7 +256,8 @@ class ClusterBackend(Backend):
             view.handle.abort.remote(result.request_id)
             if self.metrics and result.status == "failed":
                 self.metrics.transfer_failed()
-            raise _Retry(f"prefill actor {pview.actor_id}: {result.error or result.status}")
+            raise _Retry(f"prefill actor {pview.actor_id}: {result.error or result.status}",
+                         receiver_suspect=result.failed_side in ("transport", "receiver"))
         pview.remember(hashes)
         if self.metrics:
             self.metrics.prefix_hit_tokens(result.num_cached_tokens)

@@ -3,13 +3,15 @@
 Every `interval_s` it asks each actor for `info()`. An actor that does not
 answer is marked unhealthy (the router stops sending it work); one that Ray
 restarted (`max_restarts`) answers with a new incarnation and, for decode, a
-new KV endpoint, and is taken back; one that stays dead for
-`replace_after` checks is replaced by a fresh actor of the same pool.
+new KV endpoint, and is taken back. One that Ray reports dead for good (no
+restarts left), or that has not answered for `replace_after_s`, is replaced
+by a fresh actor of the same pool.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from deploy.cluster_backend import ClusterBackend
 from deploy.launcher import ActorFactory
@@ -20,10 +22,10 @@ log = logging.getLogger(__name__)
 
 class PoolManager:
     def __init__(self, backend: ClusterBackend, factory: ActorFactory, interval_s: float = 1.0,
-                 timeout_s: float = 5.0, replace_after: int = 3):
+                 timeout_s: float = 5.0, replace_after_s: float = 120.0):
         self.backend, self.factory = backend, factory
-        self.interval_s, self.timeout_s, self.replace_after = interval_s, timeout_s, replace_after
-        self._misses: dict[int, int] = {}
+        self.interval_s, self.timeout_s, self.replace_after_s = interval_s, timeout_s, replace_after_s
+        self._silent_since: dict[int, float] = {}
         self.replaced = 0
         self.restarted = 0
 
@@ -39,16 +41,17 @@ class PoolManager:
         checks = [(name, view) for name in ("prefill", "decode", "long_context")
                   for view in list(self.backend.pool(name))]
         results = await asyncio.gather(*(self._info(v) for _, v in checks))
-        for (name, view), info in zip(checks, results):
+        now = time.monotonic()
+        for (name, view), (info, dead) in zip(checks, results):
             if info is None:
                 view.healthy = False
-                misses = self._misses[id(view)] = self._misses.get(id(view), 0) + 1
-                if misses == 1:
+                since = self._silent_since.setdefault(id(view), now)
+                if since == now:
                     log.warning("%s actor %s is not answering; taking it out of rotation", name, view.actor_id)
-                if misses >= self.replace_after:
+                if dead or now - since >= self.replace_after_s:
                     await self._replace(name, view)
                 continue
-            self._misses.pop(id(view), None)
+            self._silent_since.pop(id(view), None)
             if info["incarnation"] != view.incarnation:
                 view.incarnation = info["incarnation"]
                 if isinstance(view, DecodeView):
@@ -59,15 +62,19 @@ class PoolManager:
                 view.healthy = True
         await self.backend.admission.notify()
 
-    async def _info(self, view) -> dict | None:
+    async def _info(self, view) -> tuple[dict | None, bool]:
+        """(info, dead for good): a restarting actor is silent but not dead."""
+        import ray
         try:
-            return await asyncio.wait_for(view.handle.info.remote(), self.timeout_s)
+            return await asyncio.wait_for(view.handle.info.remote(), self.timeout_s), False
+        except ray.exceptions.ActorDiedError:
+            return None, True
         except Exception:
-            return None
+            return None, False
 
     async def _replace(self, name: str, view) -> None:
         import ray
-        self._misses.pop(id(view), None)
+        self._silent_since.pop(id(view), None)
         if view in self.backend.pool(name):
             self.backend.pool(name).remove(view)
         try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 import logging
 
@@ -46,12 +47,17 @@ class PrefillActor:
 
     async def info(self) -> dict:
         engine = self.worker.engine
-        return {"role": "prefill", "actor_id": self.worker.actor_id, "incarnation": self.incarnation, "layout": self.layout.describe(
+        return {"role": "prefill", "actor_id": self.worker.actor_id, "incarnation": self.incarnation, "pid": os.getpid(), "layout": self.layout.describe(
             self.transfer.codec), "kv_blocks_total": engine.block_manager.num_blocks,
             "block_size": engine.block_size, "max_model_len": engine.max_model_len}
 
     async def ping(self) -> bool:
         return True
+
+    async def set_fault(self, kind: str | None, seconds: float = 0.0) -> None:
+        """Failure drills: "corrupt" or "stall" this actor's outgoing KV chunks; None to stop."""
+        from prefill_worker.faults import set_fault
+        set_fault(self.worker.sender, kind, seconds)
 
     async def profile(self, spec: dict) -> dict | None:
         """One `engine.profile` measurement (see `run_point`), run on the engine loop thread

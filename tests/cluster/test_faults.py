@@ -1,0 +1,182 @@
+"""Fault injection on a 2P2D cluster: each fault with 32 requests in flight.
+
+For every fault: no request hangs, every request ends with the reference
+output or a clear status, the affected ones complete (a healthy actor of the
+same role exists), every pool returns to zero used blocks, and the service
+serves new requests afterwards.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+
+from engine import SamplingParams
+from router.client import generate
+
+from cluster_helpers import ClusterThread, cluster_config, prompts_and_params, wait_blocks_free
+
+N = 32
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local, tiny_model_dir):
+    cfg = cluster_config(tiny_model_dir, "grpc", "none", 2, 2, max_queue=256)
+    c = ClusterThread(cfg)
+    c.cluster.backend.routing.transfer_deadline_s = 2.0
+    c.cluster.backend.routing.stream_idle_s = 5.0
+    c.cluster.manager.interval_s = 0.3
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def workload(reference):
+    prompts, _ = prompts_and_params(N, seed=31, max_len=300)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return prompts, reference(prompts, [params] * N)
+
+
+def _fire(cluster, prompts, cancel_at: dict[int, int] | None = None, timeout: float = 60.0):
+    """Run every prompt concurrently; returns {i: (tokens, status_code or None)}."""
+    results = {}
+
+    def run(i):
+        tokens, code = [], None
+        call = generate(cluster.address, token_ids=prompts[i], max_tokens=MAX_TOKENS, temperature=0.0,
+                        ignore_eos=True, timeout=timeout)
+        try:
+            for n, msg in enumerate(call):
+                tokens += msg.token_ids
+                if cancel_at and cancel_at.get(i) == n:
+                    call.close()
+                    code = "CANCELLED"
+                    break
+        except grpc.RpcError as e:
+            code = e.code().name
+        results[i] = (tokens, code)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def _join(threads, limit: float = 90.0):
+    end = time.monotonic() + limit
+    for t in threads:
+        t.join(max(end - time.monotonic(), 0))
+    assert not any(t.is_alive() for t in threads), "a request hung"
+
+
+def _settle(cluster):
+    """Every actor healthy again, zero blocks used, and a fresh request served."""
+    backend = cluster.cluster.backend
+    end = time.monotonic() + 90
+    views = [*backend.prefill, *backend.decode]
+    while time.monotonic() < end:
+        try:                                   # every actor answers (restarted ones included) ...
+            ray.get([v.handle.info.remote() for v in views], timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            time.sleep(0.5)
+            continue
+        if all(v.healthy for v in views):      # ... and the router has them back in rotation
+            break
+        time.sleep(0.2)
+    stats = wait_blocks_free(cluster.address, timeout=20)
+    assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
+    assert list(generate(cluster.address, "after the fault", max_tokens=4, temperature=0.0))[-1].finish_reason
+
+
+def _pid(handle) -> int:
+    return ray.get(handle.info.remote(), timeout=30)["pid"]
+
+
+def _check_all_complete(results, expected, report, fault):
+    ok = sum(1 for i, (tokens, code) in results.items() if code is None and tokens == expected[i])
+    report[fault] = f"{ok}/{len(results)} completed with the reference output"
+    bad = {i: (code, len(tokens)) for i, (tokens, code) in results.items() if code is not None or tokens != expected[i]}
+    assert ok >= 0.99 * len(results), f"{fault}: {bad}"
+
+
+REPORT: dict[str, str] = {}
+
+
+def test_kill_decode_actor_mid_stream(cluster, workload):
+    prompts, expected = workload
+    victim = cluster.cluster.backend.decode[0]
+    threads, results = _fire(cluster, prompts)
+    time.sleep(1.0)
+    os.kill(_pid(victim.handle), signal.SIGKILL)
+    _join(threads)
+    _check_all_complete(results, expected, REPORT, "kill -9 decode actor mid-stream")
+    _settle(cluster)
+
+
+def test_kill_prefill_actor_mid_batch(cluster, workload):
+    prompts, expected = workload
+    victim = cluster.cluster.backend.prefill[0]
+    pid = _pid(victim.handle)
+    threads, results = _fire(cluster, prompts)
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGKILL)
+    _join(threads)
+    _check_all_complete(results, expected, REPORT, "kill -9 prefill actor mid-batch")
+    _settle(cluster)
+
+
+@pytest.mark.parametrize("fault", ["stall", "corrupt"])
+def test_stalled_or_corrupted_transfer(cluster, workload, fault):
+    prompts, expected = workload
+    bad = cluster.cluster.backend.prefill[0]
+    ray.get(bad.handle.set_fault.remote(fault, 3.0))
+    try:
+        threads, results = _fire(cluster, prompts)
+        _join(threads)
+    finally:
+        ray.get(bad.handle.set_fault.remote(None))
+    _check_all_complete(results, expected, REPORT, f"{fault} KV transfer")
+    _settle(cluster)
+
+
+def test_receiver_disappears_mid_transfer(cluster, workload):
+    prompts, expected = workload
+    victim = cluster.cluster.backend.decode[1]
+    slow = cluster.cluster.backend.prefill[1]
+    ray.get(slow.handle.set_fault.remote("stall", 0.3))       # keep transfers in flight for a while
+    try:
+        threads, results = _fire(cluster, prompts)
+        time.sleep(0.5)
+        os.kill(_pid(victim.handle), signal.SIGKILL)
+        _join(threads)
+    finally:
+        ray.get(slow.handle.set_fault.remote(None))
+    _check_all_complete(results, expected, REPORT, "receiver killed mid-transfer")
+    _settle(cluster)
+
+
+def test_client_cancels_at_random_points(cluster, workload):
+    prompts, expected = workload
+    rng = random.Random(5)
+    cancel_at = {i: rng.randrange(0, 20) for i in range(N) if i % 2}
+    threads, results = _fire(cluster, prompts, cancel_at)
+    _join(threads)
+    for i, (tokens, code) in results.items():
+        if i in cancel_at:
+            assert tokens == expected[i][:len(tokens)]
+        else:
+            assert code is None and tokens == expected[i]
+    REPORT["client cancels at random points"] = f"{N - len(cancel_at)}/{N - len(cancel_at)} uncancelled completed"
+    _settle(cluster)
+
+
+def test_report(cluster):
+    """Print the per-fault counts (they go in the README)."""
+    for fault, line in REPORT.items():
+        print(f"{fault}: {line}")
