@@ -60,8 +60,19 @@ def _interp(xs: list[float], ys: list[float], x: float) -> float:
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
 
 
+def _monotone(ys: list[float]) -> list[float]:
+    """Non-decreasing by a running minimum from the right: work that grows never takes less
+    time, and on a shared machine noise only adds time, so the lower evidence wins."""
+    out = list(ys)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
+
+
 class Profile:
-    """Measured points, with interpolation: prefill seconds(S), decode step seconds(B, C)."""
+    """Measured points, with interpolation: prefill seconds(S), decode step seconds(B, C).
+
+    Times are made non-decreasing in prompt length, batch and context first (see `_monotone`)."""
 
     def __init__(self, data: dict):
         self.data = data
@@ -69,13 +80,18 @@ class Profile:
         self.costs = ModelCosts.from_dict(data["decode"]["engine"]["costs"])
         pts = sorted(data["prefill"]["points"], key=lambda p: p["prompt_len"])
         self._s = [p["prompt_len"] for p in pts]
-        self._rate = [p["flops_per_s"] for p in pts]
-        self._decode: dict[int, tuple[list[int], list[float]]] = {}
-        for p in sorted(data["decode"]["points"], key=lambda p: (p["context"], p["batch"])):
-            xs, ys = self._decode.setdefault(p["context"], ([], []))
-            xs.append(p["batch"])
-            ys.append(p["seconds"])
-        self._contexts = sorted(self._decode)
+        seconds = _monotone([p["seconds"] for p in pts])
+        self._rate = [self.prefill_costs.prefill_flops(s) / t for s, t in zip(self._s, seconds)]
+        grid: dict[int, dict[int, float]] = {}
+        for p in data["decode"]["points"]:
+            grid.setdefault(p["context"], {})[p["batch"]] = p["seconds"]
+        self._contexts = sorted(grid)
+        for i, c in enumerate(self._contexts[:-1]):          # a longer context never steps faster
+            longer = grid[self._contexts[i + 1]]
+            for b in grid[c]:
+                grid[c][b] = min(grid[c][b], longer.get(b, grid[c][b]))
+        self._decode = {c: (sorted(grid[c]), _monotone([grid[c][b] for b in sorted(grid[c])]))
+                        for c in self._contexts}
 
     @property
     def peak_flops_per_s(self) -> float:
