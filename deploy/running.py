@@ -75,8 +75,11 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     backend = ClusterBackend(pools.prefill, pools.decode, tokenizer, max_len, cfg.kv_cache.block_size,
                              routing, pools.long_decode, codec=cfg.kv_transfer.compression, metrics=metrics)
     token = cfg.security.token.get_secret_value() if cfg.security.token else None
+    # In flight at the router = running on decode actors + waiting for KV room (routing.max_queue).
+    max_in_flight = r.max_queue + cfg.pools.decode.max_batch_size * max(len(pools.decode), 1) + \
+        cfg.pools.decode.max_batch_size * len(pools.long_decode)
     server = await start_server(backend, cfg.server.host, cfg.server.port if port is None else port,
-                                token=token, tls=tls_of(cfg), max_queue=r.max_queue, metrics=metrics)
+                                token=token, tls=tls_of(cfg), max_queue=max_in_flight, metrics=metrics)
     metrics_task = None
     if metrics is not None:
         metrics.serve(cfg.server.host, cfg.server.metrics_port)
