@@ -181,6 +181,8 @@ class ClusterBackend(Backend):
         local = bool(resume) or pview is None or uncached < self.routing.local_prefill_tokens
         transfer_id = None if local else uuid.uuid4().hex
         deadline_s = self.routing.transfer_deadline_s
+        if inp.deadline is not None:         # the client's deadline bounds every remote step
+            deadline_s = max(min(deadline_s, inp.deadline - time.monotonic()), 0.05)
         djob = DecodeJob(rid, prompt, inp.params, transfer_id, 0, deadline_s, list(resume))
         stream = view.handle.generate.options(num_returns="streaming").remote(djob)
         pref_task = None
