@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("bench", help="benchmarks: engine | transfer | serve | kv_quality")
-    p.add_argument("what", choices=["engine", "transfer", "serve", "kv_quality"])
+    p.add_argument("what", choices=["engine", "transfer", "serve", "kv_quality", "stream_latency"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_bench)
 
