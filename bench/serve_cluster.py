@@ -63,15 +63,28 @@ def bench_config(config_path: str | None, model: str | None, dtype: str | None, 
     return load_config(config_path, values)
 
 
+def init_local_ray(cfg, num_cpus: float) -> None:
+    """A private local Ray on 127.0.0.1 (never another job's cluster on this machine), unless
+    ``ray.address`` says which cluster to join; start_cluster then finds Ray initialized."""
+    import ray
+
+    from deploy.launcher import init_ray
+    if ray.is_initialized() or cfg.ray.address:
+        init_ray(cfg.ray.address, cfg.ray.namespace)
+        return
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(address="local", num_cpus=num_cpus, namespace=cfg.ray.namespace, include_dashboard=False,
+             _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+
+
 @contextlib.asynccontextmanager
 async def embedded(cfg, variant: str):
     """Start the cluster of ``variant`` in this process; stop it (and its actors) on exit."""
-    from deploy.launcher import init_ray
     from deploy.running import start_cluster
     mode, chunked = VARIANTS[variant]
     n = cfg.pools.prefill.bounds()[0] + cfg.pools.decode.bounds()[0]
     cpus = max(cfg.pools.prefill.resources.num_cpus, cfg.pools.decode.resources.num_cpus) * n
-    init_ray(cfg.ray.address, cfg.ray.namespace, num_cpus=None if cfg.ray.address else max(cpus, os.cpu_count() or 1))
+    init_local_ray(cfg, max(cpus, os.cpu_count() or 1))
     cluster = await start_cluster(cfg, port=0, mode=mode, chunked=chunked)
     try:
         if not await cluster.server.wait_ready(300):

@@ -72,3 +72,20 @@ def test_hooks_and_stats_poll():
     assert s[("pdserve_ttft_seconds_count", ())] == 0
     assert s[("pdserve_kv_blocks_used", (("actor", "decode-0"), ("role", "decode")))] == 5
     assert ("pdserve_kv_blocks_used", (("actor", "prefill-0"), ("role", "prefill"))) not in s  # left the pool
+
+
+def test_grafana_dashboard_queries_only_exported_metrics():
+    import json
+    import os
+    import re
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "grafana-dashboard.json")
+    with open(path) as f:
+        dashboard = json.load(f)
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
+    used = set(re.findall(r"pdserve_[a-z0-9_]+", exprs))
+    metrics = Metrics()
+    metrics.request_finished("stop", ttft_s=0.1, e2e_s=0.2, queue_s=0.0, num_output_tokens=3, itl_s=[0.05])
+    metrics.kv_transfer(0.01, 10, 5, "fp8")
+    metrics.blocks_used("decode-0", "decode", 1, 8)
+    exported = {name for name, _ in samples(metrics)}
+    assert used and used <= exported, used - exported

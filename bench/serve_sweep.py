@@ -1,0 +1,104 @@
+"""Sweeps of the serving benchmark, each written as a PNG:
+
+    output-len    output length at a fixed prompt length (--prompt-len, default 128×scale)
+    prompt-len    prompt length at a fixed output length (--output-len, default 32×scale)
+    concurrency   closed-loop clients 1 → 32 on the workload
+    rate          Poisson request rate: SLO attainment and goodput per variant (DistServe's curve)
+
+With ``--compare`` every point runs against every variant, one cluster per variant.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from bench.serve_cluster import Target
+from bench.workloads import describe, make_workload
+
+DEFAULT_VALUES = {
+    "output-len": "16,32,64,128",
+    "prompt-len": "64,128,256,512",
+    "concurrency": "1,2,4,8,16,32",
+    "rate": "0.5,1,2,4",
+}
+FIGURES = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "itl_p99_s", "goodput_rps", "slo_attainment",
+           "throughput_tokens_s", "completed", "failed")
+
+
+def point_specs(args: argparse.Namespace, value: float, index: int) -> tuple[list, dict]:
+    """The requests and load of one sweep point."""
+    seed = args.seed + 100 * index            # fresh prompts per point: no prefix hits across points
+    n, scale = args.num_requests, args.scale
+    fixed_prompt = args.prompt_len or max(1, round(128 * scale))
+    fixed_output = args.output_len or max(2, round(32 * scale))
+    if args.sweep == "output-len":
+        specs = make_workload(args.workload, n, seed, scale, prompt_len=fixed_prompt, output_len=int(value))
+        return specs, dict(request_rate=math.inf, concurrency=args.concurrency or 4)
+    if args.sweep == "prompt-len":
+        specs = make_workload(args.workload, n, seed, scale, prompt_len=int(value), output_len=fixed_output)
+        return specs, dict(request_rate=math.inf, concurrency=args.concurrency or 4)
+    if args.sweep == "concurrency":
+        specs = make_workload(args.workload, max(n, 2 * int(value)), seed, scale, args.prompt_len, args.output_len)
+        return specs, dict(request_rate=math.inf, concurrency=int(value))
+    specs = make_workload(args.workload, n, seed, scale, args.prompt_len, args.output_len)
+    return specs, dict(request_rate=value, concurrency=args.concurrency)
+
+
+async def run_sweep(args: argparse.Namespace) -> dict:
+    from bench.serve import measure, run_variants
+    from bench.serve_plots import plot_latency_sweep, plot_slo_attainment
+    raw = args.sweep_values or DEFAULT_VALUES[args.sweep]
+    values = [float(v) for v in raw.split(",") if v.strip()]
+    args.cache = args.cache.split(",")[0]
+    points: dict[str, list[dict]] = {}
+    runs: dict[str, dict] = {}
+    lengths = {}
+
+    async def sweep_target(target: Target) -> dict:
+        local = argparse.Namespace(**vars(args))
+        for i, value in enumerate(values):
+            specs, load = point_specs(args, value, i)
+            lengths[f"{value:g}"] = describe(specs)
+            label = f"{target.label}@{value:g}"
+            result = await measure(target, local, specs, seed=args.seed + 100 * i, label=label, **load)
+            local.num_warmup = 0              # one warm-up per cluster
+            summary = result[label]
+            runs[label] = summary
+            points.setdefault(target.label, []).append({"x": value, **{k: summary[k] for k in FIGURES}})
+            print(f"{label}: TTFT p50 {summary['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 "
+                  f"{summary['tpot_p50_s'] * 1e3:.1f} ms, goodput {summary['goodput_rps']:.2f} req/s, "
+                  f"SLO attainment {summary['slo_attainment'] * 100:.0f}%", file=sys.stderr)
+        return {}
+
+    await run_variants(args, sweep_target)
+    os.makedirs(args.plot_dir, exist_ok=True)
+    name = args.sweep.replace("-", "_")
+    path = os.path.join(args.plot_dir, f"sweep_{name}.png")
+    title = f"{args.workload} workload, {args.model or 'default model'}"
+    if args.sweep == "rate":
+        title += f", SLO TTFT {args.slo_ttft_ms:.0f} ms / TPOT {args.slo_tpot_ms:.0f} ms"
+        plot_slo_attainment(points, path, title)
+    else:
+        plot_latency_sweep(points, args.sweep, path, title)
+    print_points(args.sweep, points)
+    print(f"wrote {path}", file=sys.stderr)
+    return {"sweep": args.sweep, "values": values, "workload": args.workload, "lengths": lengths,
+            "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "points": points, "plot": path,
+            "runs": runs}
+
+
+def print_points(variable: str, points: dict[str, list[dict]]) -> None:
+    print(f"\nsweep over {variable}")
+    print(f"{'variant':<20} {variable:>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
+          f"{'goodput':>8} {'SLO att.':>8}")
+    for variant, rows in points.items():
+        for r in rows:
+            print(f"{variant:<20} {r['x']:>12g} {_ms(r['ttft_p50_s']):>9} {_ms(r['ttft_p99_s']):>9} "
+                  f"{_ms(r['tpot_p50_s']):>9} {_ms(r['tpot_p99_s']):>9} {r['goodput_rps']:>8.2f} "
+                  f"{r['slo_attainment'] * 100:>7.0f}%")
+
+
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None or math.isnan(seconds) else f"{seconds * 1e3:.1f}"
