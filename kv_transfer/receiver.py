@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from kv_transfer.base import KVReceiver, ReceiverStats, TransferResult, TransferStatus
+from kv_transfer.buffers import tune_malloc
 from kv_transfer.layout import KVLayout
 from kv_transfer.pool import BlockAllocator
 from kv_transfer.receiver_core import ReceiverCore
@@ -29,6 +30,7 @@ class CoreReceiver(KVReceiver):
         on_complete: Callable[[TransferResult], None] | None = None,
         default_timeout_s: float = 30.0,
     ) -> None:
+        tune_malloc()
         self.core = ReceiverCore(
             layout,
             kv_cache,

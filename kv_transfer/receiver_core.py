@@ -43,6 +43,7 @@ class _Transfer:
     first_token_id: int
     num_missing: int
     status: TransferStatus = TransferStatus.PENDING
+    error: str = ""
     nbytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -152,7 +153,7 @@ class ReceiverCore:
         transfer = self._get_or_reserve(header)
         with transfer.lock:
             if transfer.status.is_terminal:
-                raise TransferError(f"transfer {header.transfer_id} is {transfer.status.value}", FailedSide.RECEIVER)
+                raise TransferError(f"transfer {header.transfer_id} is {transfer.status.value}: {transfer.error}", FailedSide.RECEIVER)
             transfer.status = TransferStatus.TRANSFERRING
             shape = header.shape
             if payload.device != self.kv_cache.device:  # decode where the cache lives (GPU)
@@ -178,7 +179,7 @@ class ReceiverCore:
                 return transfer
             done = self._finished.get(header.transfer_id)
             if done is not None:
-                raise TransferError(f"transfer {header.transfer_id} is already {done.status.value}", FailedSide.RECEIVER)
+                raise TransferError(f"transfer {header.transfer_id} is already {done.status.value}: {done.error}", FailedSide.RECEIVER)
             dst_block_ids = self.allocator.allocate(header.num_blocks)
             if dst_block_ids is None:
                 error = f"receiver has no room: {header.num_blocks} KV blocks needed"
@@ -208,7 +209,7 @@ class ReceiverCore:
     # --- terminal transitions -----------------------------------------------
     def _finish(self, transfer: _Transfer, status: TransferStatus, error: str = "") -> TransferResult:
         """Caller holds ``transfer.lock``. Frees blocks unless DONE."""
-        transfer.status = status
+        transfer.status, transfer.error = status, error
         dst_block_ids = transfer.dst_block_ids if status == TransferStatus.DONE else []
         if status != TransferStatus.DONE:
             self.allocator.free(transfer.dst_block_ids)
@@ -286,7 +287,7 @@ class ReceiverCore:
             ids = [t.transfer_id for t in self._active.values() if t.transfer_id == transfer_id or t.request_id == request_id]
             if transfer_id is not None and transfer_id not in self._active and transfer_id not in self._finished:
                 # Tombstone: chunks that arrive later are refused, nothing is reserved.
-                self._finished[transfer_id] = TransferResult(transfer_id, request_id or "", TransferStatus.CANCELLED)
+                self._finished[transfer_id] = TransferResult(transfer_id, request_id or "", TransferStatus.CANCELLED, error="cancelled by the decode worker")
         return [tid for tid in ids if self._end(tid, TransferStatus.CANCELLED, "cancelled by the decode worker")]
 
     def _reap(self, interval_s: float) -> None:

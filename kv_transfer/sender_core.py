@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kv_transfer.base import FailedSide, KVSender, SendHandle, TransferError, TransferStatus
+from kv_transfer.buffers import tune_malloc
 from kv_transfer.chunker import EncodedChunk, encode_chunks, prefetch
 from kv_transfer.codec import CodecError, get_codec
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
@@ -37,6 +38,7 @@ class BaseSender(KVSender):
         max_workers: int = 4,
         prefetch_depth: int = 2,
     ) -> None:
+        tune_malloc()
         self.layout, self.codec, self.token = layout, get_codec(codec), token
         self.chunk_bytes, self.prefetch_depth = chunk_bytes, prefetch_depth
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-send")
@@ -109,9 +111,9 @@ class BaseSender(KVSender):
         try:
             self.handshake(dest)
             handle.status = TransferStatus.TRANSFERRING
-            chunks = prefetch(encode_chunks(**job), self.prefetch_depth)
+            chunks = prefetch(map(self._prepare, encode_chunks(**job)), self.prefetch_depth)
             job.clear()  # the generator holds the cache until it ends; we do not
-            handle.wire_bytes = self._ship(dest, chunks, deadline_at)
+            handle.wire_bytes = self._ship(dest, chunks, deadline_at, handle.transfer_id)
             handle._finish(TransferStatus.DONE)
         except HandshakeError as exc:
             handle._finish(TransferStatus.FAILED, str(exc), FailedSide.RECEIVER)
@@ -124,6 +126,10 @@ class BaseSender(KVSender):
         finally:
             job.clear()
 
+    def _prepare(self, chunk: EncodedChunk):
+        """Per-chunk work a transport wants done on the encode thread (e.g. framing)."""
+        return chunk
+
     def _with_checksum(self, kv_cache: torch.Tensor) -> bool:
         return kv_cache.device.type == "cpu"
 
@@ -131,7 +137,8 @@ class BaseSender(KVSender):
     def _remote_handshake(self, dest: str, local: dict) -> dict: ...
 
     @abstractmethod
-    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float) -> int: ...
+    def _ship(self, dest: str, chunks: Iterator, deadline_at: float, transfer_id: str) -> int:
+        """Push what ``_prepare`` made of each chunk; return wire bytes or raise TransferError."""
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

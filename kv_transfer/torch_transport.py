@@ -22,8 +22,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
 import msgpack
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer.base import FailedSide, TransferError, TransferStatus
+from kv_transfer.buffers import payload_pool
 from kv_transfer.chunker import EncodedChunk
 from kv_transfer.codec import CodecError
 from kv_transfer.layout import HandshakeError, check_compatible
@@ -39,6 +41,7 @@ from kv_transfer.sender_core import BaseSender
 from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header
 
 KIND_CHUNK, KIND_CLOSE, KIND_ABORT = 1, 2, 3
+MAX_PENDING_DECODES = 2  # received chunks waiting for decode, per pair
 _IDLE_TIMEOUT = timedelta(days=1)  # an idle pair waits in recv; peer death still wakes it
 
 
@@ -81,7 +84,7 @@ def _unpack_small(data: bytes) -> dict:
 
 
 class TorchReceiver(CoreReceiver):
-    def __init__(self, layout, kv_cache, allocator, *, host: str = "127.0.0.1", port: int = 0, max_groups: int = 64, interface: str | None = None, **kwargs):
+    def __init__(self, layout, kv_cache, allocator, *, host: str = "127.0.0.1", port: int = 0, max_groups: int = 64, interface: str | None = None, decode_threads: int = 2, **kwargs):
         super().__init__(layout, kv_cache, allocator, **kwargs)
         self.device = kv_cache.device
         self.backend = "nccl" if kv_cache.is_cuda else "gloo"
@@ -90,7 +93,9 @@ class TorchReceiver(CoreReceiver):
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
         self._endpoint = f"{host}:{self._store.port}"
         self._closed = threading.Event()
+        self._decoders = ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="kv-torch-decode")
         self._num_groups = 0
+        self._pair_threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._accept_loop, name="kv-torch-accept", daemon=True).start()
 
@@ -128,7 +133,9 @@ class TorchReceiver(CoreReceiver):
             reply["error"] = str(exc)
         self._store.set(f"reply/{index}", msgpack.packb(reply))
         if reply["ok"]:
-            threading.Thread(target=self._serve_pair, args=(index,), name=f"kv-torch-pair-{index}", daemon=True).start()
+            thread = threading.Thread(target=self._serve_pair, args=(index,), name=f"kv-torch-pair-{index}", daemon=True)
+            self._pair_threads.append(thread)
+            thread.start()
 
     def _serve_pair(self, index: int) -> None:
         in_flight: set[str] = set()
@@ -145,8 +152,12 @@ class TorchReceiver(CoreReceiver):
                 self._num_groups -= 1
 
     def _serve_piece(self, group, in_flight: set[str]) -> bool:
-        """Receive chunks up to and including the last one of a send(); ack it."""
-        error = ""
+        """Receive chunks up to and including the last one of a send(); ack it.
+
+        Chunks are decoded on a small pool while the next one is received.
+        """
+        errors: list[str] = []
+        pending: deque[Future] = deque()
         while True:
             meta = torch.empty(4, dtype=torch.int64, device=self.device)
             group.recv([meta], 0, 0).wait()
@@ -154,37 +165,62 @@ class TorchReceiver(CoreReceiver):
             if kind == KIND_CLOSE:
                 return False
             if kind == KIND_ABORT:  # the sender failed to encode: end the piece
+                self._drain(pending, errors, 0)
                 for transfer_id in in_flight:
                     self.core.fail(transfer_id, "sender aborted mid-transfer")
-                error = error or "sender aborted"
+                errors.append("sender aborted")
                 is_last = 1
             elif kind != KIND_CHUNK or not (0 < header_len <= MAX_HEADER_BYTES) or not (0 <= payload_len <= self.core.max_payload):
                 raise WireError(f"bad chunk meta {kind, header_len, payload_len}")  # stream unusable: drop the pair
             else:
                 header_buf = torch.empty(header_len, dtype=torch.uint8, device=self.device)
                 group.recv([header_buf], 0, 0).wait()
-                payload = torch.empty(payload_len, dtype=torch.uint8, device=self.device)
+                payload = payload_pool.acquire(payload_len, self.device)
                 group.recv([payload], 0, 0).wait()
-            if kind == KIND_CHUNK and not error:
-                try:
-                    header = unpack_header(header_buf.cpu().numpy().tobytes())
-                    in_flight.add(header.transfer_id)
-                    if header.payload_len != payload_len:
-                        self.core.fail(header.transfer_id, "payload length differs from its header")
-                        raise WireError(f"payload of {payload_len} bytes, header says {header.payload_len}")
-                    self.core.accept(header, payload)
-                except (TransferError, WireError) as exc:
-                    error = str(exc)
+                if errors:
+                    payload_pool.release(payload)
+                else:
+                    try:
+                        header = unpack_header(header_buf.cpu().numpy().tobytes())
+                        in_flight.add(header.transfer_id)
+                        if header.payload_len != payload_len:
+                            self.core.fail(header.transfer_id, "payload length differs from its header")
+                            raise WireError(f"payload of {payload_len} bytes, header says {header.payload_len}")
+                        pending.append(self._decoders.submit(self._accept, header, payload))
+                    except (TransferError, WireError) as exc:
+                        errors.append(str(exc))
+                    self._drain(pending, errors, MAX_PENDING_DECODES)
             if is_last:
-                data = error.encode()[:MAX_HEADER_BYTES]
-                group.send([torch.tensor([0 if error else 1, len(data)], dtype=torch.int64, device=self.device)], 0, 0).wait()
+                self._drain(pending, errors, 0)
+                data = (errors[0] if errors else "").encode()[:MAX_HEADER_BYTES]
+                group.send([torch.tensor([0 if data else 1, len(data)], dtype=torch.int64, device=self.device)], 0, 0).wait()
                 if data:
                     group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)], 0, 0).wait()
                 in_flight.clear()
                 return True
 
+    def _accept(self, header, payload: torch.Tensor) -> None:
+        try:
+            self.core.accept(header, payload)
+        finally:
+            payload_pool.release(payload)
+
+    @staticmethod
+    def _drain(pending: deque, errors: list[str], keep: int) -> None:
+        while len(pending) > keep or (pending and pending[0].done()):
+            try:
+                pending.popleft().result()
+            except (TransferError, WireError) as exc:
+                errors.append(str(exc))
+
     def close(self) -> None:
         self._closed.set()
+        # A pair thread ends when its sender says close or dies; give closing senders a moment
+        # (a thread still blocked in recv at interpreter exit takes gloo down with it).
+        end = time.monotonic() + 2.0
+        for thread in self._pair_threads:
+            thread.join(timeout=max(0.0, end - time.monotonic()))
+        self._decoders.shutdown(wait=False)
         super().close()
 
 
@@ -250,24 +286,28 @@ class TorchSender(BaseSender):
         with self._pairs_lock:
             return len(self._pairs)
 
-    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float) -> int:
+    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "") -> int:
         pair, _ = self._pair(dest)
-        wire_bytes = 0
+        wire_bytes, inflight = 0, None
         with pair.lock:
             try:
                 pending, encode_error = None, None
                 try:
-                    for chunk in chunks:
+                    for chunk in chunks:  # one chunk behind, to flag the last one
                         if pending is not None:
-                            wire_bytes += self._send_chunk(pair, pending, False, deadline_at)
+                            inflight = self._post(pair, pending, False, inflight, deadline_at)
+                            wire_bytes += inflight[2]
                         pending = chunk
                 except (CodecError, ValueError) as exc:
                     encode_error = exc
                 if encode_error is None:
-                    wire_bytes += self._send_chunk(pair, pending, True, deadline_at)
+                    inflight = self._post(pair, pending, True, inflight, deadline_at)
+                    wire_bytes += inflight[2]
                 else:  # tell the receiver to free what it reserved, keep the pair in sync
                     meta = torch.tensor([KIND_ABORT, 0, 0, 1], dtype=torch.int64, device=self.device)
+                    inflight = self._finish_post(inflight, deadline_at)
                     self._wait(pair.group.send([meta], 1, 0), deadline_at)
+                self._finish_post(inflight, deadline_at)
                 ack = torch.empty(2, dtype=torch.int64, device=self.device)
                 self._wait(pair.group.recv([ack], 1, 0), deadline_at)
                 ok, error_len = (int(v) for v in ack.cpu())
@@ -286,14 +326,23 @@ class TorchSender(BaseSender):
                 raise TransferError(f"torch.distributed pair to {dest} broke: {str(exc)[:200]}", FailedSide.TRANSPORT) from None
         return wire_bytes
 
-    def _send_chunk(self, pair: _Pair, chunk: EncodedChunk, is_last: bool, deadline_at: float) -> int:
+    def _post(self, pair: _Pair, chunk: EncodedChunk, is_last: bool, previous, deadline_at: float):
+        """Post this chunk's three sends, then wait for the previous chunk's: two chunks in flight."""
         header = torch.frombuffer(bytearray(chunk.header_bytes), dtype=torch.uint8).to(self.device)
         payload = chunk.payload.to(self.device)
         meta = torch.tensor([KIND_CHUNK, header.numel(), payload.numel(), int(is_last)], dtype=torch.int64, device=self.device)
-        for tensor in (meta, header, payload):
-            self._wait(pair.group.send([tensor], 1, 0), deadline_at)
-        chunk.release()
-        return 32 + header.numel() + payload.numel()
+        works = [pair.group.send([tensor], 1, 0) for tensor in (meta, header, payload)]
+        self._finish_post(previous, deadline_at)
+        return works, (chunk, meta, header, payload), 32 + header.numel() + payload.numel()
+
+    def _finish_post(self, inflight, deadline_at: float) -> None:
+        if inflight is None:
+            return None
+        works, keep, _ = inflight
+        for work in works:
+            self._wait(work, deadline_at)
+        keep[0].release()  # tensors in ``keep`` stayed alive until their sends completed
+        return None
 
     @staticmethod
     def _wait(work, deadline_at: float) -> None:
