@@ -58,6 +58,15 @@ def plan_chunks(layers: tuple[int, int], num_blocks: int, cell_nbytes: int, chun
     return plans
 
 
+MIN_CHUNKS = 8  # enough stages for encode, send and decode to overlap
+MIN_CHUNK_BYTES = 256 * 1024  # below this, per-message costs dominate
+
+
+def pipeline_chunk_bytes(total_nbytes: int, chunk_bytes: int) -> int:
+    """``chunk_bytes``, shrunk so a transfer has MIN_CHUNKS stages (not below MIN_CHUNK_BYTES)."""
+    return min(chunk_bytes, max(MIN_CHUNK_BYTES, total_nbytes // MIN_CHUNKS))
+
+
 def encode_chunks(
     kv_cache: torch.Tensor,  # [num_layers, num_blocks, 2, H, B, D]
     src_block_ids: list[int],
@@ -75,7 +84,8 @@ def encode_chunks(
 ) -> Iterator[EncodedChunk]:
     num_blocks = len(src_block_ids)
     cell_shape = (1, 1, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)
-    plans = plan_chunks(layers, num_blocks, codec.payload_nbytes(cell_shape, layout.dtype), chunk_bytes)
+    cell_nbytes = codec.payload_nbytes(cell_shape, layout.dtype)
+    plans = plan_chunks(layers, num_blocks, cell_nbytes, pipeline_chunk_bytes((layers[1] - layers[0]) * num_blocks * cell_nbytes, chunk_bytes))
     index = torch.tensor(src_block_ids, dtype=torch.long, device=kv_cache.device)
     for chunk_index, plan in enumerate(plans):
         shape = (plan.layer_end - plan.layer_start, plan.block_end - plan.block_start, *cell_shape[2:])

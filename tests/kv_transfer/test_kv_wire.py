@@ -102,3 +102,12 @@ def test_chunk_plan_covers_every_cell_once(layers, num_blocks, cell, chunk):
     for p in plans:
         cells = (p.layer_end - p.layer_start) * (p.block_end - p.block_start)
         assert cells == 1 or cells * cell <= chunk
+
+
+def test_pipeline_chunks_shrink_for_overlap_but_not_below_the_floor():
+    from kv_transfer.chunker import MIN_CHUNK_BYTES, pipeline_chunk_bytes
+
+    assert pipeline_chunk_bytes(128 << 20, 4 << 20) == 4 << 20  # big transfers: the configured size
+    assert pipeline_chunk_bytes(16 << 20, 4 << 20) == 2 << 20  # 8 stages
+    assert pipeline_chunk_bytes(1 << 20, 4 << 20) == MIN_CHUNK_BYTES
+    assert pipeline_chunk_bytes(1 << 20, 4096) == 4096  # an explicit small size wins
