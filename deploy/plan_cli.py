@@ -112,7 +112,8 @@ def format_plan(p: Plan, model: str, source: str) -> str:
         ("prefill capacity tokens/s per actor", f"{f['capacity_tokens_per_s']:.1f}"),
         ("prefill utilization at TTFT SLO", f"{f['utilization']:.0%}"),
         ("prefill tokens/s per actor at SLO", f"{f['tokens_per_s_per_actor']:.1f}"),
-        ("predicted p99 TTFT", f"{f['predicted_p99_ttft_s'] * 1e3:.0f} ms"),
+        ("predicted p99 TTFT", f"{f['predicted_p99_ttft_s'] * 1e3:.0f} ms"
+         + ("" if f["ttft_slo_met"] else " (SLO not met)")),
     ])
     lines += _table("Counts", [
         ("prefill actors (needed → planned)", f"{p.needed_prefill:.2f} → {p.n_prefill}"),

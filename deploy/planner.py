@@ -180,10 +180,11 @@ def _clamp(n: int, bounds: tuple[int, int]) -> int:
 
 
 def plan(profile: Profile, workload: Workload, slo: SLO, limits: Limits, corrections: Corrections = Corrections(),
-         decode_utilization: float = 0.9, unfeasible_utilization: float = 0.9) -> Plan:
+         decode_utilization: float = 0.9, min_prefill_utilization: float = 0.5) -> Plan:
     """Size the pools. Args:
         decode_utilization: share of a decode actor's token rate the plan may use (headroom for bursts).
-        unfeasible_utilization: prefill utilization to size for when one prompt alone misses the TTFT SLO.
+        min_prefill_utilization: the plan never runs prefill actors below this utilization; when the
+            TTFT SLO would need less (or one prompt alone misses it) the SLO is reported as not met.
     """
     s_in, s_out, rate = workload.input_tokens, workload.output_tokens, workload.arrival_rate_rps
     costs = profile.costs
@@ -212,11 +213,16 @@ def plan(profile: Profile, workload: Workload, slo: SLO, limits: Limits, correct
     prefill_s = profile.prefill_seconds(s_in) * corrections.ttft
     capacity = s_in / prefill_s
     util = max_utilization(prefill_s, slo.ttft_s)
-    ttft_ok = util > 0
-    if not ttft_ok:
+    ttft_ok = util >= min_prefill_utilization
+    if util == 0:
         reasons.append(f"TTFT SLO unreachable: one {s_in:.0f}-token prompt takes {prefill_s:.2f} s > "
-                       f"{slo.ttft_s:.2f} s; sized for throughput at {unfeasible_utilization:.0%} utilization")
-        util = unfeasible_utilization
+                       f"{slo.ttft_s:.2f} s; sized for throughput at {min_prefill_utilization:.0%} utilization")
+    elif not ttft_ok:
+        reasons.append(f"TTFT SLO not met at a useful load: it allows only {util:.0%} utilization "
+                       f"(one prompt takes {prefill_s * 1e3:.0f} ms of {slo.ttft_s * 1e3:.0f} ms); sized at "
+                       f"{min_prefill_utilization:.0%}, predicted p99 TTFT "
+                       f"{p99_ttft(prefill_s, min_prefill_utilization) * 1e3:.0f} ms")
+    util = max(util, min_prefill_utilization)
     prefill_tps = capacity * util
     needed_prefill = rate * s_in / prefill_tps
     reasons.append(f"prefill {prefill_s * 1e3:.0f} ms per {s_in:.0f}-token prompt → capacity {capacity:.0f} "

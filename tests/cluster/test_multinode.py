@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -26,9 +28,17 @@ LOOPBACK = ("127.0.0.1:", "[::ffff:127.0.0.1]:")
 def multinode(tiny_model_dir, reference):
     prompts, params = prompts_and_params(8, seed=31, max_len=200)
     payload = json.dumps([{"ids": p, "max_tokens": prm.max_tokens} for p, prm in zip(prompts, params)])
-    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "multinode_main.py"), tiny_model_dir, "grpc,torch"],
-                          input=payload, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    # A private Ray temp dir: the Cluster's address file (ray_current_cluster) and sessions stay
+    # out of /tmp/ray, where another process's plain ray.init() would find and join them.
+    ray_tmp = tempfile.mkdtemp(prefix="pdmn-", dir="/tmp")
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "multinode_main.py"), tiny_model_dir,
+                               "grpc,torch"], input=payload, capture_output=True, text=True, timeout=240, env=env,
+                              cwd=ROOT)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):]), reference(prompts, params)

@@ -55,14 +55,14 @@ def test_decode_batch_is_largest_meeting_tpot():
 
 def test_plan_numbers_follow_the_profile():
     p = Profile(synthetic(step=lambda b, c: 0.01 + 0.001 * b))
-    w, slo = Workload(512, 128, 4.0), SLO(ttft_s=1.0, tpot_s=0.05)
+    w, slo = Workload(512, 128, 4.0), SLO(ttft_s=3.0, tpot_s=0.05)
     result = plan(p, w, slo, LIMITS)
     assert result.decode["batch"] == 40                                  # 0.01 + 0.04 = 0.05
     assert result.decode["tokens_per_s_per_actor"] == pytest.approx(40 / 0.05)
     assert result.needed_decode == pytest.approx(4 * 128 / (0.9 * 800))
     t_p = COSTS.prefill_flops(512) / 1e10
     util = result.prefill["utilization"]
-    assert p99_ttft(t_p, util) == pytest.approx(1.0, rel=1e-6)           # the SLO binds the utilization
+    assert util > 0.5 and p99_ttft(t_p, util) == pytest.approx(3.0, rel=1e-6)   # the SLO binds the utilization
     assert result.needed_prefill == pytest.approx(4 * 512 / (util * 512 / t_p))
     assert result.n_prefill == math.ceil(result.needed_prefill) and result.n_decode == math.ceil(result.needed_decode)
     led = result.ledger
@@ -93,8 +93,11 @@ def test_bounds_clamp_and_explain():
 def test_unreachable_ttft_is_reported_and_sized_for_throughput():
     p = Profile(synthetic(flops_per_s=1e9))
     result = plan(p, Workload(2000, 100, 1.0), SLO(ttft_s=0.1, tpot_s=0.1), LIMITS)
-    assert not result.prefill["ttft_slo_met"] and result.prefill["utilization"] == 0.9
+    assert not result.prefill["ttft_slo_met"] and result.prefill["utilization"] == 0.5
     assert any("TTFT SLO unreachable" in r for r in result.reasons)
+    tight = plan(Profile(synthetic()), Workload(512, 100, 1.0), SLO(ttft_s=0.35, tpot_s=0.1), LIMITS)
+    assert tight.prefill["utilization"] == 0.5 and not tight.prefill["ttft_slo_met"]      # 0.31 s of 0.35 s
+    assert any("not met at a useful load" in r for r in tight.reasons)
 
 
 def test_corrections_scale_predictions():

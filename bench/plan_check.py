@@ -1,0 +1,131 @@
+"""Check the planner against the cluster: predicted vs measured per-actor throughput.
+
+    python -m bench.plan_check --config deploy/examples/rag.yaml [--profile FILE] [--json OUT]
+
+Plans the config (cached profile, else profile first), then starts it as 1 prefill + 1 decode
+actor (the pools' resources and settings; the decode actor's batch capped at the planned
+batch) and saturates each stage at the workload's lengths:
+
+  prefill  N distinct prompts of the mean input length at once (max_tokens 2, so each KV is
+           shipped): prompt tokens / (last first token − start), per prefill actor.
+           Predicted: the plan's prefill capacity (tokens/s per actor at saturation).
+  decode   the planned batch B of requests at once, generating K tokens each, with prompts
+           sized so the mean context over the K tokens equals the workload's (prompt + out/2).
+           The prompts share all but their last block, so prefill is a prefix hit and the
+           decode actor holds B full-length sequences. Measured over the window where all B
+           decode (last first token → first finish). Predicted: B / step(B, context).
+
+Both figures are printed side by side with the error; the target is within 25%.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+
+TAIL_TOKENS = 16
+
+
+async def _stream(stub, pb, rid: str, ids: list[int], max_tokens: int, sink: list) -> None:
+    req = pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    async for msg in stub.Generate(req, timeout=1800):
+        sink.append((time.monotonic(), len(msg.token_ids)))
+
+
+async def measure(cfg, plan, prefill_requests: int, decode_tokens: int, seed: int = 0) -> dict:
+    import grpc
+
+    from deploy.launcher import load_tokenizer
+    from deploy.running import start_cluster
+    from proto.pdserve.v1 import generation_pb2 as pb
+    from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+    rng = random.Random(seed)
+    tokenizer, _ = load_tokenizer(cfg)
+    vocab = tokenizer.vocab_size
+    s_in, s_out = round(plan.workload["input_tokens"]), round(plan.workload["output_tokens"])
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(2, vocab) for _ in range(n)]
+
+    cluster = await start_cluster(cfg, port=0)
+    try:
+        await cluster.server.wait_ready(120)
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            await _stream(stub, pb, "warmup", tokens(32), 2, [])
+            # ---- prefill: distinct prompts, all at once
+            sinks = [[] for _ in range(prefill_requests)]
+            t0 = time.monotonic()
+            await asyncio.gather(*(_stream(stub, pb, f"p{i}", tokens(s_in), 2, sinks[i])
+                                   for i in range(prefill_requests)))
+            first = [s[0][0] for s in sinks]
+            prefill_s = max(first) - t0
+            prefill_tps = prefill_requests * s_in / prefill_s
+            # ---- decode: B sequences at the mean context, prefix-shared prompts
+            batch = plan.decode["batch"]
+            k = min(decode_tokens, s_out)
+            prompt_len = max(s_in + (s_out - k) // 2, TAIL_TOKENS + 1)
+            prefix = tokens(prompt_len - TAIL_TOKENS)
+            await _stream(stub, pb, "prefix", prefix + tokens(TAIL_TOKENS), 1, [])
+            sinks = [[] for _ in range(batch)]
+            await asyncio.gather(*(_stream(stub, pb, f"d{i}", prefix + tokens(TAIL_TOKENS), k, sinks[i])
+                                   for i in range(batch)))
+            start = max(s[0][0] for s in sinks)          # every sequence is decoding from here
+            end = min(s[-1][0] for s in sinks)            # until the first one finishes
+            counted = sum(n for s in sinks for t, n in s[1:] if start < t <= end)
+            window = end - start
+            if window <= 0 or counted == 0:               # the batch never ran whole: whole-phase rate
+                start, end = min(s[0][0] for s in sinks), max(s[-1][0] for s in sinks)
+                counted, window = sum(n for s in sinks for _, n in s[1:]), end - start
+            decode_tps = counted / window
+    finally:
+        await cluster.stop()
+    return {"prefill": {"requests": prefill_requests, "prompt_tokens": s_in, "seconds": prefill_s,
+                        "tokens_per_s": prefill_tps},
+            "decode": {"batch": batch, "prompt_tokens": prompt_len, "generated_per_request": k,
+                       "window_s": window, "tokens_counted": counted, "tokens_per_s": decode_tps}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from deploy.config import load_config
+    from deploy.plan_cli import format_plan, obtain_profile, plan_for
+    p = argparse.ArgumentParser(prog="python -m bench.plan_check", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--profile", help="profile file (default: the config's cached profile, else profile first)")
+    p.add_argument("--local", action="store_true", help="profile in-process engines when there is no profile")
+    p.add_argument("--prefill-requests", type=int, help="default: about 20 s of predicted prefill work (3..32)")
+    p.add_argument("--decode-tokens", type=int, default=100, help="tokens each decode-phase request generates")
+    p.add_argument("--json", help="write the numbers here")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config)
+    profile, source = obtain_profile(cfg, args.profile, args.local)
+    plan = plan_for(cfg, profile)
+    print(format_plan(plan, cfg.model.name, source), flush=True)
+    n = args.prefill_requests or min(max(round(20 / plan.prefill["seconds_per_request"]), 3), 32)
+    bench_cfg = load_config(args.config, {"pools.prefill.count": 1, "pools.decode.count": 1,
+                                          "pools.decode.max_batch_size": plan.decode["batch"]})
+    measured = asyncio.run(measure(bench_cfg, plan, n, args.decode_tokens))
+    rows = [("prefill tokens/s per actor (saturated)", plan.prefill["capacity_tokens_per_s"],
+             measured["prefill"]["tokens_per_s"]),
+            (f"decode tokens/s per actor (batch {plan.decode['batch']})", plan.decode["tokens_per_s_per_actor"],
+             measured["decode"]["tokens_per_s"])]
+    print(f"\nplan check — {args.config}, 1 prefill + 1 decode actor")
+    print(f"{'':<42} {'predicted':>10} {'measured':>10} {'error':>8}")
+    for name, pred, meas in rows:
+        print(f"{name:<42} {pred:>10.1f} {meas:>10.1f} {(meas - pred) / pred:>+8.0%}")
+    ok = all(abs(meas - pred) / pred <= 0.25 for _, pred, meas in rows)
+    print(f"within 25%: {'yes' if ok else 'no'}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"config": args.config, "profile": source, "plan": plan.to_dict(), "measured": measured,
+                       "within_25pct": ok}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
