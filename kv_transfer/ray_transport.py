@@ -23,7 +23,7 @@ from kv_transfer.base import FailedSide, TransferError, TransferStatus
 from kv_transfer.chunker import EncodedChunk
 from kv_transfer.layout import HandshakeError
 from kv_transfer.receiver import CoreReceiver
-from kv_transfer.receiver_core import readonly_tensor
+from kv_transfer.blocks import readonly_tensor
 from kv_transfer.sender_core import BaseSender
 from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hmac
 import threading
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kv_transfer.base import FailedSide, ReceiverStats, TransferError, TransferResult, TransferStatus
+from kv_transfer.blocks import readonly_tensor, write_blocks
 from kv_transfer.buffers import scratch_pool
 from kv_transfer.codec import get_codec, pin_transfer_thread
 from kv_transfer.layout import DTYPES, HandshakeError, KVLayout, check_compatible
@@ -46,34 +46,6 @@ class _Transfer:
     error: str = ""
     nbytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def _write_blocks(dst: torch.Tensor, index: torch.Tensor, data: torch.Tensor) -> None:
-    """dst[:, index] = data for dst [l, N, 2, H, B, D], data [l, n, 2, H, B, D].
-
-    index_copy_ moves elements one by one, so both sides are viewed as the
-    widest integer words that divide a cell (8-byte words copy twice as fast
-    as bf16); a cache that cannot be viewed that way is written as is.
-    """
-    try:
-        dst_flat = dst.view(dst.shape[0], dst.shape[1], -1)
-        data_flat = data.contiguous().view(data.shape[0], data.shape[1], -1)
-        cell_bytes = dst_flat.shape[-1] * dst_flat.element_size()
-        word = next(w for w in (torch.int64, torch.int32, torch.int16, dst.dtype) if cell_bytes % w.itemsize == 0 and dst.element_size() <= w.itemsize)
-        dst_flat.view(word).index_copy_(1, index, data_flat.view(word))
-    except RuntimeError:  # not viewable (a strided cache): element-wise on the original shape
-        dst.index_copy_(1, index, data)
-
-
-def readonly_tensor(buffer) -> torch.Tensor:
-    """uint8 view over received bytes or a read-only numpy array (decode only reads it)."""
-    if len(buffer) == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        if hasattr(buffer, "__array_interface__"):
-            return torch.from_numpy(buffer)
-        return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 class ReceiverCore:
@@ -163,7 +135,7 @@ class ReceiverCore:
             with scratch_pool.lease() as scratch:
                 data = get_codec(header.codec).decode(payload, shape, DTYPES[header.dtype], scratch)
                 # kv_cache[l0:l1, dst_ids[b0:b1]] = data  (data: [l, n, 2, H, B, D])
-                _write_blocks(self.kv_cache[layer_slice], transfer.dst_index[block_slice], data)
+                write_blocks(self.kv_cache[layer_slice], transfer.dst_index[block_slice], data)
             cells = transfer.covered[layer_slice, block_slice]
             transfer.num_missing -= int((~cells).sum())
             cells.fill_(True)

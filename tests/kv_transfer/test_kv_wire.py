@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+import torch
 
 from kv_transfer.chunker import plan_chunks
 from kv_transfer.wire import (
@@ -111,3 +112,17 @@ def test_pipeline_chunks_shrink_for_overlap_but_not_below_the_floor():
     assert pipeline_chunk_bytes(16 << 20, 4 << 20) == 2 << 20  # 8 stages
     assert pipeline_chunk_bytes(1 << 20, 4 << 20) == MIN_CHUNK_BYTES
     assert pipeline_chunk_bytes(1 << 20, 4096) == 4096  # an explicit small size wins
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_blocks_into_contiguous_and_strided_caches(dtype):
+    from kv_transfer.blocks import write_blocks
+
+    data = torch.randn(2, 3, 2, 1, 4, 3).to(dtype)  # [l, n, 2, H, B, D]; odd cell for bf16 words
+    index = torch.tensor([4, 0, 2])
+    contiguous = torch.zeros(2, 5, 2, 1, 4, 3, dtype=dtype)
+    strided = torch.zeros(2, 5, 2, 1, 4, 6, dtype=dtype)[..., :3]  # a view that cannot be flattened
+    for cache in (contiguous, strided):
+        write_blocks(cache, index, data)
+        assert torch.equal(cache[:, [4, 0, 2]], data)
+        assert bool((cache[:, [1, 3]] == 0).all())

@@ -1,0 +1,61 @@
+"""torch.distributed pair plumbing shared by TorchSender and TorchReceiver.
+
+Message kinds and limits of the pair protocol (see kv_transfer.torch_transport),
+process-group construction (NCCL on CUDA, gloo on CPU over the endpoint's
+interface) and small helpers. Imports torch.distributed only.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import msgpack
+import torch.distributed as dist
+
+from kv_transfer.base import FailedSide, TransferError
+from kv_transfer.wire import MAX_HEADER_BYTES, WireError
+
+KIND_CHUNK, KIND_CLOSE, KIND_ABORT = 1, 2, 3
+MAX_PENDING_DECODES = 2  # received chunks waiting for decode, per pair
+IDLE_TIMEOUT = timedelta(days=1)  # an idle pair waits in recv; peer death still wakes it
+
+
+def split_host_port(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise TransferError(f"bad torch endpoint {endpoint!r}; expected host:port", FailedSide.SENDER)
+    return host, int(port)
+
+
+def make_group(store, rank: int, backend: str, timeout: timedelta, device_host: str, interface: str | None):
+    prefix_store = dist.PrefixStore("pg/", store)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefix_store, rank, 2, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [_gloo_device(device_host, interface)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(prefix_store, rank, 2, options)
+
+
+def _gloo_device(host: str, interface: str | None):
+    """Loopback peers talk over 127.0.0.1; others over ``interface`` or GLOO_SOCKET_IFNAME."""
+    interface = interface or (None if host.startswith("127.") or host == "localhost" else os.environ.get("GLOO_SOCKET_IFNAME"))
+    if interface:
+        return dist.ProcessGroupGloo.create_device(interface=interface)
+    if host.startswith("127.") or host == "localhost":
+        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+def unpack_small(data: bytes) -> dict:
+    if len(data) > MAX_HEADER_BYTES:
+        raise WireError("handshake message too large")
+    value = msgpack.unpackb(data, raw=False, max_str_len=4096, max_bin_len=0, max_array_len=0, max_map_len=64)
+    if not isinstance(value, dict):
+        raise WireError("handshake message is not a map")
+    return value
+
+

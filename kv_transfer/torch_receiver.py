@@ -1,0 +1,168 @@
+"""TorchReceiver: the decode side of the torch.distributed transport.
+
+Hosts the TCPStore at its endpoint, answers hellos (token, layout, backend),
+and serves each accepted pair on its own thread: chunks are received into
+pooled buffers and decoded on a small pool while the next one arrives; the
+last chunk of each send() is acked. A broken pair fails its in-flight
+transfers (their blocks are freed) and its thread ends.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from kv_transfer.base import FailedSide, TransferError
+from kv_transfer.buffers import payload_pool
+from kv_transfer.layout import HandshakeError
+from kv_transfer.receiver import CoreReceiver
+from kv_transfer.torch_pair import IDLE_TIMEOUT, KIND_ABORT, KIND_CHUNK, KIND_CLOSE, MAX_PENDING_DECODES, make_group, unpack_small
+from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header
+
+
+class TorchReceiver(CoreReceiver):
+    def __init__(self, layout, kv_cache, allocator, *, host: str = "127.0.0.1", port: int = 0, max_groups: int = 64, interface: str | None = None, decode_threads: int = 2, **kwargs):
+        super().__init__(layout, kv_cache, allocator, **kwargs)
+        self.device = kv_cache.device
+        self.backend = "nccl" if kv_cache.is_cuda else "gloo"
+        self.max_groups, self.interface = max_groups, interface
+        self.host = host
+        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        self._endpoint = f"{host}:{self._store.port}"
+        self._closed = threading.Event()
+        self._decoders = ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="kv-torch-decode")
+        self._num_groups = 0
+        self._pair_threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept_loop, name="kv-torch-accept", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        index = 0
+        while not self._closed.is_set():
+            key = f"hello/{index}"
+            try:
+                if not self._store.check([key]):
+                    self._closed.wait(0.02)
+                    continue
+                hello = self._store.get(key)
+            except Exception:  # store shutting down
+                self._closed.wait(0.1)
+                continue
+            self._store.delete_key(key)
+            self._answer(index, hello)
+            index += 1
+
+    def _answer(self, index: int, hello: bytes) -> None:
+        reply = {"ok": False, "error": "", "layout": self.core.describe()}
+        try:
+            message = unpack_small(hello)
+            if not self.core.check_token(message.get("token")):
+                raise TransferError("receiver rejected the cluster token", FailedSide.RECEIVER)
+            self.core.check_handshake(message.get("layout") or {})
+            if message.get("backend") != self.backend:
+                raise HandshakeError(f"KV handshake mismatch on backend: sender={message.get('backend')!r} receiver={self.backend!r}")
+            with self._lock:
+                if self._num_groups >= self.max_groups:
+                    raise TransferError(f"receiver has {self._num_groups} peer groups (max {self.max_groups})", FailedSide.RECEIVER)
+                self._num_groups += 1
+            reply["ok"] = True
+        except Exception as exc:
+            reply["error"] = str(exc)
+        self._store.set(f"reply/{index}", msgpack.packb(reply))
+        if reply["ok"]:
+            thread = threading.Thread(target=self._serve_pair, args=(index,), name=f"kv-torch-pair-{index}", daemon=True)
+            self._pair_threads.append(thread)
+            thread.start()
+
+    def _serve_pair(self, index: int) -> None:
+        in_flight: set[str] = set()
+        try:
+            group = make_group(dist.PrefixStore(f"pair/{index}/", self._store), 1, self.backend, IDLE_TIMEOUT, self.host, self.interface)
+            while not self._closed.is_set():
+                if not self._serve_piece(group, in_flight):
+                    break
+        except Exception as exc:  # peer died or the pair broke
+            for transfer_id in in_flight:
+                self.core.fail(transfer_id, f"sender connection lost: {str(exc)[:200]}")
+        finally:
+            with self._lock:
+                self._num_groups -= 1
+
+    def _serve_piece(self, group, in_flight: set[str]) -> bool:
+        """Receive chunks up to and including the last one of a send(); ack it.
+
+        Chunks are decoded on a small pool while the next one is received.
+        """
+        errors: list[str] = []
+        pending: deque[Future] = deque()
+        while True:
+            meta = torch.empty(4, dtype=torch.int64, device=self.device)
+            group.recv([meta], 0, 0).wait()
+            kind, header_len, payload_len, is_last = (int(v) for v in meta.cpu())
+            if kind == KIND_CLOSE:
+                return False
+            if kind == KIND_ABORT:  # the sender failed to encode: end the piece
+                self._drain(pending, errors, 0)
+                for transfer_id in in_flight:
+                    self.core.fail(transfer_id, "sender aborted mid-transfer")
+                errors.append("sender aborted")
+                is_last = 1
+            elif kind != KIND_CHUNK or not (0 < header_len <= MAX_HEADER_BYTES) or not (0 <= payload_len <= self.core.max_payload):
+                raise WireError(f"bad chunk meta {kind, header_len, payload_len}")  # stream unusable: drop the pair
+            else:
+                header_buf = torch.empty(header_len, dtype=torch.uint8, device=self.device)
+                group.recv([header_buf], 0, 0).wait()
+                payload = payload_pool.acquire(payload_len, self.device)
+                group.recv([payload], 0, 0).wait()
+                if errors:
+                    payload_pool.release(payload)
+                else:
+                    try:
+                        header = unpack_header(header_buf.cpu().numpy().tobytes())
+                        in_flight.add(header.transfer_id)
+                        if header.payload_len != payload_len:
+                            self.core.fail(header.transfer_id, "payload length differs from its header")
+                            raise WireError(f"payload of {payload_len} bytes, header says {header.payload_len}")
+                        pending.append(self._decoders.submit(self._accept, header, payload))
+                    except (TransferError, WireError) as exc:
+                        errors.append(str(exc))
+                    self._drain(pending, errors, MAX_PENDING_DECODES)
+            if is_last:
+                self._drain(pending, errors, 0)
+                data = (errors[0] if errors else "").encode()[:MAX_HEADER_BYTES]
+                group.send([torch.tensor([0 if data else 1, len(data)], dtype=torch.int64, device=self.device)], 0, 0).wait()
+                if data:
+                    group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)], 0, 0).wait()
+                in_flight.clear()
+                return True
+
+    def _accept(self, header, payload: torch.Tensor) -> None:
+        try:
+            self.core.accept(header, payload)
+        finally:
+            payload_pool.release(payload)
+
+    @staticmethod
+    def _drain(pending: deque, errors: list[str], keep: int) -> None:
+        while len(pending) > keep or (pending and pending[0].done()):
+            try:
+                pending.popleft().result()
+            except (TransferError, WireError) as exc:
+                errors.append(str(exc))
+
+    def close(self) -> None:
+        self._closed.set()
+        # A pair thread ends when its sender says close or dies; give closing senders a moment
+        # (a thread still blocked in recv at interpreter exit takes gloo down with it).
+        end = time.monotonic() + 2.0
+        for thread in self._pair_threads:
+            thread.join(timeout=max(0.0, end - time.monotonic()))
+        self._decoders.shutdown(wait=False)
+        super().close()

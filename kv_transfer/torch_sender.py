@@ -1,0 +1,161 @@
+"""TorchSender: the prefill side of the torch.distributed transport.
+
+Builds a pair lazily per destination (hello over the receiver's TCPStore,
+then a 2-rank group), keeps at most ``max_groups`` (LRU; evicted pairs get a
+close message), posts each chunk's sends while the previous chunk's
+complete, and reads the receiver's ack after the last chunk. A pair that
+breaks is dropped (the next send builds a fresh one).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from datetime import timedelta
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from kv_transfer.base import FailedSide, TransferError, TransferStatus
+from kv_transfer.chunker import EncodedChunk
+from kv_transfer.codec import CodecError
+from kv_transfer.layout import HandshakeError, check_compatible
+from kv_transfer.sender_core import BaseSender
+from kv_transfer.torch_pair import IDLE_TIMEOUT, KIND_ABORT, KIND_CHUNK, KIND_CLOSE, make_group, split_host_port, unpack_small
+
+
+class _Pair:
+    def __init__(self, store, group, index: int) -> None:
+        self.store, self.group, self.index = store, group, index
+        self.lock = threading.Lock()
+
+
+class TorchSender(BaseSender):
+    def __init__(self, layout, *, device: str | torch.device = "cpu", max_groups: int = 8, connect_timeout_s: float = 10.0, interface: str | None = None, **kwargs) -> None:
+        super().__init__(layout, **kwargs)
+        self.device = torch.device(device)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.max_groups, self.connect_timeout_s, self.interface = max_groups, connect_timeout_s, interface
+        self._pairs: OrderedDict[str, _Pair] = OrderedDict()
+        self._pairs_lock = threading.Lock()
+
+    def _remote_handshake(self, dest: str, local: dict) -> dict:
+        return self._pair(dest)[1]
+
+    def _pair(self, dest: str) -> tuple[_Pair, dict]:
+        with self._pairs_lock:
+            pair = self._pairs.get(dest)
+            if pair is not None:
+                self._pairs.move_to_end(dest)
+                return pair, {}
+        host, port = split_host_port(dest)
+        timeout = timedelta(seconds=self.connect_timeout_s)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        index = store.add("pairs", 1) - 1
+        store.set(f"hello/{index}", msgpack.packb({"token": self.token, "layout": self.describe(), "backend": self.backend}))
+        store.wait([f"reply/{index}"], timeout)
+        reply = unpack_small(store.get(f"reply/{index}"))
+        store.delete_key(f"reply/{index}")
+        if not reply.get("ok"):
+            error = str(reply.get("error"))
+            raise HandshakeError(error) if "mismatch" in error else TransferError(error, FailedSide.RECEIVER)
+        check_compatible(self.describe(), reply.get("layout") or {})
+        group = make_group(dist.PrefixStore(f"pair/{index}/", store), 0, self.backend, IDLE_TIMEOUT, host, self.interface)
+        pair = _Pair(store, group, index)
+        with self._pairs_lock:
+            self._pairs[dest] = pair
+            evicted = [self._pairs.popitem(last=False)[1] for _ in range(len(self._pairs) - self.max_groups)]
+        for old in evicted:
+            self._close_pair(old)
+        return pair, reply.get("layout") or {}
+
+    def _close_pair(self, pair: _Pair) -> None:
+        with pair.lock:
+            try:
+                pair.group.send([torch.tensor([KIND_CLOSE, 0, 0, 1], dtype=torch.int64, device=self.device)], 1, 0).wait()
+            except Exception:
+                pass
+
+    def _drop(self, dest: str) -> None:
+        with self._pairs_lock:
+            self._pairs.pop(dest, None)
+        self.forget(dest)
+
+    @property
+    def num_groups(self) -> int:
+        with self._pairs_lock:
+            return len(self._pairs)
+
+    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "") -> int:
+        pair, _ = self._pair(dest)
+        wire_bytes, inflight = 0, None
+        with pair.lock:
+            try:
+                pending, encode_error = None, None
+                try:
+                    for chunk in chunks:  # one chunk behind, to flag the last one
+                        if pending is not None:
+                            inflight = self._post(pair, pending, False, inflight, deadline_at)
+                            wire_bytes += inflight[2]
+                        pending = chunk
+                except (CodecError, ValueError) as exc:
+                    encode_error = exc
+                if encode_error is None:
+                    inflight = self._post(pair, pending, True, inflight, deadline_at)
+                    wire_bytes += inflight[2]
+                else:  # tell the receiver to free what it reserved, keep the pair in sync
+                    meta = torch.tensor([KIND_ABORT, 0, 0, 1], dtype=torch.int64, device=self.device)
+                    inflight = self._finish_post(inflight, deadline_at)
+                    self._wait(pair.group.send([meta], 1, 0), deadline_at)
+                self._finish_post(inflight, deadline_at)
+                ack = torch.empty(2, dtype=torch.int64, device=self.device)
+                self._wait(pair.group.recv([ack], 1, 0), deadline_at)
+                ok, error_len = (int(v) for v in ack.cpu())
+                if not ok:
+                    error = torch.empty(error_len, dtype=torch.uint8, device=self.device)
+                    self._wait(pair.group.recv([error], 1, 0), deadline_at)
+                    message = error.cpu().numpy().tobytes().decode(errors="replace")
+                    if encode_error is None:
+                        raise TransferError(message, FailedSide.RECEIVER)
+                if encode_error is not None:
+                    raise encode_error
+            except (TransferError, HandshakeError, CodecError):
+                raise
+            except Exception as exc:
+                self._drop(dest)
+                raise TransferError(f"torch.distributed pair to {dest} broke: {str(exc)[:200]}", FailedSide.TRANSPORT) from None
+        return wire_bytes
+
+    def _post(self, pair: _Pair, chunk: EncodedChunk, is_last: bool, previous, deadline_at: float):
+        """Post this chunk's three sends, then wait for the previous chunk's: two chunks in flight."""
+        header = torch.frombuffer(bytearray(chunk.header_bytes), dtype=torch.uint8).to(self.device)
+        payload = chunk.payload.to(self.device)
+        meta = torch.tensor([KIND_CHUNK, header.numel(), payload.numel(), int(is_last)], dtype=torch.int64, device=self.device)
+        works = [pair.group.send([tensor], 1, 0) for tensor in (meta, header, payload)]
+        self._finish_post(previous, deadline_at)
+        return works, (chunk, meta, header, payload), 32 + header.numel() + payload.numel()
+
+    def _finish_post(self, inflight, deadline_at: float) -> None:
+        if inflight is None:
+            return None
+        works, keep, _ = inflight
+        for work in works:
+            self._wait(work, deadline_at)
+        keep[0].release()  # tensors in ``keep`` stayed alive until their sends completed
+        return None
+
+    @staticmethod
+    def _wait(work, deadline_at: float) -> None:
+        remaining = deadline_at - time.monotonic()
+        if remaining <= 0 or not work.wait(timedelta(seconds=remaining)):
+            raise TransferError("send deadline passed on the torch pair", FailedSide.TRANSPORT, TransferStatus.EXPIRED)
+
+    def close(self) -> None:
+        super().close()
+        with self._pairs_lock:
+            pairs, self._pairs = list(self._pairs.values()), OrderedDict()
+        for pair in pairs:
+            self._close_pair(pair)
