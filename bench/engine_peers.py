@@ -1,0 +1,146 @@
+"""What `bench/engine.py` measures ours against: the machine's own limits and Hugging Face.
+
+Machine limits (same process, same dtype, same thread count as the engine):
+
+- matmul FLOP/s: `torch.mm` on an N×N square GEMM, 2·N³ FLOPs per call; the best
+  of a few calls (a limit is the best the machine can do).
+- memcpy bytes/s: `dst.copy_(src)` on a large tensor, counting the bytes read
+  plus the bytes written (2 × size per copy: the STREAM "copy" convention), so
+  it compares with the bytes a decode step must read.
+
+The Hugging Face side runs `AutoModelForCausalLM` on the same directory and
+dtype: a prefill is one forward with its KV cache built (`logits_to_keep=1`,
+like our prefill, which computes only the last row's logits); a decode step is
+one forward of one token per sequence through its `DynamicCache` plus an argmax;
+the serving workload is `generate` in static, left-padded batches.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ---- machine limits --------------------------------------------------------
+def matmul_flops(dtype: torch.dtype, size: int, repeats: int) -> dict:
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    c = torch.empty(size, size, dtype=dtype)
+    torch.mm(a, b, out=c)                        # warm-up (oneDNN/MKL picks its kernel)
+    times = [timed(lambda: torch.mm(a, b, out=c)) for _ in range(repeats)]
+    flops = 2.0 * size ** 3
+    return {"size": size, "flop_per_s": flops / min(times), "flop_per_s_median": flops / statistics.median(times)}
+
+
+def memcpy_bandwidth(num_bytes: int, repeats: int) -> dict:
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)                               # warm-up: pages faulted in
+    times = [timed(lambda: dst.copy_(src)) for _ in range(repeats)]
+    moved = 2.0 * src.numel() * src.element_size()      # read + write
+    return {"bytes": src.numel() * src.element_size(), "bytes_per_s": moved / min(times),
+            "bytes_per_s_median": moved / statistics.median(times)}
+
+
+# ---- analytic ledger -------------------------------------------------------
+def layer_matmul_params(cfg) -> int:
+    """Weights every token multiplies through in the decoder layers (no embedding, no lm_head)."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
+    return cfg.num_hidden_layers * per_layer
+
+
+def prefill_flops(cfg, seq_len: int) -> float:
+    """Linear 2·P·S (+ lm_head for the one row sampled) + attention 4·L·S²·d (full square)."""
+    d = cfg.num_attention_heads * cfg.head_dim
+    linear = 2.0 * layer_matmul_params(cfg) * seq_len + 2.0 * cfg.hidden_size * cfg.vocab_size
+    attention = 4.0 * cfg.num_hidden_layers * seq_len ** 2 * d
+    return linear + attention
+
+
+def decode_step_bytes(cfg, batch: int, context: float, itemsize: int) -> float:
+    """Bytes a decode step must read: all weights but the embedding table (B rows of it), plus each sequence's KV."""
+    weights = layer_matmul_params(cfg) + cfg.hidden_size * cfg.vocab_size + (2 * cfg.num_hidden_layers + 1) * cfg.hidden_size
+    weights += batch * cfg.hidden_size                                  # embedding rows
+    kv = batch * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+    return (weights + kv) * itemsize
+
+
+# ---- Hugging Face ----------------------------------------------------------
+def load_hf(model_dir: str, dtype: torch.dtype):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.eval()
+
+
+def _cache_of(out):
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
+def _forward(model, input_ids, cache=None, **kw):
+    try:
+        return model(input_ids=input_ids, cache=cache, use_cache=True, **kw)
+    except TypeError:                                       # transformers < 5
+        return model(input_ids=input_ids, past_key_values=cache, use_cache=True, **kw)
+
+
+@torch.inference_mode()
+def hf_prefill(model, prompt: list[int]) -> float:
+    ids = torch.tensor([prompt], dtype=torch.long)
+    return timed(lambda: _forward(model, ids, logits_to_keep=1))
+
+
+class HFDecoder:
+    """A batch of equal-length prompts (no padding) prefilled once; `steps(n)` times n one-token forwards."""
+
+    @torch.inference_mode()
+    def __init__(self, model, prompts: list[list[int]]):
+        self.model = model
+        out = _forward(model, torch.tensor(prompts, dtype=torch.long), logits_to_keep=1)
+        self.cache, self.next = _cache_of(out), out.logits[:, -1].argmax(-1, keepdim=True)
+
+    @torch.inference_mode()
+    def steps(self, num_steps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            out = _forward(self.model, self.next, self.cache)
+            self.cache, self.next = _cache_of(out), out.logits[:, -1].argmax(-1, keepdim=True)
+        return (time.perf_counter() - start) / num_steps
+
+
+@torch.inference_mode()
+def hf_static_batches(model, prompts: list[list[int]], output_lens: list[int], batch_size: int,
+                      pad_id: int = 0, progress=None) -> tuple[float, list[list[int]]]:
+    """HF `generate`, greedy, in static left-padded batches; each batch runs to its longest output.
+
+    Returns (seconds, each request's first `output_lens[i]` generated tokens).
+    """
+    from transformers import GenerationConfig
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for b in range(0, len(prompts), batch_size):
+        batch, lens = prompts[b:b + batch_size], output_lens[b:b + batch_size]
+        width, max_new = max(map(len, batch)), max(lens)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        config = GenerationConfig(max_new_tokens=max_new, do_sample=False,
+                                  eos_token_id=None, pad_token_id=pad_id)
+        gen = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        assert gen.shape[1] == width + max_new, "HF stopped early"
+        outputs.extend(gen[i, width:width + n].tolist() for i, n in enumerate(lens))
+        if progress:
+            progress(f"HF batch {b // batch_size + 1}/{-(-len(prompts) // batch_size)} "
+                     f"({max_new} steps) done at {time.perf_counter() - start:.1f}s")
+    return time.perf_counter() - start, outputs

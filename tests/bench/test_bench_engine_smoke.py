@@ -1,0 +1,48 @@
+"""Smoke test of the engine benchmark: it runs end to end on `tiny` and reports every figure.
+
+No timing assertions: speed goals live in the benchmark's own PASS/MISS table.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from bench import engine as bench_engine
+from bench.engine_report import TARGETS
+
+PREFILL_KEYS = {"tokens", "ours_s", "hf_s", "ratio", "ours_tokens_per_s", "hf_tokens_per_s", "flops",
+                "ours_flop_per_s", "hf_flop_per_s"}
+DECODE_KEYS = {"ours_s", "hf_s", "ratio", "context", "step_bytes", "ours_bytes_per_s", "hf_bytes_per_s",
+               "ours_tokens_per_s", "hf_tokens_per_s"}
+WORKLOAD_KEYS = {"num_requests", "useful_tokens", "hf_generated_tokens", "ours_s", "hf_s", "ours_tokens_per_s",
+                 "hf_tokens_per_s", "speedup", "identical_outputs"}
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_engine_quick_tiny_reports_every_figure(tmp_path, tiny_model_dir, capsys):
+    out, md = tmp_path / "engine.json", tmp_path / "engine.md"
+    assert bench_engine.main(["--model", "tiny", "--quick", "--json", str(out), "--markdown", str(md)]) == 0
+    r = json.loads(out.read_text())
+
+    assert r["model"] == "tiny" and r["dtype"] == "float32" and r["quick"] is True
+    assert _positive(r["machine"]["matmul"]["flop_per_s"]) and _positive(r["machine"]["memcpy"]["bytes_per_s"])
+    assert set(r["prefill"]) == {"512", "2048"}
+    for p in r["prefill"].values():
+        assert PREFILL_KEYS <= set(p) and all(_positive(p[k]) for k in PREFILL_KEYS)
+    assert set(r["decode"]) == {"1", "8", "32"}
+    for d in r["decode"].values():
+        assert DECODE_KEYS <= set(d) and all(_positive(d[k]) for k in DECODE_KEYS)
+    w = r["workload"]
+    assert WORKLOAD_KEYS - {"identical_outputs"} <= set(w)
+    assert all(_positive(w[k]) for k in WORKLOAD_KEYS - {"identical_outputs"})
+    assert w["useful_tokens"] <= w["hf_generated_tokens"]
+    assert 0 <= w["identical_outputs"] <= w["num_requests"]
+
+    assert [t["target"] for t in r["targets"]] == [name for name, *_ in TARGETS]
+    assert all(isinstance(t["pass"], bool) and math.isfinite(t["value"]) for t in r["targets"])
+    printed = capsys.readouterr().out
+    assert printed.count("PASS") + printed.count("MISS") == len(TARGETS)
+    assert md.read_text().count("| ") > len(TARGETS)
