@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -29,7 +30,8 @@ from bench.transfer_peer import LAYOUT, MIB, num_blocks_for
 from kv_transfer import get_codec
 from kv_transfer.buffers import scratch_pool
 from kv_transfer.codec import pin_transfer_thread
-from kv_transfer.chunker import encode_chunks
+from kv_transfer.blocks import write_blocks
+from kv_transfer.chunker import encode_jobs, pipeline
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,9 +49,12 @@ def memcpy_gbps(mib: int = 128, reps: int = 5) -> float:
     return mib * MIB / best / 1e9
 
 
-def codec_gbps(codec_name: str, payload_mib: float, reps: int = 3) -> tuple[float, float]:
-    """Encode / decode GB/s of model-dtype KV through the chunked hot path (one thread, as transfers run)."""
-    pin_transfer_thread()
+def codec_gbps(codec_name: str, payload_mib: float, reps: int = 3, workers: int = 2) -> tuple[float, float]:
+    """Encode / decode GB/s of model-dtype KV through the chunked hot path.
+
+    ``workers`` threads (one torch thread each), as the transports run it: the
+    sender's encode pipeline and the receiver's decode pool.
+    """
     codec, num_blocks = get_codec(codec_name), num_blocks_for(payload_mib)
     cache = torch.randn(LAYOUT.cache_shape(num_blocks)).to(LAYOUT.dtype)
     dst = torch.zeros_like(cache)
@@ -58,22 +63,26 @@ def codec_gbps(codec_name: str, payload_mib: float, reps: int = 3) -> tuple[floa
     nbytes = num_blocks * LAYOUT.block_nbytes
     best_encode = best_decode = float("inf")
 
-    def chunks():
-        return encode_chunks(cache, ids, LAYOUT, codec, request_id="b", transfer_id="b", layers=(0, LAYOUT.num_layers),
-                             deadline_at=time.monotonic() + 60, chunk_bytes=DEFAULT_CHUNK_BYTES, with_checksum=False)
+    def jobs():
+        return encode_jobs(cache, ids, LAYOUT, codec, request_id="b", transfer_id="b", layers=(0, LAYOUT.num_layers),
+                           deadline_at=time.monotonic() + 60, chunk_bytes=DEFAULT_CHUNK_BYTES, with_checksum=False)
 
-    encoded = [(chunk.header, chunk.payload.clone()) for chunk in chunks()]
-    for _ in range(reps):
-        start = time.perf_counter()
-        for chunk in chunks():
-            chunk.release()  # as a transport does once the bytes are on the wire
-        best_encode = min(best_encode, time.perf_counter() - start)
-        start = time.perf_counter()
-        for h, payload in encoded:
-            with scratch_pool.lease() as scratch:
-                data = codec.decode(payload, h.shape, LAYOUT.dtype, scratch)
-                dst[h.layer_start : h.layer_end].index_copy_(1, dst_index[h.block_start : h.block_end], data)
-        best_decode = min(best_decode, time.perf_counter() - start)
+    def decode(item) -> None:
+        pin_transfer_thread()
+        h, payload = item
+        with scratch_pool.lease() as scratch:
+            write_blocks(dst[h.layer_start : h.layer_end], dst_index[h.block_start : h.block_end], codec.decode(payload, h.shape, LAYOUT.dtype, scratch))
+
+    encoded = [(job().header, job().payload.clone()) for job in jobs()]
+    with ThreadPoolExecutor(max_workers=workers) as decoders, ThreadPoolExecutor(max_workers=workers) as encoders:
+        for _ in range(reps):
+            start = time.perf_counter()
+            for chunk in pipeline(jobs(), encoders, depth=workers + 1):
+                chunk.release()  # as a transport does once the bytes are on the wire
+            best_encode = min(best_encode, time.perf_counter() - start)
+            start = time.perf_counter()
+            list(decoders.map(decode, encoded))
+            best_decode = min(best_decode, time.perf_counter() - start)
     return nbytes / best_encode / 1e9, nbytes / best_decode / 1e9
 
 
@@ -158,6 +167,7 @@ def print_table(result: dict) -> None:
         socket = base["link_socket_gbps"].get(r["link"], 0) or float("nan")
         print(f"{r['link']:<9} {r['transport']:<9} {r['codec']:<5} {r['payload_mib']:>5g} {r['effective_gbps']:>14.2f} "
               f"{r['effective_gbps'] / socket:>8.0%} {r['wire_bytes'] / MIB:>9.2f} {r['encode_gbps']:>11.2f} {r['decode_gbps']:>11.2f}")
+    print("codec on one thread (encode, decode GB/s):", ", ".join(f"{k} {v[0]:.2f}/{v[1]:.2f}" for k, v in base["codec_1thread_encode_decode_gbps"].items()))
     for note in result["notes"]:
         print("note:", note)
 
@@ -176,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     codecs, links = args.codecs.split(","), args.links.split(",")
     notes: list[str] = []
     codec_speed = {(c, p): codec_gbps(c, p, reps) for c in codecs for p in payloads}
-    result = {"baselines": {"memcpy_gbps": memcpy_gbps(), "socket_gbps": 0.0, "link_socket_gbps": {}}, "records": [], "notes": notes}
+    one_thread = {f"{c}_{p:g}MiB": [round(v, 3) for v in codec_gbps(c, p, reps, workers=1)] for c in codecs for p in payloads}
+    result = {"baselines": {"memcpy_gbps": memcpy_gbps(), "socket_gbps": 0.0, "link_socket_gbps": {}, "codec_1thread_encode_decode_gbps": one_thread},
+              "records": [], "notes": notes}
 
     def measure(link_name: str, link) -> None:
         result["baselines"]["link_socket_gbps"][link_name] = socket_gbps(link, 128 if link_name != "1gbit" else 32)

@@ -3,16 +3,17 @@
 A transfer covers ``kv_cache[layers, src_block_ids]``. Chunks are
 rectangles of (layer, block) cells: several whole layers when a layer's
 blocks fit in ``chunk_bytes``, otherwise one layer and a run of blocks.
-``prefetch`` encodes the next chunks on a thread while the transport sends
-the current one, so encode, send and decode overlap chunk by chunk.
+``pipeline`` encodes the next chunks on worker threads while the transport
+sends the current one, so encode, send and decode overlap chunk by chunk.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
+import functools
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +68,7 @@ def pipeline_chunk_bytes(total_nbytes: int, chunk_bytes: int) -> int:
     return min(chunk_bytes, max(MIN_CHUNK_BYTES, total_nbytes // MIN_CHUNKS))
 
 
-def encode_chunks(
+def encode_jobs(
     kv_cache: torch.Tensor,  # [num_layers, num_blocks, 2, H, B, D]
     src_block_ids: list[int],
     layout: KVLayout,
@@ -81,13 +82,15 @@ def encode_chunks(
     num_tokens: int = 0,
     first_token_id: int = -1,
     with_checksum: bool = True,
-) -> Iterator[EncodedChunk]:
+) -> list[Callable[[], EncodedChunk]]:
+    """One closure per chunk; each gathers, encodes and checksums its rectangle when called."""
     num_blocks = len(src_block_ids)
     cell_shape = (1, 1, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)
     cell_nbytes = codec.payload_nbytes(cell_shape, layout.dtype)
     plans = plan_chunks(layers, num_blocks, cell_nbytes, pipeline_chunk_bytes((layers[1] - layers[0]) * num_blocks * cell_nbytes, chunk_bytes))
     index = torch.tensor(src_block_ids, dtype=torch.long, device=kv_cache.device)
-    for chunk_index, plan in enumerate(plans):
+
+    def job(chunk_index: int, plan: ChunkPlan) -> EncodedChunk:
         shape = (plan.layer_end - plan.layer_start, plan.block_end - plan.block_start, *cell_shape[2:])
         payload = payload_pool.acquire(codec.payload_nbytes(shape, layout.dtype), kv_cache.device)
         with scratch_pool.lease() as scratch:
@@ -117,46 +120,38 @@ def encode_chunks(
             num_tokens=num_tokens,
             first_token_id=first_token_id,
         )
-        yield EncodedChunk(header, pack_header(header), payload)
+        return EncodedChunk(header, pack_header(header), payload)
+
+    return [functools.partial(job, chunk_index, plan) for chunk_index, plan in enumerate(plans)]
 
 
-_DONE = object()
+def encode_chunks(*args, **kwargs) -> Iterator[EncodedChunk]:
+    """Encode chunk by chunk on this thread (same arguments as ``encode_jobs``)."""
+    for job in encode_jobs(*args, **kwargs):
+        yield job()
 
 
-def prefetch(chunks: Iterator, depth: int = 2) -> Iterator:
-    """Run ``chunks`` on a thread, ``depth`` items ahead; re-raise its errors here."""
-    items: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
+def pipeline(jobs: list[Callable], executor: Executor, transform: Callable = lambda item: item, depth: int = 3) -> Iterator:
+    """Run ``transform(job())`` for each job on ``executor``, at most ``depth`` ahead; yield in order.
 
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                items.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
+    Chunks are independent, so two encoder threads double the rate on two
+    idle cores; each runs torch single-threaded (``pin_transfer_thread``). An
+    error surfaces when the consumer reaches that chunk; closing the
+    generator cancels what has not started.
+    """
 
-    def produce() -> None:
+    def run(job):
         pin_transfer_thread()
-        try:
-            for item in chunks:
-                if not put(item):
-                    return
-            put(_DONE)
-        except BaseException as exc:  # handed to the consumer
-            put(exc)
+        return transform(job())
 
-    thread = threading.Thread(target=produce, name="kv-encode", daemon=True)
-    thread.start()
+    pending: deque[Future] = deque()
     try:
-        while True:
-            item = items.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        for job in jobs:
+            pending.append(executor.submit(run, job))
+            if len(pending) >= max(1, depth):
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
     finally:
-        stop.set()
-        thread.join(timeout=5)
+        for future in pending:
+            future.cancel()

@@ -21,7 +21,7 @@ import torch
 
 from kv_transfer.base import FailedSide, KVSender, SendHandle, TransferError, TransferStatus
 from kv_transfer.buffers import tune_malloc
-from kv_transfer.chunker import EncodedChunk, encode_chunks, prefetch
+from kv_transfer.chunker import EncodedChunk, encode_jobs, pipeline
 from kv_transfer.codec import CodecError, get_codec
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES
@@ -36,12 +36,14 @@ class BaseSender(KVSender):
         token: str = "",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_workers: int = 4,
-        prefetch_depth: int = 2,
+        prefetch_depth: int = 3,
+        encode_workers: int = 2,
     ) -> None:
         tune_malloc()
         self.layout, self.codec, self.token = layout, get_codec(codec), token
-        self.chunk_bytes, self.prefetch_depth = chunk_bytes, prefetch_depth
+        self.chunk_bytes, self.prefetch_depth, self.encode_workers = chunk_bytes, prefetch_depth, encode_workers
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-send")
+        self._encoders = ThreadPoolExecutor(max_workers=max(1, encode_workers), thread_name_prefix="kv-encode")
         self._handshaken: set[str] = set()
         self._lock = threading.Lock()
 
@@ -111,7 +113,7 @@ class BaseSender(KVSender):
         try:
             self.handshake(dest)
             handle.status = TransferStatus.TRANSFERRING
-            chunks = prefetch(map(self._prepare, encode_chunks(**job)), self.prefetch_depth)
+            chunks = pipeline(encode_jobs(**job), self._encoders, self._prepare, self.prefetch_depth)
             job.clear()  # the generator holds the cache until it ends; we do not
             handle.wire_bytes = self._ship(dest, chunks, deadline_at, handle.transfer_id)
             handle._finish(TransferStatus.DONE)
@@ -142,3 +144,4 @@ class BaseSender(KVSender):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._encoders.shutdown(wait=True, cancel_futures=True)

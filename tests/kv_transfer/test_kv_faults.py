@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -63,15 +64,18 @@ def test_sender_killed_mid_transfer(make_pair, layout, kind):
 
 
 def corrupt_second_chunk(monkeypatch):
-    real = sender_core.encode_chunks
+    real = sender_core.encode_jobs
 
-    def tampered(**job):
-        for chunk in real(**job):
-            if chunk.header.chunk_index == 1:
-                chunk.payload[-1] ^= 0xFF  # after the checksum was taken
-            yield chunk
+    def corrupt(job):
+        chunk = job()
+        if chunk.header.chunk_index == 1:
+            chunk.payload[-1] ^= 0xFF  # after the checksum was taken
+        return chunk
 
-    monkeypatch.setattr(sender_core, "encode_chunks", tampered)
+    def tampered(**kwargs):
+        return [functools.partial(corrupt, job) for job in real(**kwargs)]
+
+    monkeypatch.setattr(sender_core, "encode_jobs", tampered)
 
 
 @pytest.mark.parametrize("kind", ["fake", "grpc", "torch", "ray"])
