@@ -36,19 +36,19 @@ VARIANTS = ("colocated", "colocated-chunked", "disaggregated")
 class Plan:
     model: str = "small"
     scale: float = 0.25                    # lengths: chat 16-64 in / 32-96 out, rag 256-512 in / 4-16 out
-    slo_ttft_ms: float = 2000.0
-    slo_tpot_ms: float = 150.0
-    low_load_requests: int = 6
-    loaded_requests: int = 32
-    loaded_rate: float = 1.5
-    rates: tuple[float, ...] = (0.75, 1.5, 3.0)
-    rate_requests: int = 16
-    prefix_requests: int = 12
+    slo_ttft_ms: float = 3000.0            # scaled to a loaded 2-core machine running `small` in float32
+    slo_tpot_ms: float = 250.0
+    low_load_requests: int = 4
+    loaded_requests: int = 24
+    loaded_rate: float = 1.5               # also the middle point of the SLO-vs-rate curve
+    rates: tuple[float, ...] = (0.75, 3.0)
+    rate_requests: int = 12
+    prefix_requests: int = 8
     sweep_variants: tuple[str, ...] = ("colocated", "disaggregated")
     sweeps: dict = field(default_factory=lambda: {
-        "output-len": "16,32,64,128", "prompt-len": "64,128,256,512", "concurrency": "1,2,4,8,16"})
-    sweep_requests: int = 8
-    throughput_requests: int = 16
+        "output-len": "16,48,128", "prompt-len": "64,256,512", "concurrency": "1,4,16"})
+    sweep_requests: int = 4
+    throughput_requests: int = 12
     hf_batch_size: int = 8
     sets: tuple[str, ...] = (
         "pools.prefill.resources.num_cpus=1", "pools.decode.resources.num_cpus=1",
@@ -60,7 +60,7 @@ class Plan:
 PRESETS = {
     "small": Plan(),
     "tiny": Plan(model="tiny", scale=0.1, slo_ttft_ms=500.0, slo_tpot_ms=50.0, loaded_requests=16, loaded_rate=8.0,
-                 rates=(4.0, 8.0), rate_requests=8, prefix_requests=6, sweep_requests=4,
+                 rates=(4.0, 16.0), rate_requests=8, prefix_requests=6, sweep_requests=4,
                  sweeps={"concurrency": "1,4"}, throughput_requests=8,
                  sets=("kv_cache.num_blocks=256", "pools.prefill.chunk_tokens=16", "model.dtype=float32",
                        "pools.prefill.resources.torch_threads=1", "pools.decode.resources.torch_threads=1")),
@@ -98,14 +98,17 @@ async def run_variant(plan: Plan, variant: str, out: dict) -> None:
         out["records"][variant] = res[variant]["records"]
         out["workloads"]["mixed"] = describe(specs)
 
+        points = [{"x": plan.loaded_rate, **{k: out["loaded"][variant][k] for k in FIGURES}}]
         for i, rate in enumerate(plan.rates):
             specs = make_workload("mixed", plan.rate_requests, 10 + i, plan.scale)
             s = (await measure(target, a, specs, seed=10 + i, label="r", request_rate=rate))["r"]
-            out["rates"].setdefault(variant, []).append({"x": rate, **{k: s[k] for k in FIGURES}})
+            points.append({"x": rate, **{k: s[k] for k in FIGURES}})
+        out["rates"][variant] = sorted(points, key=lambda p: p["x"])
+        print(f"{variant}: loaded and rate runs done", file=sys.stderr, flush=True)
 
         if variant == "disaggregated":
             p = bench_args(plan, "--workload", "shared-prefix", "--cache", "cold,warm")
-            specs = make_workload("shared-prefix", plan.prefix_requests, 0, plan.scale)
+            specs = make_workload("shared-prefix", plan.prefix_requests, 0, plan.scale, output_len=8)
             res = await measure(target, p, specs, seed=0, label=variant, concurrency=4)
             out["prefix"] = {k: strip(v) for k, v in res.items()}
             out["workloads"]["shared-prefix"] = describe(specs)

@@ -22,8 +22,13 @@ def _lengths(workloads: dict) -> str:
     return "\n".join(rows)
 
 
+HEADERS = {"ttft_p50_s": "TTFT p50 (ms)", "ttft_p99_s": "TTFT p99 (ms)", "tpot_p50_s": "TPOT p50 (ms)",
+           "tpot_p99_s": "TPOT p99 (ms)", "throughput_tokens_s": "output tok/s", "goodput_rps": "goodput (req/s)",
+           "slo_attainment": "SLO attainment"}
+
+
 def _points(points: dict, variable: str, keys: tuple[str, ...]) -> str:
-    head = f"| variant | {variable} | " + " | ".join(keys) + " |"
+    head = f"| variant | {variable} | " + " | ".join(HEADERS.get(k, k) for k in keys) + " |"
     rows = [head, "|" + "---|" * (len(keys) + 2)]
     for variant, pts in points.items():
         for p in pts:
@@ -126,13 +131,14 @@ def render_markdown(result: dict, plots: dict[str, str]) -> str:
                 "", _points(result["rates"], "req/s", ("slo_attainment", "goodput_rps", "ttft_p99_s", "tpot_p99_s")),
                 ""]
     if result.get("prefix"):
-        out += ["## Prefix cache: cold and warm (shared-prefix, disaggregated, 4 clients)", "",
+        out += ["## Prefix cache: cold and warm (shared-prefix, 8 output tokens, disaggregated, 4 clients)", "",
                 "The warm run repeats the identical prompts; the hit rate comes from each response's "
                 "`Usage.cached_prompt_tokens`. KV bytes moved and wire bytes are the router's "
                 "`pdserve_kv_transfer_bytes_total` / `pdserve_kv_wire_bytes_total` over the run.", "",
                 table(result["prefix"], markdown=True), ""]
     if result["sweeps"]:
-        out += ["## Sweeps (chat prompts, 4 clients unless concurrency is swept)", "",
+        out += [f"## Sweeps (chat prompts, {plan['sweep_requests']} requests a point, 4 clients unless concurrency "
+                "is swept)", "",
                 "Output length at a fixed prompt, prompt length at a fixed output, and closed-loop "
                 "concurrency; p50 solid, p99 dashed.", ""]
         for sweep, points in result["sweeps"].items():
@@ -144,9 +150,9 @@ def render_markdown(result: dict, plots: dict[str, str]) -> str:
         out += ["## Offline throughput (chat, all requests at once) beside HF transformers", "",
                 "HF `generate` runs static batches "
                 f"of {plan['hf_batch_size']} (left-padded, each batch decodes to its longest output) on the same "
-                "weights; throughput counts each request's own output tokens only. It runs with 1 torch thread "
-                "and with the served actors' total (2), after a warm-up batch, and the faster is shown "
-                f"({_hf_threads(result)}).", "",
+                "weights; throughput counts each request's own output tokens only. It uses 1 torch thread or "
+                "the served actors' total (2), whichever ran a short timed batch faster "
+                f"({_hf_threads(result)}): on an oversubscribed machine 2 threads can be far slower.", "",
                 table({k: {x: v.get(x) for x in THROUGHPUT_ROWS} for k, v in result["throughput"].items()},
                       markdown=True), ""]
     out += _reading(result, checks)
@@ -204,6 +210,17 @@ def _reading(result: dict, checks: list) -> list[str]:
         "decode actors run truly in parallel; when other jobs load the machine (see the load average) they "
         "time-slice with everything else, and both the isolation gain and the absolute numbers blur. On a GPU "
         "cluster the pools sit on separate devices and the transfer goes over NCCL or the network.")
+    rates = result.get("rates") or {}
+    if rates:
+        held = []
+        for variant, pts in rates.items():
+            ok = [p["x"] for p in pts if p["slo_attainment"] is not None and p["slo_attainment"] >= 0.9]
+            held.append(f"{variant} {max(ok):g} req/s" if ok else f"{variant} none of the rates")
+        lines.append(
+            "- **SLO attainment against rate.** Highest offered rate with ≥ 90% attainment: " + ", ".join(held)
+            + ". With equal actors, disaggregation has half the prefill capacity of two colocated engines, so "
+            "once the single prefill actor saturates, TTFT (and with it attainment) falls off first; a real "
+            "deployment sizes the prefill:decode ratio to the workload (`pdserve plan`).")
     missed = [s for s, _, ok in checks if not ok]
     if missed:
         lines.append("- **Targets not met here:** " + "; ".join(missed) + ". These are the issue's goals for a "

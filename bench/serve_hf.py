@@ -3,9 +3,9 @@
 Requests are taken in workload order in batches of ``batch_size``, left-padded; each batch
 decodes greedily until its longest output is done (static batching: finished rows keep
 burning steps). Throughput counts only each request's own output tokens, like the served
-runs, so the figures are comparable. It runs once with 1 torch thread and once with the served
-actors' total, after an untimed warm-up batch, and reports the faster (on a loaded machine
-extra threads can lose badly to oversubscription).
+runs, so the figures are comparable. It times one short batch with 1 torch thread and with the
+served actors' total, then runs the workload with the faster (on a loaded machine extra
+threads can lose badly to oversubscription).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 
 
 def hf_static_batching(cfg, specs: list, batch_size: int = 8) -> dict:
-    """Offline throughput of HF generate over ``specs`` (token-id prompts); the faster thread count."""
+    """Offline throughput of HF generate over ``specs`` (token-id prompts), at the faster thread count."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -26,20 +26,26 @@ def hf_static_batching(cfg, specs: list, batch_size: int = 8) -> dict:
     prompts = [s.prompt_token_ids for s in specs if s.prompt_token_ids is not None]
     outputs = [s.output_len for s in specs if s.prompt_token_ids is not None]
     saved = torch.get_num_threads()
-    timings = {}
+    warmup = {}
     try:
-        for threads in sorted({1, max(1, total)}):
+        for threads in sorted({1, max(1, total)}):      # time one short batch per thread count
             torch.set_num_threads(threads)
-            _run(model, prompts[:batch_size], [2] * min(batch_size, len(prompts)), batch_size)   # warm-up
+            _run(model, prompts[:batch_size], [2] * min(batch_size, len(prompts)), batch_size)
             start = time.monotonic()
-            _run(model, prompts, outputs, batch_size)
-            timings[threads] = time.monotonic() - start
-            print(f"hf-static: {threads} thread(s) {timings[threads]:.1f}s", file=sys.stderr, flush=True)
+            _run(model, prompts[:batch_size], [4] * min(batch_size, len(prompts)), batch_size)
+            warmup[threads] = time.monotonic() - start
+        threads = min(warmup, key=warmup.get)
+        torch.set_num_threads(threads)
+        start = time.monotonic()
+        _run(model, prompts, outputs, batch_size)
+        duration = time.monotonic() - start
+        print(f"hf-static: {threads} thread(s) {duration:.1f}s", file=sys.stderr, flush=True)
     finally:
         torch.set_num_threads(saved)
-    threads, duration = min(timings.items(), key=lambda kv: kv[1])
+    timings = {threads: duration}
     return {"variant": "hf-static", "completed": len(prompts), "failed": 0, "duration_s": duration,
             "batch_size": batch_size, "torch_threads": threads, "seconds_by_threads": timings,
+            "warmup_seconds_by_threads": warmup,
             "request_throughput_rps": len(prompts) / duration, "throughput_tokens_s": sum(outputs) / duration}
 
 

@@ -23,12 +23,13 @@ def plot_latency_sweep(points: dict[str, list[dict]], variable: str, path: str, 
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), dpi=80)
     for ax, metric, label in ((axes[0], "ttft", "TTFT (ms)"), (axes[1], "tpot", "TPOT (ms)")):
-        for variant, rows in points.items():
+        for color, (variant, rows) in enumerate(points.items()):
             xs = [r["x"] for r in rows]
             for p, style in (("p50", "-"), ("p99", "--")):
                 x, y = _finite(xs, [r[f"{metric}_{p}_s"] * 1e3 if r[f"{metric}_{p}_s"] is not None else None
                                     for r in rows])
-                ax.plot(x, y, style, marker=MARKERS.get(variant, "o"), markersize=4, label=f"{variant} {p}")
+                ax.plot(x, y, style, color=f"C{color}", marker=MARKERS.get(variant, "o"), markersize=4,
+                        label=f"{variant} {p}")
         ax.set_xlabel(variable)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

@@ -40,7 +40,7 @@ def point_specs(args: argparse.Namespace, value: float, index: int) -> tuple[lis
         specs = make_workload(args.workload, n, seed, scale, prompt_len=int(value), output_len=fixed_output)
         return specs, dict(request_rate=math.inf, concurrency=args.concurrency or 4)
     if args.sweep == "concurrency":
-        specs = make_workload(args.workload, max(n, 2 * int(value)), seed, scale, args.prompt_len, args.output_len)
+        specs = make_workload(args.workload, max(n, int(value)), seed, scale, args.prompt_len, args.output_len)
         return specs, dict(request_rate=math.inf, concurrency=int(value))
     specs = make_workload(args.workload, n, seed, scale, args.prompt_len, args.output_len)
     return specs, dict(request_rate=value, concurrency=args.concurrency)
