@@ -6,8 +6,9 @@ Plans the config (cached profile, else profile first), then starts it as 1 prefi
 actor (the pools' resources and settings; the decode actor's batch capped at the planned
 batch) and saturates each stage at the workload's lengths:
 
-  prefill  N distinct prompts of the mean input length at once (max_tokens 2, so each KV is
-           shipped): prompt tokens / (last first token − start), per prefill actor.
+  prefill  N distinct prompts of the mean input length at once — two full prefill steps' worth
+           (one when that would take over a minute) — with max_tokens 2, so each KV is
+           shipped: prompt tokens / (last first token − start), per prefill actor.
            Predicted: the plan's prefill capacity (tokens/s per actor at saturation).
   decode   the planned batch B of requests at once, generating K tokens each, with prompts
            sized so the mean context over the K tokens equals the workload's (prompt + out/2).
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--profile", help="profile file (default: the config's cached profile, else profile first)")
     p.add_argument("--local", action="store_true", help="profile in-process engines when there is no profile")
-    p.add_argument("--prefill-requests", type=int, help="default: about 20 s of predicted prefill work (3..32)")
+    p.add_argument("--prefill-requests", type=int, help="default: two saturated prefill steps' worth")
     p.add_argument("--decode-tokens", type=int, default=100, help="tokens each decode-phase request generates")
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args(argv)
@@ -106,7 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     profile, source = obtain_profile(cfg, args.profile, args.local)
     plan = plan_for(cfg, profile)
     print(format_plan(plan, cfg.model.name, source), flush=True)
-    n = args.prefill_requests or min(max(round(20 / plan.prefill["seconds_per_request"]), 3), 32)
+    from deploy.launcher import engine_args
+    from engine.presets import resolve_model
+    pargs = engine_args(cfg, "prefill", resolve_model(cfg.model.name))
+    s_in = round(plan.workload["input_tokens"])
+    per_step = max(1, min(pargs.max_num_batched_tokens // s_in, pargs.max_num_seqs))   # prompts a full step takes
+    one_step_s = per_step * s_in / plan.prefill["capacity_tokens_per_s"]
+    n = args.prefill_requests or (2 * per_step if 2 * one_step_s <= 60 else per_step)
     bench_cfg = load_config(args.config, {"pools.prefill.count": 1, "pools.decode.count": 1,
                                           "pools.decode.max_batch_size": plan.decode["batch"]})
     measured = asyncio.run(measure(bench_cfg, plan, n, args.decode_tokens))

@@ -5,7 +5,8 @@
              the KV budget (each request reserves prompt + max_tokens of blocks);
              tokens/s per actor = B* / step(B*); n_decode = rate · out / (util · that).
     prefill: t_p = measured time of one prompt of the mean length (chunked as served);
-             capacity = S / t_p tokens/s; the TTFT SLO caps the utilization ρ so that
+             capacity = prompt tokens/s of a saturated step (as many mean-length prompts
+             as the token budget takes); the TTFT SLO caps the utilization ρ so that
              t_p + p99 queueing wait (M/M/1: ln(100ρ)·t_p/(1−ρ)) ≤ TTFT;
              n_prefill = rate · S / (ρ · capacity).
 Counts follow from the measurements and the workload; no ratio is assumed. The
@@ -78,10 +79,14 @@ class Profile:
         self.data = data
         self.prefill_costs = ModelCosts.from_dict(data["prefill"]["engine"]["costs"])
         self.costs = ModelCosts.from_dict(data["decode"]["engine"]["costs"])
-        pts = sorted(data["prefill"]["points"], key=lambda p: p["prompt_len"])
+        prefill = data["prefill"]["points"]
+        pts = sorted((p for p in prefill if p.get("batch", 1) == 1), key=lambda p: p["prompt_len"])
         self._s = [p["prompt_len"] for p in pts]
         seconds = _monotone([p["seconds"] for p in pts])
         self._rate = [self.prefill_costs.prefill_flops(s) / t for s, t in zip(self._s, seconds)]
+        # saturated steps (several prompts batched): prompt tokens/s at each length
+        full = sorted((p for p in prefill if p.get("batch", 1) > 1), key=lambda p: p["prompt_len"])
+        self._sat = ([p["prompt_len"] for p in full], [p["batch"] * p["prompt_len"] / p["seconds"] for p in full])
         grid: dict[int, dict[int, float]] = {}
         for p in data["decode"]["points"]:
             grid.setdefault(p["context"], {})[p["batch"]] = p["seconds"]
@@ -105,6 +110,17 @@ class Profile:
         """One prompt, from the achieved FLOP/s interpolated at its length."""
         rate = _interp(self._s, self._rate, prompt_len) if prompt_len <= self._s[-1] else self._rate[-1]
         return self.prefill_costs.prefill_flops(round(prompt_len)) / rate
+
+    def prefill_capacity(self, prompt_len: float) -> float:
+        """Prompt tokens/s one actor sustains under saturation: from the saturated-step
+        measurement nearest in length (scaled by the single-prompt times), else one prompt at a time."""
+        single = prompt_len / self.prefill_seconds(prompt_len)
+        xs, ys = self._sat
+        if not xs:
+            return single
+        i = min(range(len(xs)), key=lambda j: abs(xs[j] - prompt_len))
+        gain = ys[i] / (xs[i] / self.prefill_seconds(xs[i]))      # batching speed-up measured there
+        return single * max(gain, 1.0)
 
     def decode_step_seconds(self, batch: float, context: float) -> float:
         """One step of `batch` sequences at `context` tokens: piecewise-linear in batch,
@@ -211,7 +227,7 @@ def plan(profile: Profile, workload: Workload, slo: SLO, limits: Limits, correct
                    f"= {needed_decode:.2f} actors")
 
     prefill_s = profile.prefill_seconds(s_in) * corrections.ttft
-    capacity = s_in / prefill_s
+    capacity = profile.prefill_capacity(s_in) / corrections.ttft
     util = max_utilization(prefill_s, slo.ttft_s)
     ttft_ok = util >= min_prefill_utilization
     if util == 0:

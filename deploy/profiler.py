@@ -6,7 +6,7 @@ with `local=True`, on in-process engines built from the same `EngineArgs`.
 A profile is a JSON file:
 
     {"version": 1, "created": ..., "source": "actors" | "local",
-     "prefill": {"engine": {...costs, threads, chunk_size...}, "points": [{prompt_len, seconds, flops, flops_per_s}]},
+     "prefill": {"engine": {...costs, threads, chunk_size...}, "points": [{prompt_len, batch, seconds, flops, flops_per_s}]},
      "decode":  {"engine": {...}, "points": [{batch, context, seconds, bytes, bytes_per_s, flops}]}}
 
 `default_profile_path(cfg)` names the cached profile of a config (model, dtype, threads,
@@ -38,7 +38,8 @@ def _blocks(tokens: int, block_size: int) -> int:
 def plan_points(cfg: PDServeConfig, model_dir: str, quick: bool = False) -> dict[str, list[dict]]:
     """The measurements a plan for `cfg` needs, per pool.
 
-    Prefill: a few reference lengths plus the workload's mean prompt. Decode: batch
+    Prefill: one prompt at a few reference lengths and at the workload's mean (the TTFT
+    side), and a saturated step of mean-length prompts (the throughput side). Decode: batch
     sizes up to what the KV budget and `max_batch_size` allow, at the workload's mean
     context (prompt + half the output) and at a short one. Each point keeps its best of
     a few repeats: on a shared machine other work only adds time.
@@ -47,7 +48,8 @@ def plan_points(cfg: PDServeConfig, model_dir: str, quick: bool = False) -> dict
     s_in, s_out = w.input_tokens_mean, w.output_tokens_mean
     p_args, d_args = engine_args(cfg, "prefill", model_dir), engine_args(cfg, "decode", model_dir)
     lens = sorted({min(s, 64) if quick else s for s in (*PREFILL_LENS, s_in)})
-    prefill = [{"kind": "prefill", "prompt_len": s, "repeats": 2 if s <= 512 else 1} for s in lens]
+    prefill = [{"kind": "prefill", "prompt_len": s, "batch": 1, "repeats": 2 if s <= 512 else 1} for s in lens]
+    prefill.append({"kind": "prefill", "prompt_len": lens[-1] if quick else s_in, "batch": "saturated", "repeats": 1})
     context = s_in + s_out // 2
     per_request = _blocks(s_in + s_out, d_args.block_size)
     kv_limit = max(d_args.num_blocks // per_request, 1)
@@ -94,7 +96,7 @@ class Progress:
 
 def _label(point: dict) -> str:
     if point["kind"] == "prefill":
-        return f"prefill S={point['prompt_len']}"
+        return f"prefill S={point['prompt_len']}" + (" saturated" if point.get("batch") == "saturated" else "")
     return f"decode B={point['batch']} C={point['context']}"
 
 

@@ -1,10 +1,11 @@
 """Measure what an engine achieves on this hardware: prefill FLOP/s and decode bytes/s.
 
-Runs the engine's own model on its own paged cache (blocks borrowed from its
-block manager and returned), exactly as a step would: prefill in chunks of the
-engine's `chunk_size`, decode as one batch of single tokens over contexts of a
-given length. Call it on the engine's loop thread (the engine is not
-thread-safe); the actors post it there with `EngineLoop.call`.
+Drives the engine's own steps (scheduler → runner → sampler → output) on its own
+paged cache, so batching, chunking and per-step overheads are those of serving:
+prefill of fresh random prompts (one, or as many as a saturated step takes), decode
+steps of adopted sequences holding a given context. Everything is aborted and its
+blocks freed afterwards. The engine must be idle; call it on the engine's loop thread
+(the engine is not thread-safe) — the actors post it there with `EngineLoop.call`.
 
 Counting (the seeds' ledger):
     prefill FLOPs(S)      = 2·P·S + 4·L·S²·d + 2·V·h        (linear, attention, one sampled row)
@@ -20,8 +21,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.attention import build_metadata
 from engine.config import ModelConfig
+from engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,76 +82,88 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _chunk_size(engine) -> int | None:
-    return getattr(engine.scheduler, "chunk_size", None)
+def _random_ids(engine, n: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(2, engine.vocab_size, (n,), generator=gen).tolist()
 
 
-def measure_prefill(engine, prompt_len: int, repeats: int = 1, seed: int = 0) -> dict | None:
-    """Time one fresh prompt of `prompt_len` tokens, chunked as the engine would chunk it.
+def _check_idle(engine) -> None:
+    if engine.requests or engine.has_unfinished():
+        raise RuntimeError("engine is busy: profile an idle engine (its steps would mix with live requests)")
 
-    Returns {"prompt_len", "seconds", "flops", "flops_per_s"} (best of `repeats`),
-    or None when the engine has too few free blocks or the context is too long.
+
+def prefill_batch_size(engine, prompt_len: int) -> int:
+    """Prompts of `prompt_len` one step takes under saturation (token budget, max_num_seqs)."""
+    return max(1, min(engine.scheduler.max_num_batched_tokens // max(prompt_len, 1), engine.scheduler.max_num_seqs))
+
+
+def measure_prefill(engine, prompt_len: int, batch: int = 1, repeats: int = 1, seed: int = 0) -> dict | None:
+    """Prefill `batch` fresh prompts of `prompt_len` tokens through the engine's own steps
+    (scheduler → runner → sampler: batched and chunked exactly as served), prefill-only.
+
+    Returns {"prompt_len", "batch", "seconds", "flops", "flops_per_s"} (best of `repeats`,
+    seconds for the whole batch), or None when the blocks or the context do not fit.
     """
+    _check_idle(engine)
     bs = engine.block_size
-    if prompt_len > engine.max_model_len:
+    if prompt_len + 1 > engine.max_model_len or not engine.block_manager.can_allocate(batch * -(-(prompt_len + 1) // bs)):
         return None
-    table = engine.block_manager.allocate(-(-prompt_len // bs))
-    if table is None:
-        return None
-    try:
-        g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(2, engine.vocab_size, (prompt_len,), generator=g).to(engine.device)
-        chunk = _chunk_size(engine) or prompt_len
-        best = float("inf")
-        for _ in range(repeats):
-            _sync(engine.device)
-            t0 = time.perf_counter()
-            for start in range(0, prompt_len, chunk):
-                n = min(chunk, prompt_len - start)
-                meta = build_metadata([(start, n, table)], bs, engine.device)
-                last = torch.tensor([n - 1], dtype=torch.long, device=engine.device)
-                engine.model(ids[start:start + n], torch.arange(start, start + n, device=engine.device),
-                             engine.kv_cache, meta, last)
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    best = float("inf")
+    for _ in range(repeats):
+        ids = [engine.add_request(_random_ids(engine, prompt_len, gen), params, prefill_only=True)
+               for _ in range(batch)]   # fresh random prompts: no prefix-cache hits
+        pending = set(ids)
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        try:
+            while pending:
+                for out in engine.step():
+                    pending.discard(out.request_id)
             _sync(engine.device)
             best = min(best, time.perf_counter() - t0)
-    finally:
-        engine.block_manager.free(table)
-    flops = engine_costs(engine).prefill_flops(prompt_len)
-    return {"prompt_len": prompt_len, "seconds": best, "flops": flops, "flops_per_s": flops / best}
+        finally:
+            for rid in ids:
+                engine.abort(rid)
+    flops = batch * engine_costs(engine).prefill_flops(prompt_len)
+    return {"prompt_len": prompt_len, "batch": batch, "seconds": best, "flops": flops, "flops_per_s": flops / best}
 
 
 def measure_decode(engine, batch: int, context: int, repeats: int = 3, seed: int = 0) -> dict | None:
-    """Time one decode step of `batch` sequences that each hold `context` tokens of KV.
+    """Time the engine's decode step (scheduler → runner → sampler → output) for `batch`
+    running sequences that each hold `context` tokens of KV in their own blocks (adopted,
+    as a decode actor adopts shipped KV).
 
-    Every sequence gets its own blocks (so the step reads batch·context tokens of
-    KV, as in serving). Returns {"batch", "context", "seconds", "bytes",
-    "bytes_per_s", "flops"} (best of `repeats`, after one warm-up), or None when
-    the blocks do not fit.
+    Returns {"batch", "context", "seconds", "bytes", "bytes_per_s", "flops"} (best of
+    `repeats` steps after one warm-up step), or None when the blocks do not fit.
     """
+    _check_idle(engine)
     bs = engine.block_size
-    if context + 1 > engine.max_model_len:
+    steps = repeats + 1
+    if context + steps + 1 > engine.max_model_len:
         return None
-    per_seq = -(-(context + 1) // bs)
-    table = engine.block_manager.allocate(per_seq * batch)
-    if table is None:
+    if not engine.block_manager.can_allocate(batch * -(-(context + steps + 1) // bs)):
         return None
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    ids = []
+    best = float("inf")
     try:
-        tables = [table[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
-        g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(2, engine.vocab_size, (batch,), generator=g).to(engine.device)
-        positions = torch.full((batch,), context, dtype=torch.long, device=engine.device)
-        rows = torch.arange(batch, device=engine.device)
-        best = float("inf")
-        for i in range(repeats + 1):
+        for i in range(batch):
+            blocks = engine.block_manager.allocate(-(-context // bs))
+            rid = f"profile-decode-{i}"
+            engine.adopt(rid, _random_ids(engine, context, gen), 2, params, blocks)
+            ids.append(rid)
+        for i in range(steps):
             _sync(engine.device)
             t0 = time.perf_counter()
-            meta = build_metadata([(context, 1, t) for t in tables], bs, engine.device)
-            engine.model(ids, positions, engine.kv_cache, meta, rows)
+            engine.step()
             _sync(engine.device)
-            if i:                        # the first run warms caches and allocator
+            if i:                        # the first step warms caches and the allocator
                 best = min(best, time.perf_counter() - t0)
     finally:
-        engine.block_manager.free(table)
+        for rid in ids:
+            engine.abort(rid)
     costs = engine_costs(engine)
     nbytes = costs.decode_bytes(batch, context)
     return {"batch": batch, "context": context, "seconds": best, "bytes": nbytes, "bytes_per_s": nbytes / best,
@@ -158,10 +171,14 @@ def measure_decode(engine, batch: int, context: int, repeats: int = 3, seed: int
 
 
 def run_point(engine, point: dict) -> dict | None:
-    """One measurement: {"kind": "prefill", "prompt_len": S} or {"kind": "decode", "batch": B, "context": C}."""
+    """One measurement: {"kind": "prefill", "prompt_len": S, "batch": k | "saturated"},
+    {"kind": "decode", "batch": B, "context": C} or {"kind": "describe"}; optional "repeats"."""
     repeats = point.get("repeats")
     if point["kind"] == "prefill":
-        return measure_prefill(engine, point["prompt_len"], repeats or 1)
+        batch = point.get("batch") or 1
+        if batch == "saturated":
+            batch = prefill_batch_size(engine, point["prompt_len"])
+        return measure_prefill(engine, point["prompt_len"], batch, repeats or 1)
     if point["kind"] == "decode":
         return measure_decode(engine, point["batch"], point["context"], repeats or 3)
     if point["kind"] == "describe":

@@ -141,3 +141,15 @@ def test_plan_cli_json_from_profile_file(tmp_path, tiny_model_dir, capsys):
     rc = main(["plan", "--model", tiny_model_dir, "--profile", str(path)])
     table = capsys.readouterr().out
     assert rc == 0 and "prefill FLOPs per request" in table and "decode actors (needed → planned)" in table
+
+
+def test_saturated_prefill_sets_capacity():
+    data = synthetic()
+    t_single = COSTS.prefill_flops(512) / 1e10
+    data["prefill"]["points"].append({"prompt_len": 512, "batch": 8, "seconds": 4 * t_single,
+                                      "flops": 8 * COSTS.prefill_flops(512), "flops_per_s": 2e10})
+    p = Profile(data)
+    assert p.prefill_seconds(512) == pytest.approx(t_single)                  # TTFT side: one prompt
+    assert p.prefill_capacity(512) == pytest.approx(8 * 512 / (4 * t_single))  # throughput side: the batch
+    result = plan(p, Workload(512, 128, 4.0), SLO(3.0, 0.05), LIMITS)
+    assert result.prefill["capacity_tokens_per_s"] == pytest.approx(2 * 512 / t_single)
