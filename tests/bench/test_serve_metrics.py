@@ -72,3 +72,14 @@ def test_poisson_gaps_have_the_requested_rate():
     gaps = arrival_gaps(4000, 5.0, 1.0, seed=0)
     assert sum(gaps) / len(gaps) == pytest.approx(0.2, rel=0.05)
     assert arrival_gaps(3, math.inf, 1.0, 0) == [0.0, 0.0, 0.0]
+
+
+def test_jsonl_workload(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "hello", "output_len": 3}\n\n{"prompt_len": 5, "output_len": 2}\n')
+    specs = make_workload(str(path), 3)
+    assert [(s.prompt, s.prompt_len, s.output_len) for s in specs][0] == ("hello", 5, 3)
+    assert specs[1].prompt_token_ids is not None and specs[1].prompt_len == 5 and specs[2].prompt == "hello"
+    path.write_text('{"prompt_len": 5}\n')
+    with pytest.raises(ValueError, match="w.jsonl:1"):
+        make_workload(str(path), 1)

@@ -1,0 +1,47 @@
+"""Sweep plots, side-by-side tables and the benchmarks page render from fixed results (no cluster)."""
+from __future__ import annotations
+
+from bench.report_md import render_markdown
+from bench.serve_load import RequestRecord
+from bench.serve_metrics import summarize
+from bench.serve_plots import plot_latency_sweep, plot_slo_attainment
+from bench.serve_report import table, targets
+from bench.serve_sweep import FIGURES
+from bench.workloads import describe, make_workload
+
+
+def run(ttft: float, e2e: float) -> dict:
+    records = [RequestRecord(i, f"r{i}", "chat", 10, 11, ok=True, num_output_tokens=11, ttft_s=ttft, e2e_s=e2e,
+                             itl_s=[(e2e - ttft) / 10] * 10) for i in range(4)]
+    return summarize(records, 2.0, 0.5, 0.05)
+
+
+RUNS = {"colocated": run(0.1, 1.1), "colocated-chunked": run(0.2, 0.7), "disaggregated": run(0.12, 0.42)}
+
+
+def test_targets_and_ratio_table():
+    checks = dict((s, (v, ok)) for s, v, ok in targets(RUNS, RUNS))
+    assert checks["disaggregated p99 TPOT ≤ 0.5× colocated (no chunking)"] == ("0.30×", True)
+    assert checks["disaggregated goodput ≥ 1.3× the better colocated variant"][1] is False   # 2.0 vs 2.0
+    assert checks["low-load p50 TTFT ≤ 1.3× colocated"] == ("1.20×", True)
+    text = table(RUNS, ratio_of="disaggregated", markdown=True)
+    assert "| TPOT p99 (ms) | 100.0 | 50.0 | 30.0 | 0.30× | 0.60× |" in text
+
+
+def test_plots_and_page(tmp_path):
+    points = {v: [{"x": x, **{k: r[k] for k in FIGURES}} for x in (1, 2, 4)] for v, r in RUNS.items()}
+    paths = {"rate": plot_slo_attainment(points, str(tmp_path / "rate.png"), "t"),
+             "concurrency": plot_latency_sweep(points, "concurrency", str(tmp_path / "c.png"), "t")}
+    for path in paths.values():
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    from bench.report import PRESETS
+    from dataclasses import asdict
+    result = {"plan": asdict(PRESETS["tiny"]), "low_load": RUNS, "loaded": RUNS, "rates": points, "prefix": {},
+              "sweeps": {"concurrency": points}, "throughput": {"disaggregated": RUNS["disaggregated"]},
+              "workloads": {"mixed": describe(make_workload("mixed", 8, scale=0.1))}, "wall_s": 60.0,
+              "machine": {"cpu": "cpu", "cores": 2, "memory_gib": 1, "os": "os", "python": "3", "torch": "t",
+                          "ray": "r", "grpcio": "g", "transformers": "x", "commit": "c", "load_before": [1, 1, 1]}}
+    page = render_markdown(result, {"rate": "img/rate.png", "concurrency": "img/c.png"})
+    assert "![SLO attainment vs rate](img/rate.png)" in page and "### The issue's targets" in page
+    assert "| disaggregated goodput ≥ 1.3× the better colocated variant | 1.00× | **not met** |" in page
