@@ -13,6 +13,7 @@ from engine.scheduler import ScheduledRequest
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, device: torch.device):
         self.model = model
+        model.use_input_major_weights()   # faster small-batch decode GEMMs on CPU; a no-op elsewhere
         self.kv_cache = kv_cache          # [L, NB, 2, Hkv, bs, D]
         self.block_size = block_size
         self.device = device
