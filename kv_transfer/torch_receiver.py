@@ -23,7 +23,7 @@ from kv_transfer.base import FailedSide, TransferError
 from kv_transfer.buffers import payload_pool
 from kv_transfer.layout import HandshakeError
 from kv_transfer.receiver import CoreReceiver
-from kv_transfer.torch_pair import IDLE_TIMEOUT, KIND_ABORT, KIND_CHUNK, KIND_CLOSE, MAX_PENDING_DECODES, make_group, unpack_small
+from kv_transfer.torch_pair import CONTROL_BYTES, IDLE_TIMEOUT, KIND_ABORT, KIND_CLOSE, MAX_PENDING_DECODES, make_group, parse_control, unpack_small
 from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header
 
 
@@ -85,9 +85,7 @@ class TorchReceiver(CoreReceiver):
         in_flight: set[str] = set()
         try:
             group = make_group(dist.PrefixStore(f"pair/{index}/", self._store), 1, self.backend, IDLE_TIMEOUT, self.host, self.interface)
-            while not self._closed.is_set():
-                if not self._serve_piece(group, in_flight):
-                    break
+            self._serve(group, in_flight)
         except Exception as exc:  # peer died or the pair broke
             for transfer_id in in_flight:
                 self.core.fail(transfer_id, f"sender connection lost: {str(exc)[:200]}")
@@ -95,53 +93,64 @@ class TorchReceiver(CoreReceiver):
             with self._lock:
                 self._num_groups -= 1
 
-    def _serve_piece(self, group, in_flight: set[str]) -> bool:
-        """Receive chunks up to and including the last one of a send(); ack it.
+    def _post_control(self, group):
+        slot = torch.empty(CONTROL_BYTES, dtype=torch.uint8, device=self.device)
+        return slot, group.recv([slot], 0, 0)
 
-        Chunks are decoded on a small pool while the next one is received.
+    def _serve(self, group, in_flight: set[str]) -> None:
+        """Receive chunks; ack the last chunk of each send(); return on a close message.
+
+        The next control slot is posted before the current payload is waited
+        for, and chunks are decoded on a small pool while the next arrives.
         """
         errors: list[str] = []
         pending: deque[Future] = deque()
-        while True:
-            meta = torch.empty(4, dtype=torch.int64, device=self.device)
-            group.recv([meta], 0, 0).wait()
-            kind, header_len, payload_len, is_last = (int(v) for v in meta.cpu())
+        slot, work = self._post_control(group)
+        while not self._closed.is_set():
+            work.wait()
+            kind, header_bytes, payload_len, is_last = parse_control(slot)  # WireError: drop the pair
             if kind == KIND_CLOSE:
-                return False
+                return
+            slot, work = None, None
             if kind == KIND_ABORT:  # the sender failed to encode: end the piece
                 self._drain(pending, errors, 0)
                 for transfer_id in in_flight:
                     self.core.fail(transfer_id, "sender aborted mid-transfer")
                 errors.append("sender aborted")
-                is_last = 1
-            elif kind != KIND_CHUNK or not (0 < header_len <= MAX_HEADER_BYTES) or not (0 <= payload_len <= self.core.max_payload):
-                raise WireError(f"bad chunk meta {kind, header_len, payload_len}")  # stream unusable: drop the pair
+            elif not (0 <= payload_len <= self.core.max_payload):
+                raise WireError(f"payload of {payload_len} bytes exceeds {self.core.max_payload}")
             else:
-                header_buf = torch.empty(header_len, dtype=torch.uint8, device=self.device)
-                group.recv([header_buf], 0, 0).wait()
                 payload = payload_pool.acquire(payload_len, self.device)
-                group.recv([payload], 0, 0).wait()
-                if errors:
-                    payload_pool.release(payload)
-                else:
-                    try:
-                        header = unpack_header(header_buf.cpu().numpy().tobytes())
-                        in_flight.add(header.transfer_id)
-                        if header.payload_len != payload_len:
-                            self.core.fail(header.transfer_id, "payload length differs from its header")
-                            raise WireError(f"payload of {payload_len} bytes, header says {header.payload_len}")
-                        pending.append(self._decoders.submit(self._accept, header, payload))
-                    except (TransferError, WireError) as exc:
-                        errors.append(str(exc))
-                    self._drain(pending, errors, MAX_PENDING_DECODES)
+                payload_work = group.recv([payload], 0, 0)
+                slot, work = self._post_control(group)
+                payload_work.wait()
+                self._take(header_bytes, payload, payload_len, pending, errors, in_flight)
             if is_last:
                 self._drain(pending, errors, 0)
                 data = (errors[0] if errors else "").encode()[:MAX_HEADER_BYTES]
                 group.send([torch.tensor([0 if data else 1, len(data)], dtype=torch.int64, device=self.device)], 0, 0).wait()
                 if data:
                     group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)], 0, 0).wait()
+                errors.clear()
                 in_flight.clear()
-                return True
+            if work is None:
+                slot, work = self._post_control(group)
+
+    def _take(self, header_bytes: bytes, payload, payload_len: int, pending: deque, errors: list[str], in_flight: set[str]) -> None:
+        if errors:  # the piece already failed: drain its chunks
+            payload_pool.release(payload)
+            return
+        try:
+            header = unpack_header(header_bytes)
+            in_flight.add(header.transfer_id)
+            if header.payload_len != payload_len:
+                self.core.fail(header.transfer_id, "payload length differs from its header")
+                raise WireError(f"payload of {payload_len} bytes, header says {header.payload_len}")
+            pending.append(self._decoders.submit(self._accept, header, payload))
+        except (TransferError, WireError) as exc:
+            payload_pool.release(payload)
+            errors.append(str(exc))
+        self._drain(pending, errors, MAX_PENDING_DECODES)
 
     def _accept(self, header, payload: torch.Tensor) -> None:
         try:

@@ -24,7 +24,7 @@ from kv_transfer.chunker import EncodedChunk
 from kv_transfer.codec import CodecError
 from kv_transfer.layout import HandshakeError, check_compatible
 from kv_transfer.sender_core import BaseSender
-from kv_transfer.torch_pair import IDLE_TIMEOUT, KIND_ABORT, KIND_CHUNK, KIND_CLOSE, make_group, split_host_port, unpack_small
+from kv_transfer.torch_pair import IDLE_TIMEOUT, KIND_ABORT, KIND_CHUNK, KIND_CLOSE, control_tensor, make_group, split_host_port, unpack_small
 
 
 class _Pair:
@@ -75,7 +75,7 @@ class TorchSender(BaseSender):
     def _close_pair(self, pair: _Pair) -> None:
         with pair.lock:
             try:
-                pair.group.send([torch.tensor([KIND_CLOSE, 0, 0, 1], dtype=torch.int64, device=self.device)], 1, 0).wait()
+                pair.group.send([control_tensor(KIND_CLOSE, b"", 0, True, self.device)], 1, 0).wait()
             except Exception:
                 pass
 
@@ -107,7 +107,7 @@ class TorchSender(BaseSender):
                     inflight = self._post(pair, pending, True, inflight, deadline_at)
                     wire_bytes += inflight[2]
                 else:  # tell the receiver to free what it reserved, keep the pair in sync
-                    meta = torch.tensor([KIND_ABORT, 0, 0, 1], dtype=torch.int64, device=self.device)
+                    meta = control_tensor(KIND_ABORT, b"", 0, True, self.device)
                     inflight = self._finish_post(inflight, deadline_at)
                     self._wait(pair.group.send([meta], 1, 0), deadline_at)
                 self._finish_post(inflight, deadline_at)
@@ -131,12 +131,11 @@ class TorchSender(BaseSender):
 
     def _post(self, pair: _Pair, chunk: EncodedChunk, is_last: bool, previous, deadline_at: float):
         """Post this chunk's three sends, then wait for the previous chunk's: two chunks in flight."""
-        header = torch.frombuffer(bytearray(chunk.header_bytes), dtype=torch.uint8).to(self.device)
         payload = chunk.payload.to(self.device)
-        meta = torch.tensor([KIND_CHUNK, header.numel(), payload.numel(), int(is_last)], dtype=torch.int64, device=self.device)
-        works = [pair.group.send([tensor], 1, 0) for tensor in (meta, header, payload)]
+        control = control_tensor(KIND_CHUNK, chunk.header_bytes, payload.numel(), is_last, self.device)
+        works = [pair.group.send([tensor], 1, 0) for tensor in (control, payload)]
         self._finish_post(previous, deadline_at)
-        return works, (chunk, meta, header, payload), 32 + header.numel() + payload.numel()
+        return works, (chunk, control, payload), control.numel() + payload.numel()
 
     def _finish_post(self, inflight, deadline_at: float) -> None:
         if inflight is None:

@@ -8,10 +8,14 @@ meeting a new destination:
        and the layout, and writes reply/n = msgpack {ok, error, layout},
     4. both build a ProcessGroup (rank 0 = sender, rank 1 = receiver) over
        PrefixStore("pg/n/"): NCCL when the caches are CUDA, gloo on CPU.
-Each chunk is three point-to-point messages, header first:
-    meta int64 [4] (kind, header_len, payload_len, is_last) | header | payload
-and after the last chunk of a send() the receiver answers with
+Each chunk is two point-to-point messages, metadata first:
+    control uint8 [4096] (u32 kind, u32 header_len, u64 payload_len,
+                          u32 is_last, msgpack header at offset 32) | payload
+(the fixed-size slot lets the receiver keep the next one posted while a
+payload arrives), and after the last chunk of a send() the receiver answers
     ack int64 [2] (ok, error_len) | error bytes.
+Control kinds: chunk, close (the sender evicts the pair), abort (the sender
+failed mid-send: free what this piece reserved).
 Senders keep at most ``max_groups`` pairs (LRU; an evicted pair gets a
 ``close`` message). A broken pair (peer died) is torn down on both sides and
 its in-flight transfers fail; the next send builds a fresh one.
