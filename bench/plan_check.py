@@ -37,7 +37,8 @@ async def _stream(stub, pb, rid: str, ids: list[int], max_tokens: int, sink: lis
         sink.append((time.monotonic(), len(msg.token_ids)))
 
 
-async def measure(cfg, plan, prefill_requests: int, decode_tokens: int, seed: int = 0) -> dict:
+async def measure(cfg, plan, prefill_requests: int, decode_tokens: int, seed: int = 0,
+                  phases: tuple[str, ...] = ("prefill", "decode")) -> dict:
     import grpc
 
     from deploy.launcher import load_tokenizer
@@ -59,37 +60,47 @@ async def measure(cfg, plan, prefill_requests: int, decode_tokens: int, seed: in
         async with grpc.aio.insecure_channel(cluster.address) as channel:
             stub = pb_grpc.GenerationServiceStub(channel)
             await _stream(stub, pb, "warmup", tokens(32), 2, [])
-            # ---- prefill: distinct prompts, all at once
-            sinks = [[] for _ in range(prefill_requests)]
-            t0 = time.monotonic()
-            await asyncio.gather(*(_stream(stub, pb, f"p{i}", tokens(s_in), 2, sinks[i])
-                                   for i in range(prefill_requests)))
-            first = [s[0][0] for s in sinks]
-            prefill_s = max(first) - t0
-            prefill_tps = prefill_requests * s_in / prefill_s
-            # ---- decode: B sequences at the mean context, prefix-shared prompts
-            batch = plan.decode["batch"]
-            k = min(decode_tokens, s_out)
-            prompt_len = max(s_in + (s_out - k) // 2, TAIL_TOKENS + 1)
-            prefix = tokens(prompt_len - TAIL_TOKENS)
-            await _stream(stub, pb, "prefix", prefix + tokens(TAIL_TOKENS), 1, [])
-            sinks = [[] for _ in range(batch)]
-            await asyncio.gather(*(_stream(stub, pb, f"d{i}", prefix + tokens(TAIL_TOKENS), k, sinks[i])
-                                   for i in range(batch)))
-            start = max(s[0][0] for s in sinks)          # every sequence is decoding from here
-            end = min(s[-1][0] for s in sinks)            # until the first one finishes
-            counted = sum(n for s in sinks for t, n in s[1:] if start < t <= end)
-            window = end - start
-            if window <= 0 or counted == 0:               # the batch never ran whole: whole-phase rate
-                start, end = min(s[0][0] for s in sinks), max(s[-1][0] for s in sinks)
-                counted, window = sum(n for s in sinks for _, n in s[1:]), end - start
-            decode_tps = counted / window
+            out = {}
+            if "prefill" in phases:
+                out["prefill"] = await _prefill_phase(stub, pb, tokens, s_in, prefill_requests)
+            if "decode" in phases:
+                out["decode"] = await _decode_phase(stub, pb, tokens, plan.decode["batch"], s_in, s_out, decode_tokens)
     finally:
         await cluster.stop()
-    return {"prefill": {"requests": prefill_requests, "prompt_tokens": s_in, "seconds": prefill_s,
-                        "tokens_per_s": prefill_tps},
-            "decode": {"batch": batch, "prompt_tokens": prompt_len, "generated_per_request": k,
-                       "window_s": window, "tokens_counted": counted, "tokens_per_s": decode_tps}}
+    return out
+
+
+async def _prefill_phase(stub, pb, tokens, s_in: int, prefill_requests: int) -> dict:
+    """Distinct prompts, all at once."""
+    sinks = [[] for _ in range(prefill_requests)]
+    t0 = time.monotonic()
+    await asyncio.gather(*(_stream(stub, pb, f"p{i}", tokens(s_in), 2, sinks[i])
+                           for i in range(prefill_requests)))
+    first = [s[0][0] for s in sinks]
+    prefill_s = max(first) - t0
+    prefill_tps = prefill_requests * s_in / prefill_s
+    return {"requests": prefill_requests, "prompt_tokens": s_in, "seconds": prefill_s, "tokens_per_s": prefill_tps}
+
+
+async def _decode_phase(stub, pb, tokens, batch: int, s_in: int, s_out: int, decode_tokens: int) -> dict:
+    """B sequences at the mean context; prompts share all but their last block."""
+    k = min(decode_tokens, s_out)
+    prompt_len = max(s_in + (s_out - k) // 2, TAIL_TOKENS + 1)
+    prefix = tokens(prompt_len - TAIL_TOKENS)
+    await _stream(stub, pb, "prefix", prefix + tokens(TAIL_TOKENS), 1, [])
+    sinks = [[] for _ in range(batch)]
+    await asyncio.gather(*(_stream(stub, pb, f"d{i}", prefix + tokens(TAIL_TOKENS), k, sinks[i])
+                           for i in range(batch)))
+    start = max(s[0][0] for s in sinks)          # every sequence is decoding from here
+    end = min(s[-1][0] for s in sinks)            # until the first one finishes
+    counted = sum(n for s in sinks for t, n in s[1:] if start < t <= end)
+    window = end - start
+    if window <= 0 or counted == 0:               # the batch never ran whole: whole-phase rate
+        start, end = min(s[0][0] for s in sinks), max(s[-1][0] for s in sinks)
+        counted, window = sum(n for s in sinks for _, n in s[1:]), end - start
+    decode_tps = counted / window
+    return {"batch": batch, "prompt_tokens": prompt_len, "generated_per_request": k, "window_s": window,
+    "tokens_counted": counted, "tokens_per_s": decode_tps}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local", action="store_true", help="profile in-process engines when there is no profile")
     p.add_argument("--prefill-requests", type=int, help="default: two saturated prefill steps' worth")
     p.add_argument("--decode-tokens", type=int, default=100, help="tokens each decode-phase request generates")
+    p.add_argument("--phases", default="prefill,decode", help="which stages to measure")
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
@@ -116,11 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     n = args.prefill_requests or (2 * per_step if 2 * one_step_s <= 60 else per_step)
     bench_cfg = load_config(args.config, {"pools.prefill.count": 1, "pools.decode.count": 1,
                                           "pools.decode.max_batch_size": plan.decode["batch"]})
-    measured = asyncio.run(measure(bench_cfg, plan, n, args.decode_tokens))
-    rows = [("prefill tokens/s per actor (saturated)", plan.prefill["capacity_tokens_per_s"],
-             measured["prefill"]["tokens_per_s"]),
-            (f"decode tokens/s per actor (batch {plan.decode['batch']})", plan.decode["tokens_per_s_per_actor"],
-             measured["decode"]["tokens_per_s"])]
+    phases = tuple(args.phases.split(","))
+    measured = asyncio.run(measure(bench_cfg, plan, n, args.decode_tokens, phases=phases))
+    rows = []
+    if "prefill" in measured:
+        rows.append(("prefill tokens/s per actor (saturated)", plan.prefill["capacity_tokens_per_s"],
+                     measured["prefill"]["tokens_per_s"]))
+    if "decode" in measured:
+        rows.append((f"decode tokens/s per actor (batch {plan.decode['batch']})",
+                     plan.decode["tokens_per_s_per_actor"], measured["decode"]["tokens_per_s"]))
     print(f"\nplan check — {args.config}, 1 prefill + 1 decode actor")
     print(f"{'':<42} {'predicted':>10} {'measured':>10} {'error':>8}")
     for name, pred, meas in rows:

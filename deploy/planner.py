@@ -119,8 +119,8 @@ class Profile:
         if not xs:
             return single
         i = min(range(len(xs)), key=lambda j: abs(xs[j] - prompt_len))
-        gain = ys[i] / (xs[i] / self.prefill_seconds(xs[i]))      # batching speed-up measured there
-        return single * max(gain, 1.0)
+        gain = ys[i] / (xs[i] / self.prefill_seconds(xs[i]))      # batching speed-up (or slow-down) there
+        return single * gain
 
     def decode_step_seconds(self, batch: float, context: float) -> float:
         """One step of `batch` sequences at `context` tokens: piecewise-linear in batch,
