@@ -149,7 +149,22 @@ class KVSender(ABC):
         deadline_s: float = 30.0,
         num_tokens: int = 0,
         first_token_id: int = -1,
-    ) -> SendHandle: ...
+    ) -> SendHandle:
+        """Ship ``kv_cache[layers, src_block_ids]`` to ``dest`` in the background.
+
+        Args:
+            request_id: the request the KV belongs to (reported back by the receiver).
+            kv_cache: the engine's cache tensor (CPU or CUDA).
+            src_block_ids: the request's blocks, in token order (any ids).
+            dest: the receiver's ``endpoint`` string.
+            transfer_id: reuse one id across layer-range sends; default a new uuid.
+            layers: ``(start, end)`` layer range; default all layers.
+            deadline_s: the whole transfer's deadline; the receiver expires it too.
+            num_tokens, first_token_id: carried to the receiver's TransferResult.
+        Returns:
+            A SendHandle; never raises for transfer errors (see handle.status,
+            handle.failed_side, handle.error).
+        """
 
     @abstractmethod
     def handshake(self, dest: str) -> None: ...
@@ -164,16 +179,22 @@ class KVReceiver(ABC):
     def endpoint(self) -> str: ...
 
     @abstractmethod
-    def poll(self) -> list[TransferResult]: ...
+    def poll(self) -> list[TransferResult]:
+        """Terminal results since the last call (each transfer reports exactly once)."""
 
     @abstractmethod
-    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult | None: ...
+    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult | None:
+        """Block until ``transfer_id`` ends (None on timeout); does not consume it from ``poll``."""
 
     @abstractmethod
     def status(self, transfer_id: str) -> TransferStatus | None: ...
 
     @abstractmethod
-    def cancel(self, transfer_id: str | None = None, request_id: str | None = None) -> list[str]: ...
+    def cancel(self, transfer_id: str | None = None, request_id: str | None = None) -> list[str]:
+        """Abort active transfers (their blocks are freed); returns the ids cancelled.
+
+        Cancelling a transfer id not seen yet leaves a tombstone: its chunks are refused.
+        """
 
     @property
     @abstractmethod
