@@ -152,6 +152,7 @@ class GrpcSender(BaseSender):
     def __init__(self, layout, *, num_streams: int = 2, **kwargs) -> None:
         super().__init__(layout, **kwargs)
         self.num_streams = max(1, num_streams)
+        self._streams = futures.ThreadPoolExecutor(max_workers=self._pool._max_workers * (self.num_streams - 1) or 1, thread_name_prefix="kv-grpc-stream")
         self._channels: dict[str, list[grpc.Channel]] = {}
         self._channels_lock = threading.Lock()
 
@@ -184,7 +185,7 @@ class GrpcSender(BaseSender):
         chunk.release()
         return frame
 
-    def _ship(self, dest: str, frames: Iterator[bytes], deadline_at: float, transfer_id: str) -> int:
+    def _ship(self, dest: str, frames: Iterator[bytes], deadline_at: float, transfer_id: str, num_chunks: int = 0) -> int:
         lock, counted, encode_error, failures = threading.Lock(), [0], [], []
 
         def take() -> Iterator[bytes]:
@@ -211,12 +212,11 @@ class GrpcSender(BaseSender):
             except grpc.RpcError as exc:
                 failures.append(exc)
 
-        threads = [threading.Thread(target=stream, args=(i,), name="kv-grpc-stream") for i in range(1, self.num_streams)]
-        for thread in threads:
-            thread.start()
+        # small transfers ride one stream: a second costs more than it brings
+        extra = [self._streams.submit(stream, i) for i in range(1, min(self.num_streams, max(1, num_chunks // 4)))]
         stream(0)
-        for thread in threads:
-            thread.join()
+        for future in extra:
+            future.result()
         if encode_error:
             raise encode_error[0]
         if failures:
@@ -235,6 +235,7 @@ class GrpcSender(BaseSender):
 
     def close(self) -> None:
         super().close()
+        self._streams.shutdown(wait=True)
         with self._channels_lock:
             for channels in self._channels.values():
                 for channel in channels:

@@ -2,8 +2,9 @@
 
 A transport subclasses ``BaseSender`` and implements two methods:
     _remote_handshake(dest, local) -> dict   exchange layouts with the receiver
-    _ship(dest, chunks, deadline_at) -> int  push encoded chunks, return wire
-                                             bytes, raise TransferError
+    _ship(dest, chunks, deadline_at, transfer_id, num_chunks) -> int
+        push what ``_prepare`` made of each chunk, return wire bytes, raise
+        TransferError
 ``send`` runs the encode pipeline and ``_ship`` on a worker thread and
 drops every reference to the cache when the piece ends.
 """
@@ -113,9 +114,10 @@ class BaseSender(KVSender):
         try:
             self.handshake(dest)
             handle.status = TransferStatus.TRANSFERRING
-            chunks = pipeline(encode_jobs(**job), self._encoders, self._prepare, self.prefetch_depth)
-            job.clear()  # the generator holds the cache until it ends; we do not
-            handle.wire_bytes = self._ship(dest, chunks, deadline_at, handle.transfer_id)
+            jobs = encode_jobs(**job)
+            job.clear()  # the jobs hold the cache until they end; we do not
+            chunks = pipeline(jobs, self._encoders, self._prepare, self.prefetch_depth)
+            handle.wire_bytes = self._ship(dest, chunks, deadline_at, handle.transfer_id, len(jobs))
             handle._finish(TransferStatus.DONE)
         except HandshakeError as exc:
             handle._finish(TransferStatus.FAILED, str(exc), FailedSide.RECEIVER)
@@ -139,7 +141,7 @@ class BaseSender(KVSender):
     def _remote_handshake(self, dest: str, local: dict) -> dict: ...
 
     @abstractmethod
-    def _ship(self, dest: str, chunks: Iterator, deadline_at: float, transfer_id: str) -> int:
+    def _ship(self, dest: str, chunks: Iterator, deadline_at: float, transfer_id: str, num_chunks: int) -> int:
         """Push what ``_prepare`` made of each chunk; return wire bytes or raise TransferError."""
 
     def close(self) -> None:

@@ -89,7 +89,7 @@ class TorchSender(BaseSender):
         with self._pairs_lock:
             return len(self._pairs)
 
-    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "") -> int:
+    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "", num_chunks: int = 0) -> int:
         pair, _ = self._pair(dest)
         wire_bytes, inflight = 0, None
         with pair.lock:

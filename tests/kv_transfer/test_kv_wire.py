@@ -110,6 +110,7 @@ def test_pipeline_chunks_shrink_for_overlap_but_not_below_the_floor():
 
     assert pipeline_chunk_bytes(128 << 20, 4 << 20) == 4 << 20  # big transfers: the configured size
     assert pipeline_chunk_bytes(16 << 20, 4 << 20) == 2 << 20  # 8 stages
+    assert pipeline_chunk_bytes(4 << 20, 4 << 20) == MIN_CHUNK_BYTES
     assert pipeline_chunk_bytes(1 << 20, 4 << 20) == MIN_CHUNK_BYTES
     assert pipeline_chunk_bytes(1 << 20, 4096) == 4096  # an explicit small size wins
 
