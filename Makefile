@@ -27,7 +27,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=15 tests
 
 bench: $(STAMP)
-	$(BIN)/python -m bench.engine
+	$(BIN)/python -m bench.engine --markdown docs/engine-bench.md
+	$(BIN)/python -m bench.transfer --json docs/transfer-bench.json
+	$(BIN)/python -m bench.kv_quality --model small
+	$(BIN)/python -m bench.report --preset small
 
 clean:
 	rm -rf $(VENV) build *.egg-info
