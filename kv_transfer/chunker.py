@@ -134,10 +134,12 @@ def encode_chunks(*args, **kwargs) -> Iterator[EncodedChunk]:
 def pipeline(jobs: list[Callable], executor: Executor, transform: Callable = lambda item: item, depth: int = 3) -> Iterator:
     """Run ``transform(job())`` for each job on ``executor``, at most ``depth`` ahead; yield in order.
 
-    Chunks are independent, so two encoder threads double the rate on two
-    idle cores; each runs torch single-threaded (``pin_transfer_thread``). An
-    error surfaces when the consumer reaches that chunk; closing the
-    generator cancels what has not started.
+    Chunks are independent, so N encoder threads can run N chunks at once
+    (senders default to one: on a busy 2-core box a second encoder measured
+    slower, and the prefill model needs the cores); each runs torch
+    single-threaded (``pin_transfer_thread``). An error surfaces when the
+    consumer reaches that chunk; closing the generator cancels what has not
+    started.
     """
 
     def run(job):

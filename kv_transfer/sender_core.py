@@ -38,7 +38,7 @@ class BaseSender(KVSender):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_workers: int = 4,
         prefetch_depth: int = 3,
-        encode_workers: int = 2,
+        encode_workers: int = 1,
     ) -> None:
         tune_malloc()
         self.layout, self.codec, self.token = layout, get_codec(codec), token
