@@ -17,6 +17,9 @@ batch) and saturates each stage at the workload's lengths:
            decode (last first token → first finish). Predicted: B / step(B, context).
 
 Both figures are printed side by side with the error; the target is within 25%.
+`--calibrate` stores predicted/measured as time factors in the profile ("calibration"), which
+the planner applies from then on (serving overheads the engine-level profile cannot see:
+router, token streaming, KV shipping, the other actors on the host); run again to validate.
 """
 from __future__ import annotations
 
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-requests", type=int, help="default: two saturated prefill steps' worth")
     p.add_argument("--decode-tokens", type=int, default=100, help="tokens each decode-phase request generates")
     p.add_argument("--phases", default="prefill,decode", help="which stages to measure")
+    p.add_argument("--calibrate", action="store_true",
+                   help="store measured/predicted time factors in the profile (the planner then applies them)")
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
@@ -143,6 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<42} {pred:>10.1f} {meas:>10.1f} {(meas - pred) / pred:>+8.0%}")
     ok = all(abs(meas - pred) / pred <= 0.25 for _, pred, meas in rows)
     print(f"within 25%: {'yes' if ok else 'no'}")
+    if args.calibrate:
+        from deploy.profiler import save_profile
+        cal = dict(profile.get("calibration", {}))
+        for key, (_, pred, meas) in zip([k for k in ("prefill", "decode") if k in measured], rows):
+            cal[key] = cal.get(key, 1.0) * pred / meas
+        profile["calibration"] = cal
+        save_profile(profile, source)
+        print(f"calibration saved to {source}: " + ", ".join(f"{k} ×{v:.2f}" for k, v in cal.items()))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"config": args.config, "profile": source, "plan": plan.to_dict(), "measured": measured,

@@ -91,6 +91,9 @@ class Profile:
         for p in data["decode"]["points"]:
             grid.setdefault(p["context"], {})[p["batch"]] = p["seconds"]
         self._contexts = sorted(grid)
+        # serving-path factors measured on the running cluster (bench.plan_check --calibrate):
+        # time in serving / time in the profile, for prefill and for decode steps
+        self.calibration = {k: float(v) for k, v in data.get("calibration", {}).items() if k in ("prefill", "decode")}
         for i, c in enumerate(self._contexts[:-1]):          # a longer context never steps faster
             longer = grid[self._contexts[i + 1]]
             for b in grid[c]:
@@ -205,6 +208,11 @@ def plan(profile: Profile, workload: Workload, slo: SLO, limits: Limits, correct
     s_in, s_out, rate = workload.input_tokens, workload.output_tokens, workload.arrival_rate_rps
     costs = profile.costs
     reasons: list[str] = []
+    cal = profile.calibration
+    if cal:
+        corrections = Corrections(corrections.ttft * cal.get("prefill", 1.0), corrections.tpot * cal.get("decode", 1.0))
+        reasons.append("profile calibrated on the running cluster: serving takes " + ", ".join(
+            f"{v:.2f}× the profiled {k} time" for k, v in cal.items()))
     context = s_in + s_out / 2
     per_request_blocks = math.ceil((s_in + s_out) / limits.block_size)
     kv_limit = limits.decode_kv_blocks // per_request_blocks

@@ -153,3 +153,13 @@ def test_saturated_prefill_sets_capacity():
     assert p.prefill_capacity(512) == pytest.approx(8 * 512 / (4 * t_single))  # throughput side: the batch
     result = plan(p, Workload(512, 128, 4.0), SLO(3.0, 0.05), LIMITS)
     assert result.prefill["capacity_tokens_per_s"] == pytest.approx(2 * 512 / t_single)
+
+
+def test_calibration_scales_like_corrections():
+    data = synthetic(step=lambda b, c: 0.01 + 0.001 * b)
+    base = plan(Profile(data), Workload(512, 128, 4.0), SLO(3.0, 0.05), LIMITS)
+    data["calibration"] = {"prefill": 2.0, "decode": 1.25}
+    calibrated = plan(Profile(data), Workload(512, 128, 4.0), SLO(3.0, 0.05), LIMITS)
+    assert calibrated.decode["batch"] == 30                              # 1.25·(0.01 + 0.001·30) = 0.05
+    assert calibrated.prefill["capacity_tokens_per_s"] == pytest.approx(base.prefill["capacity_tokens_per_s"] / 2)
+    assert any("calibrated" in r for r in calibrated.reasons)
