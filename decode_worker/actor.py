@@ -1,4 +1,4 @@
-"""Ray actor around `DecodeWorker`: `generate` is a Ray streaming generator of DecodeEvents."""
+"""Ray actor around `DecodeWorker`; tokens stream to the router over `DecodeStreamServer` (gRPC)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +7,8 @@ import uuid
 import dataclasses
 import logging
 
-from decode_worker.worker import DecodeEvent, DecodeJob, DecodeWorker
+from decode_worker.stream_service import DecodeStreamServer
+from decode_worker.worker import DecodeWorker
 from engine.args import EngineArgs
 from kv_transfer.settings import TransferSettings, build_receiver, layout_of
 
@@ -15,8 +16,13 @@ log = logging.getLogger(__name__)
 
 
 class DecodeActor:
-    def __init__(self, engine_args: EngineArgs, transfer: TransferSettings | None, actor_id: str):
-        """transfer None: a colocated actor (no KV receiver; prefills every request itself)."""
+    def __init__(self, engine_args: EngineArgs, transfer: TransferSettings | None, actor_id: str,
+                 stream_token: str, bind_host: str = "127.0.0.1"):
+        """transfer None: a colocated actor (no KV receiver; prefills every request itself).
+        stream_token: the cluster token the router presents on the token stream."""
+        if bind_host == "auto":
+            import ray
+            bind_host = ray.util.get_node_ip_address()
         if transfer is not None and transfer.bind_host == "auto":          # multi-node: listen on this node's address
             import ray
             transfer = dataclasses.replace(transfer, bind_host=ray.util.get_node_ip_address())
@@ -28,25 +34,9 @@ class DecodeActor:
             transfer, self.layout, engine.kv_cache, engine.block_manager, on_complete))
         self.worker = DecodeWorker(engine, make_receiver, actor_id, role="decode" if transfer else "colocated")
         self.worker.start()
+        self.stream = DecodeStreamServer(self.worker, stream_token, bind_host)
         log.info("decode actor %s ready: model %s, %d KV blocks, KV endpoint %s", actor_id,
                  engine.model_dir, engine.block_manager.num_blocks, self.worker.endpoint)
-
-    async def generate(self, job: DecodeJob):
-        """Yields lists of DecodeEvents (everything new since the last yield) until the request ends."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[DecodeEvent] = asyncio.Queue()
-        self.worker.submit(job, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
-        finished = False
-        try:
-            while not finished:
-                batch = [await queue.get()]
-                while not queue.empty():
-                    batch.append(queue.get_nowait())
-                finished = any(ev.finish_reason or ev.error_code for ev in batch)
-                yield batch
-        finally:
-            if not finished:            # the consumer went away: free the request here
-                self.worker.abort(job.request_id)
 
     async def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
@@ -55,9 +45,11 @@ class DecodeActor:
         return self.worker.stats()
 
     async def info(self) -> dict:
+        if not self.stream.endpoint:        # first call, in the actor's event loop
+            await self.stream.start()
         engine = self.worker.engine
         return {"role": self.worker.role, "actor_id": self.worker.actor_id, "incarnation": self.incarnation,
-                "pid": os.getpid(), "endpoint": self.worker.endpoint,
+                "pid": os.getpid(), "endpoint": self.worker.endpoint, "stream_endpoint": self.stream.endpoint,
                 "layout": self.layout.describe(self.transfer.codec if self.transfer else "none"),
                 "kv_blocks_total": engine.block_manager.num_blocks, "block_size": engine.block_size,
                 "max_model_len": engine.max_model_len}

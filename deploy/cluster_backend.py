@@ -20,8 +20,12 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
+import grpc
 import ray
 
+from decode_worker.stream_service import METHOD as STREAM_METHOD
+from decode_worker.stream_service import TOKEN_KEY as STREAM_TOKEN_KEY
+from decode_worker.stream_service import events_from_wire, job_to_wire
 from decode_worker.worker import DecodeEvent, DecodeJob
 from engine.block_manager import prompt_block_hashes
 from prefill_worker.worker import PrefillJob, PrefillResult
@@ -56,7 +60,7 @@ class _DecodeLost(Exception):
 class ClusterBackend(Backend):
     def __init__(self, prefill: list[PrefillView], decode: list[DecodeView], tokenizer, max_model_len: int,
                  block_size: int, routing: RoutingSettings, long_decode: list[DecodeView] | None = None,
-                 codec: str = "none", metrics=None):
+                 codec: str = "none", metrics=None, stream_token: str = ""):
         """metrics: None, or an object with kv_transfer(seconds, kv_bytes, wire_bytes, codec),
         transfer_failed(), local_prefill() and prefix_hit_tokens(n) (router.metrics.Metrics)."""
         self.prefill = prefill
@@ -69,6 +73,8 @@ class ClusterBackend(Backend):
         self.admission = AdmissionQueue(routing.max_queue)
         self.codec = codec
         self.metrics = metrics
+        self.stream_token = stream_token
+        self._channels: dict[str, grpc.aio.Channel] = {}
         # finished requests for the autoscaler: (end, prompt_tokens, output_tokens, ttft_s, tpot_s)
         self.completed: deque[tuple[float, int, int, float, float]] = deque(maxlen=4096)
 
@@ -184,7 +190,8 @@ class ClusterBackend(Backend):
         if inp.deadline is not None:         # the client's deadline bounds every remote step
             deadline_s = max(min(deadline_s, inp.deadline - time.monotonic()), 0.05)
         djob = DecodeJob(rid, prompt, inp.params, transfer_id, 0, deadline_s, list(resume))
-        stream = view.handle.generate.options(num_returns="streaming").remote(djob)
+        call = self._channel(view.stream_endpoint).unary_stream(STREAM_METHOD)(
+            job_to_wire(djob), metadata=((STREAM_TOKEN_KEY, self.stream_token),))
         pref_task = None
         if local and self.metrics:
             self.metrics.local_prefill()
@@ -194,7 +201,7 @@ class ClusterBackend(Backend):
             pref_task = asyncio.ensure_future(self._prefill(pview, pjob, uncached))
         usage = Usage(len(prompt), len(resume), 0)
         finished = False
-        events = stream.__aiter__()
+        events = call.__aiter__()
         next_task = asyncio.ensure_future(events.__anext__())
         try:
             while True:
@@ -217,10 +224,9 @@ class ClusterBackend(Backend):
                         return
                 if next_task in done:
                     try:
-                        ref = next_task.result()
+                        batch = events_from_wire(next_task.result())
                     except StopAsyncIteration:
                         raise BackendError("INTERNAL", f"decode stream of {rid} ended without a finish")
-                    batch: list[DecodeEvent] = await ref
                     for ev in batch:
                         chunk = self._on_event(ev, timing, usage)
                         if chunk.finish_reason:
@@ -229,20 +235,32 @@ class ClusterBackend(Backend):
                         if finished:
                             return
                     next_task = asyncio.ensure_future(events.__anext__())
-        except ray.exceptions.RayError as e:
-            raise _DecodeLost(f"decode actor {view.actor_id}: {type(e).__name__}") from None
+        except grpc.aio.AioRpcError as e:
+            raise _DecodeLost(f"decode actor {view.actor_id}: {e.code().name} {e.details()}") from None
         except _Retry:
             if not local and len(self.prefill) > len(excluded) + 1:
                 excluded.add(pview.actor_id)       # try a different prefill actor next
             raise
         finally:
             next_task.cancel()
+            call.cancel()
             if pref_task is not None:
                 pref_task.cancel()
             if not finished:
                 view.handle.abort.remote(rid)
                 if not local:
                     pview.handle.abort.remote(rid)
+
+    def _channel(self, endpoint: str) -> grpc.aio.Channel:
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
+        return channel
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
 
     async def _prefill(self, pview: PrefillView, job: PrefillJob, uncached: int) -> PrefillResult:
         try:

@@ -88,7 +88,9 @@ class ActorFactory:
         self.cfg, self.mode, self.chunked = cfg, mode, chunked
         self.model_dir = resolve_model(cfg.model.name)    # materialize a preset once, before actors race for it
         multi_node = bool(cfg.ray.address)
-        self.transfer = transfer_settings(cfg, cluster_token, "auto" if multi_node else "127.0.0.1")
+        self.bind_host = "auto" if multi_node else "127.0.0.1"
+        self.token = cluster_token
+        self.transfer = transfer_settings(cfg, cluster_token, self.bind_host)
         self.suffix = secrets.token_hex(3)
         self.first: dict | None = None
         self._next_index: dict[str, int] = {}
@@ -111,6 +113,8 @@ class ActorFactory:
             cls = PrefillActor if pool == "prefill" else DecodeActor
             actor_id, transfer, res_pool = f"{pool}-{index}", self.transfer, pool
         options = _actor_options(self.cfg, res_pool, f"pdserve-{actor_id}-{self.suffix}")
+        if cls is DecodeActor:
+            return ray.remote(cls).options(**options).remote(args, transfer, actor_id, self.token, self.bind_host)
         return ray.remote(cls).options(**options).remote(args, transfer, actor_id)
 
     async def views(self, spawned: list[tuple[str, object]]) -> list:
@@ -124,7 +128,8 @@ class ActorFactory:
             if pool == "prefill":
                 view = PrefillView(info["actor_id"], handle, info["kv_blocks_total"])
             else:
-                view = DecodeView(info["actor_id"], handle, info["endpoint"], info["kv_blocks_total"])
+                view = DecodeView(info["actor_id"], handle, info["endpoint"], info["kv_blocks_total"],
+                                  stream_endpoint=info["stream_endpoint"])
             view.incarnation = info["incarnation"]
             out.append(view)
         return out

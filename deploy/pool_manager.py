@@ -55,7 +55,7 @@ class PoolManager:
             if info["incarnation"] != view.incarnation:
                 view.incarnation = info["incarnation"]
                 if isinstance(view, DecodeView):
-                    view.endpoint = info["endpoint"]
+                    view.endpoint, view.stream_endpoint = info["endpoint"], info["stream_endpoint"]
                 self.restarted += 1
                 log.info("%s actor %s restarted by Ray; back in rotation", name, view.actor_id)
             if not view.draining:

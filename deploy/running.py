@@ -46,6 +46,7 @@ class RunningCluster:
         if self.metrics is not None:
             self.metrics.stop()
         b = self.backend
+        await b.close()
         for handle in [v.handle for v in (*b.prefill, *b.decode, *b.long_decode)]:
             ray.kill(handle, no_restart=True)
         log.info("cluster stopped")
@@ -73,7 +74,8 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
                               transfer_deadline_s=cfg.kv_transfer.deadline_s)
     metrics = Metrics() if cfg.server.metrics_port else None
     backend = ClusterBackend(pools.prefill, pools.decode, tokenizer, max_len, cfg.kv_cache.block_size,
-                             routing, pools.long_decode, codec=cfg.kv_transfer.compression, metrics=metrics)
+                             routing, pools.long_decode, codec=cfg.kv_transfer.compression, metrics=metrics,
+                             stream_token=factory.token)
     token = cfg.security.token.get_secret_value() if cfg.security.token else None
     # In flight at the router = running on decode actors + waiting for KV room (routing.max_queue).
     max_in_flight = r.max_queue + cfg.pools.decode.max_batch_size * max(len(pools.decode), 1) + \

@@ -46,8 +46,9 @@ class PrefillView:
 class DecodeView:
     actor_id: str
     handle: Any
-    endpoint: str
+    endpoint: str                      # its KV receiver
     kv_blocks_total: int
+    stream_endpoint: str = ""          # its token stream (gRPC)
     reserved_blocks: int = 0
     running: int = 0
     healthy: bool = True
