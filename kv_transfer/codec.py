@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kv_transfer import codec_compiled
 from kv_transfer.buffers import Scratch
 
 FP8 = torch.float8_e4m3fn
@@ -134,6 +135,14 @@ class _Fp8Codec(Codec):
         # x: [l, n, 2, H, B, D]; scales: scales_shape (float32)
         scratch = scratch or Scratch()
         scales, data = self._split(out, tuple(x.shape), x.dtype)
+        fast = codec_compiled.kernels() if self.scale_layout == "block" and x.device.type == "cpu" else None
+        if fast is not None:
+            q, amax = fast[0](x.reshape(-1, x.shape[-2] * x.shape[-1]))
+            if not bool(torch.isfinite(amax).all()):
+                raise CodecError("KV cache holds NaN or Inf; refusing to encode it as fp8")
+            torch.div(amax.reshape(scales.shape), FP8_MAX, out=scales)
+            data.view(q.shape).copy_(q)
+            return
         amax = self._amax(x, scratch).reshape(scales.shape)
         torch.div(amax, FP8_MAX, out=scales)
         inv = torch.where(amax > 0, FP8_MAX / amax, 0.0)  # all-zero group -> multiply by 0
@@ -154,6 +163,10 @@ class _Fp8Codec(Codec):
         scratch = scratch or Scratch()
         scales, data = self._split(payload, shape, dtype)
         scales = scales.reshape(scales.shape + (1,) * (len(shape) - scales.dim()))
+        fast = codec_compiled.kernels() if data.device.type == "cpu" else None
+        if fast is not None:
+            groups = math.prod(shape[:-2])
+            return fast[1](data.reshape(groups, -1), scales.reshape(groups, 1), dtype).view(shape)
         # e4m3 -> float16 by bit moves: sign-extend, shift the 7 exponent+mantissa bits
         # into float16's place, clear the stray bit; a float16 subnormal is exactly an
         # e4m3 subnormal. The value is then 2^-8 of the e4m3 value: folded into the scale.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -97,3 +99,21 @@ def test_fp8_bit_decode_matches_torch_cast_for_every_code():
     expected = codes.view(torch.float8_e4m3fn).float() * scale
     assert torch.equal(codec.decode(payload, shape, torch.float32).flatten(), expected)
     assert torch.equal(codec.decode(payload, shape, torch.bfloat16).flatten(), expected.to(torch.bfloat16))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("PDSERVE_KV_COMPILE") != "1", reason="set PDSERVE_KV_COMPILE=1 to build the compiled codec (tens of seconds)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_fp8_codec_matches_the_eager_bounds(dtype):
+    from kv_transfer import codec_compiled
+
+    assert codec_compiled.wait_ready(600), "the compiled codec did not build"
+    x = torch.randn(SHAPE).to(dtype)
+    y, _ = roundtrip("fp8", x)
+    scale = x.float().abs().amax(dim=(-2, -1), keepdim=True) / 448
+    bound = torch.maximum(x.float().abs() * 2**-4, scale * 2**-10)
+    slack = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    assert bool(((y.float() - x.float()).abs() <= bound * (1 + 1e-5) + x.float().abs() * slack).all())
+    with pytest.raises(CodecError):
+        x[0, 0, 0, 0, 0, 0] = float("nan")
+        roundtrip("fp8", x)
