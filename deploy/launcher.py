@@ -35,7 +35,8 @@ def init_ray(address: str | None = None, namespace: str = "pdserve", num_cpus: f
         ray.init(address=address, namespace=namespace, log_to_driver=True)
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # keep Ray on loopback
-    ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False,
+    # address="local": always a fresh instance, never a cluster some other process left behind.
+    ray.init(address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=False,
              _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
 
 

@@ -9,6 +9,7 @@ transfers (their blocks are freed) and its thread ends.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import deque
@@ -34,8 +35,15 @@ class TorchReceiver(CoreReceiver):
         self.backend = "nccl" if kv_cache.is_cuda else "gloo"
         self.max_groups, self.interface = max_groups, interface
         self.host = host
-        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-        self._endpoint = f"{host}:{self._store.port}"
+        # TCPStore alone listens on every interface; hand it a socket bound to `host` only.
+        listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                        backlog=128)
+        bound_port = listener.getsockname()[1]
+        self._store = dist.TCPStore(host, bound_port, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=30), master_listen_fd=listener.fileno(),
+                                    use_libuv=True)
+        listener.detach()                # the store owns the descriptor now
+        self._endpoint = f"{host}:{bound_port}"
         self._closed = threading.Event()
         self._decoders = ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="kv-torch-decode")
         self._num_groups = 0

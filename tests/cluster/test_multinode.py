@@ -1,6 +1,6 @@
 """Multi-node placement: two simulated Ray nodes (custom resources `prefill_node`,
 `decode_node`); prefill actors land on one and decode actors on the other, every listener is
-on 127.0.0.1 (gRPC transport; see the xfail for torch's TCPStore), and greedy output equals the colocated Engine over the grpc and torch transports.
+on 127.0.0.1 (the torch transport's TCPStore listens on a socket bound to the host), and greedy output equals the colocated Engine over the grpc and torch transports.
 
 The cluster runs in a subprocess (multinode_main.py) so it never meets the session's local Ray.
 """
@@ -60,8 +60,6 @@ def test_grpc_actors_listen_on_loopback_only(multinode):
     assert listeners and all(addr.startswith(LOOPBACK) for _, addr in listeners), listeners
 
 
-@pytest.mark.xfail(strict=True, reason="torch.distributed.TCPStore (the torch transport's rendezvous on the decode "
-                   "actor) listens on every interface whatever host it is given")
 def test_torch_actors_listen_on_loopback_only(multinode):
     listeners = multinode[0]["runs"]["torch"]["listeners"]
     assert listeners and all(addr.startswith(LOOPBACK) for _, addr in listeners), listeners
