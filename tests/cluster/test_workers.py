@@ -97,6 +97,10 @@ def test_abort_while_waiting_for_kv_and_mid_decode(pair):
     time.sleep(0.3)
     decode.abort("lost")
     decode.abort("long")
+    end = time.monotonic() + 10
+    while time.monotonic() < end and {e.request_id for e in events if e.finish_reason == "abort"} != {"lost", "long"}:
+        time.sleep(0.02)
+    assert {e.request_id for e in events if e.finish_reason == "abort"} == {"lost", "long"}
     _wait_idle(decode.engine)
     assert not decode._waiting_kv and not decode._running
 
