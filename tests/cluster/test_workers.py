@@ -92,7 +92,7 @@ def test_abort_while_waiting_for_kv_and_mid_decode(pair):
     prefill, decode, _ = pair
     events = []
     decode.submit(DecodeJob("lost", [5, 6, 7], SamplingParams(max_tokens=4), transfer_id="never"), events.append)
-    decode.submit(DecodeJob("long", list(range(2, 60)), SamplingParams(max_tokens=200, ignore_eos=True)),
+    decode.submit(DecodeJob("long", list(range(2, 60)), SamplingParams(max_tokens=1900, ignore_eos=True)),
                   events.append)
     time.sleep(0.3)
     decode.abort("lost")
