@@ -49,8 +49,9 @@ def measure(model: str = "tiny", num_requests: int = 32, max_tokens: int = 32, d
         src = prefill.kv_cache[:, out.block_ids]
         runs = {}
         for codec in ("none", *codecs):
-            blocks = decode.block_manager.allocate(len(out.block_ids))
-            decode.kv_cache[:, blocks] = _roundtrip(codec, src)
+            # room for the prompt and the first token's KV (one more block at a block boundary)
+            blocks = decode.block_manager.allocate(len(prompt) // decode.block_size + 1)
+            decode.kv_cache[:, blocks[:len(out.block_ids)]] = _roundtrip(codec, src)
             logits = _first_step_logits(decode, prompt, out.new_token_ids[0], blocks)
             decode.adopt(f"{rid}-{codec}", prompt, out.new_token_ids[0], params, blocks)
             tokens = out.new_token_ids + [t for o in _drain(decode) for t in o.new_token_ids]

@@ -1,11 +1,10 @@
 """Ray actor around `DecodeWorker`; tokens stream to the router over `DecodeStreamServer` (gRPC)."""
 from __future__ import annotations
 
-import asyncio
-import os
-import uuid
 import dataclasses
 import logging
+import os
+import uuid
 
 from decode_worker.stream_service import DecodeStreamServer
 from decode_worker.worker import DecodeWorker
@@ -20,12 +19,12 @@ class DecodeActor:
                  stream_token: str, bind_host: str = "127.0.0.1"):
         """transfer None: a colocated actor (no KV receiver; prefills every request itself).
         stream_token: the cluster token the router presents on the token stream."""
-        if bind_host == "auto":
+        if "auto" in (bind_host, transfer.bind_host if transfer else ""):   # multi-node: this node's address
             import ray
-            bind_host = ray.util.get_node_ip_address()
-        if transfer is not None and transfer.bind_host == "auto":          # multi-node: listen on this node's address
-            import ray
-            transfer = dataclasses.replace(transfer, bind_host=ray.util.get_node_ip_address())
+            node_ip = ray.util.get_node_ip_address()
+            bind_host = node_ip if bind_host == "auto" else bind_host
+            if transfer is not None and transfer.bind_host == "auto":
+                transfer = dataclasses.replace(transfer, bind_host=node_ip)
         self.incarnation = uuid.uuid4().hex     # changes when Ray restarts the actor
         engine = engine_args.build()
         self.layout = layout_of(engine.kv_cache, engine.fingerprint)
@@ -58,15 +57,4 @@ class DecodeActor:
         """One `engine.profile` measurement (see `run_point`), run on the engine loop thread
         between steps so it never races the loop."""
         from engine.profile import run_point
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def measure() -> None:
-            try:
-                result = run_point(self.worker.engine, spec)
-            except Exception as e:  # report, never kill the loop
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
-                return
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
-        self.worker.loop.call(measure)
-        return await fut
+        return await self.worker.loop.run_async(lambda: run_point(self.worker.engine, spec))

@@ -104,3 +104,23 @@ class DecodeStreamServer:
         finally:
             if not finished:            # the router went away or cancelled: free the request here
                 self.worker.abort(job.request_id)
+
+
+class DecodeStreamClient:
+    """Router side: one channel per decode actor, one call per request."""
+
+    def __init__(self, token: str):
+        self.token = token
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def open(self, endpoint: str, job: DecodeJob) -> grpc.aio.UnaryStreamCall:
+        """Start the stream; iterate the call for `events_from_wire(message)`; `cancel()` aborts."""
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
+        return channel.unary_stream(METHOD)(job_to_wire(job), metadata=((TOKEN_KEY, self.token),))
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

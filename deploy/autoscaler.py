@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from deploy.planner import Corrections, Plan, Profile, SLO, Workload, inputs_from_config, p99_ttft, plan
+from deploy.pool_manager import add_actors, drain_actor
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ class Autoscaler:
     async def grow(self, name: str, count: int) -> None:
         handles = [(name, self.factory.spawn(name)) for _ in range(count)]
         views = await self.factory.views(handles)
-        await self.backend.add(name, views)
+        await add_actors(self.backend, name, views)
         log.info("autoscaler: %s pool grew by %d to %d (%s)", name, count, len(self.backend.pool(name)),
                  ", ".join(v.actor_id for v in views))
 
@@ -179,7 +180,7 @@ class Autoscaler:
             return False
         busy = (lambda v: v.queued_tokens) if name == "prefill" else (lambda v: v.running)
         view = min(pool, key=busy)
-        drained = await self.backend.drain(name, view, self.settings.drain_timeout_s)
+        drained = await drain_actor(self.backend, name, view, self.settings.drain_timeout_s)
         if not drained:
             log.warning("autoscaler: %s actor %s still busy after %.0fs; killing it anyway", name,
                         view.actor_id, self.settings.drain_timeout_s)

@@ -23,9 +23,7 @@ from dataclasses import dataclass
 import grpc
 import ray
 
-from decode_worker.stream_service import METHOD as STREAM_METHOD
-from decode_worker.stream_service import TOKEN_KEY as STREAM_TOKEN_KEY
-from decode_worker.stream_service import events_from_wire, job_to_wire
+from decode_worker.stream_service import DecodeStreamClient, events_from_wire
 from decode_worker.worker import DecodeEvent, DecodeJob
 from engine.block_manager import prompt_block_hashes
 from prefill_worker.worker import PrefillJob, PrefillResult
@@ -73,8 +71,7 @@ class ClusterBackend(Backend):
         self.admission = AdmissionQueue(routing.max_queue)
         self.codec = codec
         self.metrics = metrics
-        self.stream_token = stream_token
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.streams = DecodeStreamClient(stream_token)
         # finished requests for the autoscaler: (end, prompt_tokens, output_tokens, ttft_s, tpot_s)
         self.completed: deque[tuple[float, int, int, float, float]] = deque(maxlen=4096)
 
@@ -190,8 +187,7 @@ class ClusterBackend(Backend):
         if inp.deadline is not None:         # the client's deadline bounds every remote step
             deadline_s = max(min(deadline_s, inp.deadline - time.monotonic()), 0.05)
         djob = DecodeJob(rid, prompt, inp.params, transfer_id, 0, deadline_s, list(resume))
-        call = self._channel(view.stream_endpoint).unary_stream(STREAM_METHOD)(
-            job_to_wire(djob), metadata=((STREAM_TOKEN_KEY, self.stream_token),))
+        call = self.streams.open(view.stream_endpoint, djob)
         pref_task = None
         if local and self.metrics:
             self.metrics.local_prefill()
@@ -251,16 +247,8 @@ class ClusterBackend(Backend):
                 if not local:
                     pview.handle.abort.remote(rid)
 
-    def _channel(self, endpoint: str) -> grpc.aio.Channel:
-        channel = self._channels.get(endpoint)
-        if channel is None:
-            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
-        return channel
-
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self.streams.close()
 
     async def _prefill(self, pview: PrefillView, job: PrefillJob, uncached: int) -> PrefillResult:
         try:
@@ -308,27 +296,5 @@ class ClusterBackend(Backend):
             return GenerationChunk(ev.token_ids, ev.text, ev.finish_reason, usage, timing)
         return GenerationChunk(ev.token_ids, ev.text, None)
 
-    # ---- pool changes (autoscaler, pool manager) -------------------------
     def pool(self, name: str) -> list:
         return {"prefill": self.prefill, "decode": self.decode, "long_context": self.long_decode}[name]
-
-    async def add(self, name: str, views: list) -> None:
-        """New actors take traffic from now on."""
-        self.pool(name).extend(views)
-        await self.admission.notify()
-
-    async def drain(self, name: str, view, timeout: float = 300.0) -> bool:
-        """Stop sending `view` new requests, wait for its in-flight ones, then drop it from the pool.
-
-        Returns True when it drained in time (the caller then kills the actor).
-        """
-        view.draining = True
-        if isinstance(view, PrefillView):
-            view.healthy = False              # pick_prefill skips it
-        busy = (lambda: view.queued_tokens > 0) if isinstance(view, PrefillView) else (lambda: view.running > 0)
-        end = time.monotonic() + timeout
-        while busy() and time.monotonic() < end:
-            await asyncio.sleep(0.05)
-        if view in self.pool(name):
-            self.pool(name).remove(view)
-        return not busy()

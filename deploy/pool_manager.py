@@ -15,9 +15,32 @@ import time
 
 from deploy.cluster_backend import ClusterBackend
 from deploy.launcher import ActorFactory
-from router.dispatch import DecodeView
+from router.dispatch import DecodeView, PrefillView
 
 log = logging.getLogger(__name__)
+
+
+async def add_actors(backend: ClusterBackend, name: str, views: list) -> None:
+    """New actors take traffic from now on."""
+    backend.pool(name).extend(views)
+    await backend.admission.notify()
+
+
+async def drain_actor(backend: ClusterBackend, name: str, view, timeout: float = 300.0) -> bool:
+    """Stop sending `view` new requests, wait for its in-flight ones, then drop it from the pool.
+
+    Returns True when it drained in time (the caller then kills the actor).
+    """
+    view.draining = True
+    if isinstance(view, PrefillView):
+        view.healthy = False              # pick_prefill skips it
+    busy = (lambda: view.queued_tokens > 0) if isinstance(view, PrefillView) else (lambda: view.running > 0)
+    end = time.monotonic() + timeout
+    while busy() and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    if view in backend.pool(name):
+        backend.pool(name).remove(view)
+    return not busy()
 
 
 class PoolManager:
@@ -83,6 +106,6 @@ class PoolManager:
             pass
         handle = self.factory.spawn(name)
         [new] = await self.factory.views([(name, handle)])
-        await self.backend.add(name, [new])
+        await add_actors(self.backend, name, [new])
         self.replaced += 1
         log.warning("%s actor %s replaced by %s", name, view.actor_id, new.actor_id)

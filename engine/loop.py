@@ -36,6 +36,26 @@ class EngineLoop:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
+    async def run_async(self, fn: Callable[[], object]) -> object:
+        """Run `fn` on the loop thread between steps; await its result (or exception) here."""
+        import asyncio
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle(setter, value) -> None:
+            if not fut.done():
+                setter(value)
+
+        def run() -> None:
+            try:
+                result = fn()
+            except Exception as e:       # report to the caller, never kill the loop
+                loop.call_soon_threadsafe(settle, fut.set_exception, e)
+                return
+            loop.call_soon_threadsafe(settle, fut.set_result, result)
+        self.call(run)
+        return await fut
+
     def wake(self) -> None:
         self._inbox.put(lambda: None)
 

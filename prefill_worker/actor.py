@@ -47,9 +47,10 @@ class PrefillActor:
 
     async def info(self) -> dict:
         engine = self.worker.engine
-        return {"role": "prefill", "actor_id": self.worker.actor_id, "incarnation": self.incarnation, "pid": os.getpid(), "layout": self.layout.describe(
-            self.transfer.codec), "kv_blocks_total": engine.block_manager.num_blocks,
-            "block_size": engine.block_size, "max_model_len": engine.max_model_len}
+        return {"role": "prefill", "actor_id": self.worker.actor_id, "incarnation": self.incarnation,
+                "pid": os.getpid(), "layout": self.layout.describe(self.transfer.codec),
+                "kv_blocks_total": engine.block_manager.num_blocks, "block_size": engine.block_size,
+                "max_model_len": engine.max_model_len}
 
     async def ping(self) -> bool:
         return True
@@ -63,15 +64,4 @@ class PrefillActor:
         """One `engine.profile` measurement (see `run_point`), run on the engine loop thread
         between steps so it never races the loop."""
         from engine.profile import run_point
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def measure() -> None:
-            try:
-                result = run_point(self.worker.engine, spec)
-            except Exception as e:  # report, never kill the loop
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
-                return
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
-        self.worker.loop.call(measure)
-        return await fut
+        return await self.worker.loop.run_async(lambda: run_point(self.worker.engine, spec))
