@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from engine import Engine, RequestOutput, SamplingParams
 from engine.loop import EngineLoop
-from kv_transfer import KVReceiver, TransferResult, TransferStatus
+from kv_transfer import KVReceiver, TransferResult, TransferStatus, handoff_from_result
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +146,12 @@ class DecodeWorker:
             j.emit(DecodeEvent(rid, [], "", error_code="UNAVAILABLE",
                                error=f"KV transfer {result.transfer_id} {result.status.value}: {result.error}"))
             return
+        handoff = handoff_from_result(result)       # the typed prefill -> decode message
         try:
-            out = self.engine.adopt(rid, j.job.prompt_token_ids, result.first_token_id, j.job.params,
-                                    result.dst_block_ids, j.job.num_cached_tokens)
+            if handoff.num_tokens != len(j.job.prompt_token_ids):
+                raise ValueError(f"KV for {handoff.num_tokens} tokens, prompt has {len(j.job.prompt_token_ids)}")
+            out = self.engine.adopt(rid, j.job.prompt_token_ids, handoff.first_token_id, j.job.params,
+                                    list(handoff.block_ids), j.job.num_cached_tokens)
         except ValueError as e:
             self.engine.block_manager.free(result.dst_block_ids)
             j.emit(DecodeEvent(rid, [], "", error_code="INTERNAL", error=f"cannot adopt KV: {e}"))
