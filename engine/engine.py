@@ -20,6 +20,7 @@ from engine.output import OutputProcessor
 from engine.presets import resolve_model
 from engine.request import Completion, Request, RequestOutput, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,7 +71,6 @@ class Engine:
         self.kv_cache = torch.zeros(cfg.num_hidden_layers, num_blocks, 2, cfg.num_key_value_heads,
                                     block_size, cfg.head_dim, dtype=self.dtype, device=self.device)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache)
-        from engine.scheduler import Scheduler
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, chunk_size)
         self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device)
         self.output = OutputProcessor(self.tokenizer, cfg.eos_token_ids)
