@@ -72,3 +72,16 @@ def test_colocated_mode_equals_engine(ray_local, tiny_model_dir, reference, chun
     replies, stats = asyncio.run(main())
     assert [[t for m in msgs for t in m.token_ids] for msgs in replies] == reference(prompts, params)
     assert {a.role for a in stats.actors} == {pb.ACTOR_ROLE_COLOCATED}
+
+
+def test_fp8_run_completes_and_mostly_agrees(ray_local, tiny_model_dir, reference):
+    prompts, params = prompts_and_params(32, seed=13)
+    replies, stats = _run(cluster_config(tiny_model_dir, "grpc", "fp8"), prompts, params)
+    expected = reference(prompts, params)
+    got = [[t for m in msgs for t in m.token_ids] for msgs in replies]
+    assert [len(g) for g in got] == [len(e) for e in expected]
+    assert all(msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH for msgs in replies)
+    agree = sum(next((k for k, (a, b) in enumerate(zip(g, e)) if a != b), len(e)) for g, e in zip(got, expected))
+    print(f"fp8 cluster run: greedy prefix agreement {agree / sum(map(len, expected)):.3f}")
+    assert agree > 0
+    assert all(a.kv_blocks_used == 0 for a in stats.actors)
