@@ -17,9 +17,9 @@ PROMPTS = [
 ]
 
 
-async def _one(client, prompt: str, max_tokens: int):
+async def _one(client, prompt: str, max_tokens: int, seed: int):
     text, first, t0, last = [], None, time.monotonic(), None
-    async for msg in client.generate(prompt, max_tokens=max_tokens, temperature=0.9, top_p=0.95, seed=7,
+    async for msg in client.generate(prompt, max_tokens=max_tokens, temperature=0.9, top_p=0.95, seed=seed,
                                      ignore_eos=True):
         if first is None and msg.token_ids:
             first = time.monotonic() - t0
@@ -42,7 +42,7 @@ def run_demo(cfg: PDServeConfig, max_tokens: int = 32) -> int:
             print(f"serving on {cluster.address}; sending {len(PROMPTS)} concurrent requests\n", flush=True)
             token = cfg.security.token.get_secret_value() if cfg.security.token else None
             async with AsyncGenerationClient(cluster.address, token=token) as client:
-                results = await asyncio.gather(*(_one(client, p, max_tokens) for p in PROMPTS))
+                results = await asyncio.gather(*(_one(client, p, max_tokens, 7 + i) for i, p in enumerate(PROMPTS)))
             ttfts, tpots = [], []
             for prompt, text, last, e2e in results:
                 t, u = last.timing, last.usage
