@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 
 from deploy.config import ConfigError, load_config, parse_override
@@ -31,14 +32,19 @@ def config_from_args(args: argparse.Namespace):
     for item in args.set:
         key, value = parse_override(item)
         overrides[key] = value
-    return load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)
+    if not cfg.ray.address:
+        # A local Ray instance: keep every Ray listener on 127.0.0.1. Ray reads this when it is
+        # imported, so it is set here, before any command imports ray.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    return cfg
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from deploy.running import start_cluster
     from router.log import configure_logging
     from router.server import serve_until_signal
-    cfg = config_from_args(args)
+    cfg = args.cfg
     configure_logging(cfg.server.log_format)
 
     async def main() -> None:
@@ -78,7 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from deploy.demo import run_demo
-    return run_demo(config_from_args(args))
+    return run_demo(args.cfg)
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:
@@ -96,12 +102,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from deploy.plan_cli import run_plan
-    return run_plan(config_from_args(args), as_json=args.json, profile_path=args.profile, local=args.local)
+    return run_plan(args.cfg, as_json=args.json, profile_path=args.profile, local=args.local)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from deploy.plan_cli import run_profile
-    return run_profile(config_from_args(args), args.out, local=args.local)
+    return run_profile(args.cfg, args.out, local=args.local)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command not in ("serve",):
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if hasattr(args, "config"):     # load (and check) the config before any command imports ray
+            args.cfg = config_from_args(args)
         return args.fn(args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
