@@ -11,7 +11,7 @@ from decode_worker.worker import DecodeWorker
 from engine.args import EngineArgs
 from kv_transfer.settings import TransferSettings, build_receiver, layout_of
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"pdserve.{__name__}")
 
 
 class DecodeActor:
@@ -25,6 +25,7 @@ class DecodeActor:
             bind_host = node_ip if bind_host == "auto" else bind_host
             if transfer is not None and transfer.bind_host == "auto":
                 transfer = dataclasses.replace(transfer, bind_host=node_ip)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.incarnation = uuid.uuid4().hex     # changes when Ray restarts the actor
         engine = engine_args.build()
         self.layout = layout_of(engine.kv_cache, engine.fingerprint)

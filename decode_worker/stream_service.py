@@ -20,7 +20,7 @@ import msgpack
 from decode_worker.worker import DecodeEvent, DecodeJob, DecodeWorker
 from engine.sampling_params import SamplingParams
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"pdserve.{__name__}")
 
 SERVICE = "pdserve.v1.DecodeStreamService"
 METHOD = f"/{SERVICE}/Generate"

@@ -23,7 +23,7 @@ from engine import Engine, RequestOutput, SamplingParams
 from engine.loop import EngineLoop
 from kv_transfer import KVReceiver, TransferResult, TransferStatus, handoff_from_result
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"pdserve.{__name__}")
 
 IDLE_WAIT_S = 0.05      # no batch: sleep until a command or a finished transfer wakes the loop
 

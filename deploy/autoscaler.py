@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from deploy.planner import Corrections, Plan, Profile, SLO, Workload, inputs_from_config, p99_ttft, plan
 from deploy.pool_manager import add_actors, drain_actor
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"pdserve.{__name__}")
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from prefill_worker.worker import PrefillJob, PrefillResult
 from router.backend import ActorStats, Backend, BackendError, GenerationChunk, GenerationInput, Timing, Usage
 from router.dispatch import AdmissionQueue, DecodeView, PrefillView, pick_prefill
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"pdserve.{__name__}")
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from kv_transfer.layout import HandshakeError, check_compatible
 from kv_transfer.settings import TransferSettings
 from router.dispatch import DecodeView, PrefillView
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"pdserve.{__name__}")
 
 CPU_KV_DEFAULT_BYTES = 1 << 30       # budget base per actor on CPU when only memory_fraction is set
 

@@ -17,7 +17,7 @@ from deploy.cluster_backend import ClusterBackend
 from deploy.launcher import ActorFactory
 from router.dispatch import DecodeView, PrefillView
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"pdserve.{__name__}")
 
 
 async def add_actors(backend: ClusterBackend, name: str, views: list) -> None:

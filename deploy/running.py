@@ -13,7 +13,7 @@ from router.metrics import Metrics, poll_stats
 from router.security import TLSConfig
 from router.server import RouterServer, start_server
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"pdserve.{__name__}")
 
 
 @dataclass

@@ -10,7 +10,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"pdserve.{__name__}")
 
 
 class EngineLoop:

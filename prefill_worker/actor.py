@@ -10,13 +10,14 @@ from engine.args import EngineArgs
 from kv_transfer.settings import TransferSettings, build_sender, layout_of
 from prefill_worker.worker import PrefillJob, PrefillResult, PrefillWorker
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"pdserve.{__name__}")
 
 
 class PrefillActor:
     """Async actor: `prefill` awaits the worker's result without blocking other calls."""
 
     def __init__(self, engine_args: EngineArgs, transfer: TransferSettings, actor_id: str):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.incarnation = uuid.uuid4().hex     # changes when Ray restarts the actor
         engine = engine_args.build()
         self.layout = layout_of(engine.kv_cache, engine.fingerprint)

@@ -22,7 +22,7 @@ from engine import Engine, SamplingParams
 from engine.loop import EngineLoop
 from kv_transfer import KVSender, SendHandle, TransferStatus
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"pdserve.{__name__}")
 
 IDLE_WAIT_S = 0.05      # nothing to do: sleep until a command arrives (or this long)
 SEND_POLL_S = 0.002     # only transfers in flight: check their handles this often
