@@ -28,7 +28,7 @@ from kv_transfer.chunker import EncodedChunk
 from kv_transfer.layout import HandshakeError
 from kv_transfer.receiver import CoreReceiver
 from kv_transfer.sender_core import BaseSender
-from kv_transfer.wire import MAX_HEADER_BYTES, MAX_PAYLOAD_BYTES, WireError, pack_frame, split_frame
+from kv_transfer.wire import MAX_HEADER_BYTES, MAX_PAYLOAD_BYTES, WireError, pack_frame, split_frame, unpack_small
 
 SERVICE = "pdserve.v1.KVTransferService"
 # Control frames have header length 0. A stream's last frame is END (a killed
@@ -51,15 +51,6 @@ _RECEIVER_CODES = {
     grpc.StatusCode.DATA_LOSS,
     grpc.StatusCode.ABORTED,
 }
-
-
-def _unpack_small(data: bytes) -> dict:
-    if len(data) > MAX_HEADER_BYTES:
-        raise WireError("handshake message too large")
-    value = msgpack.unpackb(data, raw=False, max_str_len=4096, max_bin_len=0, max_array_len=0, max_map_len=64)
-    if not isinstance(value, dict):
-        raise WireError("handshake message is not a map")
-    return value
 
 
 class GrpcReceiver(CoreReceiver):
@@ -88,7 +79,7 @@ class GrpcReceiver(CoreReceiver):
         if not self._authorized(context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "receiver rejected the cluster token")
         try:
-            self.core.check_handshake(_unpack_small(request))
+            self.core.check_handshake(unpack_small(request))
         except (HandshakeError, WireError, ValueError) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return msgpack.packb(self.core.describe())
@@ -178,7 +169,7 @@ class GrpcSender(BaseSender):
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise HandshakeError(exc.details()) from None
             raise self._error(exc) from None
-        return _unpack_small(reply)
+        return unpack_small(reply)
 
     def _prepare(self, chunk: EncodedChunk) -> bytes:
         frame = pack_frame(chunk.header_bytes, chunk.payload.cpu().numpy())  # on the encode thread

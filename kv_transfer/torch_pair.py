@@ -11,12 +11,11 @@ import os
 import struct
 from datetime import timedelta
 
-import msgpack
 import torch
 import torch.distributed as dist
 
 from kv_transfer.base import FailedSide, TransferError
-from kv_transfer.wire import MAX_HEADER_BYTES, WireError
+from kv_transfer.wire import WireError
 
 KIND_CHUNK, KIND_CLOSE, KIND_ABORT = 1, 2, 3
 # Every message group starts with a fixed-size control slot, so the receiver
@@ -77,12 +76,5 @@ def _gloo_device(host: str, interface: str | None):
     return dist.ProcessGroupGloo.create_default_device()
 
 
-def unpack_small(data: bytes) -> dict:
-    if len(data) > MAX_HEADER_BYTES:
-        raise WireError("handshake message too large")
-    value = msgpack.unpackb(data, raw=False, max_str_len=4096, max_bin_len=0, max_array_len=0, max_map_len=64)
-    if not isinstance(value, dict):
-        raise WireError("handshake message is not a map")
-    return value
 
 

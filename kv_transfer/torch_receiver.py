@@ -24,8 +24,8 @@ from kv_transfer.base import FailedSide, TransferError
 from kv_transfer.buffers import payload_pool
 from kv_transfer.layout import HandshakeError
 from kv_transfer.receiver import CoreReceiver
-from kv_transfer.torch_pair import CONTROL_BYTES, IDLE_TIMEOUT, KIND_ABORT, KIND_CLOSE, MAX_PENDING_DECODES, make_group, parse_control, unpack_small
-from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header
+from kv_transfer.torch_pair import CONTROL_BYTES, IDLE_TIMEOUT, KIND_ABORT, KIND_CLOSE, MAX_PENDING_DECODES, make_group, parse_control
+from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header, unpack_small
 
 
 class TorchReceiver(CoreReceiver):

@@ -24,7 +24,8 @@ from kv_transfer.chunker import EncodedChunk
 from kv_transfer.codec import CodecError
 from kv_transfer.layout import HandshakeError, check_compatible
 from kv_transfer.sender_core import BaseSender
-from kv_transfer.torch_pair import IDLE_TIMEOUT, KIND_ABORT, KIND_CHUNK, KIND_CLOSE, control_tensor, make_group, split_host_port, unpack_small
+from kv_transfer.torch_pair import IDLE_TIMEOUT, KIND_ABORT, KIND_CHUNK, KIND_CLOSE, control_tensor, make_group, split_host_port
+from kv_transfer.wire import unpack_small
 
 
 class _Pair:

@@ -163,3 +163,13 @@ def split_frame(frame: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
     if len(payload) != header.payload_len:
         raise WireError(f"truncated chunk: payload has {len(payload)} bytes, header says {header.payload_len}")
     return header, payload
+
+
+def unpack_small(data: bytes) -> dict:
+    """A small msgpack map (handshake, control message), size-checked before unpacking."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise WireError("handshake message too large")
+    value = msgpack.unpackb(data, raw=False, max_str_len=4096, max_bin_len=0, max_array_len=0, max_map_len=64)
+    if not isinstance(value, dict):
+        raise WireError("handshake message is not a map")
+    return value
