@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, fields
 import msgpack
 
 from kv_transfer.codec import get_codec
-from kv_transfer.layout import DTYPES, check_compatible
+from kv_transfer.layout import DTYPES, HANDSHAKE_KEYS, check_compatible
 
 WIRE_VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024
@@ -73,15 +73,8 @@ class ChunkHeader:
         )
 
     def describe(self) -> dict[str, object]:
-        return {
-            "model_fingerprint": self.model_fingerprint,
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "block_size": self.block_size,
-            "head_dim": self.head_dim,
-            "dtype": self.dtype,
-            "codec": self.codec,
-        }
+        """The handshake fields this chunk claims (same keys as `KVLayout.describe`)."""
+        return {key: getattr(self, key) for key in HANDSHAKE_KEYS}
 
 
 _FIELD_TYPES = {f.name: (str if f.type == "str" else int) for f in fields(ChunkHeader)}
