@@ -14,8 +14,7 @@ FAULTS = ("corrupt", "stall")
 
 
 def set_fault(sender: KVSender, kind: str | None, seconds: float = 0.0) -> None:
-    original = sender.__dict__.pop("_prepare", None)       # restore the class's own hook
-    del original
+    sender.__dict__.pop("_prepare", None)       # drop an earlier fault: back to the class's own hook
     if kind is None:
         return
     if kind not in FAULTS:
