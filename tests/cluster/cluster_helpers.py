@@ -1,6 +1,8 @@
 """Shared helpers of the cluster tests."""
 from __future__ import annotations
 
+from cluster_support import ClusterThread  # noqa: F401  (re-exported for the cluster tests)
+
 import threading
 
 import torch
@@ -31,30 +33,6 @@ class Collector:
             finished = sum(1 for evs in self.events.values() if evs[-1].finish_reason or evs[-1].error_code)
             if finished >= self.expected:
                 self.done.set()
-
-
-class ClusterThread:
-    """A running cluster on its own event loop thread, for sync tests with plain gRPC clients."""
-
-    def __init__(self, cfg):
-        import asyncio
-
-        from deploy.running import start_cluster
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        self.cluster = self.call(start_cluster(cfg, port=0))
-        self.call(self.cluster.server.wait_ready(60))
-        self.address = self.cluster.address
-
-    def call(self, coro, timeout: float = 120.0):
-        import asyncio
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.call(self.cluster.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
 
 
 def wait_blocks_free(address: str, timeout: float = 10.0):

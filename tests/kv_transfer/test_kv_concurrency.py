@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import TOKEN, assert_no_leak, random_cache
+from kv_helpers import TOKEN, assert_no_leak, random_cache
 
 from kv_transfer import TransferStatus, make_sender
 

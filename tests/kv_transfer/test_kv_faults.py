@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import TOKEN, assert_no_leak, random_cache
+from kv_helpers import TOKEN, assert_no_leak, random_cache
 
 import kv_transfer.sender_core as sender_core
 from kv_transfer import FailedSide, KVLayout, TransferStatus

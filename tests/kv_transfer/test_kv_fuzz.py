@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import Pair, assert_no_leak, random_cache
+from kv_helpers import Pair, assert_no_leak, random_cache
 from kv_transfer import FakeHub, KVLayout, TransferStatus
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, block_size=4, head_dim=8, dtype=torch.float32)

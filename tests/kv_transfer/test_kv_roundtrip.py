@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TOKEN, assert_no_leak, random_cache
+from kv_helpers import TOKEN, assert_no_leak, random_cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TOKEN, assert_no_leak, random_cache
+from kv_helpers import TOKEN, assert_no_leak, random_cache
 
 from kv_transfer import FailedSide, SimpleBlockPool, TransferStatus, make_receiver, make_sender
 

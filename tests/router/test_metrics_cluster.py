@@ -9,6 +9,8 @@ import pytest
 
 from router.client import generate
 
+from cluster_support import ClusterThread
+
 METRICS = (
     "pdserve_ttft_seconds", "pdserve_tpot_seconds", "pdserve_itl_seconds", "pdserve_e2e_seconds",
     "pdserve_queue_seconds", "pdserve_kv_transfer_seconds", "pdserve_kv_transfer_bytes_total",
@@ -36,35 +38,10 @@ def cluster(tiny_model_dir):
         "pools.prefill.resources.torch_threads": 1, "pools.decode.resources.torch_threads": 1,
         "kv_transfer.compression": "fp8", "server.metrics_port": free_port(),
     })
-    running = LoopCluster(cfg)
+    running = ClusterThread(cfg)
     yield running
     running.stop()
     ray.shutdown()
-
-
-class LoopCluster:
-    """`start_cluster` on an event loop in a daemon thread."""
-
-    def __init__(self, cfg):
-        import asyncio
-        import threading
-
-        from deploy.running import start_cluster
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.cluster = self.call(start_cluster(cfg, port=0))
-        assert self.call(self.cluster.server.wait_ready(60))
-        self.address = self.cluster.address
-
-    def call(self, coro, timeout: float = 120.0):
-        import asyncio
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.call(self.cluster.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def scrape(port: int) -> str:
