@@ -38,7 +38,8 @@ def rows(result: dict) -> tuple[list[str], list[list[str]]]:
     peak, bw = m["matmul"]["flop_per_s"], m["memcpy"]["bytes_per_s"]
     head = ["figure", "ours", "HF", "ours/HF time", "ours of limit"]
     body = [["machine: matmul peak (GEMM %d²)" % m["matmul"]["size"], f"{peak / 1e9:.0f} GFLOP/s", "", "", ""],
-            ["machine: memcpy (read+write, %d MiB)" % (m["memcpy"]["bytes"] >> 20), f"{bw / 1e9:.1f} GB/s", "", "", ""]]
+            ["machine: memcpy (bytes copied/s, %d MiB)" % (m["memcpy"]["bytes"] >> 20), f"{bw / 1e9:.1f} GB/s",
+             "", "", "read+write %.1f GB/s" % (2 * bw / 1e9)]]
     for seq_len, p in result["prefill"].items():
         body.append([f"prefill {p['tokens']} tok: tok/s (ms)",
                      f"{p['ours_tokens_per_s']:.0f} ({p['ours_s'] * 1e3:.0f})",
@@ -47,7 +48,8 @@ def rows(result: dict) -> tuple[list[str], list[list[str]]]:
     for batch, d in result["decode"].items():
         body.append([f"decode batch {batch}, ctx {result['decode'][batch]['context']:.0f}: ms/step",
                      f"{d['ours_s'] * 1e3:.1f}", f"{d['hf_s'] * 1e3:.1f}", f"{d['ratio']:.2f}x",
-                     f"{d['ours_bytes_per_s'] / 1e9:.1f} GB/s = {d['ours_bytes_per_s'] / bw:.0%}"])
+                     f"{d['ours_bytes_per_s'] / 1e9:.1f} GB/s = {d['ours_bytes_per_s'] / bw:.0%}"
+                     f" (HF {d['hf_bytes_per_s'] / bw:.0%})"])
     w = result["workload"]
     body.append([f"workload {w['num_requests']} req: useful tok/s (s)",
                  f"{w['ours_tokens_per_s']:.1f} ({w['ours_s']:.1f})", f"{w['hf_tokens_per_s']:.1f} ({w['hf_s']:.1f})",

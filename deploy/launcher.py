@@ -49,7 +49,8 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str) -> EngineArgs:
     per_block = mcfg.kv_bytes_per_token(itemsize) * kv.block_size
     num_blocks = kv.resolve_num_blocks(per_block, CPU_KV_DEFAULT_BYTES)
     args = EngineArgs(model=model_dir, dtype=dtype, block_size=kv.block_size, num_blocks=max(num_blocks, 1),
-                      max_model_len=cfg.model.max_model_len, torch_threads=p.resources.threads())
+                      max_model_len=cfg.model.max_model_len, torch_threads=p.resources.threads(),
+                      attention=cfg.model.attention)
     if pool == "prefill":
         args.max_num_batched_tokens = p.max_batch_tokens
         args.chunk_size = p.chunk_tokens

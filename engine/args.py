@@ -17,6 +17,7 @@ class EngineArgs:
     max_num_seqs: int = 64
     enable_prefix_cache: bool = True
     max_model_len: int | None = None
+    attention: str = "auto"
     torch_threads: int | None = None
 
     def build(self):

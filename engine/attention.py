@@ -11,6 +11,7 @@ new tokens), decode tokens all together through padded block tables.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +33,19 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     decode_rows: torch.Tensor | None     # [Bd] rows of decode tokens in the batch
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] (padded with block 0)
-    decode_mask: torch.Tensor | None     # [Bd, 1, max_blocks * block_size] bool
+    decode_bias: torch.Tensor | None     # [Bd, max_blocks * block_size] float32: 0 or -inf past each length;
+                                         # None when every decode sequence fills the padded width
+    decode_only: bool = False            # every row of the batch is a decode token, in order
+    decode_kernel: Callable | None = None  # reads K/V through the tables (attention_compiled); None = gather
 
 
 def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
-                   device: torch.device) -> AttentionMetadata:
-    """seqs: (start, num_new, block_table) per sequence, in batch order."""
+                   device: torch.device, decode_kernel: Callable | None = None) -> AttentionMetadata:
+    """seqs: (start, num_new, block_table) per sequence, in batch order.
+
+    With a `decode_kernel` the decode tables are padded to at least 2 blocks and
+    always carry a bias (the compiled kernel keeps one graph for every shape).
+    """
     blocks, offsets, prefills = [], [], []
     decode_rows, decode_tables, decode_lens = [], [], []
     row = 0
@@ -57,15 +65,20 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
     meta = AttentionMetadata(
         torch.tensor(blocks, dtype=torch.long, device=device),
         torch.tensor(offsets, dtype=torch.long, device=device),
-        prefills, None, None, None)
+        prefills, None, None, None, decode_kernel=decode_kernel)
     if decode_rows:
         width = max(len(t) for t in decode_tables)
+        if decode_kernel is not None:
+            width = max(width, 2)
         padded = [t + [0] * (width - len(t)) for t in decode_tables]
         meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
         meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
-        lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
-        cols = torch.arange(width * block_size, device=device)
-        meta.decode_mask = (cols[None, :] < lens[:, None])[:, None, :]   # [Bd, 1, L]
+        meta.decode_only = not prefills
+        if decode_kernel is not None or min(decode_lens) < width * block_size:
+            lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
+            cols = torch.arange(width * block_size, device=device)
+            meta.decode_bias = torch.zeros(len(decode_lens), width * block_size, device=device).masked_fill_(
+                cols[None, :] >= lens[:, None], float("-inf"))
     return meta
 
 
@@ -109,6 +122,29 @@ def grouped_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | No
     return o.view(num_kv_heads, num_seqs, n, group, dim).permute(1, 2, 0, 3, 4).reshape(num_seqs, n, num_heads, dim)
 
 
+def decode_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """One new token per sequence. q: [B, Hq, D], kv: [2, Hkv, B, T, D], bias: [B, T] or None -> [B, Hq, D].
+
+    Two batched matmuls and a float32 softmax: with a query this short, plain bmm
+    reads the K/V faster than the CPU flash kernel, and the GQA group shares one
+    K/V read as the rows of each (kv head, sequence) product.
+    """
+    num_seqs, num_heads, dim = q.shape
+    num_kv_heads, length = kv.shape[1], kv.shape[3]
+    group = num_heads // num_kv_heads
+    qg = q.view(num_seqs, num_kv_heads, group, dim).transpose(0, 1).reshape(num_kv_heads * num_seqs, group, dim)
+    keys = kv[0].reshape(num_kv_heads * num_seqs, length, dim)
+    values = kv[1].reshape(num_kv_heads * num_seqs, length, dim)
+    scores = torch.bmm(qg, keys.transpose(1, 2)).view(num_kv_heads, num_seqs, group, length).float()
+    scores.mul_(scale)
+    if bias is not None:
+        scores.add_(bias[:, None, :])
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(num_kv_heads * num_seqs, group, length)
+    o = torch.bmm(probs, values)                                           # [Hkv * B, g, D]
+    return o.view(num_kv_heads, num_seqs, num_heads // num_kv_heads * dim).transpose(0, 1).reshape(
+        num_seqs, num_heads, dim)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
@@ -130,7 +166,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]  # [n, total]
             out[rows] = grouped_attention(q[rows][None], kv, mask[None], scale)[0]
     if meta.decode_rows is not None:
-        kv = gather_kv(layer_cache, meta.decode_block_tables)        # [2, Hkv, Bd, L, D]
-        qd = q[meta.decode_rows][:, None]                              # [Bd, 1, Hq, D]
-        out[meta.decode_rows] = grouped_attention(qd, kv, meta.decode_mask, scale)[:, 0]
+        qd = q if meta.decode_only else q[meta.decode_rows]   # pure-decode step: no row gather/scatter
+        if meta.decode_kernel is not None:
+            o = meta.decode_kernel(qd, layer_cache, meta.decode_block_tables, meta.decode_bias, scale)
+        else:
+            o = decode_attention(qd, gather_kv(layer_cache, meta.decode_block_tables), meta.decode_bias, scale)
+        if meta.decode_only:
+            return o
+        out[meta.decode_rows] = o
     return out

@@ -7,11 +7,13 @@ by the KV receiver and continues decoding.
 """
 from __future__ import annotations
 
+import os
 import random
 import uuid
 
 import torch
 
+from engine import attention_compiled
 from engine.block_manager import BlockManager, prompt_block_hashes
 from engine.config import ModelConfig
 from engine.loader import fingerprint, load_model
@@ -36,6 +38,18 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+ATTENTION_ENV = "PDSERVE_ATTENTION"
+
+
+def pick_attention(attention: str, device: torch.device) -> str:
+    """`auto`: $PDSERVE_ATTENTION when set, else `compiled` on CPU and `eager` elsewhere."""
+    if attention == "auto":
+        attention = os.environ.get(ATTENTION_ENV) or ("compiled" if device.type == "cpu" else "eager")
+    if attention not in ("compiled", "eager"):
+        raise ValueError(f"attention must be one of auto, compiled, eager; got {attention!r}")
+    return attention
+
+
 class Engine:
     """Args:
         model: a preset name (`tiny`, `small`) or a Hugging Face model directory.
@@ -47,14 +61,20 @@ class Engine:
         max_num_seqs: most requests in the running batch.
         enable_prefix_cache: reuse full blocks of earlier prompts.
         max_model_len: context limit (default: the model's max_position_embeddings).
+        attention: decode attention; `compiled` reads K/V through the block table in one
+            Inductor kernel (compiled at start-up, a few seconds, cached on disk), `eager`
+            gathers the blocks and runs bmm; `auto` = compiled on CPU (eager if it cannot
+            compile), eager on CUDA, or $PDSERVE_ATTENTION.
     """
 
     def __init__(self, model: str = "tiny", *, dtype: str | torch.dtype = "auto", device: str | None = None,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_gib: float = 1.0,
                  max_num_batched_tokens: int = 2048, chunk_size: int | None = 512, max_num_seqs: int = 64,
-                 enable_prefix_cache: bool = True, max_model_len: int | None = None):
+                 enable_prefix_cache: bool = True, max_model_len: int | None = None, attention: str = "auto"):
+        requested = attention
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = pick_dtype(dtype, self.device)
+        attention = pick_attention(attention, self.device)
         self.model_dir = resolve_model(model)
         self.config = ModelConfig.from_dir(self.model_dir)
         cfg = self.config
@@ -72,7 +92,12 @@ class Engine:
                                     block_size, cfg.head_dim, dtype=self.dtype, device=self.device)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache)
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, chunk_size)
-        self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device)
+        kernel = attention_compiled.build(self.kv_cache[0], cfg.num_attention_heads) if attention == "compiled" else None
+        if kernel is None and attention == "compiled" and requested == "compiled":
+            raise RuntimeError("attention='compiled' was asked for but the kernel cannot be compiled here "
+                               "(see the log); use attention='eager'")
+        self.attention = "compiled" if kernel is not None else "eager"
+        self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device, kernel)
         self.output = OutputProcessor(self.tokenizer, cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
 

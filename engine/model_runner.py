@@ -11,8 +11,10 @@ from engine.scheduler import ScheduledRequest
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, device: torch.device):
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, device: torch.device,
+                 decode_kernel=None):
         self.model = model
+        self.decode_kernel = decode_kernel  # attention_compiled.CompiledDecode, or None for the eager gather
         model.use_input_major_weights()   # faster small-batch decode GEMMs on CPU; a no-op elsewhere
         self.kv_cache = kv_cache          # [L, NB, 2, Hkv, bs, D]
         self.block_size = block_size
@@ -38,7 +40,7 @@ class ModelRunner:
                 logit_rows.append(len(input_ids) - 1)
                 sampling.append(req)
         dev = self.device
-        meta = build_metadata(seqs, self.block_size, dev)
+        meta = build_metadata(seqs, self.block_size, dev, self.decode_kernel)
         logits = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev),
                             self.kv_cache, meta,

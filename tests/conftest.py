@@ -8,6 +8,9 @@ import pytest
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines outside tests/engine (Ray actors included: they inherit this) skip the few seconds of
+# compiling the decode-attention kernel; tests/engine runs the default and checks both paths.
+os.environ.setdefault("PDSERVE_ATTENTION", "eager")
 
 
 @pytest.fixture(scope="session", autouse=True)

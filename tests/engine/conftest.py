@@ -29,3 +29,10 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         dirs[name] = write_model_dir(str(root / name), cfg, seed=n, tokenizer_vocab=300,
                                      max_shard_bytes=shard)
     return dirs
+
+
+@pytest.fixture(autouse=True)
+def _default_attention(monkeypatch):
+    """Engine tests run the engine's own default decode attention (compiled on CPU);
+    the rest of the suite pins the eager path for speed (tests/conftest.py)."""
+    monkeypatch.delenv("PDSERVE_ATTENTION", raising=False)
