@@ -7,16 +7,15 @@ the weights. Written as plain broadcast-multiply-reduce over `cache[table]`,
 Inductor turns each of the two products into one loop that loads K or V through
 the block table as it goes, so the blocks are read once and never copied.
 
-One graph serves every batch: shapes are dynamic, and the wrapper keeps the
-batch and the block-table width at least 2 (Inductor specializes sizes 0 and 1,
-which would recompile). Compiling takes a few seconds on first use and is cached
+Two graphs serve every batch, both compiled at start-up: batch 1, and any
+larger batch (dynamic shapes); block tables are padded to at least 2 blocks,
+since Inductor specializes a size of 1. Compiling takes a few seconds on first use and is cached
 on disk by Inductor. Without a working C++ compiler `build` returns None and the
 engine stays on the eager path.
 """
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import torch
@@ -45,25 +44,24 @@ class CompiledDecode:
 
     def __init__(self) -> None:
         self._fn = torch.compile(paged_decode)
-        self._lock = threading.Lock()       # Dynamo's first call per shape class is not thread-safe
 
     def __call__(self, q: torch.Tensor, layer_cache: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, mark_dynamic: bool = False) -> torch.Tensor:
         """q: [B, Hq, D] -> [B, Hq, D]; tables at least 2 wide (see `build_metadata`)."""
         num_seqs, num_heads, dim = q.shape
         num_kv_heads = layer_cache.shape[2]
         qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, dim)
-        if num_seqs == 1:                   # keep the batch dim symbolic: run the row twice
-            qg, tables, bias = (torch.cat([x, x]) for x in (qg, tables, bias))
-        # symbolic: batch, table width, pool size; static (specialized code): heads, group, block, head dim
-        for tensor, dims in ((qg, (0,)), (tables, (0, 1)), (bias, (0, 1)), (layer_cache, (0,))):
-            for axis in dims:
-                torch._dynamo.maybe_mark_dynamic(tensor, axis)
-        out = self._fn(qg, layer_cache, tables, bias, scale)
-        return out[:num_seqs].reshape(num_seqs, num_heads, dim)
+        if mark_dynamic:   # at compile time only: batch, table width and pool size symbolic; heads,
+            #                group, block size and head dim static (specialized, vectorized code)
+            for tensor, dims in ((qg, (0,)), (tables, (0, 1)), (bias, (0, 1)), (layer_cache, (0,))):
+                for axis in dims:
+                    torch._dynamo.maybe_mark_dynamic(tensor, axis)
+        return self._fn(qg, layer_cache, tables, bias, scale).reshape(num_seqs, num_heads, dim)
 
     def warm_up(self, layer_cache: torch.Tensor, num_heads: int) -> None:
-        """Compile now (not on the first request) and check against the eager math."""
+        """Compile now (not on the first request) and check against the eager math.
+
+        Two graphs: batch >= 2 (symbolic) and batch 1 (Inductor specializes size 1)."""
         from engine.attention import decode_attention, gather_kv
         gen = torch.Generator().manual_seed(0)
         _, _, num_kv_heads, block_size, dim = layer_cache.shape
@@ -73,9 +71,9 @@ class CompiledDecode:
             bias = torch.zeros(num_seqs, width * block_size, device=layer_cache.device)
             bias[:, -block_size // 2:] = float("-inf")
             # as in a model step: q made in inference mode, cache/tables/bias outside it (same guards)
-            with self._lock, torch.inference_mode():
+            with torch.inference_mode():
                 q = torch.randn(num_seqs, num_heads, dim, generator=gen).to(layer_cache)
-                got = self(q, cache, tables, bias, dim ** -0.5)
+                got = self(q, cache, tables, bias, dim ** -0.5, mark_dynamic=True)
             want = decode_attention(q, gather_kv(cache, tables), bias, dim ** -0.5)
             tol = 1e-4 if layer_cache.dtype == torch.float32 else 2e-2
             if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
