@@ -83,11 +83,13 @@ def render_markdown(result: dict, plots: dict[str, str]) -> str:
         "**2 actors, 1 CPU and 1 torch thread each** — equal total cores:",
         "",
         "- **disaggregated**: 1 prefill actor + 1 decode actor; KV cache shipped over gRPC as FP8 "
-        "(the default `kv_transfer`).",
+        f"(the default `kv_transfer`); the prefill actor prefills in chunks of "
+        f"{_set(plan, 'pools.prefill.chunk_tokens').replace('default', '512 (the default)')} tokens.",
         "- **colocated**: 2 colocated engines (prefill and decode in one continuous-batching scheduler), "
         "whole prompts prefilled between decode steps.",
         "- **colocated-chunked**: the same with chunked prefill (`chunk_tokens` "
-        f"{_set(plan, 'pools.prefill.chunk_tokens')}), so decode steps interleave with prompt chunks.",
+        f"{plan.get('colocated_chunk_tokens') or _set(plan, 'pools.prefill.chunk_tokens')}), so decode steps "
+        "interleave with prompt chunks.",
         "",
         f"SLOs for goodput: TTFT ≤ {plan['slo_ttft_ms']:.0f} ms and TPOT ≤ {plan['slo_tpot_ms']:.0f} ms per "
         "request (goodput = requests/s meeting both, DistServe's definition; SLO attainment = their share). "
@@ -164,7 +166,7 @@ def render_markdown(result: dict, plots: dict[str, str]) -> str:
         "pdserve bench serve --embedded --model small --compare colocated,disaggregated --workload mixed \\",
         f"    --scale {plan['scale']} --request-rate {plan['loaded_rate']} --num-requests {plan['loaded_requests']} "
         f"--slo-ttft-ms {plan['slo_ttft_ms']:.0f} --slo-tpot-ms {plan['slo_tpot_ms']:.0f} \\",
-        "    --set pools.prefill.chunk_tokens=64 --json mixed.json",
+        f"    --colocated-chunk-tokens {plan.get('colocated_chunk_tokens') or 512} --json mixed.json",
         "pdserve bench serve --embedded --sweep rate --compare colocated,disaggregated --plot-dir img/",
         "pdserve bench serve --address 127.0.0.1:50051 --metrics-url http://127.0.0.1:9090/metrics --workload chat",
         "```",
@@ -217,10 +219,12 @@ def _reading(result: dict, checks: list) -> list[str]:
             ok = [p["x"] for p in pts if p["slo_attainment"] is not None and p["slo_attainment"] >= 0.9]
             held.append(f"{variant} {max(ok):g} req/s" if ok else f"{variant} none of the rates")
         lines.append(
-            "- **SLO attainment against rate.** Highest offered rate with ≥ 90% attainment: " + ", ".join(held)
-            + ". With equal actors, disaggregation has half the prefill capacity of two colocated engines, so "
-            "once the single prefill actor saturates, TTFT (and with it attainment) falls off first; a real "
-            "deployment sizes the prefill:decode ratio to the workload (`pdserve plan`).")
+            "- **SLO attainment against rate.** Highest offered rate with ≥ 90% attainment (DistServe's "
+            "goodput): " + ", ".join(held) + ". What gives out first differs: colocated engines miss the TPOT "
+            "SLO as prompts interleave with decode steps, while the disaggregated cluster keeps TPOT flat and "
+            "misses on TTFT once its single prefill actor saturates (half the prefill capacity of two "
+            "colocated engines at equal actors); a real deployment sizes the prefill:decode ratio to the "
+            "workload (`pdserve plan`).")
     missed = [s for s, _, ok in checks if not ok]
     if missed:
         lines.append("- **Targets not met here:** " + "; ".join(missed) + ". These are the issue's goals for a "

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", help="preset (tiny, small) or model directory for the embedded cluster")
     t.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    t.add_argument("--colocated-chunk-tokens", type=int, metavar="N",
+                   help="chunk size of the colocated-chunked variant (default: pools.prefill.chunk_tokens)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="mixed", help="chat | rag | mixed | shared-prefix | FILE.jsonl")
     w.add_argument("--num-requests", type=int, default=64)
@@ -104,9 +106,9 @@ async def run_variants(args: argparse.Namespace, fn) -> dict[str, dict]:
     """``await fn(target)`` against each variant (embedded) or the given address; merged results."""
     if args.address:
         return await fn(Target("server", args.address, args.metrics_url, args.token))
-    cfg = bench_config(args.config, args.model, args.dtype, args.set)
     results: dict[str, dict] = {}
     for variant in variants_of(args.compare, args.mode):
+        cfg = bench_config(args.config, args.model, args.dtype, args.set, variant, args.colocated_chunk_tokens)
         async with embedded(cfg, variant) as target:
             results.update(await fn(target))
     return results

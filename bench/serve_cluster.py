@@ -4,7 +4,9 @@ Variants at equal total actors (each with the decode pool's resources):
 
     disaggregated       P prefill + D decode actors, KV shipped between them
     colocated           P + D colocated engines, whole prompts prefilled between decode steps
-    colocated-chunked   the same with chunked prefill (``pools.prefill.chunk_tokens``)
+    colocated-chunked   the same with chunked prefill (``pools.prefill.chunk_tokens``, or
+                        ``--colocated-chunk-tokens``: the chunk that protects decode steps in a
+                        colocated engine, while a prefill actor keeps its own larger chunk)
 """
 from __future__ import annotations
 
@@ -52,10 +54,15 @@ def variants_of(compare: str | None, mode: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def bench_config(config_path: str | None, model: str | None, dtype: str | None, overrides: list[str]):
-    """The deployment config for embedded runs: a free metrics port, CLI overrides applied."""
+def bench_config(config_path: str | None, model: str | None, dtype: str | None, overrides: list[str],
+                 variant: str | None = None, colocated_chunk_tokens: int | None = None):
+    """The deployment config for embedded runs: a free metrics port, CLI overrides applied.
+
+    For ``colocated-chunked``, ``colocated_chunk_tokens`` (when given) replaces the chunk size."""
     from deploy.config import load_config, parse_override
     values: dict[str, object] = {"model.name": model, "model.dtype": dtype}
+    if variant == "colocated-chunked" and colocated_chunk_tokens:
+        overrides = [*overrides, f"pools.prefill.chunk_tokens={colocated_chunk_tokens}"]
     for item in overrides:
         key, value = parse_override(item)
         values[key] = value
