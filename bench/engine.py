@@ -173,13 +173,13 @@ def bench_decode(plan: Plan, engine: Engine, hf, cfg: ModelConfig, itemsize: int
     return results
 
 
-def bench_workload(plan: Plan, model: str, dtype: str, hf, cfg: ModelConfig, rng, log) -> dict:
+def bench_workload(plan: Plan, model: str, dtype: str, hf, cfg: ModelConfig, rng, log, attention: str = "auto") -> dict:
     prompts = [random_prompt(rng, rng.randint(*plan.prompt_lens), cfg.vocab_size) for _ in range(plan.num_requests)]
     lens = [rng.randint(*plan.output_lens) for _ in range(plan.num_requests)]
     useful = sum(lens)
     max_len = max(map(len, prompts)) + max(lens)
     engine = Engine(model, dtype=dtype, num_blocks=plan.num_requests * (-(-max_len // 16) + 1),
-                    max_num_batched_tokens=2048, chunk_size=512, max_num_seqs=64)
+                    max_num_batched_tokens=2048, chunk_size=512, max_num_seqs=64, attention=attention)
     engine.generate([prompts[0][:16]], greedy(4))                              # warm-up
     log(f"workload: {plan.num_requests} requests, {useful} useful output tokens; ours (continuous batching)")
     start = time.perf_counter()
@@ -206,6 +206,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", help="write every figure to this JSON file")
     p.add_argument("--markdown", help="write the tables as Markdown to this file")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    p.add_argument("--attention", default="auto", choices=["auto", "compiled", "eager"],
+                   help="our engine's decode attention (default: the engine's own choice)")
     return p.parse_args(argv)
 
 
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(plan.seed)
     load_start = load_average()
     log(f"model {args.model} ({model_dir}), {args.dtype}, {torch.get_num_threads()} torch threads, "
-        f"load average {load_start:.2f}")
+        f"attention {args.attention}, load average {load_start:.2f}")
 
     log(f"machine limits: {plan.gemm_size}² GEMM, {plan.memcpy_bytes >> 20} MiB copy")
     machine = {"matmul": peers.matmul_flops(dtype, plan.gemm_size, 5),
@@ -232,14 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     blocks_per_seq = -(-(plan.decode_context + (plan.decode_repeats + 1) * plan.decode_steps + 24) // 16)
     engine = Engine(args.model, dtype=args.dtype, num_blocks=max(plan.decode_batches) * blocks_per_seq
                     + max(plan.prefill_lens) // 16 + 8, max_num_batched_tokens=max(4096, *plan.prefill_lens),
-                    chunk_size=None, max_num_seqs=max(64, *plan.decode_batches))
+                    chunk_size=None, max_num_seqs=max(64, *plan.decode_batches), attention=args.attention)
+    engine_attention = engine.attention
     prefill = bench_prefill(plan, engine, hf, cfg, rng, log)
     decode = bench_decode(plan, engine, hf, cfg, dtype.itemsize, rng, log)
     del engine
     gc.collect()
-    workload = bench_workload(plan, args.model, args.dtype, hf, cfg, rng, log)
+    workload = bench_workload(plan, args.model, args.dtype, hf, cfg, rng, log, args.attention)
 
     result = {"model": args.model, "dtype": args.dtype, "quick": args.quick, "torch_threads": torch.get_num_threads(),
+              "attention": engine_attention,
               "torch_version": torch.__version__, "load_average_start": load_start, "load_average_end": load_average(),
               "machine": machine, "prefill": prefill, "decode": decode, "workload": workload}
     result["targets"] = check_targets(result)

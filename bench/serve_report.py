@@ -76,8 +76,28 @@ def lengths_line(lengths: dict) -> str:
             f"output tokens {o['min']}/{o['p50']}/{o['mean']}/{o['p90']}/{o['max']}")
 
 
-def targets(runs: dict[str, dict], low_load: dict[str, dict] | None = None) -> list[tuple[str, str, bool | None]]:
-    """The issue's three targets on `mixed`: (statement, measured, met?)."""
+def max_rate_at_attainment(points: list[dict], goal: float = 0.9) -> tuple[float, str]:
+    """DistServe's goodput: the highest request rate whose SLO attainment is >= ``goal``.
+
+    ``points``: {"x": rate, "slo_attainment": share} of one variant. Linear between the last
+    rate that holds the goal and the next that does not; (rate, "") — or (highest rate, ">=")
+    when every rate holds, (lowest rate, "<") when none does.
+    """
+    pts = sorted((p["x"], p["slo_attainment"]) for p in points if p.get("slo_attainment") is not None)
+    if not pts or pts[0][1] < goal:
+        return (pts[0][0] if pts else math.nan), "<"
+    for (x0, a0), (x1, a1) in zip(pts, pts[1:]):
+        if a1 < goal:
+            return x0 + (x1 - x0) * (a0 - goal) / (a0 - a1), ""
+    return pts[-1][0], ">="
+
+
+def targets(runs: dict[str, dict], low_load: dict[str, dict] | None = None,
+            rates: dict[str, list[dict]] | None = None) -> list[tuple[str, str, bool | None]]:
+    """The issue's three targets on `mixed`: (statement, measured, met?).
+
+    Goodput is judged both ways: per run at the loaded rate (requests/s meeting both SLOs)
+    and, given the rate curve, as DistServe's highest rate held at >= 90% attainment."""
     out = []
     d, c, cc = runs.get("disaggregated"), runs.get("colocated"), runs.get("colocated-chunked")
     if d and c:
@@ -86,7 +106,16 @@ def targets(runs: dict[str, dict], low_load: dict[str, dict] | None = None) -> l
     if d and c and cc:
         best = max(c["goodput_rps"], cc["goodput_rps"])
         r = d["goodput_rps"] / best if best else math.inf
-        out.append(("disaggregated goodput ≥ 1.3× the better colocated variant", f"{r:.2f}×", r >= 1.3))
+        out.append(("disaggregated goodput ≥ 1.3× the better colocated variant (per run, requests/s "
+                    "meeting both SLOs at the loaded rate)", f"{r:.2f}×", r >= 1.3))
+    if rates and all(k in rates for k in ("disaggregated", "colocated", "colocated-chunked")):
+        held = {k: max_rate_at_attainment(v) for k, v in rates.items()}
+        best = max(held["colocated"][0], held["colocated-chunked"][0])
+        r = held["disaggregated"][0] / best if best else math.inf
+        shown = ", ".join(f"{k} {mark}{x:.2f}" for k, (x, mark) in held.items())
+        out.append(("disaggregated goodput ≥ 1.3× the better colocated variant (DistServe: highest "
+                    f"req/s held at ≥ 90% SLO attainment; {shown})", f"{r:.2f}×",
+                    r >= 1.3 and held["disaggregated"][1] != "<"))
     if low_load and "disaggregated" in low_load:
         base = [v["ttft_p50_s"] for k, v in low_load.items() if k.startswith("colocated")]
         if base:
