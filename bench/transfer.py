@@ -27,7 +27,7 @@ import torch
 
 from bench import netns
 from bench.transfer_peer import LAYOUT, MIB, num_blocks_for
-from kv_transfer import get_codec
+from kv_transfer import codec_compiled, get_codec
 from kv_transfer.buffers import scratch_pool
 from kv_transfer.codec import pin_transfer_thread
 from kv_transfer.blocks import write_blocks
@@ -57,6 +57,8 @@ def codec_gbps(codec_name: str, payload_mib: float, reps: int = 3, workers: int 
     senders' default), the extra line two.
     """
     codec, num_blocks = get_codec(codec_name), num_blocks_for(payload_mib)
+    if codec_name.startswith("fp8"):
+        codec_compiled.wait_ready()
     cache = torch.randn(LAYOUT.cache_shape(num_blocks)).to(LAYOUT.dtype)
     dst = torch.zeros_like(cache)
     ids = list(range(num_blocks))
@@ -104,12 +106,13 @@ def _env(device: str | None) -> dict:
     return env
 
 
-def socket_gbps(link, mib: int) -> float:
+def socket_gbps(link, mib: int, plain: bool = False) -> float:
     recv_prefix, send_prefix, host, recv_dev, send_dev = _sides(link)
-    receiver = _spawn(recv_prefix, ["sock-recv", "--host", host], _env(recv_dev))
+    flag = ["--plain"] if plain else []
+    receiver = _spawn(recv_prefix, ["sock-recv", "--host", host, *flag], _env(recv_dev))
     try:
         dest = _ready(receiver)
-        out = subprocess.run(send_prefix + [sys.executable, "-m", "bench.transfer_peer", "sock-send", "--dest", dest, "--mib", str(mib)],
+        out = subprocess.run(send_prefix + [sys.executable, "-m", "bench.transfer_peer", "sock-send", "--dest", dest, "--mib", str(mib), *flag],
                              cwd=ROOT, env=_env(send_dev), capture_output=True, text=True, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])["socket_gbps"]
     finally:
@@ -162,7 +165,8 @@ def run_ray(codec: str, payloads: list[float], reps: int) -> list[dict]:
 def print_table(result: dict) -> None:
     base = result["baselines"]
     links = ", ".join(f"{name} {value:.2f}" for name, value in base["link_socket_gbps"].items())
-    print(f"memcpy {base['memcpy_gbps']:.2f} GB/s | raw TCP socket (2 processes): {links} GB/s")
+    print(f"memcpy {base['memcpy_gbps']:.2f} GB/s | raw TCP socket (2 processes, tuned): {links} GB/s"
+          + (f" | plain socket loop on loopback {base['socket_plain_gbps']:.2f} GB/s" if "socket_plain_gbps" in base else ""))
     print(f"{'link':<9} {'transport':<9} {'codec':<5} {'MiB':>5} {'effective GB/s':>14} {'vs socket':>9} {'wire MiB':>9} {'encode GB/s':>11} {'decode GB/s':>11}")
     for r in result["records"]:
         socket = base["link_socket_gbps"].get(r["link"], 0) or float("nan")
@@ -213,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     if "loopback" in links:
         measure("loopback", None)
         result["baselines"]["socket_gbps"] = result["baselines"]["link_socket_gbps"]["loopback"]
+        # the textbook loop (default buffers, recv() allocating): the ~1.7 GiB/s kind of socket
+        result["baselines"]["socket_plain_gbps"] = socket_gbps(None, 128, plain=True)
     shaped = [name for name in links if name in ("10gbit", "1gbit")]
     reason = netns.available() if shaped else None
     if reason:

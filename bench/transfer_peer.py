@@ -4,8 +4,8 @@
         prints "READY <endpoint>", serves until stdin closes; frees blocks on DONE
     python -m bench.transfer_peer send --transport grpc --codec fp8 --dest E --token T --payloads 1,16 --reps 3
         prints one JSON line per payload: {"payload_mib", "seconds", "wire_bytes"}
-    python -m bench.transfer_peer sock-recv --host H   /   sock-send --dest H:P --mib 128 --reps 3
-        the raw TCP socket baseline between two processes
+    python -m bench.transfer_peer sock-recv --host H   /   sock-send --dest H:P --mib 128 --reps 3 [--plain]
+        the raw TCP socket baseline between two processes (tuned, or the textbook loop)
 
 ``RecvPeer`` / ``SendPeer`` are plain classes so the Ray run can wrap them
 as actors. The KV layout is fixed: 16 layers x 4 kv heads x 16 tokens x 64
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from kv_transfer import KVLayout, SimpleBlockPool, TransferStatus, make_receiver, make_sender
+from kv_transfer import KVLayout, SimpleBlockPool, TransferStatus, codec_compiled, make_receiver, make_sender
 
 LAYOUT = KVLayout(num_layers=16, num_kv_heads=4, block_size=16, head_dim=64, dtype=torch.bfloat16, model_fingerprint="bench")
 MIB = 1 << 20
@@ -40,6 +40,8 @@ class RecvPeer:
         self.cache = torch.zeros(LAYOUT.cache_shape(num_blocks), dtype=LAYOUT.dtype)
         kwargs = {"host": host} if transport in ("grpc", "torch") else {}
         self.receiver = make_receiver(transport, LAYOUT, self.cache, self.pool, codec=codec, token=token, on_complete=self._done, **kwargs)
+        if codec.startswith("fp8"):
+            codec_compiled.wait_ready()  # measure the codec a serving process runs once warm
 
     def _done(self, result) -> None:
         if result.status == TransferStatus.DONE:  # the "decode worker" is done with them at once
@@ -55,6 +57,8 @@ class RecvPeer:
 class SendPeer:
     def __init__(self, transport: str, codec: str, token: str) -> None:
         self.sender = make_sender(transport, LAYOUT, codec=codec, token=token, max_workers=2)
+        if codec.startswith("fp8"):
+            codec_compiled.wait_ready()
 
     def run(self, dest: str, payloads: list[float], reps: int) -> list[dict]:
         records = []
@@ -79,11 +83,14 @@ class SendPeer:
         self.sender.close()
 
 
-def sock_recv(host: str) -> None:
+def sock_recv(host: str, plain: bool = False) -> None:
+    """Tuned: 8 MiB kernel buffer, ``recv_into`` one reused buffer. Plain: the textbook loop,
+    default buffers and ``recv(64 KiB)`` returning a new bytes object each call."""
     server = socket.create_server((host, 0))
     print(f"READY {host}:{server.getsockname()[1]}", flush=True)
     conn, _ = server.accept()
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 * MIB)
+    if not plain:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 * MIB)
     buffer = memoryview(bytearray(4 * MIB))
     while True:
         head = conn.recv(8, socket.MSG_WAITALL)
@@ -91,14 +98,16 @@ def sock_recv(host: str) -> None:
             return
         (remaining,) = struct.unpack("<Q", head)
         while remaining:
-            remaining -= conn.recv_into(buffer, min(remaining, len(buffer)))
+            remaining -= len(conn.recv(min(remaining, 65536))) if plain else \
+                conn.recv_into(buffer, min(remaining, len(buffer)))
         conn.sendall(b"k")
 
 
-def sock_send(dest: str, mib: int, reps: int) -> float:
+def sock_send(dest: str, mib: int, reps: int, plain: bool = False) -> float:
     host, port = dest.rsplit(":", 1)
     conn = socket.create_connection((host, int(port)))
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 * MIB)
+    if not plain:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 * MIB)
     data, total = memoryview(bytearray(4 * MIB)), mib * MIB
     best = float("inf")
     for _ in range(reps):
@@ -123,11 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--payloads", default="1,16,128")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--mib", type=int, default=128)
+    parser.add_argument("--plain", action="store_true", help="sock-*: the untuned textbook socket loop")
     args = parser.parse_args(argv)
     if args.role == "sock-recv":
-        sock_recv(args.host)
+        sock_recv(args.host, args.plain)
     elif args.role == "sock-send":
-        print(json.dumps({"socket_gbps": sock_send(args.dest, args.mib, args.reps)}), flush=True)
+        print(json.dumps({"socket_gbps": sock_send(args.dest, args.mib, args.reps, args.plain)}), flush=True)
     elif args.role == "recv":
         peer = RecvPeer(args.transport, args.codec, args.host, args.token, max(int(float(p)) for p in args.payloads.split(",")))
         print(f"READY {peer.endpoint()}", flush=True)

@@ -22,6 +22,7 @@ import torch
 from kv_transfer.base import FailedSide, ReceiverStats, TransferError, TransferResult, TransferStatus
 from kv_transfer.blocks import readonly_tensor, write_blocks
 from kv_transfer.buffers import scratch_pool
+from kv_transfer import codec_compiled
 from kv_transfer.codec import get_codec, pin_transfer_thread
 from kv_transfer.layout import DTYPES, HandshakeError, KVLayout, check_compatible
 from kv_transfer.pool import BlockAllocator
@@ -64,6 +65,8 @@ class ReceiverCore:
     ) -> None:
         layout.check_cache(kv_cache)
         get_codec(codec)
+        if codec.startswith("fp8") and kv_cache.device.type == "cpu":
+            codec_compiled.kernels()  # start compiling now, so the first transfers find it ready
         self.layout, self.kv_cache, self.allocator = layout, kv_cache, allocator
         self.codec, self.token, self.on_complete = codec, token, on_complete
         self.default_timeout_s, self.max_payload = default_timeout_s, max_payload
