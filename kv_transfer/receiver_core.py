@@ -126,24 +126,27 @@ class ReceiverCore:
             self._fail_unknown(header, f"checksum mismatch in chunk {header.chunk_index}")
             raise TransferError(f"checksum mismatch in chunk {header.chunk_index}", FailedSide.RECEIVER)
         transfer = self._get_or_reserve(header)
-        with transfer.lock:
-            if transfer.status.is_terminal:
-                raise TransferError(f"transfer {header.transfer_id} is {transfer.status.value}: {transfer.error}", FailedSide.RECEIVER)
-            transfer.status = TransferStatus.TRANSFERRING
-            shape = header.shape
-            if payload.device != self.kv_cache.device:  # decode where the cache lives (GPU)
-                payload = payload.to(self.kv_cache.device)
-            layer_slice = slice(header.layer_start, header.layer_end)
-            block_slice = slice(header.block_start, header.block_end)
-            with scratch_pool.lease() as scratch:
-                data = get_codec(header.codec).decode(payload, shape, DTYPES[header.dtype], scratch)
+        if transfer.status.is_terminal:   # a hint, read unlocked: skip decoding for a dead transfer
+            raise TransferError(f"transfer {header.transfer_id} is {transfer.status.value}: {transfer.error}", FailedSide.RECEIVER)
+        if payload.device != self.kv_cache.device:  # decode where the cache lives (GPU)
+            payload = payload.to(self.kv_cache.device)
+        with scratch_pool.lease() as scratch:
+            # decode outside the transfer's lock: chunks of one transfer decode in parallel on the
+            # transport's threads; only the write into the blocks (which a failure frees) is locked
+            data = get_codec(header.codec).decode(payload, header.shape, DTYPES[header.dtype], scratch)
+            with transfer.lock:
+                if transfer.status.is_terminal:
+                    raise TransferError(f"transfer {header.transfer_id} is {transfer.status.value}: {transfer.error}", FailedSide.RECEIVER)
+                transfer.status = TransferStatus.TRANSFERRING
+                layer_slice = slice(header.layer_start, header.layer_end)
+                block_slice = slice(header.block_start, header.block_end)
                 # kv_cache[l0:l1, dst_ids[b0:b1]] = data  (data: [l, n, 2, H, B, D])
                 write_blocks(self.kv_cache[layer_slice], transfer.dst_index[block_slice], data)
-            cells = transfer.covered[layer_slice, block_slice]
-            transfer.num_missing -= int((~cells).sum())
-            cells.fill_(True)
-            transfer.nbytes += header.payload_len
-            result = self._finish(transfer, TransferStatus.DONE) if transfer.num_missing == 0 else None
+                cells = transfer.covered[layer_slice, block_slice]
+                transfer.num_missing -= int((~cells).sum())
+                cells.fill_(True)
+                transfer.nbytes += header.payload_len
+                result = self._finish(transfer, TransferStatus.DONE) if transfer.num_missing == 0 else None
         if result is not None:
             self._publish(result)
 

@@ -15,7 +15,7 @@ from kv_helpers import TOKEN, assert_no_leak, random_cache
 
 import kv_transfer.sender_core as sender_core
 from kv_transfer import FailedSide, KVLayout, TransferStatus
-from kv_transfer.wire import FRAME_PREFIX
+from kv_transfer.wire import FRAME_PREFIX, WIRE_VERSION
 
 HELPER = os.path.join(os.path.dirname(__file__), "kv_killed_sender.py")
 
@@ -93,7 +93,7 @@ def test_corrupted_chunk_fails_on_checksum(make_pair, layout, kind, monkeypatch)
 
 @pytest.mark.parametrize("tamper, message", [
     (lambda frame: frame[:-3], "truncated chunk"),
-    (lambda frame: frame.replace(b"\xa7version\x01", b"\xa7version\x07"), "unknown wire version 7"),
+    (lambda frame: frame.replace(b"\xa7version" + bytes([WIRE_VERSION]), b"\xa7version\x07"), "unknown wire version 7"),
     (lambda frame: FRAME_PREFIX.pack(1 << 30) + frame[4:], "header length"),
 ])
 def test_malformed_frames_fail_cleanly(make_pair, layout, tamper, message):

@@ -10,6 +10,7 @@ from kv_transfer.chunker import plan_chunks
 from kv_transfer.wire import (
     FRAME_PREFIX,
     MAX_HEADER_BYTES,
+    WIRE_VERSION,
     ChunkHeader,
     WireError,
     pack_frame,
@@ -51,7 +52,7 @@ def test_unknown_version_is_refused():
     [
         (b"\xc1garbage", "undecodable"),
         (msgpack.packb([1, 2]), "undecodable"),  # arrays are not allowed at all
-        (msgpack.packb({"version": 1}), "misses"),
+        (msgpack.packb({"version": WIRE_VERSION}), "misses"),
         (b"x" * (MAX_HEADER_BYTES + 1), "exceeds"),
     ],
 )
