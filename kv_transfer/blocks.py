@@ -1,10 +1,12 @@
-"""Block-level tensor helpers for the receiver: views over received bytes, cache writes."""
+"""Block-level tensor helpers for the receiver: checked views over received bytes, cache writes."""
 
 from __future__ import annotations
 
 import warnings
 
 import torch
+
+from kv_transfer.wire import ChunkHeader, WireError, checksum
 
 
 def write_blocks(dst: torch.Tensor, index: torch.Tensor, data: torch.Tensor) -> None:
@@ -33,3 +35,19 @@ def readonly_tensor(buffer) -> torch.Tensor:
         if hasattr(buffer, "__array_interface__"):
             return torch.from_numpy(buffer)
         return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def checked_payload(header: ChunkHeader, payload) -> torch.Tensor:
+    """The chunk's payload as a uint8 tensor once its checksum matches the header's.
+
+    ``payload``: received bytes-like, or a tensor (device tensors carry no checksum).
+    Raises WireError on a mismatch.
+    """
+    if isinstance(payload, torch.Tensor):
+        ok = header.checksum < 0 or payload.device.type != "cpu" or checksum(payload.numpy()) == header.checksum
+    else:
+        ok = header.checksum < 0 or checksum(payload) == header.checksum
+        payload = readonly_tensor(payload)
+    if not ok:
+        raise WireError(f"checksum mismatch in chunk {header.chunk_index}")
+    return payload

@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_transfer.base import FailedSide, ReceiverStats, TransferError, TransferResult, TransferStatus
-from kv_transfer.blocks import readonly_tensor, write_blocks
-from kv_transfer.buffers import scratch_pool
 from kv_transfer import codec_compiled
+from kv_transfer.base import FailedSide, ReceiverStats, TransferError, TransferResult, TransferStatus
+from kv_transfer.blocks import checked_payload, write_blocks
+from kv_transfer.buffers import scratch_pool
 from kv_transfer.codec import get_codec, pin_transfer_thread
 from kv_transfer.layout import DTYPES, HandshakeError, KVLayout, check_compatible
 from kv_transfer.pool import BlockAllocator
-from kv_transfer.wire import MAX_PAYLOAD_BYTES, ChunkHeader, WireError, checksum, validate_header
+from kv_transfer.wire import MAX_PAYLOAD_BYTES, ChunkHeader, WireError, validate_header
 
 MAX_FINISHED = 4096  # remembered terminal transfers (late chunks are refused)
 
@@ -109,22 +109,13 @@ class ReceiverCore:
         pin_transfer_thread()
         try:
             validate_header(header, self.describe(), self.max_payload)
-        except HandshakeError as exc:
-            with self._cond:
-                self.stats.handshake_failures += 1
+            payload = checked_payload(header, payload)
+        except (HandshakeError, WireError, ValueError) as exc:
+            if isinstance(exc, HandshakeError):
+                with self._cond:
+                    self.stats.handshake_failures += 1
             self._fail_unknown(header, str(exc))
             raise TransferError(str(exc), FailedSide.RECEIVER) from None
-        except (WireError, ValueError) as exc:
-            self._fail_unknown(header, str(exc))
-            raise TransferError(str(exc), FailedSide.RECEIVER) from None
-        if not isinstance(payload, torch.Tensor):
-            if header.checksum >= 0 and checksum(payload) != header.checksum:
-                self._fail_unknown(header, f"checksum mismatch in chunk {header.chunk_index}")
-                raise TransferError(f"checksum mismatch in chunk {header.chunk_index}", FailedSide.RECEIVER)
-            payload = readonly_tensor(payload)
-        elif header.checksum >= 0 and payload.device.type == "cpu" and checksum(payload.numpy()) != header.checksum:
-            self._fail_unknown(header, f"checksum mismatch in chunk {header.chunk_index}")
-            raise TransferError(f"checksum mismatch in chunk {header.chunk_index}", FailedSide.RECEIVER)
         transfer = self._get_or_reserve(header)
         if transfer.status.is_terminal:   # a hint, read unlocked: skip decoding for a dead transfer
             raise TransferError(f"transfer {header.transfer_id} is {transfer.status.value}: {transfer.error}", FailedSide.RECEIVER)
