@@ -39,7 +39,7 @@ class ModelConfig(Section):
         "auto", description="Weight and KV dtype; auto = bfloat16 on CUDA, float32 on CPU.")
     attention: Literal["auto", "compiled", "eager"] = Field(
         "auto", description="Decode attention: compiled = one Inductor kernel reading K/V through "
-        "the block table (a few seconds to compile at actor start); eager = gather + bmm; "
+        "the block table (a few seconds to compile when a decode actor starts); eager = gather + bmm; "
         "auto = compiled on CPU, eager on CUDA.")
     max_model_len: Optional[Int] = Field(
         None, gt=0, description="Longest prompt + output in tokens; default: the model's "
