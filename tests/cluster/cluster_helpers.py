@@ -49,7 +49,7 @@ def wait_blocks_free(address: str, timeout: float = 10.0):
 
 
 def cluster_config(model_dir: str, transport: str = "grpc", codec: str = "none", n_prefill: int = 1,
-                   n_decode: int = 1, **routing):
+                   n_decode: int = 1, attention: str = "auto", **routing):
     from deploy.config import load_config
     overrides = {
         "model.name": model_dir, "model.dtype": "float32",
@@ -57,6 +57,7 @@ def cluster_config(model_dir: str, transport: str = "grpc", codec: str = "none",
         "pools.prefill.resources.num_cpus": 0.5, "pools.decode.resources.num_cpus": 0.5,
         "pools.prefill.resources.torch_threads": 1, "pools.decode.resources.torch_threads": 1,
         "kv_cache.num_blocks": 512, "kv_transfer.transport": transport, "kv_transfer.compression": codec,
+        "model.attention": attention,
     }
     overrides.update({f"routing.{k}": v for k, v in routing.items()})
     return load_config(None, overrides)

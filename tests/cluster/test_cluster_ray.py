@@ -56,6 +56,15 @@ def test_disaggregated_equals_colocated(ray_local, tiny_model_dir, reference, tr
     assert len(stats.actors) == 2 * n
 
 
+def test_compiled_decode_attention_in_the_cluster(ray_local, tiny_model_dir, reference):
+    """Decode actors on the compiled kernel (the CPU default; the suite otherwise pins eager) give
+    the colocated engine's tokens exactly, with KV shipped in from a prefill actor."""
+    prompts, params = prompts_and_params(16, seed=14)
+    replies, stats = _run(cluster_config(tiny_model_dir, attention="compiled"), prompts, params)
+    assert [[t for m in msgs for t in m.token_ids] for msgs in replies] == reference(prompts, params)
+    assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
+
+
 @pytest.mark.parametrize("chunked", [True, False])
 def test_colocated_mode_equals_engine(ray_local, tiny_model_dir, reference, chunked):
     from deploy.running import start_cluster
