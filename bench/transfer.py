@@ -10,7 +10,7 @@ Links: ``loopback`` and, when run as root with iproute2, two network
 namespaces joined by a veth pair shaped by ``tc`` to 10 Gbit/s and 1 Gbit/s
 (built and removed by the bench). Ray runs on loopback only (same node).
 Sender and receiver are separate processes (Ray actors for ``ray``). Times
-are the best of ``--reps`` after a warm-up send. GB/s = 1e9 bytes/s.
+are the best of ``--reps`` (default 8, 5 with ``--quick``) after a warm-up send. GB/s = 1e9 bytes/s.
 """
 
 from __future__ import annotations
@@ -106,13 +106,13 @@ def _env(device: str | None) -> dict:
     return env
 
 
-def socket_gbps(link, mib: int, plain: bool = False) -> float:
+def socket_gbps(link, mib: int, plain: bool = False, reps: int = 3) -> float:
     recv_prefix, send_prefix, host, recv_dev, send_dev = _sides(link)
     flag = ["--plain"] if plain else []
     receiver = _spawn(recv_prefix, ["sock-recv", "--host", host, *flag], _env(recv_dev))
     try:
         dest = _ready(receiver)
-        out = subprocess.run(send_prefix + [sys.executable, "-m", "bench.transfer_peer", "sock-send", "--dest", dest, "--mib", str(mib), *flag],
+        out = subprocess.run(send_prefix + [sys.executable, "-m", "bench.transfer_peer", "sock-send", "--dest", dest, "--mib", str(mib), "--reps", str(reps), *flag],
                              cwd=ROOT, env=_env(send_dev), capture_output=True, text=True, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])["socket_gbps"]
     finally:
@@ -181,12 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--quick", action="store_true", help="1 and 16 MiB, fewer reps, no ray")
+    parser.add_argument("--reps", type=int, help="timed sends per figure, best taken (default 8; 5 with --quick)")
     parser.add_argument("--transports", default="grpc,torch,ray")
     parser.add_argument("--codecs", default="none,fp8")
     parser.add_argument("--links", default="loopback,10gbit,1gbit")
     args = parser.parse_args(argv)
     payloads = [1.0, 16.0] if args.quick else [1.0, 16.0, 128.0]
-    reps = 2 if args.quick else 3
+    # best of `reps`: on a shared 2-core box single sends vary by +-20 %, so a best-of-2 mostly
+    # measures the noise; every figure (the socket baseline included) takes the same reps
+    reps = args.reps or (5 if args.quick else 8)
     transports = [t for t in args.transports.split(",") if not (args.quick and t == "ray")]
     codecs, links = args.codecs.split(","), args.links.split(",")
     notes: list[str] = []
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
               "records": [], "notes": notes}
 
     def measure(link_name: str, link) -> None:
-        result["baselines"]["link_socket_gbps"][link_name] = socket_gbps(link, 128 if link_name != "1gbit" else 32)
+        result["baselines"]["link_socket_gbps"][link_name] = socket_gbps(link, 128 if link_name != "1gbit" else 32, reps=reps)
         for transport in transports:
             if transport == "ray" and link is not None:
                 continue  # the object store is same-node only
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         measure("loopback", None)
         result["baselines"]["socket_gbps"] = result["baselines"]["link_socket_gbps"]["loopback"]
         # the textbook loop (default buffers, recv() allocating): the ~1.7 GiB/s kind of socket
-        result["baselines"]["socket_plain_gbps"] = socket_gbps(None, 128, plain=True)
+        result["baselines"]["socket_plain_gbps"] = socket_gbps(None, 128, plain=True, reps=reps)
     shaped = [name for name in links if name in ("10gbit", "1gbit")]
     reason = netns.available() if shaped else None
     if reason:
