@@ -25,7 +25,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from deploy.planner import Corrections, Plan, Profile, SLO, Workload, inputs_from_config, p99_ttft, plan
+from deploy.planner import SLO, Corrections, Plan, Workload, inputs_from_config, p99_ttft, plan
+from deploy.profile_model import Profile
 from deploy.pool_manager import add_actors, drain_actor
 
 log = logging.getLogger(f"pdserve.{__name__}")

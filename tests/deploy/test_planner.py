@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from deploy.planner import (SLO, Corrections, Limits, Profile, Workload, decode_batch, max_utilization, p99_ttft,
-                            plan)
+from deploy.planner import SLO, Corrections, Limits, Workload, decode_batch, max_utilization, p99_ttft, plan
+from deploy.profile_model import Profile
 from engine.profile import ModelCosts
 
 COSTS = ModelCosts(num_layers=4, hidden_size=256, attn_dim=256, layer_params=2_000_000, head_params=250_000,
