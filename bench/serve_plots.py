@@ -18,6 +18,14 @@ def _finite(xs: list, ys: list) -> tuple[list, list]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+def _save(plt, fig, path: str, title: str) -> str:
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plot_latency_sweep(points: dict[str, list[dict]], variable: str, path: str, title: str) -> str:
     """TTFT and TPOT (p50 solid, p99 dashed) against the swept variable, one line per variant."""
     plt = _pyplot()
@@ -36,11 +44,7 @@ def plot_latency_sweep(points: dict[str, list[dict]], variable: str, path: str, 
         if variable == "concurrency":
             ax.set_xscale("log", base=2)
     axes[1].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 def plot_slo_attainment(points: dict[str, list[dict]], path: str, title: str) -> str:
@@ -59,8 +63,4 @@ def plot_slo_attainment(points: dict[str, list[dict]], path: str, title: str) ->
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)

@@ -141,8 +141,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | Non
         scores.add_(bias[:, None, :])
     probs = torch.softmax(scores, dim=-1).to(values.dtype).view(num_kv_heads * num_seqs, group, length)
     o = torch.bmm(probs, values)                                           # [Hkv * B, g, D]
-    return o.view(num_kv_heads, num_seqs, num_heads // num_kv_heads * dim).transpose(0, 1).reshape(
-        num_seqs, num_heads, dim)
+    return o.view(num_kv_heads, num_seqs, group * dim).transpose(0, 1).reshape(num_seqs, num_heads, dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -7,11 +7,11 @@ the weights. Written as plain broadcast-multiply-reduce over `cache[table]`,
 Inductor turns each of the two products into one loop that loads K or V through
 the block table as it goes, so the blocks are read once and never copied.
 
-Two graphs serve every batch, both compiled at start-up: batch 1, and any
-larger batch (dynamic shapes); block tables are padded to at least 2 blocks,
-since Inductor specializes a size of 1. Compiling takes a few seconds on first use and is cached
-on disk by Inductor. Without a working C++ compiler `build` returns None and the
-engine stays on the eager path.
+Two graphs serve every batch, both compiled when the engine starts (a few
+seconds, cached on disk by Inductor): batch 1, and any larger batch (dynamic
+shapes); block tables are padded to at least 2 blocks, since Inductor
+specializes a size of 1. Without a working C++ compiler `build` returns None
+and the engine stays on the eager path.
 """
 from __future__ import annotations
 

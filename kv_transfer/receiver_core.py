@@ -48,6 +48,10 @@ class _Transfer:
     nbytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def refuse_if_ended(self) -> None:
+        if self.status.is_terminal:
+            raise TransferError(f"transfer {self.transfer_id} is {self.status.value}: {self.error}", FailedSide.RECEIVER)
+
 
 class ReceiverCore:
     def __init__(
@@ -117,8 +121,7 @@ class ReceiverCore:
             self._fail_unknown(header, str(exc))
             raise TransferError(str(exc), FailedSide.RECEIVER) from None
         transfer = self._get_or_reserve(header)
-        if transfer.status.is_terminal:   # a hint, read unlocked: skip decoding for a dead transfer
-            raise TransferError(f"transfer {header.transfer_id} is {transfer.status.value}: {transfer.error}", FailedSide.RECEIVER)
+        transfer.refuse_if_ended()   # a hint, read unlocked: skip decoding for a dead transfer
         if payload.device != self.kv_cache.device:  # decode where the cache lives (GPU)
             payload = payload.to(self.kv_cache.device)
         with scratch_pool.lease() as scratch:
@@ -126,8 +129,7 @@ class ReceiverCore:
             # transport's threads; only the write into the blocks (which a failure frees) is locked
             data = get_codec(header.codec).decode(payload, header.shape, DTYPES[header.dtype], scratch)
             with transfer.lock:
-                if transfer.status.is_terminal:
-                    raise TransferError(f"transfer {header.transfer_id} is {transfer.status.value}: {transfer.error}", FailedSide.RECEIVER)
+                transfer.refuse_if_ended()
                 transfer.status = TransferStatus.TRANSFERRING
                 layer_slice = slice(header.layer_start, header.layer_end)
                 block_slice = slice(header.block_start, header.block_end)
