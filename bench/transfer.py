@@ -30,7 +30,6 @@ from bench.transfer_peer import LAYOUT, MIB, num_blocks_for
 from kv_transfer import codec_compiled, get_codec
 from kv_transfer.buffers import scratch_pool
 from kv_transfer.codec import pin_transfer_thread
-from kv_transfer.blocks import write_blocks
 from kv_transfer.chunker import encode_jobs, pipeline
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES
 
@@ -57,10 +56,10 @@ def codec_gbps(codec_name: str, payload_mib: float, reps: int = 3, workers: int 
     senders' default), the extra line two.
     """
     codec, num_blocks = get_codec(codec_name), num_blocks_for(payload_mib)
-    if codec_name.startswith("fp8"):
-        codec_compiled.wait_ready()
     cache = torch.randn(LAYOUT.cache_shape(num_blocks)).to(LAYOUT.dtype)
     dst = torch.zeros_like(cache)
+    codec.prepare(cache)
+    codec_compiled.wait_ready()
     ids = list(range(num_blocks))
     dst_index = torch.tensor(ids[::-1])
     nbytes = num_blocks * LAYOUT.block_nbytes
@@ -74,7 +73,7 @@ def codec_gbps(codec_name: str, payload_mib: float, reps: int = 3, workers: int 
         pin_transfer_thread()
         h, payload = item
         with scratch_pool.lease() as scratch:
-            write_blocks(dst[h.layer_start : h.layer_end], dst_index[h.block_start : h.block_end], codec.decode(payload, h.shape, LAYOUT.dtype, scratch))
+            codec.decode_into(payload, h.shape, dst, (h.layer_start, h.layer_end), dst_index[h.block_start : h.block_end], scratch)
 
     encoded = [(job().header, job().payload.clone()) for job in jobs()]
     with ThreadPoolExecutor(max_workers=workers) as decoders, ThreadPoolExecutor(max_workers=workers) as encoders:

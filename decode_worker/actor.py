@@ -9,6 +9,7 @@ import uuid
 from decode_worker.stream_service import DecodeStreamServer
 from decode_worker.worker import DecodeWorker
 from engine.args import EngineArgs
+from kv_transfer.codec_compiled import release_gil_in_compiled_kernels
 from kv_transfer.settings import TransferSettings, build_receiver, layout_of
 
 log = logging.getLogger(f"pdserve.{__name__}")
@@ -27,6 +28,7 @@ class DecodeActor:
                 transfer = dataclasses.replace(transfer, bind_host=node_ip)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.incarnation = uuid.uuid4().hex     # changes when Ray restarts the actor
+        release_gil_in_compiled_kernels()  # compiled CPU kernels then leave the other threads running
         engine = engine_args.build()
         self.layout = layout_of(engine.kv_cache, engine.fingerprint)
         self.transfer = transfer

@@ -1,4 +1,4 @@
-"""Block-level tensor helpers for the receiver: checked views over received bytes, cache writes."""
+"""Received bytes as tensors: read-only views and checksum-checked payloads."""
 
 from __future__ import annotations
 
@@ -7,23 +7,6 @@ import warnings
 import torch
 
 from kv_transfer.wire import ChunkHeader, WireError, checksum
-
-
-def write_blocks(dst: torch.Tensor, index: torch.Tensor, data: torch.Tensor) -> None:
-    """dst[:, index] = data for dst [l, N, 2, H, B, D], data [l, n, 2, H, B, D].
-
-    index_copy_ moves elements one by one, so both sides are viewed as the
-    widest integer words that divide a cell (8-byte words copy twice as fast
-    as bf16); a cache that cannot be viewed that way is written as is.
-    """
-    try:
-        dst_flat = dst.view(dst.shape[0], dst.shape[1], -1)
-        data_flat = data.contiguous().view(data.shape[0], data.shape[1], -1)
-        cell_bytes = dst_flat.shape[-1] * dst_flat.element_size()
-        word = next(w for w in (torch.int64, torch.int32, torch.int16, dst.dtype) if cell_bytes % w.itemsize == 0 and dst.element_size() <= w.itemsize)
-        dst_flat.view(word).index_copy_(1, index, data_flat.view(word))
-    except RuntimeError:  # not viewable (a strided cache): element-wise on the original shape
-        dst.index_copy_(1, index, data)
 
 
 def readonly_tensor(buffer) -> torch.Tensor:

@@ -43,6 +43,17 @@ class EncodedChunk:
         payload_pool.release(self.payload)
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkJob:
+    """Gathers, encodes and checksums one chunk when called; ``nbytes``, its payload size, is known before."""
+
+    run: Callable[[], EncodedChunk]
+    nbytes: int
+
+    def __call__(self) -> EncodedChunk:
+        return self.run()
+
+
 def plan_chunks(layers: tuple[int, int], num_blocks: int, cell_nbytes: int, chunk_bytes: int) -> list[ChunkPlan]:
     """Cover [layers) x [0, num_blocks) with rectangles of <= chunk_bytes (at least one cell)."""
     layer_start, layer_end = layers
@@ -82,17 +93,20 @@ def encode_jobs(
     num_tokens: int = 0,
     first_token_id: int = -1,
     with_checksum: bool = True,
-) -> list[Callable[[], EncodedChunk]]:
-    """One closure per chunk; each gathers, encodes and checksums its rectangle when called."""
+) -> list[ChunkJob]:
+    """One job per chunk; each gathers, encodes and checksums its rectangle when called."""
     num_blocks = len(src_block_ids)
     cell_shape = (1, 1, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)
     cell_nbytes = codec.payload_nbytes(cell_shape, layout.dtype)
     plans = plan_chunks(layers, num_blocks, cell_nbytes, pipeline_chunk_bytes((layers[1] - layers[0]) * num_blocks * cell_nbytes, chunk_bytes))
     index = torch.tensor(src_block_ids, dtype=torch.long, device=kv_cache.device)
 
-    def job(chunk_index: int, plan: ChunkPlan) -> EncodedChunk:
+    def nbytes(plan: ChunkPlan) -> int:
         shape = (plan.layer_end - plan.layer_start, plan.block_end - plan.block_start, *cell_shape[2:])
-        payload = payload_pool.acquire(codec.payload_nbytes(shape, layout.dtype), kv_cache.device)
+        return codec.payload_nbytes(shape, layout.dtype)
+
+    def job(chunk_index: int, plan: ChunkPlan) -> EncodedChunk:
+        payload = payload_pool.acquire(nbytes(plan), kv_cache.device)
         with scratch_pool.lease() as scratch:
             codec.encode_from(kv_cache, (plan.layer_start, plan.layer_end), index[plan.block_start : plan.block_end], payload, scratch)
         crc = checksum(payload.numpy()) if with_checksum and payload.device.type == "cpu" else -1
@@ -122,7 +136,7 @@ def encode_jobs(
         )
         return EncodedChunk(header, pack_header(header), payload)
 
-    return [functools.partial(job, chunk_index, plan) for chunk_index, plan in enumerate(plans)]
+    return [ChunkJob(functools.partial(job, chunk_index, plan), nbytes(plan)) for chunk_index, plan in enumerate(plans)]
 
 
 def encode_chunks(*args, **kwargs) -> Iterator[EncodedChunk]:
@@ -139,15 +153,18 @@ def pipeline(jobs: list[Callable], executor: Executor, transform: Callable = lam
     slower, and the prefill model needs the cores); each runs torch
     single-threaded (``pin_transfer_thread``). An error surfaces when the
     consumer reaches that chunk; closing the generator cancels what has not
-    started.
+    started. ``depth`` 0 runs each job on the consumer's thread as it asks for
+    the chunk: for transports whose sends are asynchronous (torch), which
+    overlap the encode of one chunk with the send of the last on their own.
     """
 
     def run(job):
         pin_transfer_thread()
         return transform(job())
 
-    if len(jobs) == 1:  # nothing to overlap: skip the thread handoff
-        yield run(jobs[0])
+    if len(jobs) == 1 or depth <= 0:  # nothing to overlap, or the consumer overlaps itself: no handoff
+        for job in jobs:
+            yield run(job)
         return
     pending: deque[Future] = deque()
     try:

@@ -70,6 +70,9 @@ class Codec(ABC):
         data = payload[num_scale_bytes:].view(self.wire_dtype(dtype)).view(shape)
         return scales, data
 
+    def prepare(self, kv_cache: torch.Tensor) -> None:
+        """Start building whatever fast kernels this codec has for ``kv_cache`` (no-op by default)."""
+
     def encode_from(self, kv_cache: torch.Tensor, layers: tuple[int, int], index: torch.Tensor, out: torch.Tensor, scratch: Scratch | None = None) -> None:
         """Gather ``kv_cache[l0:l1, index]`` and encode it into ``out`` (uint8 [payload_nbytes])."""
         scratch = scratch or Scratch()
@@ -77,6 +80,10 @@ class Codec(ABC):
         x = scratch.get("gather", shape, kv_cache.dtype, kv_cache.device)
         torch.index_select(kv_cache[layers[0] : layers[1]], 1, index, out=x)
         self.encode(x, out, scratch)
+
+    def decode_into(self, payload: torch.Tensor, shape: tuple[int, ...], kv_cache: torch.Tensor, layers: tuple[int, int], index: torch.Tensor, scratch: Scratch | None = None) -> None:
+        """Decode a payload of ``shape`` into ``kv_cache[l0:l1, index]`` (the cache's dtype)."""
+        write_blocks(kv_cache[layers[0] : layers[1]], index, self.decode(payload, shape, kv_cache.dtype, scratch))
 
     @abstractmethod
     def encode(self, x: torch.Tensor, out: torch.Tensor, scratch: Scratch | None = None) -> None: ...
@@ -135,14 +142,6 @@ class _Fp8Codec(Codec):
         # x: [l, n, 2, H, B, D]; scales: scales_shape (float32)
         scratch = scratch or Scratch()
         scales, data = self._split(out, tuple(x.shape), x.dtype)
-        fast = codec_compiled.kernels() if self.scale_layout == "block" and x.device.type == "cpu" else None
-        if fast is not None:
-            q, amax = fast[0](x.reshape(-1, x.shape[-2] * x.shape[-1]))
-            if not bool(torch.isfinite(amax).all()):
-                raise CodecError("KV cache holds NaN or Inf; refusing to encode it as fp8")
-            torch.div(amax.reshape(scales.shape), FP8_MAX, out=scales)
-            data.view(q.shape).copy_(q)
-            return
         amax = self._amax(x, scratch).reshape(scales.shape)
         torch.div(amax, FP8_MAX, out=scales)
         inv = torch.where(amax > 0, FP8_MAX / amax, 0.0)  # all-zero group -> multiply by 0
@@ -163,10 +162,6 @@ class _Fp8Codec(Codec):
         scratch = scratch or Scratch()
         scales, data = self._split(payload, shape, dtype)
         scales = scales.reshape(scales.shape + (1,) * (len(shape) - scales.dim()))
-        fast = codec_compiled.kernels() if data.device.type == "cpu" else None
-        if fast is not None:
-            groups = math.prod(shape[:-2])
-            return fast[1](data.reshape(groups, -1), scales.reshape(groups, 1), dtype).view(shape)
         # e4m3 -> float16 by bit moves: sign-extend, shift the 7 exponent+mantissa bits
         # into float16's place, clear the stray bit; a float16 subnormal is exactly an
         # e4m3 subnormal. The value is then 2^-8 of the e4m3 value: folded into the scale.
@@ -184,6 +179,9 @@ class _Fp8Codec(Codec):
 
 
 class Fp8BlockCodec(_Fp8Codec):
+    """Per-block scales. On a contiguous CPU cache, encode and decode run compiled kernels
+    that read and write the cache's rows directly (kv_transfer.codec_compiled) once built."""
+
     name = "fp8"
     scale_layout = "block"
 
@@ -192,6 +190,66 @@ class Fp8BlockCodec(_Fp8Codec):
 
     def _reduce_dims(self, x):
         return (-2, -1)
+
+    def prepare(self, kv_cache):
+        self._kernels(kv_cache)
+
+    @staticmethod
+    def _kernels(kv_cache: torch.Tensor):
+        if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+            return None
+        _, _, two, heads, block_size, head_dim = kv_cache.shape
+        return codec_compiled.kernels(kv_cache.dtype, two * heads, block_size * head_dim)
+
+    def encode_from(self, kv_cache, layers, index, out, scratch=None):
+        kernels = self._kernels(kv_cache)
+        if kernels is None:
+            return super().encode_from(kv_cache, layers, index, out, scratch)
+        cells, rows = _rows(kv_cache, layers, index)
+        scales, data = self._split(out, (layers[1] - layers[0], index.numel(), *kv_cache.shape[2:]), kv_cache.dtype)
+        kernels[0](cells, rows, data.view(rows.numel(), *cells.shape[1:]), scales.view(rows.numel(), -1, 1))
+        if not bool(torch.isfinite(scales).all()):
+            raise CodecError("KV cache holds NaN or Inf; refusing to encode it as fp8")
+
+    def decode_into(self, payload, shape, kv_cache, layers, index, scratch=None):
+        kernels = self._kernels(kv_cache)
+        if kernels is None:
+            return super().decode_into(payload, shape, kv_cache, layers, index, scratch)
+        cells, rows = _rows(kv_cache, layers, index)
+        scales, data = self._split(payload, shape, kv_cache.dtype)
+        kernels[1](data.view(rows.numel(), *cells.shape[1:]), scales.view(rows.numel(), -1, 1), cells, rows)
+
+
+def _rows(kv_cache: torch.Tensor, layers: tuple[int, int], index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache as rows of cells [L * N, 2 * H, B * D], and the rows of ``kv_cache[l0:l1, index]``."""
+    num_layers, num_blocks, two, heads, block_size, head_dim = kv_cache.shape
+    cells = kv_cache.view(num_layers * num_blocks, two * heads, block_size * head_dim)
+    layer_rows = torch.arange(layers[0], layers[1], device=index.device) * num_blocks
+    return cells, (layer_rows[:, None] + index[None, :]).reshape(-1)
+
+
+def write_blocks(dst: torch.Tensor, index: torch.Tensor, data: torch.Tensor) -> None:
+    """dst[:, index] = data for dst [l, N, 2, H, B, D], data [l, n, 2, H, B, D].
+
+    Both sides are viewed as [l, N or n, cell] in the widest integer words
+    that divide a cell. On CPU, numpy's fancy assignment then copies each
+    cell as one contiguous run (~4x faster here than ``index_copy_``, which
+    moves words one at a time); on a device, ``index_copy_`` on those words.
+    A cache that cannot be viewed that way is written element-wise.
+    """
+    try:
+        dst_flat = dst.view(dst.shape[0], dst.shape[1], -1)
+        data_flat = data.contiguous().view(data.shape[0], data.shape[1], -1)
+        cell_bytes = dst_flat.shape[-1] * dst_flat.element_size()
+        word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if cell_bytes % w.itemsize == 0 and dst.element_size() <= w.itemsize)
+        dst_words, data_words = dst_flat.view(word), data_flat.view(word)
+    except RuntimeError:  # not viewable (a strided cache): element-wise on the original shape
+        dst.index_copy_(1, index, data)
+        return
+    if dst.device.type == "cpu":
+        dst_words.numpy()[:, index.numpy()] = data_words.numpy()
+    else:
+        dst_words.index_copy_(1, index, data_words)
 
 
 class Fp8TensorCodec(_Fp8Codec):

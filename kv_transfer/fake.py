@@ -73,7 +73,7 @@ class FakeSender(BaseSender):
         receiver.core.check_handshake(local)
         return receiver.core.describe()
 
-    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "", num_chunks: int = 0) -> int:
+    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "", sizes: list[int] | None = None) -> int:
         receiver = self._receiver(dest)
         wire_bytes, transfer_id = 0, ""
         try:

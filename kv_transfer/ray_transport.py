@@ -166,7 +166,7 @@ class RaySender(BaseSender):
             raise HandshakeError(error) if "mismatch" in error else TransferError(error, FailedSide.RECEIVER)
         return answer["layout"]
 
-    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "", num_chunks: int = 0) -> int:
+    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "", sizes: list[int] | None = None) -> int:
         ray, inbox, piece_id = _ray(), self._inbox(dest), uuid.uuid4().hex
         refs, wire_bytes, pending = [], 0, None
         try:

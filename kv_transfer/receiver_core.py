@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_transfer import codec_compiled
 from kv_transfer.base import FailedSide, ReceiverStats, TransferError, TransferResult, TransferStatus
-from kv_transfer.blocks import checked_payload, write_blocks
+from kv_transfer.blocks import checked_payload
 from kv_transfer.buffers import scratch_pool
 from kv_transfer.codec import get_codec, pin_transfer_thread
-from kv_transfer.layout import DTYPES, HandshakeError, KVLayout, check_compatible
+from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
 from kv_transfer.pool import BlockAllocator
 from kv_transfer.wire import MAX_PAYLOAD_BYTES, ChunkHeader, WireError, validate_header
 
@@ -46,7 +45,8 @@ class _Transfer:
     status: TransferStatus = TransferStatus.PENDING
     error: str = ""
     nbytes: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    writers: int = 0  # chunks writing into the blocks right now, outside the lock
+    lock: threading.Condition = field(default_factory=threading.Condition)
 
     def refuse_if_ended(self) -> None:
         if self.status.is_terminal:
@@ -68,9 +68,7 @@ class ReceiverCore:
         reap_interval_s: float = 0.05,
     ) -> None:
         layout.check_cache(kv_cache)
-        get_codec(codec)
-        if codec.startswith("fp8") and kv_cache.device.type == "cpu":
-            codec_compiled.kernels()  # start compiling now, so the first transfers find it ready
+        get_codec(codec).prepare(kv_cache)  # start building fast kernels, so the first transfers find them ready
         self.layout, self.kv_cache, self.allocator = layout, kv_cache, allocator
         self.codec, self.token, self.on_complete = codec, token, on_complete
         self.default_timeout_s, self.max_payload = default_timeout_s, max_payload
@@ -121,25 +119,28 @@ class ReceiverCore:
             self._fail_unknown(header, str(exc))
             raise TransferError(str(exc), FailedSide.RECEIVER) from None
         transfer = self._get_or_reserve(header)
-        transfer.refuse_if_ended()   # a hint, read unlocked: skip decoding for a dead transfer
         if payload.device != self.kv_cache.device:  # decode where the cache lives (GPU)
             payload = payload.to(self.kv_cache.device)
-        with scratch_pool.lease() as scratch:
-            # decode outside the transfer's lock: chunks of one transfer decode in parallel on the
-            # transport's threads; only the write into the blocks (which a failure frees) is locked
-            data = get_codec(header.codec).decode(payload, header.shape, DTYPES[header.dtype], scratch)
+        layers, block_slice = (header.layer_start, header.layer_end), slice(header.block_start, header.block_end)
+        with transfer.lock:
+            transfer.refuse_if_ended()
+            transfer.status = TransferStatus.TRANSFERRING
+            transfer.writers += 1
+        try:  # decode into kv_cache[l0:l1, dst_ids[b0:b1]] unlocked: chunks (disjoint cells) decode in
+            # parallel on the transport's threads; a failure frees blocks once writes drain (_finish)
+            with scratch_pool.lease() as scratch:
+                get_codec(header.codec).decode_into(payload, header.shape, self.kv_cache, layers, transfer.dst_index[block_slice], scratch)
+        finally:
             with transfer.lock:
-                transfer.refuse_if_ended()
-                transfer.status = TransferStatus.TRANSFERRING
-                layer_slice = slice(header.layer_start, header.layer_end)
-                block_slice = slice(header.block_start, header.block_end)
-                # kv_cache[l0:l1, dst_ids[b0:b1]] = data  (data: [l, n, 2, H, B, D])
-                write_blocks(self.kv_cache[layer_slice], transfer.dst_index[block_slice], data)
-                cells = transfer.covered[layer_slice, block_slice]
-                transfer.num_missing -= int((~cells).sum())
-                cells.fill_(True)
-                transfer.nbytes += header.payload_len
-                result = self._finish(transfer, TransferStatus.DONE) if transfer.num_missing == 0 else None
+                transfer.writers -= 1
+                transfer.lock.notify_all()
+        with transfer.lock:
+            transfer.refuse_if_ended()
+            cells = transfer.covered[slice(*layers), block_slice]
+            transfer.num_missing -= int((~cells).sum())
+            cells.fill_(True)
+            transfer.nbytes += header.payload_len
+            result = self._finish(transfer, TransferStatus.DONE) if transfer.num_missing == 0 else None
         if result is not None:
             self._publish(result)
 
@@ -179,10 +180,11 @@ class ReceiverCore:
 
     # --- terminal transitions -----------------------------------------------
     def _finish(self, transfer: _Transfer, status: TransferStatus, error: str = "") -> TransferResult:
-        """Caller holds ``transfer.lock``. Frees blocks unless DONE."""
+        """Caller holds ``transfer.lock``. Frees blocks unless DONE, once no chunk writes into them."""
         transfer.status, transfer.error = status, error
         dst_block_ids = transfer.dst_block_ids if status == TransferStatus.DONE else []
         if status != TransferStatus.DONE:
+            transfer.lock.wait_for(lambda: transfer.writers == 0)  # the terminal status stops new ones
             self.allocator.free(transfer.dst_block_ids)
         transfer.dst_block_ids = []
         return TransferResult(

@@ -2,8 +2,9 @@
 
 A transport subclasses ``BaseSender`` and implements two methods:
     _remote_handshake(dest, local) -> dict   exchange layouts with the receiver
-    _ship(dest, chunks, deadline_at, transfer_id, num_chunks) -> int
-        push what ``_prepare`` made of each chunk, return wire bytes, raise
+    _ship(dest, chunks, deadline_at, transfer_id, sizes) -> int
+        push what ``_prepare`` made of each chunk (``sizes``: every chunk's
+        payload bytes, known before encoding), return wire bytes, raise
         TransferError
 ``send`` runs the encode pipeline and ``_ship`` on a worker thread and
 drops every reference to the cache when the piece ends.
@@ -91,6 +92,7 @@ class BaseSender(KVSender):
         except ValueError as exc:
             handle._finish(TransferStatus.FAILED, str(exc), FailedSide.SENDER)
             return handle
+        self.codec.prepare(kv_cache)  # fast kernels build in the background; until then, the eager codec
         deadline_at = time.monotonic() + deadline_s
         job = dict(
             kv_cache=kv_cache,
@@ -117,7 +119,7 @@ class BaseSender(KVSender):
             jobs = encode_jobs(**job)
             job.clear()  # the jobs hold the cache until they end; we do not
             chunks = pipeline(jobs, self._encoders, self._prepare, self.prefetch_depth)
-            handle.wire_bytes = self._ship(dest, chunks, deadline_at, handle.transfer_id, len(jobs))
+            handle.wire_bytes = self._ship(dest, chunks, deadline_at, handle.transfer_id, [job.nbytes for job in jobs])
             handle._finish(TransferStatus.DONE)
         except HandshakeError as exc:
             handle._finish(TransferStatus.FAILED, str(exc), FailedSide.RECEIVER)
@@ -141,7 +143,7 @@ class BaseSender(KVSender):
     def _remote_handshake(self, dest: str, local: dict) -> dict: ...
 
     @abstractmethod
-    def _ship(self, dest: str, chunks: Iterator, deadline_at: float, transfer_id: str, num_chunks: int) -> int:
+    def _ship(self, dest: str, chunks: Iterator, deadline_at: float, transfer_id: str, sizes: list[int]) -> int:
         """Push what ``_prepare`` made of each chunk; return wire bytes or raise TransferError."""
 
     def close(self) -> None:

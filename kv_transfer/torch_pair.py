@@ -20,31 +20,32 @@ from kv_transfer.wire import WireError
 KIND_CHUNK, KIND_CLOSE, KIND_ABORT = 1, 2, 3
 # Every message group starts with a fixed-size control slot, so the receiver
 # can always keep the next one posted (gloo's loop spins on data that has no
-# posted receive): u32 kind | u32 header_len | u64 payload_len | u32 is_last,
-# then the msgpack header from offset 32.
-CONTROL = struct.Struct("<IIQI")
+# posted receive): u32 kind | u32 header_len | u64 payload_len | u32 is_last |
+# u64 next_len (the next chunk's payload size, 0 after the last chunk), then
+# the msgpack header from offset 32.
+CONTROL = struct.Struct("<IIQIQ")
 CONTROL_BYTES = 4096
 MAX_CONTROL_HEADER = CONTROL_BYTES - 32
 MAX_PENDING_DECODES = 2  # received chunks waiting for decode, per pair
 IDLE_TIMEOUT = timedelta(days=1)  # an idle pair waits in recv; peer death still wakes it
 
 
-def control_tensor(kind: int, header: bytes, payload_len: int, is_last: bool, device) -> torch.Tensor:
+def control_tensor(kind: int, header: bytes, payload_len: int, is_last: bool, device, next_len: int = 0) -> torch.Tensor:
     if len(header) > MAX_CONTROL_HEADER:
         raise WireError(f"chunk header of {len(header)} bytes exceeds the {MAX_CONTROL_HEADER}-byte control slot")
     slot = bytearray(CONTROL_BYTES)
-    CONTROL.pack_into(slot, 0, kind, len(header), payload_len, int(is_last))
+    CONTROL.pack_into(slot, 0, kind, len(header), payload_len, int(is_last), next_len)
     slot[32 : 32 + len(header)] = header
     return torch.frombuffer(slot, dtype=torch.uint8).to(device)
 
 
-def parse_control(slot: torch.Tensor) -> tuple[int, bytes, int, bool]:
-    """-> (kind, header bytes, payload_len, is_last); raises WireError on a bad slot."""
+def parse_control(slot: torch.Tensor) -> tuple[int, bytes, int, bool, int]:
+    """-> (kind, header bytes, payload_len, is_last, next_len); raises WireError on a bad slot."""
     data = slot.cpu().numpy().tobytes()
-    kind, header_len, payload_len, is_last = CONTROL.unpack_from(data)
+    kind, header_len, payload_len, is_last, next_len = CONTROL.unpack_from(data)
     if kind not in (KIND_CHUNK, KIND_CLOSE, KIND_ABORT) or header_len > MAX_CONTROL_HEADER:
         raise WireError(f"bad control slot (kind {kind}, header {header_len} bytes)")
-    return kind, data[32 : 32 + header_len], payload_len, bool(is_last)
+    return kind, data[32 : 32 + header_len], payload_len, bool(is_last), 0 if is_last else next_len
 
 
 def split_host_port(endpoint: str) -> tuple[str, int]:

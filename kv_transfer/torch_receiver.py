@@ -105,32 +105,45 @@ class TorchReceiver(CoreReceiver):
         slot = torch.empty(CONTROL_BYTES, dtype=torch.uint8, device=self.device)
         return slot, group.recv([slot], 0, 0)
 
+    def _post_payload(self, group, nbytes: int):
+        if not (0 <= nbytes <= self.core.max_payload):
+            raise WireError(f"payload of {nbytes} bytes exceeds {self.core.max_payload}")
+        payload = payload_pool.acquire(nbytes, self.device)
+        return payload, group.recv([payload], 0, 0)
+
     def _serve(self, group, in_flight: set[str]) -> None:
         """Receive chunks; ack the last chunk of each send(); return on a close message.
 
-        The next control slot is posted before the current payload is waited
-        for, and chunks are decoded on a small pool while the next arrives.
+        Receives stay posted ahead of the data: the next control slot always,
+        and the next chunk's payload as soon as a control announces its size
+        (gloo holds a send until its receive is posted). Chunks are decoded on
+        a small pool while the next arrives.
         """
         errors: list[str] = []
         pending: deque[Future] = deque()
         slot, work = self._post_control(group)
+        ahead = None  # (buffer, work): the next payload, posted when the previous control announced it
         while not self._closed.is_set():
             work.wait()
-            kind, header_bytes, payload_len, is_last = parse_control(slot)  # WireError: drop the pair
+            kind, header_bytes, payload_len, is_last, next_len = parse_control(slot)  # WireError: drop the pair
             if kind == KIND_CLOSE:
                 return
-            slot, work = None, None
             if kind == KIND_ABORT:  # the sender failed to encode: end the piece
+                if ahead is not None:  # the announced payload arrives as filler
+                    ahead[1].wait()
+                    payload_pool.release(ahead[0])
+                    ahead = None
                 self._drain(pending, errors, 0)
                 for transfer_id in in_flight:
                     self.core.fail(transfer_id, "sender aborted mid-transfer")
                 errors.append("sender aborted")
-            elif not (0 <= payload_len <= self.core.max_payload):
-                raise WireError(f"payload of {payload_len} bytes exceeds {self.core.max_payload}")
-            else:
-                payload = payload_pool.acquire(payload_len, self.device)
-                payload_work = group.recv([payload], 0, 0)
                 slot, work = self._post_control(group)
+            else:
+                payload, payload_work = ahead if ahead is not None else self._post_payload(group, payload_len)
+                if payload.numel() != payload_len:
+                    raise WireError(f"chunk of {payload_len} bytes, its previous control announced {payload.numel()}")
+                slot, work = self._post_control(group)
+                ahead = self._post_payload(group, next_len) if next_len else None
                 payload_work.wait()
                 self._take(header_bytes, payload, payload_len, pending, errors, in_flight)
             if is_last:
@@ -141,8 +154,6 @@ class TorchReceiver(CoreReceiver):
                     group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)], 0, 0).wait()
                 errors.clear()
                 in_flight.clear()
-            if work is None:
-                slot, work = self._post_control(group)
 
     def _take(self, header_bytes: bytes, payload, payload_len: int, pending: deque, errors: list[str], in_flight: set[str]) -> None:
         if errors:  # the piece already failed: drain its chunks

@@ -36,6 +36,9 @@ class _Pair:
 
 class TorchSender(BaseSender):
     def __init__(self, layout, *, device: str | torch.device = "cpu", max_groups: int = 8, connect_timeout_s: float = 10.0, interface: str | None = None, **kwargs) -> None:
+        # gloo and NCCL sends are asynchronous: the sending thread encodes chunk k+1 while chunk k is
+        # on the wire, so chunks are encoded inline (no encoder-thread handoff per chunk)
+        kwargs.setdefault("prefetch_depth", 0)
         super().__init__(layout, **kwargs)
         self.device = torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -90,30 +93,37 @@ class TorchSender(BaseSender):
         with self._pairs_lock:
             return len(self._pairs)
 
-    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "", num_chunks: int = 0) -> int:
+    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "", sizes: list[int] | None = None) -> int:
         pair, _ = self._pair(dest)
-        wire_bytes, inflight = 0, None
+        sizes = sizes or []
+        wire_bytes, inflight, announced = 0, None, 0
+        ack = torch.empty(2, dtype=torch.int64, device=self.device)
         with pair.lock:
             try:
-                pending, encode_error = None, None
+                ack_work, encode_error = None, None
                 try:
-                    for chunk in chunks:  # one chunk behind, to flag the last one
-                        if pending is not None:
-                            inflight = self._post(pair, pending, False, inflight, deadline_at)
-                            wire_bytes += inflight[2]
-                        pending = chunk
+                    for index, chunk in enumerate(chunks):
+                        if chunk.payload.numel() != sizes[index]:
+                            raise RuntimeError(f"chunk {index} has {chunk.payload.numel()} bytes, planned {sizes[index]}")
+                        is_last = index == len(sizes) - 1
+                        if is_last:  # posted before the last chunk leaves: the answer never waits on us
+                            ack_work = pair.group.recv([ack], 1, 0)
+                        announced = 0 if is_last else sizes[index + 1]
+                        inflight = self._post(pair, chunk, is_last, announced, inflight, deadline_at)
+                        wire_bytes += inflight[2]
                 except (CodecError, ValueError) as exc:
                     encode_error = exc
-                if encode_error is None:
-                    inflight = self._post(pair, pending, True, inflight, deadline_at)
-                    wire_bytes += inflight[2]
-                else:  # tell the receiver to free what it reserved, keep the pair in sync
-                    meta = control_tensor(KIND_ABORT, b"", 0, True, self.device)
-                    inflight = self._finish_post(inflight, deadline_at)
-                    self._wait(pair.group.send([meta], 1, 0), deadline_at)
+                if encode_error is not None:
+                    # tell the receiver to free what it reserved; the payload the last control
+                    # announced follows as filler, so the pair stays in step
+                    self._finish_post(inflight, deadline_at)
+                    inflight, ack_work = None, pair.group.recv([ack], 1, 0)
+                    messages = [control_tensor(KIND_ABORT, b"", 0, True, self.device)]
+                    messages += [torch.zeros(announced, dtype=torch.uint8, device=self.device)] if announced else []
+                    for message in messages:
+                        self._wait(pair.group.send([message], 1, 0), deadline_at)
                 self._finish_post(inflight, deadline_at)
-                ack = torch.empty(2, dtype=torch.int64, device=self.device)
-                self._wait(pair.group.recv([ack], 1, 0), deadline_at)
+                self._wait(ack_work, deadline_at)
                 ok, error_len = (int(v) for v in ack.cpu())
                 if not ok:
                     error = torch.empty(error_len, dtype=torch.uint8, device=self.device)
@@ -123,17 +133,24 @@ class TorchSender(BaseSender):
                         raise TransferError(message, FailedSide.RECEIVER)
                 if encode_error is not None:
                     raise encode_error
-            except (TransferError, HandshakeError, CodecError):
+            except (TransferError, HandshakeError, CodecError) as exc:
+                if isinstance(exc, TransferError) and exc.side == FailedSide.TRANSPORT:
+                    self._drop(dest)  # sends may still be pending: the pair is out of step
                 raise
             except Exception as exc:
                 self._drop(dest)
                 raise TransferError(f"torch.distributed pair to {dest} broke: {str(exc)[:200]}", FailedSide.TRANSPORT) from None
         return wire_bytes
 
-    def _post(self, pair: _Pair, chunk: EncodedChunk, is_last: bool, previous, deadline_at: float):
-        """Post this chunk's three sends, then wait for the previous chunk's: two chunks in flight."""
+    def _post(self, pair: _Pair, chunk: EncodedChunk, is_last: bool, next_len: int, previous, deadline_at: float):
+        """Post this chunk's two sends, then wait for the previous chunk's: two chunks in flight.
+
+        ``next_len`` (the next chunk's payload size) lets the receiver post that
+        payload's receive before it arrives: gloo holds a send until its receive
+        is posted, so a late post costs a round trip per chunk.
+        """
         payload = chunk.payload.to(self.device)
-        control = control_tensor(KIND_CHUNK, chunk.header_bytes, payload.numel(), is_last, self.device)
+        control = control_tensor(KIND_CHUNK, chunk.header_bytes, payload.numel(), is_last, self.device, next_len)
         works = [pair.group.send([tensor], 1, 0) for tensor in (control, payload)]
         self._finish_post(previous, deadline_at)
         return works, (chunk, control, payload), control.numel() + payload.numel()

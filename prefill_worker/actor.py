@@ -7,6 +7,7 @@ import uuid
 import logging
 
 from engine.args import EngineArgs
+from kv_transfer.codec_compiled import release_gil_in_compiled_kernels
 from kv_transfer.settings import TransferSettings, build_sender, layout_of
 from prefill_worker.worker import PrefillJob, PrefillResult, PrefillWorker
 
@@ -19,6 +20,7 @@ class PrefillActor:
     def __init__(self, engine_args: EngineArgs, transfer: TransferSettings, actor_id: str):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.incarnation = uuid.uuid4().hex     # changes when Ray restarts the actor
+        release_gil_in_compiled_kernels()  # compiled CPU kernels then leave the other threads running
         engine = engine_args.build()
         self.layout = layout_of(engine.kv_cache, engine.fingerprint)
         self.transfer = transfer

@@ -54,7 +54,7 @@ def main() -> None:
 
         sender = TorchSender(LAYOUT, token=token)
         pair, _ = sender._pair(dest)
-        sender._finish_post(sender._post(pair, chunk, False, None, time.monotonic() + 60), time.monotonic() + 60)
+        sender._finish_post(sender._post(pair, chunk, False, 0, None, time.monotonic() + 60), time.monotonic() + 60)
         print("SENT", flush=True)
         threading.Event().wait()
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 from kv_helpers import TOKEN, assert_no_leak, random_cache
 
-from kv_transfer import TransferStatus, make_sender
+from kv_transfer import SimpleBlockPool, TransferError, TransferStatus, make_sender
 
 NUM_TRANSFERS = 16
 
@@ -51,3 +52,46 @@ def test_sixteen_concurrent_transfers(make_pair, layout, kind):
         sender.close()
     assert_no_leak(pair.pool, owned + [0, 7, 20])
     assert {r.request_id for r in pair.receiver.poll()} == set(results)
+
+
+def test_a_failure_frees_blocks_only_after_the_writes_into_them(layout, monkeypatch):
+    """Chunks decode into the cache outside the transfer's lock; failing the transfer meanwhile
+    must not hand the blocks to someone else until those writes are done."""
+    from kv_transfer.chunker import encode_chunks
+    from kv_transfer.codec import NoneCodec, get_codec
+    from kv_transfer.receiver_core import ReceiverCore
+
+    pool = SimpleBlockPool(8)
+    core = ReceiverCore(layout, torch.zeros(layout.cache_shape(8), dtype=layout.dtype), pool)
+    entered, release = threading.Event(), threading.Event()
+    real = NoneCodec.decode_into
+
+    def slow_decode_into(self, *args, **kwargs):
+        entered.set()
+        release.wait(10)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(NoneCodec, "decode_into", slow_decode_into)
+    chunk = next(encode_chunks(random_cache(layout, 3), [0, 1, 2], layout, get_codec("none"), request_id="r", transfer_id="t",
+                               layers=(0, layout.num_layers), deadline_at=time.monotonic() + 30, chunk_bytes=1 << 20))
+    refused = []
+
+    def write() -> None:
+        try:
+            core.accept(chunk.header, chunk.payload)
+        except TransferError as exc:  # the transfer failed while this chunk was being written
+            refused.append(str(exc))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert entered.wait(5) and pool.num_used == 3
+    failer = threading.Thread(target=core.fail, args=("t", "failed by the test"))
+    failer.start()
+    failer.join(0.3)
+    assert failer.is_alive() and pool.num_used == 3  # waiting for the write to drain
+    release.set()
+    failer.join(5)
+    writer.join(5)
+    assert pool.num_used == 0 and refused and "failed by the test" in refused[0]
+    assert core.wait("t", 1).status == TransferStatus.FAILED
+    core.close()

@@ -15,6 +15,7 @@ from kv_helpers import TOKEN, assert_no_leak, random_cache
 
 import kv_transfer.sender_core as sender_core
 from kv_transfer import FailedSide, KVLayout, TransferStatus
+from kv_transfer.chunker import ChunkJob
 from kv_transfer.wire import FRAME_PREFIX, WIRE_VERSION
 
 HELPER = os.path.join(os.path.dirname(__file__), "kv_killed_sender.py")
@@ -74,7 +75,7 @@ def corrupt_second_chunk(monkeypatch):
         return chunk
 
     def tampered(**kwargs):
-        return [functools.partial(corrupt, job) for job in real(**kwargs)]
+        return [ChunkJob(functools.partial(corrupt, job), job.nbytes) for job in real(**kwargs)]
 
     monkeypatch.setattr(sender_core, "encode_jobs", tampered)
 

@@ -118,7 +118,7 @@ def test_pipeline_chunks_shrink_for_overlap_but_not_below_the_floor():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_blocks_into_contiguous_and_strided_caches(dtype):
-    from kv_transfer.blocks import write_blocks
+    from kv_transfer.codec import write_blocks
 
     data = torch.randn(2, 3, 2, 1, 4, 3).to(dtype)  # [l, n, 2, H, B, D]; odd cell for bf16 words
     index = torch.tensor([4, 0, 2])
