@@ -187,17 +187,9 @@ class ReceiverCore:
             transfer.lock.wait_for(lambda: transfer.writers == 0)  # the terminal status stops new ones
             self.allocator.free(transfer.dst_block_ids)
         transfer.dst_block_ids = []
-        return TransferResult(
-            transfer.transfer_id,
-            transfer.request_id,
-            status,
-            dst_block_ids=dst_block_ids,
-            num_tokens=transfer.num_tokens,
-            first_token_id=transfer.first_token_id,
-            codec=transfer.codec,
-            error=error,
-            nbytes=transfer.nbytes,
-        )
+        return TransferResult(transfer.transfer_id, transfer.request_id, status, dst_block_ids=dst_block_ids,
+                              num_tokens=transfer.num_tokens, first_token_id=transfer.first_token_id,
+                              codec=transfer.codec, error=error, nbytes=transfer.nbytes)
 
     def _remember(self, result: TransferResult) -> None:
         """Caller holds ``self._cond``."""

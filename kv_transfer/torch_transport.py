@@ -10,12 +10,17 @@ meeting a new destination:
        PrefixStore("pg/n/"): NCCL when the caches are CUDA, gloo on CPU.
 Each chunk is two point-to-point messages, metadata first:
     control uint8 [4096] (u32 kind, u32 header_len, u64 payload_len,
-                          u32 is_last, msgpack header at offset 32) | payload
-(the fixed-size slot lets the receiver keep the next one posted while a
-payload arrives), and after the last chunk of a send() the receiver answers
+                          u32 is_last, u64 next_len, msgpack header at
+                          offset 32) | payload
+and after the last chunk of a send() the receiver answers
     ack int64 [2] (ok, error_len) | error bytes.
+gloo holds a send until the peer has posted its receive, so receives are
+posted ahead of the data: the fixed-size control slot always, the next
+chunk's payload as soon as a control announces its size (``next_len``),
+and the sender's ack receive before its last chunk goes.
 Control kinds: chunk, close (the sender evicts the pair), abort (the sender
-failed mid-send: free what this piece reserved).
+failed mid-send: free what this piece reserved; the payload the previous
+control announced follows as filler, keeping the pair in step).
 Senders keep at most ``max_groups`` pairs (LRU; an evicted pair gets a
 ``close`` message). A broken pair (peer died) is torn down on both sides and
 its in-flight transfers fail; the next send builds a fresh one.
