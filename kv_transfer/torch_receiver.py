@@ -114,10 +114,12 @@ class TorchReceiver(CoreReceiver):
     def _serve(self, group, in_flight: set[str]) -> None:
         """Receive chunks; ack the last chunk of each send(); return on a close message.
 
-        Receives stay posted ahead of the data: the next control slot always,
-        and the next chunk's payload as soon as a control announces its size
-        (gloo holds a send until its receive is posted). Chunks are decoded on
-        a small pool while the next arrives.
+        Receives are posted ahead of the data (gloo holds a send until its
+        receive is posted): within a send(), the next control slot and, as soon
+        as a control announces it, the next chunk's payload. The next send()'s
+        control slot is posted only after the ack: NCCL runs a pair's
+        operations in order, so a receive posted first would hold the ack
+        back. Chunks are decoded on a small pool while the next one arrives.
         """
         errors: list[str] = []
         pending: deque[Future] = deque()
@@ -128,7 +130,8 @@ class TorchReceiver(CoreReceiver):
             kind, header_bytes, payload_len, is_last, next_len = parse_control(slot)  # WireError: drop the pair
             if kind == KIND_CLOSE:
                 return
-            if kind == KIND_ABORT:  # the sender failed to encode: end the piece
+            if kind == KIND_ABORT:  # the sender failed to encode: the piece ends here
+                is_last = True
                 if ahead is not None:  # the announced payload arrives as filler
                     ahead[1].wait()
                     payload_pool.release(ahead[0])
@@ -137,13 +140,14 @@ class TorchReceiver(CoreReceiver):
                 for transfer_id in in_flight:
                     self.core.fail(transfer_id, "sender aborted mid-transfer")
                 errors.append("sender aborted")
-                slot, work = self._post_control(group)
             else:
                 payload, payload_work = ahead if ahead is not None else self._post_payload(group, payload_len)
                 if payload.numel() != payload_len:
                     raise WireError(f"chunk of {payload_len} bytes, its previous control announced {payload.numel()}")
-                slot, work = self._post_control(group)
-                ahead = self._post_payload(group, next_len) if next_len else None
+                ahead = None
+                if not is_last:
+                    slot, work = self._post_control(group)
+                    ahead = self._post_payload(group, next_len) if next_len else None
                 payload_work.wait()
                 self._take(header_bytes, payload, payload_len, pending, errors, in_flight)
             if is_last:
@@ -154,6 +158,7 @@ class TorchReceiver(CoreReceiver):
                     group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)], 0, 0).wait()
                 errors.clear()
                 in_flight.clear()
+                slot, work = self._post_control(group)
 
     def _take(self, header_bytes: bytes, payload, payload_len: int, pending: deque, errors: list[str], in_flight: set[str]) -> None:
         if errors:  # the piece already failed: drain its chunks

@@ -106,22 +106,23 @@ class TorchSender(BaseSender):
                         if chunk.payload.numel() != sizes[index]:
                             raise RuntimeError(f"chunk {index} has {chunk.payload.numel()} bytes, planned {sizes[index]}")
                         is_last = index == len(sizes) - 1
-                        if is_last:  # posted before the last chunk leaves: the answer never waits on us
-                            ack_work = pair.group.recv([ack], 1, 0)
                         announced = 0 if is_last else sizes[index + 1]
                         inflight = self._post(pair, chunk, is_last, announced, inflight, deadline_at)
                         wire_bytes += inflight[2]
+                        if is_last:  # posted right behind the last sends (not before: NCCL runs them in order)
+                            ack_work = pair.group.recv([ack], 1, 0)
                 except (CodecError, ValueError) as exc:
                     encode_error = exc
                 if encode_error is not None:
                     # tell the receiver to free what it reserved; the payload the last control
                     # announced follows as filler, so the pair stays in step
-                    self._finish_post(inflight, deadline_at)
-                    inflight, ack_work = None, pair.group.recv([ack], 1, 0)
+                    inflight = self._finish_post(inflight, deadline_at)
                     messages = [control_tensor(KIND_ABORT, b"", 0, True, self.device)]
                     messages += [torch.zeros(announced, dtype=torch.uint8, device=self.device)] if announced else []
-                    for message in messages:
-                        self._wait(pair.group.send([message], 1, 0), deadline_at)
+                    sends = [pair.group.send([message], 1, 0) for message in messages]
+                    ack_work = pair.group.recv([ack], 1, 0)
+                    for work in sends:
+                        self._wait(work, deadline_at)
                 self._finish_post(inflight, deadline_at)
                 self._wait(ack_work, deadline_at)
                 ok, error_len = (int(v) for v in ack.cpu())

@@ -15,9 +15,12 @@ Each chunk is two point-to-point messages, metadata first:
 and after the last chunk of a send() the receiver answers
     ack int64 [2] (ok, error_len) | error bytes.
 gloo holds a send until the peer has posted its receive, so receives are
-posted ahead of the data: the fixed-size control slot always, the next
-chunk's payload as soon as a control announces its size (``next_len``),
-and the sender's ack receive before its last chunk goes.
+posted ahead of the data: within a send(), the next control slot and the
+next chunk's payload as soon as a control announces its size
+(``next_len``); the sender's ack receive right behind its last chunk's
+sends. NCCL runs a pair's operations in order, so neither side posts a
+receive ahead of a send the other side is waiting for: the receiver posts
+the next send()'s control slot only after its ack.
 Control kinds: chunk, close (the sender evicts the pair), abort (the sender
 failed mid-send: free what this piece reserved; the payload the previous
 control announced follows as filler, keeping the pair in step).

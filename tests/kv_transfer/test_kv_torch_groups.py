@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import queue
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 import torch
@@ -91,3 +95,75 @@ def test_kv_transfer_imports_neither_ray_nor_engine():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
     assert_no_leak(SimpleBlockPool(1))
+
+
+class _InOrderGroup:
+    """NCCL's ordering on top of gloo: each side's sends and receives on a pair run one at a
+    time, in the order they were posted. A protocol that posts a receive ahead of a send the
+    peer is waiting for deadlocks here, as it would on NCCL."""
+
+    def __init__(self, group) -> None:
+        self.group, self.ops = group, queue.Queue()
+        threading.Thread(target=self._issue, daemon=True).start()   # a deadlocked test must not hang exit
+
+    def _issue(self) -> None:
+        while True:
+            op, tensors, peer, tag, done = self.ops.get()
+            try:
+                getattr(self.group, op)(tensors, peer, tag).wait()
+                done.set_result(None)
+            except Exception as exc:
+                done.set_exception(exc)
+
+    def _post(self, op, tensors, peer, tag):
+        done = Future()
+        self.ops.put((op, tensors, peer, tag, done))
+        return _Work(done)
+
+    def send(self, tensors, peer, tag):
+        return self._post("send", tensors, peer, tag)
+
+    def recv(self, tensors, peer, tag):
+        return self._post("recv", tensors, peer, tag)
+
+
+class _Work:
+    def __init__(self, done: Future) -> None:
+        self.done = done
+
+    def wait(self, timeout=None) -> bool:
+        try:
+            self.done.result(None if timeout is None else timeout.total_seconds())
+        except FutureTimeout:
+            return False
+        return True
+
+
+def test_the_pair_protocol_keeps_nccl_order(layout, monkeypatch):
+    """Announced payloads, the ack, an abort with its filler and a close all complete when every
+    operation runs in posting order (NCCL) — checked on gloo with that order imposed."""
+    from kv_transfer import torch_receiver, torch_sender
+
+    for module in (torch_sender, torch_receiver):
+        real = module.make_group
+        monkeypatch.setattr(module, "make_group", lambda *args, real=real: _InOrderGroup(real(*args)))
+    pool = SimpleBlockPool(16)
+    dst = torch.zeros(layout.cache_shape(16), dtype=layout.dtype)
+    receiver = make_receiver("torch", layout, dst, pool, codec="fp8", token=TOKEN)
+    sender = make_sender("torch", layout, codec="fp8", token=TOKEN, chunk_bytes=200)
+    try:
+        src = random_cache(layout, 4)
+        first = sender.send("a", src, [0, 1, 2, 3], receiver.endpoint, deadline_s=10)
+        assert first.wait(15) == TransferStatus.DONE, first              # many chunks, each announced ahead
+        bad = src.clone()
+        bad[2, 3, 1, 0, 0, 0] = float("nan")                            # fails mid-piece: abort + filler
+        aborted = sender.send("b", bad, [0, 1, 2, 3], receiver.endpoint, deadline_s=10)
+        assert aborted.wait(15) == TransferStatus.FAILED and "NaN" in aborted.error
+        again = sender.send("c", src, [2, 3], receiver.endpoint, deadline_s=10)
+        assert again.wait(15) == TransferStatus.DONE, again             # the pair is still in step
+        done = [receiver.wait(h.transfer_id, 5) for h in (first, again)]
+        assert all(r.status == TransferStatus.DONE for r in done)
+        assert_no_leak(pool, [b for r in done for b in r.dst_block_ids])
+    finally:
+        sender.close()                                                  # close message in order too
+        receiver.close()
