@@ -108,7 +108,7 @@ def test_compiled_fp8_kernels_work_on_the_cache_like_the_eager_codec(dtype, monk
 
     monkeypatch.setenv("PDSERVE_KV_COMPILE", "1")   # the suite pins the eager codec (tests/conftest.py)
     codec = get_codec("fp8")
-    cache = torch.randn(3, 10, *SHAPE[2:]).to(dtype)  # [L, N, 2, H, B, D]
+    cache = torch.randn(3, 10, *SHAPE[2:], generator=torch.Generator().manual_seed(3)).to(dtype)  # [L, N, 2, H, B, D]
     cache[1, 4] = 0  # an all-zero block
     codec.prepare(cache)
     assert codec_compiled.wait_ready(600), "the compiled codec did not build"
@@ -121,7 +121,8 @@ def test_compiled_fp8_kernels_work_on_the_cache_like_the_eager_codec(dtype, monk
     eager = codec.decode(payload, shape, dtype).float()  # the eager decode of the fused payload
     scale = x.abs().amax(dim=(-2, -1), keepdim=True) / 448
     bound = torch.maximum(x.abs() * 2**-4, scale * 2**-10)
-    assert bool(((eager - x).abs() <= bound * (1 + 1e-5)).all())
+    slack = 2**-7 if dtype == torch.bfloat16 else 1e-6  # the decoded value is rounded to the cache dtype
+    assert bool(((eager - x).abs() <= bound * (1 + 1e-5) + x.abs() * slack).all())
     assert bool((eager[0, 1] == 0).all())
     dst = torch.full_like(cache, 7.0)
     dst_index = torch.tensor([2, 8, 5, 1])
@@ -130,6 +131,13 @@ def test_compiled_fp8_kernels_work_on_the_cache_like_the_eager_codec(dtype, monk
     untouched = torch.ones(3, 10, dtype=torch.bool)
     untouched[1:3, dst_index] = False
     assert bool((dst[untouched] == 7.0).all())
+    # a payload as gRPC hands it over: read-only bytes at an odd address
+    from kv_transfer.blocks import readonly_tensor
+
+    odd = readonly_tensor(memoryview(b"\x00" + payload.numpy().tobytes())[1:])
+    again = torch.zeros_like(cache)
+    codec.decode_into(odd, shape, again, layers, dst_index)
+    assert torch.equal(again[1:3][:, dst_index].float(), eager)
     with pytest.raises(CodecError):
         cache[2, 0, 0, 0, 0, 0] = float("nan")
         codec.encode_from(cache, layers, index, payload)
