@@ -106,9 +106,9 @@ class TorchSender(BaseSender):
                         if chunk.payload.numel() != sizes[index]:
                             raise RuntimeError(f"chunk {index} has {chunk.payload.numel()} bytes, planned {sizes[index]}")
                         is_last = index == len(sizes) - 1
-                        announced = 0 if is_last else sizes[index + 1]
-                        inflight = self._post(pair, chunk, is_last, announced, inflight, deadline_at)
-                        wire_bytes += inflight[2]
+                        next_len = 0 if is_last else sizes[index + 1]
+                        inflight = self._post(pair, chunk, is_last, next_len, inflight, deadline_at)
+                        announced, wire_bytes = next_len, wire_bytes + inflight[2]
                         if is_last:  # posted right behind the last sends (not before: NCCL runs them in order)
                             ack_work = pair.group.recv([ack], 1, 0)
                 except (CodecError, ValueError) as exc:

@@ -111,8 +111,8 @@ def test_compiled_fp8_kernels_work_on_the_cache_like_the_eager_codec(dtype, monk
     cache = torch.randn(3, 10, *SHAPE[2:], generator=torch.Generator().manual_seed(3)).to(dtype)  # [L, N, 2, H, B, D]
     cache[1, 4] = 0  # an all-zero block
     codec.prepare(cache)
-    assert codec_compiled.wait_ready(600), "the compiled codec did not build"
-    assert codec._kernels(cache) is not None
+    codec_compiled.wait_ready(600)
+    assert codec._kernels(cache) is not None, "the compiled codec did not build"
     layers, index = (1, 3), torch.tensor([7, 4, 0, 9])
     shape = (2, 4, *SHAPE[2:])
     payload = torch.empty(codec.payload_nbytes(shape, dtype), dtype=torch.uint8)
@@ -159,7 +159,8 @@ def test_compiled_kernels_run_without_the_gil(monkeypatch):
     codec = get_codec("fp8")
     cache = torch.randn(4, 64, *SHAPE[2:]).to(torch.bfloat16)
     codec.prepare(cache)
-    assert codec_compiled.wait_ready(600) and codec._kernels(cache) is not None
+    codec_compiled.wait_ready(600)
+    assert codec._kernels(cache) is not None, "the compiled codec did not build"
     decode_rows = codec._kernels(cache)[1]
     cells, rows = _rows(cache, (0, 4), torch.arange(64))
     data = torch.zeros(rows.numel(), *cells.shape[1:], dtype=torch.float8_e4m3fn)
@@ -185,3 +186,31 @@ def test_compiled_kernels_run_without_the_gil(monkeypatch):
         stop.set()
         worker.join()
     assert beside > 0.3 * alone, (alone, beside)
+
+
+def test_without_a_compiler_the_eager_codec_runs(monkeypatch, caplog):
+    """A failed build is logged once and leaves the eager codec in place, with the same payload."""
+    import logging
+
+    from kv_transfer import codec_compiled
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setenv("PDSERVE_KV_COMPILE", "1")
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    codec = get_codec("fp8")
+    cache = torch.randn(2, 6, 2, 3, 4, 8)  # a cell shape no other test builds
+    with caplog.at_level(logging.WARNING, logger="kv_transfer.codec_compiled"):
+        codec.prepare(cache)
+        assert not codec_compiled.wait_ready(60)
+    assert codec._kernels(cache) is None and "no C++ compiler" in caplog.text
+    shape, index = (2, 3, 2, 3, 4, 8), torch.tensor([5, 1, 3])
+    fused = torch.empty(codec.payload_nbytes(shape, cache.dtype), dtype=torch.uint8)
+    codec.encode_from(cache, (0, 2), index, fused)
+    plain = torch.empty_like(fused)
+    codec.encode(cache[:, index].contiguous(), plain)
+    assert torch.equal(fused, plain)
+    dst = torch.zeros_like(cache)
+    codec.decode_into(fused, shape, dst, (0, 2), index)
+    assert torch.equal(dst[:, index], codec.decode(plain, shape, cache.dtype))
