@@ -40,8 +40,7 @@ class RecvPeer:
         self.cache = torch.zeros(LAYOUT.cache_shape(num_blocks), dtype=LAYOUT.dtype)
         kwargs = {"host": host} if transport in ("grpc", "torch") else {}
         self.receiver = make_receiver(transport, LAYOUT, self.cache, self.pool, codec=codec, token=token, on_complete=self._done, **kwargs)
-        if codec.startswith("fp8"):
-            codec_compiled.wait_ready()  # measure the codec a serving process runs once warm
+        codec_compiled.wait_ready()  # the receiver started its kernel build: measure the warm codec
 
     def _done(self, result) -> None:
         if result.status == TransferStatus.DONE:  # the "decode worker" is done with them at once

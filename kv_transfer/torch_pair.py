@@ -19,8 +19,8 @@ from kv_transfer.wire import WireError
 
 KIND_CHUNK, KIND_CLOSE, KIND_ABORT = 1, 2, 3
 # Every message group starts with a fixed-size control slot, so the receiver
-# can always keep the next one posted (gloo's loop spins on data that has no
-# posted receive): u32 kind | u32 header_len | u64 payload_len | u32 is_last |
+# can post the next one before it arrives (gloo holds a send until its receive
+# is posted): u32 kind | u32 header_len | u64 payload_len | u32 is_last |
 # u64 next_len (the next chunk's payload size, 0 after the last chunk), then
 # the msgpack header from offset 32.
 CONTROL = struct.Struct("<IIQIQ")
@@ -75,7 +75,3 @@ def _gloo_device(host: str, interface: str | None):
     if host.startswith("127.") or host == "localhost":
         return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
     return dist.ProcessGroupGloo.create_default_device()
-
-
-
-

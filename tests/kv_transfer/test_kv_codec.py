@@ -99,20 +99,28 @@ def test_fp8_bit_decode_matches_torch_cast_for_every_code():
     assert torch.equal(codec.decode(payload, shape, torch.bfloat16).flatten(), expected.to(torch.bfloat16))
 
 
+def built_kernels(cache: torch.Tensor, monkeypatch):
+    """The compiled fp8 kernels for ``cache``, built now (the suite pins the eager codec)."""
+    from kv_transfer import codec_compiled
+
+    monkeypatch.setenv("PDSERVE_KV_COMPILE", "1")
+    codec = get_codec("fp8")
+    codec.prepare(cache)
+    codec_compiled.wait_ready(600)
+    kernels = codec._kernels(cache)
+    assert kernels is not None, "the compiled codec did not build"
+    return kernels
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_fp8_kernels_work_on_the_cache_like_the_eager_codec(dtype, monkeypatch):
     """The fused kernels encode from and decode into scattered cache rows: the payload is within
     the eager codec's bounds, decodes bit-identically to the eager decode, and NaN is refused."""
-    from kv_transfer import codec_compiled
-
-    monkeypatch.setenv("PDSERVE_KV_COMPILE", "1")   # the suite pins the eager codec (tests/conftest.py)
     codec = get_codec("fp8")
     cache = torch.randn(3, 10, *SHAPE[2:], generator=torch.Generator().manual_seed(3)).to(dtype)  # [L, N, 2, H, B, D]
     cache[1, 4] = 0  # an all-zero block
-    codec.prepare(cache)
-    codec_compiled.wait_ready(600)
-    assert codec._kernels(cache) is not None, "the compiled codec did not build"
+    built_kernels(cache, monkeypatch)
     layers, index = (1, 3), torch.tensor([7, 4, 0, 9])
     shape = (2, 4, *SHAPE[2:])
     payload = torch.empty(codec.payload_nbytes(shape, dtype), dtype=torch.uint8)
@@ -154,14 +162,9 @@ def test_compiled_kernels_run_without_the_gil(monkeypatch):
     from kv_transfer import codec_compiled
     from kv_transfer.codec import _rows
 
-    monkeypatch.setenv("PDSERVE_KV_COMPILE", "1")
     assert codec_compiled.release_gil_in_compiled_kernels()
-    codec = get_codec("fp8")
     cache = torch.randn(4, 64, *SHAPE[2:]).to(torch.bfloat16)
-    codec.prepare(cache)
-    codec_compiled.wait_ready(600)
-    assert codec._kernels(cache) is not None, "the compiled codec did not build"
-    decode_rows = codec._kernels(cache)[1]
+    decode_rows = built_kernels(cache, monkeypatch)[1]
     cells, rows = _rows(cache, (0, 4), torch.arange(64))
     data = torch.zeros(rows.numel(), *cells.shape[1:], dtype=torch.float8_e4m3fn)
     scales = torch.ones(rows.numel(), cells.shape[1], 1)
