@@ -7,61 +7,16 @@ steps of adopted sequences holding a given context. Everything is aborted and it
 blocks freed afterwards. The engine must be idle; call it on the engine's loop thread
 (the engine is not thread-safe) — the actors post it there with `EngineLoop.call`.
 
-Counting (the seeds' ledger):
-    prefill FLOPs(S)      = 2·P·S + 4·L·S²·d + 2·V·h        (linear, attention, one sampled row)
-    decode FLOPs(B, C)    = 2·P·B + 4·L·B·C·d + 2·V·h·B
-    decode bytes(B, C)    = weight bytes + B·C·(KV bytes per token)
-P = matmul parameters of the decoder layers, L = layers, d = query heads · head_dim,
-V·h = the LM head. Embedding lookups and norms are left out (negligible).
+FLOPs and bytes of each point are counted by `engine.cost_model` (the seeds' ledger).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from engine.cost_model import ModelCosts
 from engine.sampling_params import SamplingParams
-
-
-@dataclass(slots=True, frozen=True)
-class ModelCosts:
-    num_layers: int
-    hidden_size: int
-    attn_dim: int              # query heads · head_dim
-    layer_params: int          # matmul parameters of all decoder layers (P)
-    head_params: int           # LM head (V·h)
-    weight_bytes: int          # bytes a decode step reads for weights (layers + head)
-    kv_bytes_per_token: int    # K and V of one token over all layers
-    dtype_bytes: int
-
-    @classmethod
-    def of(cls, cfg: ModelConfig, dtype_bytes: int) -> "ModelCosts":
-        h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
-        kv = cfg.num_key_value_heads * cfg.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
-        layer_params = cfg.num_hidden_layers * per_layer
-        head = cfg.vocab_size * h
-        return cls(cfg.num_hidden_layers, h, q, layer_params, head, (layer_params + head) * dtype_bytes,
-                   cfg.kv_bytes_per_token(dtype_bytes), dtype_bytes)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelCosts":
-        return cls(**{k: d[k] for k in cls.__slots__})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def prefill_flops(self, prompt_len: int) -> float:
-        s = prompt_len
-        return 2.0 * self.layer_params * s + 4.0 * self.num_layers * s * s * self.attn_dim + 2.0 * self.head_params
-
-    def decode_flops(self, batch: int, context: int) -> float:
-        return batch * (2.0 * (self.layer_params + self.head_params) + 4.0 * self.num_layers * context * self.attn_dim)
-
-    def decode_bytes(self, batch: int, context: int) -> float:
-        return float(self.weight_bytes) + batch * context * self.kv_bytes_per_token
 
 
 def engine_costs(engine) -> ModelCosts:
