@@ -8,7 +8,7 @@ import json
 import math
 
 from bench import engine as bench_engine
-from bench.engine_report import TARGETS
+from bench.engine.report import TARGETS
 
 PREFILL_KEYS = {"tokens", "ours_s", "hf_s", "ratio", "ours_tokens_per_s", "hf_tokens_per_s", "flops",
                 "ours_flop_per_s", "hf_flop_per_s"}

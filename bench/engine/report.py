@@ -1,4 +1,4 @@
-"""Tables for `bench/engine.py`: the measured figures beside their peers, and the targets PASS/MISS."""
+"""Tables for `bench.engine`: the measured figures beside their peers, and the targets PASS/MISS."""
 from __future__ import annotations
 
 # (name, figure, goal text, passes?) — the issue's targets for the engine.

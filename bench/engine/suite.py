@@ -2,15 +2,15 @@
 
     python -m bench.engine [--model small] [--dtype float32|bfloat16] [--quick] [--json FILE] [--markdown FILE]
 
-Three parts, each on the same weights and dtype as HF (see `bench/engine_peers.py`
-for the peers and exactly what each limit counts):
+Three parts, each on the same weights and dtype as HF (see `bench/engine/peers.py`
+for the peers and exactly what each limit counts; `engine/cost_model.py` for the counts):
 
 1. prefill: one prompt of 512 and of 2048 tokens through `Engine.generate`
    (max_tokens=1: schedule, model, sample) against HF's forward with cache;
-   achieved FLOP/s = (2·P·S + 2·H·V + 4·L·S²·d) / time over measured matmul FLOP/s.
+   achieved FLOP/s = prefill FLOPs(S) / time over measured matmul FLOP/s.
 2. decode: B sequences of a fixed 256-token context; mean `Engine.step()` time
    against HF's one-token forward through its cache (+ argmax); achieved bytes/s =
-   (weights + KV read per step) / step time over measured memcpy bytes/s.
+   decode bytes(B, C) (weights + KV read per step) / step time over measured memcpy bytes/s.
 3. serving workload: requests of varied prompt and output length (fixed seed);
    HF `generate` in static batches of 16 vs our `Engine.generate` with continuous
    batching; useful output tokens/s (each request's own tokens only).
@@ -32,13 +32,15 @@ from dataclasses import dataclass
 
 import torch
 
-from bench import engine_peers as peers
-from bench.engine_report import check_targets, render_markdown, render_text
+from bench.engine import peers
+from bench.engine.report import check_targets, render_markdown, render_text
 from engine import Engine, SamplingParams
 from engine.config import ModelConfig
+from engine.engine import pick_dtype
 from engine.presets import resolve_model
+from engine.profile import engine_costs
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(slots=True)
@@ -132,7 +134,7 @@ def bench_prefill(plan: Plan, engine: Engine, hf, cfg: ModelConfig, rng, log) ->
                 run()
             log(f"prefill {seq_len}: rep {rep + 1}/{plan.prefill_repeats} ours {ours[-1]:.3f}s HF {theirs[-1]:.3f}s")
         t_ours, t_hf = statistics.median(ours), statistics.median(theirs)
-        flops = peers.prefill_flops(cfg, seq_len)
+        flops = engine_costs(engine).prefill_flops(seq_len)
         results[str(nominal)] = {
             "tokens": seq_len, "ours_s": t_ours, "hf_s": t_hf, "ratio": t_ours / t_hf,
             "ours_tokens_per_s": seq_len / t_ours, "hf_tokens_per_s": seq_len / t_hf,
@@ -141,7 +143,7 @@ def bench_prefill(plan: Plan, engine: Engine, hf, cfg: ModelConfig, rng, log) ->
     return results
 
 
-def bench_decode(plan: Plan, engine: Engine, hf, cfg: ModelConfig, itemsize: int, rng, log) -> dict:
+def bench_decode(plan: Plan, engine: Engine, hf, cfg: ModelConfig, rng, log) -> dict:
     """Each side prefills the batch once; then blocks of steps alternate ours/HF (A/B, B/A, ...)."""
     results = {}
     for batch in plan.decode_batches:
@@ -164,7 +166,7 @@ def bench_decode(plan: Plan, engine: Engine, hf, cfg: ModelConfig, itemsize: int
         t_ours, t_hf = statistics.median(ours), statistics.median(theirs)
         # context: prompt + first token + warm-up, then the timed steps (mean over them)
         context = plan.decode_context + 3 + plan.decode_steps * plan.decode_repeats / 2
-        step_bytes = peers.decode_step_bytes(cfg, batch, context, itemsize)
+        step_bytes = engine_costs(engine).decode_bytes(batch, context)
         results[str(batch)] = {
             "ours_s": t_ours, "hf_s": t_hf, "ratio": t_ours / t_hf, "context": context,
             "step_bytes": step_bytes, "ours_bytes_per_s": step_bytes / t_ours, "hf_bytes_per_s": step_bytes / t_hf,
@@ -191,7 +193,8 @@ def bench_workload(plan: Plan, model: str, dtype: str, hf, cfg: ModelConfig, rng
     same = sum(c.token_ids == h for c, h in zip(completions, hf_outputs))
     del engine
     gc.collect()
-    return {"num_requests": plan.num_requests, "useful_tokens": useful, "hf_generated_tokens": steps * plan.hf_batch_size,
+    return {"num_requests": plan.num_requests, "useful_tokens": useful,
+            "hf_generated_tokens": steps * plan.hf_batch_size,
             "ours_s": t_ours, "hf_s": t_hf, "ours_tokens_per_s": useful / t_ours, "hf_tokens_per_s": useful / t_hf,
             "speedup": t_hf / t_ours, "identical_outputs": same,
             "output_lens": list(plan.output_lens), "prompt_lens": list(plan.prompt_lens)}
@@ -201,7 +204,7 @@ def bench_workload(plan: Plan, model: str, dtype: str, hf, cfg: ModelConfig, rng
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="small", help="preset name or HF model directory (default: small)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--quick", action="store_true", help="fewer repeats, a smaller workload (under 2 minutes)")
     p.add_argument("--json", help="write every figure to this JSON file")
     p.add_argument("--markdown", help="write the tables as Markdown to this file")
@@ -217,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     plan = Plan.quick() if args.quick else Plan()
     log = Progress()
-    dtype = DTYPES[args.dtype]
+    dtype = pick_dtype(args.dtype, torch.device("cpu"))
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
     rng = random.Random(plan.seed)
@@ -237,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                     chunk_size=None, max_num_seqs=max(64, *plan.decode_batches), attention=args.attention)
     engine_attention = engine.attention
     prefill = bench_prefill(plan, engine, hf, cfg, rng, log)
-    decode = bench_decode(plan, engine, hf, cfg, dtype.itemsize, rng, log)
+    decode = bench_decode(plan, engine, hf, cfg, rng, log)
     del engine
     gc.collect()
     workload = bench_workload(plan, args.model, args.dtype, hf, cfg, rng, log, args.attention)
@@ -256,6 +259,3 @@ def main(argv: list[str] | None = None) -> int:
             f.write(render_markdown(result))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""What `bench/engine.py` measures ours against: the machine's own limits and Hugging Face.
+"""What `bench.engine` measures ours against: the machine's own limits and Hugging Face.
 
 Machine limits (same process, same dtype, same thread count as the engine):
 
@@ -50,31 +50,6 @@ def memcpy_bandwidth(num_bytes: int, repeats: int) -> dict:
     return {"bytes": int(copied), "bytes_per_s": copied / min(times),
             "bytes_per_s_median": copied / statistics.median(times),
             "traffic_bytes_per_s": 2.0 * copied / min(times)}
-
-
-# ---- analytic ledger -------------------------------------------------------
-def layer_matmul_params(cfg) -> int:
-    """Weights every token multiplies through in the decoder layers (no embedding, no lm_head)."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
-    return cfg.num_hidden_layers * per_layer
-
-
-def prefill_flops(cfg, seq_len: int) -> float:
-    """Linear 2·P·S (+ lm_head for the one row sampled) + attention 4·L·S²·d (full square)."""
-    d = cfg.num_attention_heads * cfg.head_dim
-    linear = 2.0 * layer_matmul_params(cfg) * seq_len + 2.0 * cfg.hidden_size * cfg.vocab_size
-    attention = 4.0 * cfg.num_hidden_layers * seq_len ** 2 * d
-    return linear + attention
-
-
-def decode_step_bytes(cfg, batch: int, context: float, itemsize: int) -> float:
-    """Bytes a decode step must read: all weights but the embedding table (B rows of it), plus each sequence's KV."""
-    weights = layer_matmul_params(cfg) + cfg.hidden_size * cfg.vocab_size + (2 * cfg.num_hidden_layers + 1) * cfg.hidden_size
-    weights += batch * cfg.hidden_size                                  # embedding rows
-    kv = batch * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
-    return (weights + kv) * itemsize
 
 
 # ---- Hugging Face ----------------------------------------------------------
