@@ -1,4 +1,6 @@
-"""Benchmarks: engine vs HF, KV transfer, serving (goodput, baselines), KV quality, stream latency.
+"""Benchmarks, one sub-package each: engine/ (engine vs HF), transfer/ (KV transfer), serving/
+(latency, goodput, baselines, plan check, stream latency), report/ (docs/benchmarks.md); kv_quality.py
+(fp8 KV accuracy).
 
 Benchmarks run on one machine: a Ray instance they start keeps every listener
 on 127.0.0.1 (Ray reads this setting when it is imported).

@@ -94,9 +94,13 @@ def cmd_model_init(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHES = {"engine": "bench.engine", "transfer": "bench.transfer", "serve": "bench.serving",
+           "kv_quality": "bench.kv_quality", "stream_latency": "bench.serving.stream_latency"}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
-    module = importlib.import_module(f"bench.{args.what}")
+    module = importlib.import_module(BENCHES[args.what])
     return module.main(args.rest)
 
 
@@ -160,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
 
     p = sub.add_parser("bench", help="benchmarks: engine | transfer | serve | kv_quality")
-    p.add_argument("what", choices=["engine", "transfer", "serve", "kv_quality", "stream_latency"])
+    p.add_argument("what", choices=list(BENCHES))
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_bench)
 

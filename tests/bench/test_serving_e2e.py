@@ -1,4 +1,4 @@
-"""`bench.serve` end to end on the tiny model: a handful of requests, JSON with the required keys.
+"""`bench.serving` end to end on the tiny model: a handful of requests, JSON with the required keys.
 
 No timing assertions: the machine is shared.
 """
@@ -32,7 +32,7 @@ def small_cluster_flags(model_dir: str) -> list[str]:
 
 
 def test_compare_cold_and_warm_writes_every_run(tiny_model_dir, ray_session, tmp_path, capsys):
-    from bench.serve import main
+    from bench.serving import main
     out = tmp_path / "compare.json"
     rc = main([*small_cluster_flags(tiny_model_dir), "--compare", "colocated,disaggregated",
                "--workload", "shared-prefix", "--scale", "0.05", "--num-requests", "4", "--num-warmup", "1",

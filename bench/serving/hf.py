@@ -18,10 +18,11 @@ def hf_static_batching(cfg, specs: list, batch_size: int = 8) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from engine.engine import pick_dtype
     from engine.presets import resolve_model
     model_dir = resolve_model(cfg.model.name)
     total = sum(p.resources.threads() * p.bounds()[0] for _, p in cfg.pools.items())
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    dtype = pick_dtype(cfg.model.dtype, torch.device("cpu"))          # HF runs on the CPU: auto = float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     prompts = [s.prompt_token_ids for s in specs if s.prompt_token_ids is not None]
     outputs = [s.output_len for s in specs if s.prompt_token_ids is not None]

@@ -22,12 +22,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from bench.report_md import render_markdown
-from bench.serve import build_parser, clean_json, measure
-from bench.serve_cluster import bench_config, embedded
-from bench.serve_plots import plot_latency_sweep, plot_slo_attainment
-from bench.serve_sweep import FIGURES, point_specs
-from bench.workloads import describe, make_workload
+from bench.report.markdown import render_markdown
+from bench.serving.cli import build_parser, clean_json
+from bench.serving.cluster import bench_config, embedded
+from bench.serving.plots import plot_latency_sweep, plot_slo_attainment
+from bench.serving.runs import measure
+from bench.serving.sweep import FIGURES, point_specs
+from bench.serving.workloads import describe, make_workload
 
 VARIANTS = ("colocated", "colocated-chunked", "disaggregated")
 
@@ -95,7 +96,8 @@ async def run_variant(plan: Plan, variant: str, out: dict) -> None:
 
         a = bench_args(plan, "--workload", "mixed")
         specs = make_workload("mixed", plan.low_load_requests, 1, plan.scale)
-        out["low_load"][variant] = strip((await measure(target, a, specs, seed=1, label=variant, concurrency=1))[variant])
+        res = await measure(target, a, specs, seed=1, label=variant, concurrency=1)
+        out["low_load"][variant] = strip(res[variant])
         out["workloads"]["mixed (low load)"] = describe(specs)
 
         specs = make_workload("mixed", plan.loaded_requests, 0, plan.scale)
@@ -139,7 +141,7 @@ async def run_variant(plan: Plan, variant: str, out: dict) -> None:
 
 
 def run_hf(plan: Plan, out: dict) -> None:
-    from bench.serve_hf import hf_static_batching
+    from bench.serving.hf import hf_static_batching
     base = bench_args(plan)
     cfg = bench_config(base.config, base.model, base.dtype, base.set)
     specs = make_workload("chat", plan.throughput_requests, 5, plan.scale)
@@ -230,6 +232,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out} and {len(plots)} plots in {args.img_dir}", file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ Both run between two processes on this machine: an actor yields `--tokens` small
 events, one per `--interval-ms` (like decode steps); the consumer records the
 delay between the producer's timestamp and its arrival.
 
-    python -m bench.stream_latency [--tokens 500] [--interval-ms 2]
+    python -m bench.serving.stream_latency [--tokens 500] [--interval-ms 2]
 """
 from __future__ import annotations
 

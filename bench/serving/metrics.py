@@ -16,7 +16,7 @@ import statistics
 import urllib.request
 from collections.abc import Iterable, Sequence
 
-from bench.serve_load import RequestRecord
+from bench.serving.load import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 KV_COUNTERS = {

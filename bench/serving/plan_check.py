@@ -1,6 +1,6 @@
 """Check the planner against the cluster: predicted vs measured per-actor throughput.
 
-    python -m bench.plan_check --config deploy/examples/rag.yaml [--profile FILE] [--json OUT]
+    python -m bench.serving.plan_check --config deploy/examples/rag.yaml [--profile FILE] [--json OUT]
 
 Plans the config (cached profile, else profile first), then starts it as 1 prefill + 1 decode
 actor (the pools' resources and settings; the decode actor's batch capped at the planned
@@ -109,7 +109,7 @@ async def _decode_phase(stub, pb, tokens, batch: int, s_in: int, s_out: int, dec
 def main(argv: list[str] | None = None) -> int:
     from deploy.config import load_config
     from deploy.plan_cli import format_plan, obtain_profile, plan_for
-    p = argparse.ArgumentParser(prog="python -m bench.plan_check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.serving.plan_check", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--profile", help="profile file (default: the config's cached profile, else profile first)")
     p.add_argument("--local", action="store_true", help="profile in-process engines when there is no profile")

@@ -14,7 +14,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from bench.workloads import RequestSpec
+from bench.serving.workloads import RequestSpec
+from engine.latency import time_per_output_token
 
 
 @dataclass(slots=True)
@@ -44,8 +45,7 @@ class RequestRecord:
     @property
     def tpot_s(self) -> float:
         """Mean time per output token after the first (0 with fewer than two tokens)."""
-        n = self.num_output_tokens
-        return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else 0.0
+        return time_per_output_token(self.ttft_s, self.e2e_s, self.num_output_tokens)
 
     def to_dict(self) -> dict:
         out = asdict(self)

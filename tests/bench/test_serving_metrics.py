@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from bench.serve_load import RequestRecord, arrival_gaps
-from bench.serve_metrics import goodput, parse_counters, percentile, summarize
-from bench.workloads import describe, make_workload
+from bench.serving.load import RequestRecord, arrival_gaps
+from bench.serving.metrics import goodput, parse_counters, percentile, summarize
+from bench.serving.workloads import describe, make_workload
 
 
 def rec(i, ttft, e2e, n, ok=True, prompt=10, cached=0):

@@ -1,13 +1,13 @@
 """Sweep plots, side-by-side tables and the benchmarks page render from fixed results (no cluster)."""
 from __future__ import annotations
 
-from bench.report_md import render_markdown
-from bench.serve_load import RequestRecord
-from bench.serve_metrics import summarize
-from bench.serve_plots import plot_latency_sweep, plot_slo_attainment
-from bench.serve_report import max_rate_at_attainment, table, targets
-from bench.serve_sweep import FIGURES
-from bench.workloads import describe, make_workload
+from bench.report.markdown import render_markdown
+from bench.serving.load import RequestRecord
+from bench.serving.metrics import summarize
+from bench.serving.plots import plot_latency_sweep, plot_slo_attainment
+from bench.serving.sweep import FIGURES
+from bench.serving.tables import max_rate_at_attainment, table, targets
+from bench.serving.workloads import describe, make_workload
 
 
 def run(ttft: float, e2e: float) -> dict:
@@ -49,7 +49,7 @@ def test_plots_and_page(tmp_path):
     for path in paths.values():
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    from bench.report import PRESETS
+    from bench.report.suite import PRESETS
     from dataclasses import asdict
     result = {"plan": asdict(PRESETS["tiny"]), "low_load": RUNS, "loaded": RUNS, "rates": points, "prefix": {},
               "sweeps": {"concurrency": points}, "throughput": {"disaggregated": RUNS["disaggregated"]},

@@ -1,13 +1,13 @@
 """Serving benchmark: latency, throughput and goodput of pdserve under a workload.
 
-    python -m bench.serve --embedded --model tiny --workload mixed --request-rate 2 --num-requests 50
-    python -m bench.serve --address 127.0.0.1:50051 --metrics-url http://127.0.0.1:9090/metrics
-    python -m bench.serve --embedded --compare colocated,disaggregated --workload mixed --json out.json
-    python -m bench.serve --embedded --sweep concurrency --compare colocated,disaggregated --plot-dir img/
+    python -m bench.serving --embedded --model tiny --workload mixed --request-rate 2 --num-requests 50
+    python -m bench.serving --address 127.0.0.1:50051 --metrics-url http://127.0.0.1:9090/metrics
+    python -m bench.serving --embedded --compare colocated,disaggregated --workload mixed --json out.json
+    python -m bench.serving --embedded --sweep concurrency --compare colocated,disaggregated --plot-dir img/
 
 One run = warm-up requests (excluded, prompts unrelated to the measured ones), then the
 workload on its arrival schedule; with ``--cache cold,warm`` the identical workload runs a
-second time so every prompt prefix is cached. Figures: see `bench.serve_metrics`.
+second time so every prompt prefix is cached. Figures: see `bench.serving.metrics`.
 ``--compare`` runs the identical workload (same seed) against each serving variant at
 equal total actors and prints them side by side with ratios (disaggregated / other).
 """
@@ -19,11 +19,11 @@ import json
 import math
 import sys
 
-from bench.serve_cluster import Target, bench_config, embedded, variants_of
-from bench.serve_load import run_load
-from bench.serve_metrics import counter_delta, scrape, summarize
-from bench.serve_report import lengths_line, table
-from bench.workloads import describe, make_workload
+from bench.serving.cluster import bench_config
+from bench.serving.runs import measure, run_variants, workload_kwargs
+from bench.serving.sweep import run_sweep
+from bench.serving.tables import lengths_line, table
+from bench.serving.workloads import describe, make_workload
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,60 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def workload_kwargs(args: argparse.Namespace) -> dict:
-    return dict(scale=args.scale, prompt_len=args.prompt_len, output_len=args.output_len)
-
-
-async def measure(target: Target, args: argparse.Namespace, specs: list, *, seed: int, label: str,
-                  request_rate: float | None = None, concurrency: int | None = None) -> dict[str, dict]:
-    """Warm up, then run ``specs`` once per ``--cache`` state against ``target``."""
-    from router.client import AsyncGenerationClient
-    rate = args.request_rate if request_rate is None else request_rate
-    conc = args.concurrency if concurrency is None else concurrency
-    slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
-    states = [c.strip() for c in args.cache.split(",") if c.strip()]
-    out: dict[str, dict] = {}
-    async with AsyncGenerationClient(target.address, token=target.token) as client:
-        if args.num_warmup:
-            warm = make_workload(args.workload, args.num_warmup, seed + 10_000, **workload_kwargs(args))
-            await run_load(client, warm, concurrency=args.num_warmup, seed=seed, tag="warmup", progress=False,
-                           timeout=args.timeout)
-        for i, state in enumerate(states):
-            if state == "warm" and i == 0:   # warm alone: one unmeasured pass fills the cache
-                await run_load(client, specs, concurrency=4, seed=seed, tag="fill", progress=False,
-                               timeout=args.timeout)
-            before = scrape(target.metrics_url)
-            records, duration = await run_load(
-                client, specs, request_rate=rate, burstiness=args.burstiness, concurrency=conc, seed=seed,
-                label=f"{label} ({state})", tag=f"{label}-{state}", progress=not args.no_progress,
-                timeout=args.timeout)
-            summary = summarize(records, duration, *slo)
-            summary.update(counter_delta(before, scrape(target.metrics_url)))
-            summary.update(cache=state, request_rate=rate, concurrency=conc, variant=target.label)
-            summary["records"] = [r.to_dict() for r in records]
-            out[label if state == states[0] else f"{label}-{state}"] = summary
-    return out
-
-
-async def run_variants(args: argparse.Namespace, fn) -> dict[str, dict]:
-    """``await fn(target)`` against each variant (embedded) or the given address; merged results."""
-    if args.address:
-        return await fn(Target("server", args.address, args.metrics_url, args.token))
-    results: dict[str, dict] = {}
-    for variant in variants_of(args.compare, args.mode):
-        cfg = bench_config(args.config, args.model, args.dtype, args.set, variant, args.colocated_chunk_tokens)
-        async with embedded(cfg, variant) as target:
-            results.update(await fn(target))
-    return results
-
-
 async def bench_runs(args: argparse.Namespace) -> dict:
     specs = make_workload(args.workload, args.num_requests, args.seed, **workload_kwargs(args))
     lengths = describe(specs)
     print(f"workload {args.workload}: {len(specs)} requests; {lengths_line(lengths)}", file=sys.stderr)
     runs = await run_variants(args, lambda t: measure(t, args, specs, seed=args.seed, label=t.label))
     if args.hf_baseline:
-        from bench.serve_hf import hf_static_batching
+        from bench.serving.hf import hf_static_batching
         cfg = bench_config(args.config, args.model, args.dtype, args.set)
         runs["hf-static"] = hf_static_batching(cfg, specs, args.hf_batch_size)
     return {"workload": args.workload, "lengths": lengths, "num_requests": len(specs),
@@ -151,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.sweep:
-            from bench.serve_sweep import run_sweep
             result = asyncio.run(run_sweep(args))
         else:
             result = asyncio.run(bench_runs(args))
@@ -177,6 +129,3 @@ def clean_json(value: object) -> object:
         return [clean_json(v) for v in value]
     return value
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,10 @@
-"""Markdown of the serving suite's results (see `bench.report`)."""
+"""Markdown of the serving suite's results (see `bench.report.suite`)."""
 from __future__ import annotations
 
 import math
 import time
 
-from bench.serve_report import max_rate_at_attainment, table, targets
+from bench.serving.tables import max_rate_at_attainment, table, targets
 
 THROUGHPUT_ROWS = ("completed", "failed", "duration_s", "request_throughput_rps", "throughput_tokens_s")
 
@@ -220,7 +220,8 @@ def _reading(result: dict, checks: list) -> list[str]:
             held.append(f"{variant} {mark}{rate:.2f} req/s")
         lines.append(
             "- **SLO attainment against rate.** Highest rate held at ≥ 90% attainment (DistServe's "
-            "goodput; linear between the measured rates): " + ", ".join(held) + ". What gives out first differs: colocated engines miss the TPOT "
+            "goodput; linear between the measured rates): " + ", ".join(held)
+            + ". What gives out first differs: colocated engines miss the TPOT "
             "SLO as prompts interleave with decode steps, while the disaggregated cluster keeps TPOT flat and "
             "misses on TTFT once its single prefill actor saturates (half the prefill capacity of two "
             "colocated engines at equal actors); a real deployment sizes the prefill:decode ratio to the "

@@ -14,8 +14,10 @@ import math
 import os
 import sys
 
-from bench.serve_cluster import Target
-from bench.workloads import describe, make_workload
+from bench.serving.cluster import Target
+from bench.serving.plots import plot_latency_sweep, plot_slo_attainment
+from bench.serving.runs import measure, run_variants
+from bench.serving.workloads import describe, make_workload
 
 DEFAULT_VALUES = {
     "output-len": "16,32,64,128",
@@ -47,8 +49,6 @@ def point_specs(args: argparse.Namespace, value: float, index: int) -> tuple[lis
 
 
 async def run_sweep(args: argparse.Namespace) -> dict:
-    from bench.serve import measure, run_variants
-    from bench.serve_plots import plot_latency_sweep, plot_slo_attainment
     raw = args.sweep_values or DEFAULT_VALUES[args.sweep]
     values = [float(v) for v in raw.split(",") if v.strip()]
     args.cache = args.cache.split(",")[0]

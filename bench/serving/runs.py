@@ -1,0 +1,61 @@
+"""One measured run of the serving benchmark against a target, and the same run over every variant.
+
+``measure`` warms the target up, then sends the workload once per ``--cache`` state and
+summarizes each pass; ``run_variants`` starts one embedded cluster per variant (or uses the
+given address) and merges what a function measured on each.
+"""
+from __future__ import annotations
+
+import argparse
+
+from bench.serving.cluster import Target, bench_config, embedded, variants_of
+from bench.serving.load import run_load
+from bench.serving.metrics import counter_delta, scrape, summarize
+from bench.serving.workloads import make_workload
+
+
+def workload_kwargs(args: argparse.Namespace) -> dict:
+    return dict(scale=args.scale, prompt_len=args.prompt_len, output_len=args.output_len)
+
+
+async def measure(target: Target, args: argparse.Namespace, specs: list, *, seed: int, label: str,
+                  request_rate: float | None = None, concurrency: int | None = None) -> dict[str, dict]:
+    """Warm up, then run ``specs`` once per ``--cache`` state against ``target``."""
+    from router.client import AsyncGenerationClient
+    rate = args.request_rate if request_rate is None else request_rate
+    conc = args.concurrency if concurrency is None else concurrency
+    slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    states = [c.strip() for c in args.cache.split(",") if c.strip()]
+    out: dict[str, dict] = {}
+    async with AsyncGenerationClient(target.address, token=target.token) as client:
+        if args.num_warmup:
+            warm = make_workload(args.workload, args.num_warmup, seed + 10_000, **workload_kwargs(args))
+            await run_load(client, warm, concurrency=args.num_warmup, seed=seed, tag="warmup", progress=False,
+                           timeout=args.timeout)
+        for i, state in enumerate(states):
+            if state == "warm" and i == 0:   # warm alone: one unmeasured pass fills the cache
+                await run_load(client, specs, concurrency=4, seed=seed, tag="fill", progress=False,
+                               timeout=args.timeout)
+            before = scrape(target.metrics_url)
+            records, duration = await run_load(
+                client, specs, request_rate=rate, burstiness=args.burstiness, concurrency=conc, seed=seed,
+                label=f"{label} ({state})", tag=f"{label}-{state}", progress=not args.no_progress,
+                timeout=args.timeout)
+            summary = summarize(records, duration, *slo)
+            summary.update(counter_delta(before, scrape(target.metrics_url)))
+            summary.update(cache=state, request_rate=rate, concurrency=conc, variant=target.label)
+            summary["records"] = [r.to_dict() for r in records]
+            out[label if state == states[0] else f"{label}-{state}"] = summary
+    return out
+
+
+async def run_variants(args: argparse.Namespace, fn) -> dict[str, dict]:
+    """``await fn(target)`` against each variant (embedded) or the given address; merged results."""
+    if args.address:
+        return await fn(Target("server", args.address, args.metrics_url, args.token))
+    results: dict[str, dict] = {}
+    for variant in variants_of(args.compare, args.mode):
+        cfg = bench_config(args.config, args.model, args.dtype, args.set, variant, args.colocated_chunk_tokens)
+        async with embedded(cfg, variant) as target:
+            results.update(await fn(target))
+    return results
