@@ -3,10 +3,23 @@
 Wire format (msgpack header + raw bytes), codecs (``none``, ``fp8`` per
 block, ``fp8_tensor`` baseline) and transports (``grpc``, ``torch``,
 ``ray``, in-process ``fake``) behind one sender/receiver interface; see
-``kv_transfer.base`` for the methods by side. No ray import here.
+``kv_transfer.interface`` for the methods by side. No ray import here.
+
+    interface.py       KVSender / KVReceiver ABCs, status enums, results, BlockAllocator
+    layout.py          the cache layout both ends agree on, the handshake check
+    wire.py            chunk header, frames, checksums (the handoff travels in the header)
+    codec.py           none / fp8 / fp8_tensor; codec_compiled.py: fused fp8 kernels
+    buffers.py         pooled scratch and payload buffers; chunker.py: chunk plans, encode pipeline
+    sender.py          BaseSender: what every transport's sender shares
+    receiver.py        BaseReceiver: reserve, write, complete, free
+    settings.py        TransferSettings, make_sender / make_receiver
+    transports/        grpc.py, ray.py, fake.py, torch/
 """
 
-from kv_transfer.base import (
+from kv_transfer.codec import CODECS, Codec, CodecError, get_codec
+from kv_transfer.codec_compiled import release_gil_in_compiled_kernels
+from kv_transfer.interface import (
+    BlockAllocator,
     FailedSide,
     KVReceiver,
     KVSender,
@@ -16,13 +29,11 @@ from kv_transfer.base import (
     TransferResult,
     TransferStatus,
 )
-from kv_transfer.codec import CODECS, Codec, CodecError, get_codec
-from kv_transfer.factory import TRANSPORTS, make_receiver, make_sender
-from kv_transfer.fake import FakeHub
-from kv_transfer.handoff import handoff_from_result, make_handoff
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
-from kv_transfer.pool import BlockAllocator, LockedAllocator, SimpleBlockPool
-from kv_transfer.wire import DEFAULT_CHUNK_BYTES, WIRE_VERSION, ChunkHeader, WireError
+from kv_transfer.settings import TransferSettings, layout_of, make_receiver, make_sender
+from kv_transfer.transports import TRANSPORTS
+from kv_transfer.transports.fake import FakeHub, SimpleBlockPool
+from kv_transfer.wire import DEFAULT_CHUNK_BYTES, TOKEN_KEY, WIRE_VERSION, ChunkHeader, WireError
 
 __all__ = [
     "BlockAllocator",
@@ -37,20 +48,21 @@ __all__ = [
     "KVLayout",
     "KVReceiver",
     "KVSender",
-    "LockedAllocator",
     "ReceiverStats",
     "SendHandle",
     "SimpleBlockPool",
+    "TOKEN_KEY",
     "TRANSPORTS",
     "TransferError",
     "TransferResult",
+    "TransferSettings",
     "TransferStatus",
     "WIRE_VERSION",
     "WireError",
     "check_compatible",
     "get_codec",
-    "handoff_from_result",
-    "make_handoff",
+    "layout_of",
     "make_receiver",
     "make_sender",
+    "release_gil_in_compiled_kernels",
 ]

@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from kv_transfer import codec_compiled
+import kv_transfer.codec_compiled as codec_compiled
 from kv_transfer.buffers import Scratch
 
 FP8 = torch.float8_e4m3fn

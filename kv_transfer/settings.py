@@ -1,11 +1,24 @@
-"""Transfer settings shared by both ends (from `kv_transfer:` in pools.yaml)."""
+"""Transfer settings shared by both ends (``kv_transfer:`` in pools.yaml), and one constructor per side.
+
+    sender = make_sender(settings, layout, device)                                   # a prefill actor
+    receiver = make_receiver(settings, layout, kv_cache, allocator, on_complete)     # a decode actor
+    sender = make_sender("fake", layout, codec="none", hub=hub)                      # tests, benchmarks
+
+The first argument is either the ``TransferSettings`` (codec, token, chunk size,
+deadline and bind host come from them) or just a transport name from
+``kv_transfer.transports.TRANSPORTS`` (then only the keywords given are passed
+on, over the transport classes' own defaults).
+"""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kv_transfer.interface import BlockAllocator, KVReceiver, KVSender, TransferResult
 from kv_transfer.layout import KVLayout
+from kv_transfer.transports import load
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES
 
 
@@ -25,19 +38,62 @@ def layout_of(kv_cache: torch.Tensor, model_fingerprint: str) -> KVLayout:
     return KVLayout(num_layers, num_kv_heads, block_size, head_dim, kv_cache.dtype, model_fingerprint)
 
 
-def build_sender(settings: TransferSettings, layout: KVLayout, device: torch.device | str = "cpu", **extra):
-    from kv_transfer.factory import make_sender
-    kwargs = dict(codec=settings.codec, token=settings.token, chunk_bytes=settings.chunk_bytes, **extra)
-    if settings.transport == "torch":
-        kwargs["device"] = device
-    return make_sender(settings.transport, layout, **kwargs)
+def make_sender(
+    transport: TransferSettings | str,
+    layout: KVLayout,
+    device: torch.device | str | None = None,
+    **options,
+) -> KVSender:
+    """Build the prefill side of a transport.
+
+    Args:
+        transport: the transfer settings, or a transport name (``grpc | torch | ray | fake``).
+        layout: the local cache's layout (``layout_of``); the receiver must agree on it.
+        device: where the torch transport stages its tensors (the prefill engine's device; default
+            CPU). The other transports read the cache where it lives and ignore it.
+        options: transport keywords, over what the settings give: codec, token, chunk_bytes,
+            max_workers, prefetch_depth, encode_workers; grpc: num_streams; torch: max_groups,
+            connect_timeout_s, interface; fake: hub.
+    Returns:
+        A ``KVSender``. Raises ValueError for an unknown transport.
+    """
+    if isinstance(transport, TransferSettings):
+        settings = transport
+        transport = settings.transport
+        options = {"codec": settings.codec, "token": settings.token, "chunk_bytes": settings.chunk_bytes, **options}
+    sender_class, _ = load(transport)
+    if transport == "torch" and device is not None:
+        options["device"] = device
+    return sender_class(layout, **options)
 
 
-def build_receiver(settings: TransferSettings, layout: KVLayout, kv_cache: torch.Tensor, allocator,
-                   on_complete=None, **extra):
-    from kv_transfer.factory import make_receiver
-    kwargs = dict(codec=settings.codec, token=settings.token, on_complete=on_complete,
-                  default_timeout_s=settings.deadline_s, **extra)
-    if settings.transport in ("grpc", "torch"):
-        kwargs["host"] = settings.bind_host
-    return make_receiver(settings.transport, layout, kv_cache, allocator, **kwargs)
+def make_receiver(
+    transport: TransferSettings | str,
+    layout: KVLayout,
+    kv_cache: torch.Tensor,
+    allocator: BlockAllocator,
+    on_complete: Callable[[TransferResult], None] | None = None,
+    **options,
+) -> KVReceiver:
+    """Build the decode side of a transport, listening at once (see ``receiver.endpoint``).
+
+    Args:
+        transport: the transfer settings, or a transport name (``grpc | torch | ray | fake``).
+        layout: the local cache's layout (``layout_of``).
+        kv_cache: the decode engine's cache tensor, written in place.
+        allocator: the decode actor's block pool (reserve on a first chunk, free on failure).
+        on_complete: called once per terminal ``TransferResult``, from a transport thread.
+        options: transport keywords, over what the settings give: codec, token, default_timeout_s;
+            grpc and torch: host, port; torch: max_groups, interface; ray: name; fake: hub.
+    Returns:
+        A ``KVReceiver``. Raises ValueError for an unknown transport.
+    """
+    if isinstance(transport, TransferSettings):
+        settings = transport
+        transport = settings.transport
+        defaults = {"codec": settings.codec, "token": settings.token, "default_timeout_s": settings.deadline_s}
+        if transport in ("grpc", "torch"):
+            defaults["host"] = settings.bind_host
+        options = {**defaults, **options}
+    _, receiver_class = load(transport)
+    return receiver_class(layout, kv_cache, allocator, on_complete=on_complete, **options)

@@ -9,15 +9,18 @@ where payload = codec scales ++ codec data for
 The torch transport sends the same header and payload as separate tensors.
 Headers are size-checked and type-checked before the receiver allocates
 anything; the payload length must equal what the header's shape implies.
-No pickle anywhere.
+No pickle anywhere. Internal endpoints check the cluster token, which gRPC
+calls carry in metadata under ``TOKEN_KEY``.
 """
 
 from __future__ import annotations
 
 import struct
+import warnings
 from dataclasses import asdict, dataclass, fields
 
 import msgpack
+import torch
 import xxhash
 
 from kv_transfer.codec import get_codec
@@ -28,6 +31,7 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024 - MAX_HEADER_BYTES  # frame stays <= gRPC's 4 MiB default
 FRAME_PREFIX = struct.Struct("<I")
+TOKEN_KEY = "x-pdserve-token"  # gRPC metadata key of the cluster token (KV and decode-stream services)
 
 
 class WireError(ValueError):
@@ -138,6 +142,33 @@ def checksum(payload) -> int:
     """xxh3-64 of a bytes-like payload: ~7x faster than zlib's crc32 here (46 vs 6.5 GiB/s on a
     warm 16 MiB buffer), so checking every chunk costs well under a memory copy."""
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def readonly_tensor(buffer) -> torch.Tensor:
+    """uint8 view over received bytes or a read-only numpy array (decode only reads it)."""
+    if len(buffer) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        if hasattr(buffer, "__array_interface__"):
+            return torch.from_numpy(buffer)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def checked_payload(header: ChunkHeader, payload) -> torch.Tensor:
+    """The chunk's payload as a uint8 tensor once its checksum matches the header's.
+
+    ``payload``: received bytes-like, or a tensor (device tensors carry no checksum).
+    Raises WireError on a mismatch.
+    """
+    if isinstance(payload, torch.Tensor):
+        ok = header.checksum < 0 or payload.device.type != "cpu" or checksum(payload.numpy()) == header.checksum
+    else:
+        ok = header.checksum < 0 or checksum(payload) == header.checksum
+        payload = readonly_tensor(payload)
+    if not ok:
+        raise WireError(f"checksum mismatch in chunk {header.chunk_index}")
+    return payload
 
 
 def pack_frame(header: bytes, payload) -> bytes:

@@ -14,11 +14,20 @@ import torch
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-from kv_transfer import FakeHub, KVLayout, SimpleBlockPool, TransferStatus, get_codec, make_receiver, make_sender  # noqa: E402
+from kv_transfer import (  # noqa: E402
+    FakeHub,
+    KVLayout,
+    SimpleBlockPool,
+    TransferStatus,
+    get_codec,
+    make_receiver,
+    make_sender,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 TOKEN = "gpu-token"
-LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, block_size=16, head_dim=64, dtype=torch.bfloat16, model_fingerprint="gpu-test")
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, block_size=16, head_dim=64, dtype=torch.bfloat16,
+                  model_fingerprint="gpu-test")
 
 
 def cache(num_blocks: int, seed: int = 0, device: str = "cuda") -> torch.Tensor:

@@ -52,4 +52,5 @@ def _shutdown_ray():
 
 @pytest.fixture
 def layout() -> KVLayout:
-    return KVLayout(num_layers=3, num_kv_heads=2, block_size=4, head_dim=8, dtype=torch.float32, model_fingerprint="tiny-test")
+    return KVLayout(num_layers=3, num_kv_heads=2, block_size=4, head_dim=8, dtype=torch.float32,
+                    model_fingerprint="tiny-test")

@@ -1,9 +1,11 @@
-"""In-process fake transport for tests and warm-up.
+"""In-process stand-ins for tests, benchmarks and warm-up: the fake transport and a block pool.
 
 A ``FakeHub`` stands in for the network: receivers register on it under a
 ``fake://N`` endpoint, senders look them up. Chunks still go through the
 real wire format (pack, frame, split, checksum), so everything but the
 socket is exercised. ``FakeHub.tamper`` lets tests corrupt or drop frames.
+``SimpleBlockPool`` stands in for the decode actor's block manager (a
+``BlockAllocator`` with exact ids and a leak check).
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from kv_transfer.base import FailedSide, TransferError, TransferStatus
 from kv_transfer.chunker import EncodedChunk
-from kv_transfer.receiver import CoreReceiver
-from kv_transfer.sender_core import BaseSender
+from kv_transfer.interface import FailedSide, TransferError, TransferStatus
+from kv_transfer.receiver import BaseReceiver
+from kv_transfer.sender import BaseSender
 from kv_transfer.wire import WireError, pack_frame, split_frame
 
 
@@ -46,7 +48,7 @@ class FakeHub:
         return receiver
 
 
-class FakeReceiver(CoreReceiver):
+class FakeReceiver(BaseReceiver):
     def __init__(self, layout, kv_cache, allocator, *, hub: FakeHub, **kwargs) -> None:
         super().__init__(layout, kv_cache, allocator, **kwargs)
         self.hub = hub
@@ -64,16 +66,17 @@ class FakeSender(BaseSender):
 
     def _receiver(self, dest: str) -> FakeReceiver:
         receiver = self.hub.lookup(dest)
-        if not receiver.core.check_token(self.token):
+        if not receiver.check_token(self.token):
             raise TransferError("receiver rejected the cluster token", FailedSide.RECEIVER)
         return receiver
 
     def _remote_handshake(self, dest: str, local: dict) -> dict:
         receiver = self._receiver(dest)
-        receiver.core.check_handshake(local)
-        return receiver.core.describe()
+        receiver.check_handshake(local)
+        return receiver.describe()
 
-    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "", sizes: list[int] | None = None) -> int:
+    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "",
+              sizes: list[int] | None = None) -> int:
         receiver = self._receiver(dest)
         wire_bytes, transfer_id = 0, ""
         try:
@@ -90,13 +93,70 @@ class FakeSender(BaseSender):
                 try:
                     header, payload = split_frame(frame)
                 except WireError as exc:
-                    receiver.core.fail(transfer_id, str(exc))
+                    receiver.fail(transfer_id, str(exc))
                     raise TransferError(str(exc), FailedSide.RECEIVER) from None
-                receiver.core.accept(header, payload)
+                receiver.accept(header, payload)
                 wire_bytes += len(frame)
         except Exception as exc:
             # Like a broken stream: the receiver frees what it reserved.
             if transfer_id and not (isinstance(exc, TransferError) and exc.side == FailedSide.RECEIVER):
-                receiver.core.fail(transfer_id, f"sender aborted mid-transfer: {exc}")
+                receiver.fail(transfer_id, f"sender aborted mid-transfer: {exc}")
             raise
         return wire_bytes
+
+
+class SimpleBlockPool:
+    """A thread-safe in-memory allocator for tests and warm-up.
+
+    Hands out the lowest free ids first (so tests can assert exact ids) and
+    asserts on double frees; ``num_used`` == 0 is the leak check.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks))
+        self._used: set[int] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def num_used(self) -> int:
+        with self._lock:
+            return len(self._used)
+
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    @property
+    def used_ids(self) -> set[int]:
+        with self._lock:
+            return set(self._used)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        with self._lock:
+            return len(self._free) >= num_blocks
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        with self._lock:
+            if num_blocks > len(self._free):
+                return None
+            self._free.sort()
+            block_ids, self._free = self._free[:num_blocks], self._free[num_blocks:]
+            self._used.update(block_ids)
+            return block_ids
+
+    def take(self, block_ids: list[int]) -> None:
+        """Mark specific ids used (tests use it to force non-contiguous allocations)."""
+        with self._lock:
+            for block_id in block_ids:
+                assert block_id not in self._used, f"block {block_id} already used"
+                self._free.remove(block_id)
+                self._used.add(block_id)
+
+    def free(self, block_ids: list[int]) -> None:
+        with self._lock:
+            for block_id in block_ids:
+                assert block_id in self._used, f"double free of block {block_id}"
+                self._used.remove(block_id)
+                self._free.append(block_id)

@@ -23,7 +23,7 @@ and a ``BlockAllocator``):
         Terminal results (DONE / FAILED / EXPIRED / CANCELLED) since the last
         poll — the decode loop calls it between steps.
     wait(transfer_id, timeout) -> TransferResult | None
-    status(transfer_id) -> TransferStatus
+    status(transfer_id) -> TransferStatus | None   (None: never seen)
     cancel(transfer_id=None, request_id=None) -> list[str]
         Abort transfers and free their reserved blocks (never DONE ones: those
         blocks belong to the decode worker already).
@@ -37,6 +37,16 @@ Lifecycle of one transfer on the receiver:
     every (layer, block) cell written -> DONE (blocks handed over)
     bad chunk / sender gone / no blocks -> FAILED, deadline -> EXPIRED,
     cancel() -> CANCELLED; all three free the reserved blocks.
+
+Block pool (``BlockAllocator``, implemented by the decode actor's block manager):
+    allocate(num_blocks) -> list[int] | None   reserve blocks for an incoming transfer
+    free(block_ids) -> None                    give them back (failed, expired, cancelled)
+    The receiver calls both from transport threads; after DONE the blocks
+    belong to the decode worker, which frees them itself.
+
+Where they are implemented: ``kv_transfer.sender.BaseSender`` and
+``kv_transfer.receiver.BaseReceiver`` hold what every transport shares;
+``kv_transfer.transports`` holds one module (or package) per transport.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -60,7 +71,8 @@ class TransferStatus(enum.Enum):
 
     @property
     def is_terminal(self) -> bool:
-        return self in (TransferStatus.DONE, TransferStatus.FAILED, TransferStatus.EXPIRED, TransferStatus.CANCELLED)
+        return self in (TransferStatus.DONE, TransferStatus.FAILED, TransferStatus.EXPIRED,
+                        TransferStatus.CANCELLED)
 
 
 class FailedSide(enum.Enum):
@@ -81,7 +93,12 @@ class TransferError(RuntimeError):
 
 @dataclass(slots=True)
 class TransferResult:
-    """One terminal report from the receiver."""
+    """One terminal report from the receiver: what the decode worker adopts.
+
+    The prefill side's ``num_tokens`` and ``first_token_id`` ride in every chunk
+    header (the handoff travels with the KV); once DONE, ``dst_block_ids`` are
+    the decode actor's blocks holding the request's KV, in token order.
+    """
 
     transfer_id: str
     request_id: str
@@ -132,7 +149,8 @@ class SendHandle:
         self._event.set()
 
     def __repr__(self) -> str:
-        return f"SendHandle({self.transfer_id}, {self.status.value}, side={self.failed_side.value}, error={self.error!r})"
+        return (f"SendHandle({self.transfer_id}, {self.status.value}, side={self.failed_side.value}, "
+                f"error={self.error!r})")
 
 
 class KVSender(ABC):
@@ -202,3 +220,19 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class BlockAllocator(Protocol):
+    """The receiver's view of the decode actor's block pool.
+
+    The decode actor owns the allocator; the receiver only reserves blocks for
+    an incoming transfer and gives them back if the transfer fails, expires or
+    is cancelled. After DONE the blocks belong to the decode worker.
+    """
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """Reserve ``num_blocks`` block ids (any order); None when not enough are free."""
+
+    def free(self, block_ids: list[int]) -> None:
+        """Return block ids to the pool."""

@@ -14,14 +14,15 @@ import threading
 import time
 
 os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 import torch  # noqa: E402
 
 from kv_transfer import KVLayout, get_codec  # noqa: E402
 from kv_transfer.chunker import encode_chunks  # noqa: E402
 
-LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, block_size=4, head_dim=8, dtype=torch.float32, model_fingerprint="tiny-test")
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, block_size=4, head_dim=8, dtype=torch.float32,
+                  model_fingerprint="tiny-test")
 
 
 def first_chunk():
@@ -39,8 +40,8 @@ def main() -> None:
     if kind == "grpc":
         import grpc
 
-        from kv_transfer.grpc_transport import SERVICE, TOKEN_KEY
-        from kv_transfer.wire import pack_frame
+        from kv_transfer.transports.grpc import SERVICE
+        from kv_transfer.wire import TOKEN_KEY, pack_frame
 
         def frames():
             yield pack_frame(chunk.header_bytes, chunk.payload.numpy())
@@ -50,7 +51,7 @@ def main() -> None:
         channel = grpc.insecure_channel(dest)
         channel.stream_unary(f"/{SERVICE}/PushKV")(frames(), metadata=((TOKEN_KEY, token),))
     else:
-        from kv_transfer.torch_transport import TorchSender
+        from kv_transfer.transports.torch import TorchSender
 
         sender = TorchSender(LAYOUT, token=token)
         pair, _ = sender._pair(dest)

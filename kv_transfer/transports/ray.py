@@ -19,13 +19,12 @@ from collections.abc import Iterator
 
 import msgpack
 
-from kv_transfer.base import FailedSide, TransferError, TransferStatus
 from kv_transfer.chunker import EncodedChunk
+from kv_transfer.interface import FailedSide, TransferError, TransferStatus
 from kv_transfer.layout import HandshakeError
-from kv_transfer.receiver import CoreReceiver
-from kv_transfer.blocks import readonly_tensor
-from kv_transfer.sender_core import BaseSender
-from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header
+from kv_transfer.receiver import BaseReceiver
+from kv_transfer.sender import BaseSender
+from kv_transfer.wire import MAX_HEADER_BYTES, WireError, readonly_tensor, unpack_header
 
 PREFIX = "ray://"
 
@@ -72,7 +71,7 @@ def _ray():
     return ray
 
 
-class RayReceiver(CoreReceiver):
+class RayReceiver(BaseReceiver):
     def __init__(self, layout, kv_cache, allocator, *, name: str | None = None, **kwargs):
         super().__init__(layout, kv_cache, allocator, **kwargs)
         ray = _ray()
@@ -99,22 +98,22 @@ class RayReceiver(CoreReceiver):
                 if reply is not None or is_last:
                     self._piece_transfers.pop(piece_id, None)
                     error = reply if reply is not None else errors.pop(piece_id, "")
-                    answer = {"ok": not error, "error": error, "layout": self.core.describe()}
+                    answer = {"ok": not error, "error": error, "layout": self.describe()}
                     self._inbox.ack.remote(piece_id, msgpack.packb(answer))
 
     def _handle(self, ray, kind, piece_id, token, header_bytes, refs, errors) -> str | None:
         """Returns an error string to ack at once, or None to continue the piece."""
-        if not isinstance(token, str) or not self.core.check_token(token):
+        if not isinstance(token, str) or not self.check_token(token):
             return "receiver rejected the cluster token"
         if kind == "handshake":
             try:
-                self.core.check_handshake(msgpack.unpackb(header_bytes, raw=False, max_map_len=64))
+                self.check_handshake(msgpack.unpackb(header_bytes, raw=False, max_map_len=64))
             except Exception as exc:
                 return str(exc)
             return ""
         if kind == "abort":  # the sender failed mid-piece: free what it reserved
             for transfer_id in self._piece_transfers.get(piece_id, ()):
-                self.core.fail(transfer_id, "sender aborted mid-transfer")
+                self.fail(transfer_id, "sender aborted mid-transfer")
             return "sender aborted"
         if piece_id in errors:
             return None
@@ -125,9 +124,9 @@ class RayReceiver(CoreReceiver):
             self._piece_transfers.setdefault(piece_id, set()).add(header.transfer_id)
             array = ray.get(refs[0])
             if array.nbytes != header.payload_len:
-                self.core.fail(header.transfer_id, "truncated chunk")
+                self.fail(header.transfer_id, "truncated chunk")
                 raise WireError(f"truncated chunk: {array.nbytes} bytes, header says {header.payload_len}")
-            self.core.accept(header, readonly_tensor(array.reshape(-1)))
+            self.accept(header, readonly_tensor(array.reshape(-1)))
         except Exception as exc:
             errors[piece_id] = str(exc) or type(exc).__name__
         return None
@@ -154,7 +153,8 @@ class RaySender(BaseSender):
     def _ask(self, inbox, piece_id: str, timeout_s: float) -> dict:
         reply = _ray().get(inbox.wait_ack.remote(piece_id, max(0.001, timeout_s)))
         if reply is None:
-            raise TransferError("receiver did not answer before the deadline", FailedSide.TRANSPORT, TransferStatus.EXPIRED)
+            raise TransferError("receiver did not answer before the deadline", FailedSide.TRANSPORT,
+                                TransferStatus.EXPIRED)
         return msgpack.unpackb(reply, raw=False, max_map_len=64)
 
     def _remote_handshake(self, dest: str, local: dict) -> dict:
@@ -166,7 +166,8 @@ class RaySender(BaseSender):
             raise HandshakeError(error) if "mismatch" in error else TransferError(error, FailedSide.RECEIVER)
         return answer["layout"]
 
-    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "", sizes: list[int] | None = None) -> int:
+    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "",
+              sizes: list[int] | None = None) -> int:
         ray, inbox, piece_id = _ray(), self._inbox(dest), uuid.uuid4().hex
         refs, wire_bytes, pending = [], 0, None
         try:

@@ -6,7 +6,7 @@ proto/pdserve/v1/kv_transfer.proto) with raw-bytes handlers — a protobuf
     Handshake  unary:  msgpack layout description -> msgpack layout description
     PushKV     client stream of frames (u32 len | msgpack header | payload),
                closed by an END frame (u32 0) -> msgpack {"nbytes": int}
-The cluster token travels in metadata ``x-pdserve-token``; a wrong token is
+The cluster token travels in metadata ``x-pdserve-token`` (``TOKEN_KEY``); a wrong token is
 answered UNAUTHENTICATED and counted. HTTP/2 flow control paces the stream,
 the call's timeout is the transfer deadline.
 """
@@ -23,12 +23,20 @@ from concurrent.futures import Future
 import grpc
 import msgpack
 
-from kv_transfer.base import FailedSide, TransferError, TransferStatus
 from kv_transfer.chunker import EncodedChunk
+from kv_transfer.interface import FailedSide, TransferError, TransferStatus
 from kv_transfer.layout import HandshakeError
-from kv_transfer.receiver import CoreReceiver
-from kv_transfer.sender_core import BaseSender
-from kv_transfer.wire import MAX_HEADER_BYTES, MAX_PAYLOAD_BYTES, WireError, pack_frame, split_frame, unpack_small
+from kv_transfer.receiver import BaseReceiver
+from kv_transfer.sender import BaseSender
+from kv_transfer.wire import (
+    MAX_HEADER_BYTES,
+    MAX_PAYLOAD_BYTES,
+    TOKEN_KEY,
+    WireError,
+    pack_frame,
+    split_frame,
+    unpack_small,
+)
 
 SERVICE = "pdserve.v1.KVTransferService"
 # Control frames have header length 0. A stream's last frame is END (a killed
@@ -37,7 +45,6 @@ SERVICE = "pdserve.v1.KVTransferService"
 END_FRAME = b"\x00\x00\x00\x00"
 ABORT_PREFIX = END_FRAME
 MAX_DECODES_PER_STREAM = 2  # chunks of one stream queued for decode (bounds memory)
-TOKEN_KEY = "x-pdserve-token"
 MAX_MESSAGE_BYTES = MAX_PAYLOAD_BYTES + MAX_HEADER_BYTES + 16
 _OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -56,13 +63,15 @@ _RECEIVER_CODES = {
 }
 
 
-class GrpcReceiver(CoreReceiver):
+class GrpcReceiver(BaseReceiver):
     """Serves KVTransferService on ``host:port`` (port 0 = pick one)."""
 
-    def __init__(self, layout, kv_cache, allocator, *, host: str = "127.0.0.1", port: int = 0, max_streams: int = 32, decode_threads: int = 2, **kwargs):
+    def __init__(self, layout, kv_cache, allocator, *, host: str = "127.0.0.1", port: int = 0, max_streams: int = 32,
+                 decode_threads: int = 2, **kwargs):
         super().__init__(layout, kv_cache, allocator, **kwargs)
         self._decoders = futures.ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="kv-decode")
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="kv-grpc"), options=_OPTIONS)
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="kv-grpc"),
+                                   options=_OPTIONS)
         handlers = {
             "Handshake": grpc.unary_unary_rpc_method_handler(self._handshake),
             "PushKV": grpc.stream_unary_rpc_method_handler(self._push),
@@ -76,16 +85,16 @@ class GrpcReceiver(CoreReceiver):
 
     def _authorized(self, context) -> bool:
         token = dict(context.invocation_metadata()).get(TOKEN_KEY)
-        return self.core.check_token(token)
+        return self.check_token(token)
 
     def _handshake(self, request: bytes, context) -> bytes:
         if not self._authorized(context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "receiver rejected the cluster token")
         try:
-            self.core.check_handshake(unpack_small(request))
+            self.check_handshake(unpack_small(request))
         except (HandshakeError, WireError, ValueError) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        return msgpack.packb(self.core.describe())
+        return msgpack.packb(self.describe())
 
     def _push(self, frames: Iterator[bytes], context) -> bytes:
         if not self._authorized(context):
@@ -106,7 +115,7 @@ class GrpcReceiver(CoreReceiver):
                 header, payload = split_frame(frame)
                 transfer_id = header.transfer_id
                 # decode on the pool while this thread reads the next frame off the wire
-                pending.append(self._decoders.submit(self.core.accept, header, payload))
+                pending.append(self._decoders.submit(self.accept, header, payload))
                 nbytes += len(frame)
                 while len(pending) > MAX_DECODES_PER_STREAM or (pending and pending[0].done()):
                     pending.popleft().result()
@@ -124,7 +133,7 @@ class GrpcReceiver(CoreReceiver):
             future.exception()
         if code is not None:
             if transfer_id:  # (a stream that carried no chunk yet knows no transfer: the deadline reaps it)
-                self.core.fail(transfer_id, error)
+                self.fail(transfer_id, error)
             context.abort(code, error)
         return msgpack.packb({"nbytes": nbytes})
 
@@ -146,7 +155,8 @@ class GrpcSender(BaseSender):
     def __init__(self, layout, *, num_streams: int = 2, **kwargs) -> None:
         super().__init__(layout, **kwargs)
         self.num_streams = max(1, num_streams)
-        self._streams = futures.ThreadPoolExecutor(max_workers=self._pool._max_workers * (self.num_streams - 1) or 1, thread_name_prefix="kv-grpc-stream")
+        self._streams = futures.ThreadPoolExecutor(max_workers=self._pool._max_workers * (self.num_streams - 1) or 1,
+                                                   thread_name_prefix="kv-grpc-stream")
         self._channels: dict[str, list[grpc.Channel]] = {}
         self._channels_lock = threading.Lock()
 
@@ -179,7 +189,8 @@ class GrpcSender(BaseSender):
         chunk.release()
         return frame
 
-    def _ship(self, dest: str, frames: Iterator[bytes], deadline_at: float, transfer_id: str, sizes: list[int] | None = None) -> int:
+    def _ship(self, dest: str, frames: Iterator[bytes], deadline_at: float, transfer_id: str,
+              sizes: list[int] | None = None) -> int:
         lock, counted, encode_error, failures = threading.Lock(), [0], [], []
 
         def take() -> Iterator[bytes]:
@@ -207,7 +218,8 @@ class GrpcSender(BaseSender):
                 failures.append(exc)
 
         # small transfers ride one stream: a second costs more than it brings
-        extra = [self._streams.submit(stream, i) for i in range(1, min(self.num_streams, max(1, len(sizes or ()) // 4)))]
+        num_streams = min(self.num_streams, max(1, len(sizes or ()) // 4))
+        extra = [self._streams.submit(stream, i) for i in range(1, num_streams)]
         stream(0)
         for future in extra:
             future.result()

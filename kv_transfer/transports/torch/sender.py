@@ -19,12 +19,20 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import FailedSide, TransferError, TransferStatus
 from kv_transfer.chunker import EncodedChunk
 from kv_transfer.codec import CodecError
+from kv_transfer.interface import FailedSide, TransferError, TransferStatus
 from kv_transfer.layout import HandshakeError, check_compatible
-from kv_transfer.sender_core import BaseSender
-from kv_transfer.torch_pair import IDLE_TIMEOUT, KIND_ABORT, KIND_CHUNK, KIND_CLOSE, control_tensor, make_group, split_host_port
+from kv_transfer.sender import BaseSender
+from kv_transfer.transports.torch.pair import (
+    IDLE_TIMEOUT,
+    KIND_ABORT,
+    KIND_CHUNK,
+    KIND_CLOSE,
+    control_tensor,
+    make_group,
+    split_host_port,
+)
 from kv_transfer.wire import unpack_small
 
 
@@ -35,7 +43,8 @@ class _Pair:
 
 
 class TorchSender(BaseSender):
-    def __init__(self, layout, *, device: str | torch.device = "cpu", max_groups: int = 8, connect_timeout_s: float = 10.0, interface: str | None = None, **kwargs) -> None:
+    def __init__(self, layout, *, device: str | torch.device = "cpu", max_groups: int = 8,
+                 connect_timeout_s: float = 10.0, interface: str | None = None, **kwargs) -> None:
         # gloo and NCCL sends are asynchronous: the sending thread encodes chunk k+1 while chunk k is
         # on the wire, so chunks are encoded inline (no encoder-thread handoff per chunk)
         kwargs.setdefault("prefetch_depth", 0)
@@ -59,7 +68,8 @@ class TorchSender(BaseSender):
         timeout = timedelta(seconds=self.connect_timeout_s)
         store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
         index = store.add("pairs", 1) - 1
-        store.set(f"hello/{index}", msgpack.packb({"token": self.token, "layout": self.describe(), "backend": self.backend}))
+        hello = {"token": self.token, "layout": self.describe(), "backend": self.backend}
+        store.set(f"hello/{index}", msgpack.packb(hello))
         store.wait([f"reply/{index}"], timeout)
         reply = unpack_small(store.get(f"reply/{index}"))
         store.delete_key(f"reply/{index}")
@@ -67,7 +77,8 @@ class TorchSender(BaseSender):
             error = str(reply.get("error"))
             raise HandshakeError(error) if "mismatch" in error else TransferError(error, FailedSide.RECEIVER)
         check_compatible(self.describe(), reply.get("layout") or {})
-        group = make_group(dist.PrefixStore(f"pair/{index}/", store), 0, self.backend, IDLE_TIMEOUT, host, self.interface)
+        group = make_group(dist.PrefixStore(f"pair/{index}/", store), 0, self.backend, IDLE_TIMEOUT, host,
+                           self.interface)
         pair = _Pair(store, group, index)
         with self._pairs_lock:
             self._pairs[dest] = pair
@@ -93,7 +104,8 @@ class TorchSender(BaseSender):
         with self._pairs_lock:
             return len(self._pairs)
 
-    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "", sizes: list[int] | None = None) -> int:
+    def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "",
+              sizes: list[int] | None = None) -> int:
         pair, _ = self._pair(dest)
         sizes = sizes or []
         wire_bytes, inflight, announced = 0, None, 0
@@ -104,7 +116,8 @@ class TorchSender(BaseSender):
                 try:
                     for index, chunk in enumerate(chunks):
                         if chunk.payload.numel() != sizes[index]:
-                            raise RuntimeError(f"chunk {index} has {chunk.payload.numel()} bytes, planned {sizes[index]}")
+                            raise RuntimeError(f"chunk {index} has {chunk.payload.numel()} bytes, "
+                                               f"planned {sizes[index]}")
                         is_last = index == len(sizes) - 1
                         next_len = 0 if is_last else sizes[index + 1]
                         inflight = self._post(pair, chunk, is_last, next_len, inflight, deadline_at)
@@ -140,7 +153,8 @@ class TorchSender(BaseSender):
                 raise
             except Exception as exc:
                 self._drop(dest)
-                raise TransferError(f"torch.distributed pair to {dest} broke: {str(exc)[:200]}", FailedSide.TRANSPORT) from None
+                raise TransferError(f"torch.distributed pair to {dest} broke: {str(exc)[:200]}",
+                                    FailedSide.TRANSPORT) from None
         return wire_bytes
 
     def _post(self, pair: _Pair, chunk: EncodedChunk, is_last: bool, next_len: int, previous, deadline_at: float):

@@ -1,5 +1,9 @@
 """torch.distributed transport: one 2-rank process group per prefill–decode pair.
 
+    pair.py      the pair protocol's constants, control slots and group construction
+    sender.py    TorchSender (prefill side): builds pairs, posts chunks, reads acks
+    receiver.py  TorchReceiver (decode side): hosts the store, serves each pair on a thread
+
 The decode side hosts a TCPStore at its endpoint ("host:port"). A sender
 meeting a new destination:
     1. connects to the store, takes a pair index n = add("pairs", 1),
@@ -7,7 +11,7 @@ meeting a new destination:
     3. the receiver's accept thread checks the token (counted on failure)
        and the layout, and writes reply/n = msgpack {ok, error, layout},
     4. both build a ProcessGroup (rank 0 = sender, rank 1 = receiver) over
-       PrefixStore("pg/n/"): NCCL when the caches are CUDA, gloo on CPU.
+       PrefixStore("pair/n/"): NCCL when the caches are CUDA, gloo on CPU.
 Each chunk is two point-to-point messages, metadata first:
     control uint8 [4096] (u32 kind, u32 header_len, u64 payload_len,
                           u32 is_last, u64 next_len, msgpack header at
@@ -29,7 +33,7 @@ Senders keep at most ``max_groups`` pairs (LRU; an evicted pair gets a
 its in-flight transfers fail; the next send builds a fresh one.
 """
 
-from kv_transfer.torch_receiver import TorchReceiver
-from kv_transfer.torch_sender import TorchSender
+from kv_transfer.transports.torch.receiver import TorchReceiver
+from kv_transfer.transports.torch.sender import TorchSender
 
 __all__ = ["TorchReceiver", "TorchSender"]

@@ -1,4 +1,4 @@
-"""Sender plumbing shared by every transport: handles, threads, handshake.
+"""``BaseSender``: the sender plumbing every transport shares — handles, threads, handshake.
 
 A transport subclasses ``BaseSender`` and implements two methods:
     _remote_handshake(dest, local) -> dict   exchange layouts with the receiver
@@ -21,10 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kv_transfer.base import FailedSide, KVSender, SendHandle, TransferError, TransferStatus
 from kv_transfer.buffers import tune_malloc
 from kv_transfer.chunker import EncodedChunk, encode_jobs, pipeline
 from kv_transfer.codec import CodecError, get_codec
+from kv_transfer.interface import FailedSide, KVSender, SendHandle, TransferError, TransferStatus
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES
 

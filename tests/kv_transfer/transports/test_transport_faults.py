@@ -1,4 +1,4 @@
-"""Every failure ends cleanly: status, which side, and every reserved block back in the pool."""
+"""Every failure ends cleanly on every transport: status, which side, and every reserved block back in the pool."""
 
 from __future__ import annotations
 
@@ -7,27 +7,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from kv_helpers import TOKEN, assert_no_leak, random_cache
+from kv_helpers import TOKEN, assert_no_leak, random_cache, wait_for
 
-import kv_transfer.sender_core as sender_core
+import kv_transfer.sender as sender_module
 from kv_transfer import FailedSide, KVLayout, TransferStatus
 from kv_transfer.chunker import ChunkJob
-from kv_transfer.wire import FRAME_PREFIX, WIRE_VERSION
 
 HELPER = os.path.join(os.path.dirname(__file__), "kv_killed_sender.py")
-
-
-def wait_for(predicate, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.mark.parametrize("kind", ["fake", "grpc", "torch"])
@@ -66,7 +55,7 @@ def test_sender_killed_mid_transfer(make_pair, layout, kind):
 
 
 def corrupt_second_chunk(monkeypatch):
-    real = sender_core.encode_jobs
+    real = sender_module.encode_jobs
 
     def corrupt(job):
         chunk = job()
@@ -77,7 +66,7 @@ def corrupt_second_chunk(monkeypatch):
     def tampered(**kwargs):
         return [ChunkJob(functools.partial(corrupt, job), job.nbytes) for job in real(**kwargs)]
 
-    monkeypatch.setattr(sender_core, "encode_jobs", tampered)
+    monkeypatch.setattr(sender_module, "encode_jobs", tampered)
 
 
 @pytest.mark.parametrize("kind", ["fake", "grpc", "torch", "ray"])
@@ -89,26 +78,6 @@ def test_corrupted_chunk_fails_on_checksum(make_pair, layout, kind, monkeypatch)
     assert handle.failed_side == FailedSide.RECEIVER and "checksum mismatch in chunk 1" in handle.error
     result = pair.receiver.wait(handle.transfer_id, 5)
     assert result.status == TransferStatus.FAILED and "checksum" in result.error
-    assert_no_leak(pair.pool)
-
-
-@pytest.mark.parametrize("tamper, message", [
-    (lambda frame: frame[:-3], "truncated chunk"),
-    (lambda frame: frame.replace(b"\xa7version" + bytes([WIRE_VERSION]), b"\xa7version\x07"), "unknown wire version 7"),
-    (lambda frame: FRAME_PREFIX.pack(1 << 30) + frame[4:], "header length"),
-])
-def test_malformed_frames_fail_cleanly(make_pair, layout, tamper, message):
-    pair = make_pair("fake", layout, chunk_bytes=200)
-    count = [0]
-
-    def second_frame_tampered(frame):
-        count[0] += 1
-        return tamper(frame) if count[0] == 2 else frame
-
-    pair.receiver.hub.tamper = second_frame_tampered
-    handle = pair.sender.send("r", random_cache(layout, 5), [0, 1, 2, 3], pair.dest)
-    assert handle.wait(10) == TransferStatus.FAILED and message in handle.error, handle
-    assert pair.receiver.wait(handle.transfer_id, 5).status == TransferStatus.FAILED
     assert_no_leak(pair.pool)
 
 
@@ -125,7 +94,8 @@ def test_wrong_token_is_rejected_and_counted(make_pair, layout, kind):
 
 @pytest.mark.parametrize("kind", ["fake", "grpc", "torch", "ray"])
 def test_mismatched_handshake_names_both_values(make_pair, layout, kind):
-    other = KVLayout(layout.num_layers, layout.num_kv_heads, layout.block_size * 2, layout.head_dim, layout.dtype, layout.model_fingerprint)
+    other = KVLayout(layout.num_layers, layout.num_kv_heads, layout.block_size * 2, layout.head_dim, layout.dtype,
+                     layout.model_fingerprint)
     pair = make_pair(kind, layout, receiver_layout=other)
     handle = pair.sender.send("r", random_cache(layout, 3), [0, 1], pair.dest)
     assert handle.wait(30) == TransferStatus.FAILED
@@ -136,7 +106,7 @@ def test_mismatched_handshake_names_both_values(make_pair, layout, kind):
 
 def test_codec_mismatch_is_refused(make_pair, layout):
     pair = make_pair("grpc", layout)
-    pair.sender.codec = sender_core.get_codec("fp8")
+    pair.sender.codec = sender_module.get_codec("fp8")
     handle = pair.sender.send("r", random_cache(layout, 3), [0], pair.dest)
     assert handle.wait(10) == TransferStatus.FAILED
     assert "codec: sender='fp8' receiver='none'" in handle.error
@@ -164,46 +134,3 @@ def test_nan_in_kv_fails_on_the_sender_side(make_pair, layout, kind):
     ok = pair.sender.send("r2", random_cache(layout, 4), [0, 1], pair.dest)  # the link still works
     assert ok.wait(10) == TransferStatus.DONE, ok
     assert_no_leak(pair.pool, pair.receiver.wait(ok.transfer_id, 5).dst_block_ids)
-
-
-def test_cancel_by_request_and_by_transfer_id(make_pair, layout):
-    pair = make_pair("fake", layout)
-    src = random_cache(layout, 6)
-    pair.sender.send("victim", src, [0, 1], pair.dest, transfer_id="a", layers=(0, 1)).wait(5)
-    pair.sender.send("other", src, [2, 3, 4], pair.dest, transfer_id="b", layers=(0, 1)).wait(5)
-    assert pair.pool.num_used == 5
-    assert pair.receiver.cancel(request_id="victim") == ["a"]
-    assert_no_leak(pair.pool, [2, 3, 4])
-    assert pair.receiver.cancel(transfer_id="b") == ["b"]
-    assert_no_leak(pair.pool)
-    assert {(r.transfer_id, r.status) for r in pair.receiver.poll()} == {("a", TransferStatus.CANCELLED), ("b", TransferStatus.CANCELLED)}
-    # cancelling before the first chunk arrives: later chunks are refused, nothing is reserved
-    assert pair.receiver.cancel(transfer_id="c") == []
-    late = pair.sender.send("x", src, [0], pair.dest, transfer_id="c")
-    assert late.wait(5) == TransferStatus.FAILED and "cancelled" in late.error
-    assert_no_leak(pair.pool)
-
-
-def test_done_blocks_belong_to_the_decode_worker(make_pair, layout):
-    pair = make_pair("fake", layout)
-    seen = []
-    pair.receiver.core.on_complete = seen.append
-    handle = pair.sender.send("r", random_cache(layout, 3), [2, 0], pair.dest, transfer_id="t")
-    assert handle.wait(5) == TransferStatus.DONE
-    assert pair.receiver.cancel(transfer_id="t") == []  # DONE is final: cancel frees nothing
-    assert pair.pool.used_ids == {0, 1}
-    assert [(r.transfer_id, r.dst_block_ids) for r in seen] == [("t", [0, 1])]
-    assert_no_leak(pair.pool, [0, 1])
-
-
-def test_sender_drops_the_cache_after_done(make_pair, layout):
-    import gc
-    import weakref
-
-    pair = make_pair("grpc", layout)
-    src = random_cache(layout, 4)
-    ref = weakref.ref(src)
-    assert pair.sender.send("r", src, [1, 3], pair.dest).wait(10) == TransferStatus.DONE
-    del src
-    gc.collect()
-    assert wait_for(lambda: ref() is None, 2), "sender still holds the prefill cache"

@@ -1,4 +1,4 @@
-"""Wire format: header checks before allocation, frames, chunk planning."""
+"""Wire format: header checks before allocation, frames, checksums."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import msgpack
 import pytest
 import torch
 
-from kv_transfer.chunker import plan_chunks
 from kv_transfer.wire import (
     FRAME_PREFIX,
     MAX_HEADER_BYTES,
     WIRE_VERSION,
     ChunkHeader,
     WireError,
+    checked_payload,
+    checksum,
     pack_frame,
     pack_header,
     split_frame,
@@ -32,7 +33,8 @@ def header(**overrides) -> ChunkHeader:
     return ChunkHeader(**fields)
 
 
-RECEIVER = {"model_fingerprint": "m", "num_layers": 2, "num_kv_heads": 1, "block_size": 4, "head_dim": 2, "dtype": "float32", "codec": "none"}
+RECEIVER = {"model_fingerprint": "m", "num_layers": 2, "num_kv_heads": 1, "block_size": 4, "head_dim": 2,
+            "dtype": "float32", "codec": "none"}
 
 
 def test_header_round_trip_and_validation():
@@ -96,35 +98,11 @@ def test_frames_detect_truncation():
         split_frame(FRAME_PREFIX.pack(10**6) + b"x")
 
 
-@pytest.mark.parametrize("layers, num_blocks, cell, chunk", [((0, 4), 10, 100, 350), ((1, 3), 5, 100, 10_000), ((0, 2), 3, 1000, 10), ((0, 5), 4, 64, 64 * 8)])
-def test_chunk_plan_covers_every_cell_once(layers, num_blocks, cell, chunk):
-    plans = plan_chunks(layers, num_blocks, cell, chunk)
-    seen = [(layer, block) for p in plans for layer in range(p.layer_start, p.layer_end) for block in range(p.block_start, p.block_end)]
-    assert sorted(seen) == [(layer, block) for layer in range(*layers) for block in range(num_blocks)]
-    for p in plans:
-        cells = (p.layer_end - p.layer_start) * (p.block_end - p.block_start)
-        assert cells == 1 or cells * cell <= chunk
-
-
-def test_pipeline_chunks_shrink_for_overlap_but_not_below_the_floor():
-    from kv_transfer.chunker import MIN_CHUNK_BYTES, pipeline_chunk_bytes
-
-    assert pipeline_chunk_bytes(128 << 20, 4 << 20) == 4 << 20  # big transfers: the configured size
-    assert pipeline_chunk_bytes(16 << 20, 4 << 20) == 2 << 20  # 8 stages
-    assert pipeline_chunk_bytes(4 << 20, 4 << 20) == MIN_CHUNK_BYTES
-    assert pipeline_chunk_bytes(1 << 20, 4 << 20) == MIN_CHUNK_BYTES
-    assert pipeline_chunk_bytes(1 << 20, 4096) == 4096  # an explicit small size wins
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_blocks_into_contiguous_and_strided_caches(dtype):
-    from kv_transfer.codec import write_blocks
-
-    data = torch.randn(2, 3, 2, 1, 4, 3).to(dtype)  # [l, n, 2, H, B, D]; odd cell for bf16 words
-    index = torch.tensor([4, 0, 2])
-    contiguous = torch.zeros(2, 5, 2, 1, 4, 3, dtype=dtype)
-    strided = torch.zeros(2, 5, 2, 1, 4, 6, dtype=dtype)[..., :3]  # a view that cannot be flattened
-    for cache in (contiguous, strided):
-        write_blocks(cache, index, data)
-        assert torch.equal(cache[:, [4, 0, 2]], data)
-        assert bool((cache[:, [1, 3]] == 0).all())
+def test_checked_payload_verifies_the_checksum_before_use():
+    payload = bytes(range(40))
+    good = checked_payload(header(payload_len=40, checksum=checksum(payload)), payload)
+    assert good.dtype == torch.uint8 and bytes(good.numpy()) == payload
+    assert torch.equal(checked_payload(header(payload_len=40, checksum=checksum(payload)), good), good)
+    with pytest.raises(WireError, match="checksum mismatch in chunk 3"):
+        checked_payload(header(payload_len=40, checksum=checksum(payload) ^ 1, chunk_index=3), payload)
+    assert checked_payload(header(payload_len=40, checksum=-1), b"\x00" * 40).numel() == 40  # -1: not computed

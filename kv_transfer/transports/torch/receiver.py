@@ -20,16 +20,25 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import FailedSide, TransferError
 from kv_transfer.buffers import payload_pool
+from kv_transfer.interface import FailedSide, TransferError
 from kv_transfer.layout import HandshakeError
-from kv_transfer.receiver import CoreReceiver
-from kv_transfer.torch_pair import CONTROL_BYTES, IDLE_TIMEOUT, KIND_ABORT, KIND_CLOSE, MAX_PENDING_DECODES, make_group, parse_control
+from kv_transfer.receiver import BaseReceiver
+from kv_transfer.transports.torch.pair import (
+    CONTROL_BYTES,
+    IDLE_TIMEOUT,
+    KIND_ABORT,
+    KIND_CLOSE,
+    MAX_PENDING_DECODES,
+    make_group,
+    parse_control,
+)
 from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header, unpack_small
 
 
-class TorchReceiver(CoreReceiver):
-    def __init__(self, layout, kv_cache, allocator, *, host: str = "127.0.0.1", port: int = 0, max_groups: int = 64, interface: str | None = None, decode_threads: int = 2, **kwargs):
+class TorchReceiver(BaseReceiver):
+    def __init__(self, layout, kv_cache, allocator, *, host: str = "127.0.0.1", port: int = 0, max_groups: int = 64,
+                 interface: str | None = None, decode_threads: int = 2, **kwargs):
         super().__init__(layout, kv_cache, allocator, **kwargs)
         self.device = kv_cache.device
         self.backend = "nccl" if kv_cache.is_cuda else "gloo"
@@ -68,35 +77,39 @@ class TorchReceiver(CoreReceiver):
             index += 1
 
     def _answer(self, index: int, hello: bytes) -> None:
-        reply = {"ok": False, "error": "", "layout": self.core.describe()}
+        reply = {"ok": False, "error": "", "layout": self.describe()}
         try:
             message = unpack_small(hello)
-            if not self.core.check_token(message.get("token")):
+            if not self.check_token(message.get("token")):
                 raise TransferError("receiver rejected the cluster token", FailedSide.RECEIVER)
-            self.core.check_handshake(message.get("layout") or {})
+            self.check_handshake(message.get("layout") or {})
             if message.get("backend") != self.backend:
-                raise HandshakeError(f"KV handshake mismatch on backend: sender={message.get('backend')!r} receiver={self.backend!r}")
+                raise HandshakeError(f"KV handshake mismatch on backend: sender={message.get('backend')!r} "
+                                     f"receiver={self.backend!r}")
             with self._lock:
                 if self._num_groups >= self.max_groups:
-                    raise TransferError(f"receiver has {self._num_groups} peer groups (max {self.max_groups})", FailedSide.RECEIVER)
+                    raise TransferError(f"receiver has {self._num_groups} peer groups (max {self.max_groups})",
+                                        FailedSide.RECEIVER)
                 self._num_groups += 1
             reply["ok"] = True
         except Exception as exc:
             reply["error"] = str(exc)
         self._store.set(f"reply/{index}", msgpack.packb(reply))
         if reply["ok"]:
-            thread = threading.Thread(target=self._serve_pair, args=(index,), name=f"kv-torch-pair-{index}", daemon=True)
+            thread = threading.Thread(target=self._serve_pair, args=(index,), name=f"kv-torch-pair-{index}",
+                                      daemon=True)
             self._pair_threads.append(thread)
             thread.start()
 
     def _serve_pair(self, index: int) -> None:
         in_flight: set[str] = set()
         try:
-            group = make_group(dist.PrefixStore(f"pair/{index}/", self._store), 1, self.backend, IDLE_TIMEOUT, self.host, self.interface)
+            store = dist.PrefixStore(f"pair/{index}/", self._store)
+            group = make_group(store, 1, self.backend, IDLE_TIMEOUT, self.host, self.interface)
             self._serve(group, in_flight)
         except Exception as exc:  # peer died or the pair broke
             for transfer_id in in_flight:
-                self.core.fail(transfer_id, f"sender connection lost: {str(exc)[:200]}")
+                self.fail(transfer_id, f"sender connection lost: {str(exc)[:200]}")
         finally:
             with self._lock:
                 self._num_groups -= 1
@@ -106,8 +119,8 @@ class TorchReceiver(CoreReceiver):
         return slot, group.recv([slot], 0, 0)
 
     def _post_payload(self, group, nbytes: int):
-        if not (0 <= nbytes <= self.core.max_payload):
-            raise WireError(f"payload of {nbytes} bytes exceeds {self.core.max_payload}")
+        if not (0 <= nbytes <= self.max_payload):
+            raise WireError(f"payload of {nbytes} bytes exceeds {self.max_payload}")
         payload = payload_pool.acquire(nbytes, self.device)
         return payload, group.recv([payload], 0, 0)
 
@@ -138,7 +151,7 @@ class TorchReceiver(CoreReceiver):
                     ahead = None
                 self._drain(pending, errors, 0)
                 for transfer_id in in_flight:
-                    self.core.fail(transfer_id, "sender aborted mid-transfer")
+                    self.fail(transfer_id, "sender aborted mid-transfer")
                 errors.append("sender aborted")
             else:
                 payload, payload_work = ahead if ahead is not None else self._post_payload(group, payload_len)
@@ -153,14 +166,16 @@ class TorchReceiver(CoreReceiver):
             if is_last:
                 self._drain(pending, errors, 0)
                 data = (errors[0] if errors else "").encode()[:MAX_HEADER_BYTES]
-                group.send([torch.tensor([0 if data else 1, len(data)], dtype=torch.int64, device=self.device)], 0, 0).wait()
+                ack = torch.tensor([0 if data else 1, len(data)], dtype=torch.int64, device=self.device)
+                group.send([ack], 0, 0).wait()
                 if data:
                     group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)], 0, 0).wait()
                 errors.clear()
                 in_flight.clear()
                 slot, work = self._post_control(group)
 
-    def _take(self, header_bytes: bytes, payload, payload_len: int, pending: deque, errors: list[str], in_flight: set[str]) -> None:
+    def _take(self, header_bytes: bytes, payload, payload_len: int, pending: deque, errors: list[str],
+              in_flight: set[str]) -> None:
         if errors:  # the piece already failed: drain its chunks
             payload_pool.release(payload)
             return
@@ -168,17 +183,18 @@ class TorchReceiver(CoreReceiver):
             header = unpack_header(header_bytes)
             in_flight.add(header.transfer_id)
             if header.payload_len != payload_len:
-                self.core.fail(header.transfer_id, "payload length differs from its header")
+                self.fail(header.transfer_id, "payload length differs from its header")
                 raise WireError(f"payload of {payload_len} bytes, header says {header.payload_len}")
-            pending.append(self._decoders.submit(self._accept, header, payload))
+            pending.append(self._decoders.submit(self._accept_pooled, header, payload))
         except (TransferError, WireError) as exc:
             payload_pool.release(payload)
             errors.append(str(exc))
         self._drain(pending, errors, MAX_PENDING_DECODES)
 
-    def _accept(self, header, payload: torch.Tensor) -> None:
+    def _accept_pooled(self, header, payload: torch.Tensor) -> None:
+        """``accept`` a chunk received into a pooled buffer, then give the buffer back."""
         try:
-            self.core.accept(header, payload)
+            self.accept(header, payload)
         finally:
             payload_pool.release(payload)
 

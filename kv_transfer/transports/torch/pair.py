@@ -1,6 +1,6 @@
 """torch.distributed pair plumbing shared by TorchSender and TorchReceiver.
 
-Message kinds and limits of the pair protocol (see kv_transfer.torch_transport),
+Message kinds and limits of the pair protocol (see ``kv_transfer.transports.torch``),
 process-group construction (NCCL on CUDA, gloo on CPU over the endpoint's
 interface) and small helpers. Imports torch.distributed only.
 """
@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import FailedSide, TransferError
+from kv_transfer.interface import FailedSide, TransferError
 from kv_transfer.wire import WireError
 
 KIND_CHUNK, KIND_CLOSE, KIND_ABORT = 1, 2, 3
@@ -30,7 +30,8 @@ MAX_PENDING_DECODES = 2  # received chunks waiting for decode, per pair
 IDLE_TIMEOUT = timedelta(days=1)  # an idle pair waits in recv; peer death still wakes it
 
 
-def control_tensor(kind: int, header: bytes, payload_len: int, is_last: bool, device, next_len: int = 0) -> torch.Tensor:
+def control_tensor(kind: int, header: bytes, payload_len: int, is_last: bool, device,
+                   next_len: int = 0) -> torch.Tensor:
     if len(header) > MAX_CONTROL_HEADER:
         raise WireError(f"chunk header of {len(header)} bytes exceeds the {MAX_CONTROL_HEADER}-byte control slot")
     slot = bytearray(CONTROL_BYTES)
@@ -69,9 +70,10 @@ def make_group(store, rank: int, backend: str, timeout: timedelta, device_host: 
 
 def _gloo_device(host: str, interface: str | None):
     """Loopback peers talk over 127.0.0.1; others over ``interface`` or GLOO_SOCKET_IFNAME."""
-    interface = interface or (None if host.startswith("127.") or host == "localhost" else os.environ.get("GLOO_SOCKET_IFNAME"))
+    loopback = host.startswith("127.") or host == "localhost"
+    interface = interface or (None if loopback else os.environ.get("GLOO_SOCKET_IFNAME"))
     if interface:
         return dist.ProcessGroupGloo.create_device(interface=interface)
-    if host.startswith("127.") or host == "localhost":
+    if loopback:
         return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
     return dist.ProcessGroupGloo.create_default_device()

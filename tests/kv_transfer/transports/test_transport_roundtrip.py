@@ -70,24 +70,14 @@ def test_layer_by_layer_equals_one_shot(make_pair, kind, codec, layout):
     first = one_shot.receiver.wait(handle.transfer_id, 10)
 
     layered = make_pair(kind, layout, codec=codec, chunk_bytes=200)
-    handles = [layered.sender.send("r", src, src_ids, layered.dest, transfer_id="t-layers", layers=(layer, layer + 1)) for layer in (2, 0, 1)]
+    handles = [layered.sender.send("r", src, src_ids, layered.dest, transfer_id="t-layers", layers=(layer, layer + 1))
+               for layer in (2, 0, 1)]
     for h in handles:
         assert h.wait(30) == TransferStatus.DONE, h
     second = layered.receiver.wait("t-layers", 10)
     assert second.status == TransferStatus.DONE
     assert first.dst_block_ids == second.dst_block_ids == [0, 1, 2, 3]
     assert torch.equal(one_shot.dst_cache.view(torch.uint8), layered.dst_cache.view(torch.uint8))
-
-
-def test_partial_layers_stay_pending_until_all_arrive(make_pair, layout):
-    pair = make_pair("fake", layout)
-    src = random_cache(layout, 4)
-    assert pair.sender.send("r", src, [1, 2], pair.dest, transfer_id="t", layers=(0, 2)).wait(5) == TransferStatus.DONE
-    assert pair.receiver.status("t") == TransferStatus.TRANSFERRING
-    assert pair.receiver.poll() == []
-    assert pair.sender.send("r", src, [1, 2], pair.dest, transfer_id="t", layers=(2, 3)).wait(5) == TransferStatus.DONE
-    [result] = pair.receiver.poll()
-    assert (result.transfer_id, result.status, result.dst_block_ids) == ("t", TransferStatus.DONE, [0, 1])
 
 
 def test_fp8_round_trip_over_grpc_is_close(make_pair):

@@ -1,0 +1,32 @@
+"""The transports, one module (or package) each, behind ``KVSender`` / ``KVReceiver``:
+
+    grpc    client-streaming KV service on each decode actor (raw-bytes frames)
+    torch   lazy 2-rank torch.distributed groups per prefill–decode pair: NCCL on CUDA, gloo on CPU
+    ray     payloads through the Ray object store (same node); ray is imported on first use
+    fake    in-process hub for tests and warm-up: the real wire format, no socket
+
+``TRANSPORTS`` maps a config name to (module, sender class, receiver class);
+``load`` imports a transport's module on demand, so asking for ``grpc`` never
+imports ray and ``fake`` needs neither grpc nor torch.distributed.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+TRANSPORTS = {
+    "grpc": ("kv_transfer.transports.grpc", "GrpcSender", "GrpcReceiver"),
+    "torch": ("kv_transfer.transports.torch", "TorchSender", "TorchReceiver"),
+    "ray": ("kv_transfer.transports.ray", "RaySender", "RayReceiver"),
+    "fake": ("kv_transfer.transports.fake", "FakeSender", "FakeReceiver"),
+}
+
+
+def load(name: str) -> tuple[type, type]:
+    """(sender class, receiver class) of transport ``name``; ValueError for an unknown name."""
+    try:
+        module_name, sender_name, receiver_name = TRANSPORTS[name]
+    except KeyError:
+        raise ValueError(f"unknown KV transport {name!r}; expected one of {sorted(TRANSPORTS)}") from None
+    module = importlib.import_module(module_name)
+    return getattr(module, sender_name), getattr(module, receiver_name)
