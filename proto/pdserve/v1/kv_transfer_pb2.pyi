@@ -1,22 +1,9 @@
-from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from collections.abc import Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class KVCodec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    KV_CODEC_UNSPECIFIED: _ClassVar[KVCodec]
-    KV_CODEC_NONE: _ClassVar[KVCodec]
-    KV_CODEC_FP8: _ClassVar[KVCodec]
-    KV_CODEC_FP8_TENSOR: _ClassVar[KVCodec]
-KV_CODEC_UNSPECIFIED: KVCodec
-KV_CODEC_NONE: KVCodec
-KV_CODEC_FP8: KVCodec
-KV_CODEC_FP8_TENSOR: KVCodec
 
 class KVLayoutDescription(_message.Message):
     __slots__ = ("model_fingerprint", "num_layers", "num_kv_heads", "block_size", "head_dim", "dtype", "codec")
@@ -111,19 +98,3 @@ class PushKVResponse(_message.Message):
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     nbytes: int
     def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
-
-class KVHandoff(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "block_ids", "num_tokens", "first_token_id", "codec")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    CODEC_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    transfer_id: str
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_tokens: int
-    first_token_id: int
-    codec: KVCodec
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., codec: _Optional[_Union[KVCodec, str]] = ...) -> None: ...

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.pdserve.v1 import kv_transfer_pb2 as proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2
+from proto.pdserve.v1 import kv_transfer_pb2 as pdserve_dot_v1_dot_kv__transfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/pdserve/v1/kv_transfer_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/v1/kv_transfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class KVTransferServiceStub:
         """
         self.Handshake = channel.unary_unary(
                 '/pdserve.v1.KVTransferService/Handshake',
-                request_serializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.HandshakeResponse.FromString,
+                request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
         self.PushKV = channel.stream_unary(
                 '/pdserve.v1.KVTransferService/PushKV',
-                request_serializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.PushKVRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.FromString,
+                request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.PushKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.FromString,
                 _registered_method=True)
 
 
@@ -70,13 +70,13 @@ def add_KVTransferServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Handshake': grpc.unary_unary_rpc_method_handler(
                     servicer.Handshake,
-                    request_deserializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.FromString,
-                    response_serializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.HandshakeResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.HandshakeResponse.SerializeToString,
             ),
             'PushKV': grpc.stream_unary_rpc_method_handler(
                     servicer.PushKV,
-                    request_deserializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.PushKVRequest.FromString,
-                    response_serializer=proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.PushKVRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -105,8 +105,8 @@ class KVTransferService:
             request,
             target,
             '/pdserve.v1.KVTransferService/Handshake',
-            proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
-            proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.HandshakeResponse.FromString,
+            pdserve_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
+            pdserve_dot_v1_dot_kv__transfer__pb2.HandshakeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -132,8 +132,8 @@ class KVTransferService:
             request_iterator,
             target,
             '/pdserve.v1.KVTransferService/PushKV',
-            proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.PushKVRequest.SerializeToString,
-            proto_dot_pdserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.FromString,
+            pdserve_dot_v1_dot_kv__transfer__pb2.PushKVRequest.SerializeToString,
+            pdserve_dot_v1_dot_kv__transfer__pb2.PushKVResponse.FromString,
             options,
             channel_credentials,
             insecure,
