@@ -1,25 +1,7 @@
-"""Typed deployment config: one YAML file (``deploy/pools.yaml``) drives a
-deployment. Load it with :func:`load_config`; bad input raises
-:class:`ConfigError` with a one-line message that names the key path.
-
-Object tree (all pydantic v2 models, unknown keys forbidden)::
-
-    PDServeConfig
-      model: ModelConfig            name, dtype, max_model_len
-      pools: PoolsConfig            prefill, decode, long_context (optional)
-        <pool>: PoolConfig          count, min, max, resources, max_restarts, model, kv_cache
-          resources: ResourcesConfig  num_cpus, num_gpus, torch_threads, custom
-        prefill: + max_batch_tokens, chunk_tokens;  decode/long_context: + max_batch_size
-      kv_cache: KVCacheConfig       block_size, memory_fraction | num_blocks | memory_gib
-      kv_transfer: KVTransferConfig transport, compression, chunk_bytes, deadline_s
-      routing: RoutingConfig        local_prefill_tokens, long_request_tokens, max_queue,
-                                    prefill_policy, decode_policy
-      slo: SLOConfig                ttft_p99_ms, tpot_p99_ms
-      workload: WorkloadConfig      input_tokens_mean, output_tokens_mean, histogram_file,
-                                    arrival_rate_rps
-      server: ServerConfig          host, port, metrics_port, log_format
-      security: SecurityConfig      token, token_env, tls_cert, tls_key, tls_client_ca
-      ray: RayConfig                address, namespace
+"""The root of ``pools.yaml``: :class:`PDServeConfig` (every section, and the
+checks across sections) and :func:`load_config` (read the YAML, apply CLI
+overrides, validate). Bad input raises :class:`ConfigError` with one line that
+names the key path (or file:line for YAML errors).
 
 Relative file paths in the YAML are relative to the YAML file; in overrides,
 relative to the working directory.
@@ -33,43 +15,42 @@ from typing import Any, Mapping, Optional
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from deploy.config_base import PRESET_MODELS, ConfigError, FieldProblem, Section, config_error_from
-from deploy.config_pools import (DecodePoolConfig, PoolConfig, PoolsConfig, PrefillPoolConfig,
-                                 ResourcesConfig)
-from deploy.config_sections import (KVCacheConfig, KVTransferConfig, ModelConfig, RayConfig,
-                                    RoutingConfig, SecurityConfig, ServerConfig, SLOConfig)
-from deploy.config_workload import WorkloadConfig
+from deploy.config.base import PRESET_MODELS, ConfigError, FieldProblem, Section, config_error_from
+from deploy.config.kv_cache import KVCacheSection
+from deploy.config.kv_transfer import KVTransferSection
+from deploy.config.model import ModelSection
+from deploy.config.pools import PoolSection, PoolsSection
+from deploy.config.ray import RaySection
+from deploy.config.routing import RoutingSection
+from deploy.config.security import SecuritySection
+from deploy.config.server import ServerSection
+from deploy.config.slo import SLOSection
+from deploy.config.workload import WorkloadSection
 
-DEFAULT_CONFIG_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pools.yaml")
+DEPLOY_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG_PATH = os.path.join(DEPLOY_DIR, "pools.yaml")
 PATH_KEYS = ("model.name", "pools.*.model", "workload.histogram_file", "security.tls_cert",
              "security.tls_key", "security.tls_client_ca")
 """Keys whose values are file paths (made absolute when given as overrides)."""
-
-__all__ = [
-    "ConfigError", "PDServeConfig", "ModelConfig", "PoolsConfig", "PoolConfig",
-    "PrefillPoolConfig", "DecodePoolConfig", "ResourcesConfig", "KVCacheConfig",
-    "KVTransferConfig", "RoutingConfig", "SLOConfig", "WorkloadConfig", "ServerConfig",
-    "SecurityConfig", "RayConfig", "load_config", "parse_override", "DEFAULT_CONFIG_PATH",
-]
 
 
 class PDServeConfig(Section):
     """A whole deployment. ``PDServeConfig.default()`` equals ``deploy/pools.yaml``."""
 
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Served model.")
-    pools: PoolsConfig = Field(default_factory=PoolsConfig, description="Actor pools.")
-    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig,
-                                    description="Paged KV cache of every pool.")
-    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig,
-                                          description="Prefill-to-decode KV shipping.")
-    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="Router policy.")
-    slo: SLOConfig = Field(default_factory=SLOConfig, description="Latency targets.")
-    workload: WorkloadConfig = Field(default_factory=WorkloadConfig,
-                                     description="Traffic assumptions for the planner.")
-    server: ServerConfig = Field(default_factory=ServerConfig, description="Public endpoint.")
-    security: SecurityConfig = Field(default_factory=SecurityConfig,
-                                     description="Token and TLS.")
-    ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster to join.")
+    model: ModelSection = Field(default_factory=ModelSection, description="Served model.")
+    pools: PoolsSection = Field(default_factory=PoolsSection, description="Actor pools.")
+    kv_cache: KVCacheSection = Field(default_factory=KVCacheSection,
+                                     description="Paged KV cache of every pool.")
+    kv_transfer: KVTransferSection = Field(default_factory=KVTransferSection,
+                                           description="Prefill-to-decode KV shipping.")
+    routing: RoutingSection = Field(default_factory=RoutingSection, description="Router policy.")
+    slo: SLOSection = Field(default_factory=SLOSection, description="Latency targets.")
+    workload: WorkloadSection = Field(default_factory=WorkloadSection,
+                                      description="Traffic assumptions for the planner.")
+    server: ServerSection = Field(default_factory=ServerSection, description="Public endpoint.")
+    security: SecuritySection = Field(default_factory=SecuritySection,
+                                      description="Token and TLS.")
+    ray: RaySection = Field(default_factory=RaySection, description="Ray cluster to join.")
 
     @classmethod
     def default(cls) -> "PDServeConfig":
@@ -80,7 +61,7 @@ class PDServeConfig(Section):
         """Model (preset name or absolute directory) served by pool ``name``."""
         return self._pool(name).model or self.model.name
 
-    def pool_kv_cache(self, name: str) -> KVCacheConfig:
+    def pool_kv_cache(self, name: str) -> KVCacheSection:
         """Effective KV cache of pool ``name``: its override's keys win; the
         budget comes from the override when it sets any budget key."""
         override = self._pool(name).kv_cache
@@ -90,9 +71,9 @@ class PDServeConfig(Section):
         if override.budget_keys():
             merged.update(memory_fraction=None, num_blocks=None, memory_gib=None)
         merged.update({key: getattr(override, key) for key in override.model_fields_set})
-        return KVCacheConfig.model_validate(merged)
+        return KVCacheSection.model_validate(merged)
 
-    def _pool(self, name: str) -> PoolConfig:
+    def _pool(self, name: str) -> PoolSection:
         pool = dict(self.pools.items()).get(name)
         if pool is None:
             raise KeyError(f"no pool named {name!r}")

@@ -1,4 +1,4 @@
-"""Shipped configs load; defaults, overrides and derived values are exact."""
+"""Shipped configs load; defaults, overrides and cross-section checks are exact (deploy/config/root.py)."""
 from __future__ import annotations
 
 import glob
@@ -7,9 +7,7 @@ import os
 import pytest
 from pydantic import BaseModel
 
-from deploy.config import (DEFAULT_CONFIG_PATH, ConfigError, KVCacheConfig, PDServeConfig,
-                           load_config, parse_override)
-from deploy.config_base import PRESET_MODELS
+from deploy.config import DEFAULT_CONFIG_PATH, ConfigError, PDServeConfig, load_config, parse_override
 
 DEPLOY_DIR = os.path.dirname(DEFAULT_CONFIG_PATH)
 SHIPPED = [DEFAULT_CONFIG_PATH] + sorted(glob.glob(os.path.join(DEPLOY_DIR, "examples", "*.yaml")))
@@ -124,71 +122,6 @@ def test_pool_kv_cache_inherits_unset_keys():
     prefill, decode = config.pool_kv_cache("prefill"), config.pool_kv_cache("decode")
     assert (prefill.block_size, prefill.num_blocks, prefill.memory_gib) == (32, 64, None)
     assert (decode.block_size, decode.memory_gib) == (32, 2.0)
-
-
-def test_resolve_num_blocks():
-    assert KVCacheConfig(num_blocks=7).resolve_num_blocks(1024) == 7
-    assert KVCacheConfig(memory_gib=1).resolve_num_blocks(1 << 20) == 1024
-    assert KVCacheConfig(memory_fraction=0.5).resolve_num_blocks(100, free_bytes=1000) == 5
-    assert KVCacheConfig().resolve_num_blocks(100, free_bytes=1000) == 9  # default 0.9
-
-
-@pytest.mark.parametrize("name, text", [
-    ("lengths.jsonl", '{"input_tokens": 100, "output_tokens": 10}\n\n'
-                      '{"input_tokens": 400, "output_tokens": 30, "count": 3}\n'),
-    ("lengths.csv", "input_tokens,output_tokens,count\n100,10,1\n400,30,3\n"),
-])
-def test_histogram_file_sets_the_means(tmp_path, write_yaml, name, text):
-    (tmp_path / name).write_text(text)
-    config = load_config(write_yaml(f"workload: {{histogram_file: {name}}}\n"))
-    assert (config.workload.input_tokens_mean, config.workload.output_tokens_mean) == (325, 25)
-    assert PDServeConfig.model_validate(config.model_dump()) == config  # round trip
-
-
-@pytest.mark.parametrize("name, text, problem", [
-    ("bad.jsonl", '{"input_tokens": 100, "output_tokens": 10}\nnot json\n',
-     "bad.jsonl:2: invalid JSON"),
-    ("bad.csv", "input_tokens,output\n1,2\n", "bad.csv:1: CSV header lacks output_tokens"),
-    ("neg.csv", "input_tokens,output_tokens\n1,2\n-3,4\n", "neg.csv:3: input_tokens must be"),
-    ("empty.jsonl", "\n", "empty.jsonl: no rows"),
-])
-def test_bad_histogram_names_file_and_line(tmp_path, write_yaml, name, text, problem):
-    (tmp_path / name).write_text(text)
-    with pytest.raises(ConfigError) as info:
-        load_config(write_yaml(f"workload: {{histogram_file: {name}}}\n"))
-    assert str(info.value).startswith("workload.histogram_file: ")
-    assert problem in str(info.value)
-
-
-def test_histogram_and_means_conflict(tmp_path, write_yaml):
-    (tmp_path / "h.csv").write_text("input_tokens,output_tokens\n10,20\n")
-    path = write_yaml("workload: {histogram_file: h.csv, input_tokens_mean: 99}\n")
-    with pytest.raises(ConfigError, match=r"^workload\.input_tokens_mean: cannot be combined"):
-        load_config(path)
-
-
-def test_security_token_from_env_and_tls(monkeypatch, pem_files, write_yaml):
-    monkeypatch.setenv("MY_TOKEN", "abc")
-    path = write_yaml("server: {host: 0.0.0.0}\nsecurity: {token_env: MY_TOKEN, "
-                      "tls_cert: cert.pem, tls_key: key.pem, tls_client_ca: ca.pem}\n")
-    config = load_config(path)
-    assert config.security.token.get_secret_value() == "abc"
-    assert config.security.tls_client_ca == pem_files["ca.pem"]
-    for host in ("localhost", "127.0.0.2", "::1"):
-        assert load_config(None, {"server.host": host}).security.token is None
-
-
-def test_resources_threads_and_bounds():
-    config = load_config(None, {"pools.decode.resources.num_cpus": 2.5,
-                                "pools.prefill.resources.torch_threads": 3})
-    assert config.pools.decode.resources.threads() == 2
-    assert config.pools.prefill.resources.threads() == 3
-    assert config.pools.prefill.bounds() == (1, 1) and not config.pools.prefill.is_auto
-
-
-def test_presets_match_the_engine():
-    presets = pytest.importorskip("engine.presets")
-    assert set(PRESET_MODELS) <= set(presets.PRESETS)
 
 
 def _models(model: type[BaseModel]):

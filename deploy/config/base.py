@@ -1,5 +1,6 @@
-"""Shared pieces of the typed deployment config: the base model, the error
-type, and the translation of pydantic errors into one-line messages.
+"""Shared pieces of the typed deployment config: the base of every section, the
+number types, the error type, and the translation of pydantic errors into
+one-line messages.
 
 Every message has the shape ``<dotted.key.path>: <what is wrong>``, e.g.::
 
@@ -23,6 +24,8 @@ from pydantic import (AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Valid
 
 PRESET_MODELS = ("tiny", "small")
 """Model names served from the embedded presets instead of a directory."""
+MIB = 1 << 20
+GIB = 1 << 30
 
 
 class ConfigError(Exception):
@@ -60,7 +63,7 @@ Float = Annotated[float, BeforeValidator(_reject_bool), AllowInfNan(False)]
 
 
 class Section(BaseModel):
-    """Base of every config model: unknown keys are errors."""
+    """Base of every config section: unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from deploy.config_base import FieldProblem, Float, Int, Section, resolve_path
+from deploy.config.base import FieldProblem, Float, Int, Section, resolve_path
 
 DEFAULT_INPUT_TOKENS = 512
 DEFAULT_OUTPUT_TOKENS = 128
@@ -78,7 +78,7 @@ def histogram_means(rows: list[tuple[int, int, int]]) -> tuple[int, int]:
     return max(1, round(mean_in)), max(1, round(mean_out))
 
 
-class WorkloadConfig(Section):
+class WorkloadSection(Section):
     """Traffic assumptions for ``pdserve plan`` and the autoscaler's start point.
 
     Give the two means, or ``histogram_file`` (the means are then computed
@@ -106,7 +106,7 @@ class WorkloadConfig(Section):
         return path
 
     @model_validator(mode="after")
-    def _fill_means(self) -> "WorkloadConfig":
+    def _fill_means(self) -> "WorkloadSection":
         if self.histogram_file is not None:
             means = histogram_means(read_histogram(self.histogram_file))
             # Values equal to the file's means are a round trip of this model.

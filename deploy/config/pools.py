@@ -1,20 +1,21 @@
 """The ``pools`` section: actor counts (fixed or ``auto`` within min/max),
 Ray resources per actor, batch policy, and optional per-pool model and KV
-cache overrides (cross-checked against the top level in ``deploy.config``)."""
+cache overrides (cross-checked against the top level in ``deploy.config.root``)."""
 from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from deploy.config_base import FieldProblem, Float, Int, Section
-from deploy.config_sections import KVCacheConfig, check_model_name
+from deploy.config.base import FieldProblem, Float, Int, Section
+from deploy.config.kv_cache import KVCacheSection
+from deploy.config.model import check_model_name
 
 RESERVED_RESOURCES = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": "num_cpus",
                       "object_store_memory": "num_cpus"}
 
 
-class ResourcesConfig(Section):
+class ResourcesSection(Section):
     """Ray resources one actor of the pool reserves."""
 
     num_cpus: Float = Field(1.0, gt=0, description="CPUs per actor (Ray num_cpus).")
@@ -60,20 +61,20 @@ def _optional_model(value: Optional[str], info) -> Optional[str]:
     return None if value is None else check_model_name(value, info)
 
 
-class PoolConfig(Section):
+class PoolSection(Section):
     """Fields every pool has."""
 
     count: Union[int, Literal["auto"]] = Field(
         1, description="Actors in the pool, or 'auto' (planner + autoscaler within min..max).")
     min: Optional[Int] = Field(None, ge=1, description="Fewest actors; required with count: auto.")
     max: Optional[Int] = Field(None, ge=1, description="Most actors; required with count: auto.")
-    resources: ResourcesConfig = Field(default_factory=ResourcesConfig,
-                                       description="Ray resources per actor.")
+    resources: ResourcesSection = Field(default_factory=ResourcesSection,
+                                        description="Ray resources per actor.")
     max_restarts: Int = Field(3, ge=-1, description="Ray restarts of a dead actor before the "
                               "pool manager replaces it; -1 = unlimited.")
     model: Annotated[Optional[str], AfterValidator(_optional_model)] = Field(
         None, description="Override of model.name for this pool; all pools must agree.")
-    kv_cache: Optional[KVCacheConfig] = Field(
+    kv_cache: Optional[KVCacheSection] = Field(
         None, description="Override of the top-level kv_cache for this pool (e.g. a "
         "smaller budget on prefill); block_size must agree across pools.")
 
@@ -83,7 +84,7 @@ class PoolConfig(Section):
         return _count(value)
 
     @model_validator(mode="after")
-    def _bounds(self) -> "PoolConfig":
+    def _bounds(self) -> "PoolSection":
         if self.count == "auto":
             for key in ("min", "max"):
                 if getattr(self, key) is None:
@@ -110,7 +111,7 @@ class PoolConfig(Section):
         return self.min, self.max
 
 
-class PrefillPoolConfig(PoolConfig):
+class PrefillPoolSection(PoolSection):
     """Prefill actors: batched, chunked prompt processing."""
 
     max_batch_tokens: Int = Field(8192, ge=1, description="Prompt tokens in one prefill "
@@ -119,33 +120,33 @@ class PrefillPoolConfig(PoolConfig):
                               "of this many tokens.")
 
     @model_validator(mode="after")
-    def _chunk_fits(self) -> "PrefillPoolConfig":
+    def _chunk_fits(self) -> "PrefillPoolSection":
         if self.chunk_tokens > self.max_batch_tokens:
             raise FieldProblem("chunk_tokens", f"must be <= {{here}}.max_batch_tokens "
                                f"({self.chunk_tokens} > {self.max_batch_tokens})")
         return self
 
 
-class DecodePoolConfig(PoolConfig):
+class DecodePoolSection(PoolSection):
     """Decode actors: continuous-batching token generation."""
 
     max_batch_size: Int = Field(64, ge=1, description="Most sequences decoded in one step.")
 
 
-class PoolsConfig(Section):
+class PoolsSection(Section):
     """The actor pools. ``long_context`` is an optional second decode pool
     for requests longer than ``routing.long_request_tokens``."""
 
-    prefill: PrefillPoolConfig = Field(default_factory=PrefillPoolConfig,
-                                       description="Prefill pool.")
-    decode: DecodePoolConfig = Field(default_factory=DecodePoolConfig,
-                                     description="Decode pool.")
-    long_context: Optional[DecodePoolConfig] = Field(
+    prefill: PrefillPoolSection = Field(default_factory=PrefillPoolSection,
+                                        description="Prefill pool.")
+    decode: DecodePoolSection = Field(default_factory=DecodePoolSection,
+                                      description="Decode pool.")
+    long_context: Optional[DecodePoolSection] = Field(
         None, description="Decode pool for long requests (routing.long_request_tokens).")
 
-    def items(self) -> list[tuple[str, PoolConfig]]:
+    def items(self) -> list[tuple[str, PoolSection]]:
         """(name, pool) for every configured pool, prefill first."""
-        pools: list[tuple[str, PoolConfig]] = [("prefill", self.prefill), ("decode", self.decode)]
+        pools: list[tuple[str, PoolSection]] = [("prefill", self.prefill), ("decode", self.decode)]
         if self.long_context is not None:
             pools.append(("long_context", self.long_context))
         return pools

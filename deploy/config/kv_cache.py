@@ -1,0 +1,62 @@
+"""The ``kv_cache`` section (also a per-pool override): block size and the block memory budget."""
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from deploy.config.base import GIB, FieldProblem, Float, Int, Section
+
+
+class KVCacheSection(Section):
+    """Paged KV cache: block size and the memory budget for blocks.
+
+    Set at most one of ``memory_fraction``, ``num_blocks``, ``memory_gib``;
+    with none set the budget is ``memory_fraction`` = 0.9.
+    """
+
+    block_size: Int = Field(16, description="Tokens per KV block; a power of 2 in 1..256. "
+                            "Prefill and decode must agree (it fixes the transfer layout).")
+    memory_fraction: Optional[Float] = Field(
+        None, gt=0, le=1, description="Fraction of the memory left free after the weights "
+        "load (GPU: the actor's device; CPU: the RAM share the worker is given) used for blocks.")
+    num_blocks: Optional[Int] = Field(None, ge=1,
+                                      description="Exact number of KV blocks per actor.")
+    memory_gib: Optional[Float] = Field(None, gt=0, description="KV block memory per actor, GiB.")
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if not 1 <= value <= 256 or value & (value - 1):
+            raise ValueError(f"must be a power of 2 in 1..256, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> "KVCacheSection":
+        chosen = self.budget_keys()
+        if len(chosen) > 1:
+            raise FieldProblem(chosen[1], f"cannot be combined with {{here}}.{chosen[0]} "
+                               "(set one of memory_fraction, num_blocks, memory_gib)")
+        return self
+
+    def budget_keys(self) -> list[str]:
+        """Names of the budget fields that are set, in declaration order."""
+        names = ("memory_fraction", "num_blocks", "memory_gib")
+        return [name for name in names if getattr(self, name) is not None]
+
+    def resolve_num_blocks(self, bytes_per_block: int, free_bytes: int = 0) -> int:
+        """Blocks one actor allocates.
+
+        Args:
+            bytes_per_block: KV bytes of one block over all layers (K and V).
+            free_bytes: memory left after weights; only used for memory_fraction.
+        Returns:
+            The block count (0 when the budget does not fit one block).
+        """
+        assert bytes_per_block > 0
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.memory_gib is not None:
+            return int(self.memory_gib * GIB) // bytes_per_block
+        fraction = 0.9 if self.memory_fraction is None else self.memory_fraction
+        return int(fraction * free_bytes) // bytes_per_block

@@ -1,0 +1,38 @@
+"""The ``model`` section: which model every pool serves, its dtype and decode attention."""
+from __future__ import annotations
+
+import os
+from typing import Annotated, Literal, Optional
+
+from pydantic import AfterValidator, Field, ValidationInfo
+
+from deploy.config.base import PRESET_MODELS, Int, Section, resolve_path
+
+
+def check_model_name(value: str, info: ValidationInfo | None) -> str:
+    """A preset name stays as is; anything else must be a local HF-format
+    model directory (it holds ``config.json``) and becomes an absolute path."""
+    if value in PRESET_MODELS:
+        return value
+    path = resolve_path(value, info)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{value!r} is neither a preset ({', '.join(PRESET_MODELS)}) "
+                         f"nor a model directory with config.json ({path})")
+    return path
+
+
+class ModelSection(Section):
+    """Which model every pool serves."""
+
+    name: Annotated[str, AfterValidator(check_model_name)] = Field(
+        "small", description="Preset name (tiny, small) or a local Hugging Face-format "
+        "model directory; relative paths are relative to the config file.")
+    dtype: Literal["float32", "bfloat16", "auto"] = Field(
+        "auto", description="Weight and KV dtype; auto = bfloat16 on CUDA, float32 on CPU.")
+    attention: Literal["auto", "compiled", "eager"] = Field(
+        "auto", description="Decode attention: compiled = one Inductor kernel reading K/V through "
+        "the block table (a few seconds to compile when a decode actor starts); eager = gather + bmm; "
+        "auto = compiled on CPU, eager on CUDA.")
+    max_model_len: Optional[Int] = Field(
+        None, gt=0, description="Longest prompt + output in tokens; default: the model's "
+        "max_position_embeddings.")

@@ -1,0 +1,26 @@
+"""The ``routing`` section: how the router picks actors for a request."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from deploy.config.base import Int, Section
+
+
+class RoutingSection(Section):
+    """How the router picks actors for a request."""
+
+    local_prefill_tokens: Int = Field(
+        0, ge=0, description="Prompts at most this long prefill on the decode actor "
+        "itself (no KV transfer); 0 = off.")
+    long_request_tokens: Optional[Int] = Field(
+        None, gt=0, description="Requests whose prompt + max_tokens exceed this go to "
+        "pools.long_context (which must then be configured).")
+    max_queue: Int = Field(1024, ge=1, description="Requests waiting in the router before "
+                           "new ones get RESOURCE_EXHAUSTED.")
+    prefill_policy: Literal["prefix_then_load"] = Field(
+        "prefix_then_load", description="Longest cached prefix, then fewest queued prompt tokens.")
+    decode_policy: Literal["most_free_blocks"] = Field(
+        "most_free_blocks",
+        description="Admit where prompt + max_tokens fit; prefer most free blocks.")
