@@ -1,4 +1,4 @@
-"""KV transfer benchmark: ``pdserve bench transfer [--json FILE] [--quick]``.
+"""KV transfer benchmark driver: ``pdserve bench transfer [--json FILE] [--quick]``.
 
 For each link x transport x codec x payload (1, 16, 128 MiB of bfloat16 KV):
 effective GB/s (uncompressed KV bytes / end-to-end time of one send, encode
@@ -25,15 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from bench import netns
-from bench.transfer_peer import LAYOUT, MIB, num_blocks_for
-from kv_transfer import codec_compiled, get_codec
+from bench.transfer import netns
+from bench.transfer.peer import LAYOUT, MIB, num_blocks_for
+from kv_transfer import DEFAULT_CHUNK_BYTES, codec_compiled, get_codec
 from kv_transfer.buffers import scratch_pool
-from kv_transfer.codec import pin_transfer_thread
 from kv_transfer.chunker import encode_jobs, pipeline
-from kv_transfer.wire import DEFAULT_CHUNK_BYTES
+from kv_transfer.codec import pin_transfer_thread
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PEER = "bench.transfer.peer"
 TOKEN = "bench-transfer-token"
 
 
@@ -66,14 +66,16 @@ def codec_gbps(codec_name: str, payload_mib: float, reps: int = 3, workers: int 
     best_encode = best_decode = float("inf")
 
     def jobs():
-        return encode_jobs(cache, ids, LAYOUT, codec, request_id="b", transfer_id="b", layers=(0, LAYOUT.num_layers),
-                           deadline_at=time.monotonic() + 60, chunk_bytes=DEFAULT_CHUNK_BYTES, with_checksum=False)
+        return encode_jobs(cache, ids, LAYOUT, codec, request_id="b", transfer_id="b",
+                           layers=(0, LAYOUT.num_layers), deadline_at=time.monotonic() + 60,
+                           chunk_bytes=DEFAULT_CHUNK_BYTES, with_checksum=False)
 
     def decode(item) -> None:
         pin_transfer_thread()
         h, payload = item
         with scratch_pool.lease() as scratch:
-            codec.decode_into(payload, h.shape, dst, (h.layer_start, h.layer_end), dst_index[h.block_start : h.block_end], scratch)
+            codec.decode_into(payload, h.shape, dst, (h.layer_start, h.layer_end),
+                              dst_index[h.block_start : h.block_end], scratch)
 
     encoded = [(job().header, job().payload.clone()) for job in jobs()]
     with ThreadPoolExecutor(max_workers=workers) as decoders, ThreadPoolExecutor(max_workers=workers) as encoders:
@@ -89,7 +91,7 @@ def codec_gbps(codec_name: str, payload_mib: float, reps: int = 3, workers: int 
 
 
 def _spawn(prefix: list[str], args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen(prefix + [sys.executable, "-m", "bench.transfer_peer", *args], cwd=ROOT, env=env,
+    return subprocess.Popen(prefix + [sys.executable, "-m", PEER, *args], cwd=ROOT, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -111,8 +113,10 @@ def socket_gbps(link, mib: int, plain: bool = False, reps: int = 3) -> float:
     receiver = _spawn(recv_prefix, ["sock-recv", "--host", host, *flag], _env(recv_dev))
     try:
         dest = _ready(receiver)
-        out = subprocess.run(send_prefix + [sys.executable, "-m", "bench.transfer_peer", "sock-send", "--dest", dest, "--mib", str(mib), "--reps", str(reps), *flag],
-                             cwd=ROOT, env=_env(send_dev), capture_output=True, text=True, check=True)
+        command = [sys.executable, "-m", PEER, "sock-send", "--dest", dest, "--mib", str(mib), "--reps", str(reps),
+                   *flag]
+        out = subprocess.run(send_prefix + command, cwd=ROOT, env=_env(send_dev), capture_output=True, text=True,
+                             check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])["socket_gbps"]
     finally:
         receiver.kill()
@@ -131,8 +135,9 @@ def run_pair(link, transport: str, codec: str, payloads: list[float], reps: int)
     receiver = _spawn(recv_prefix, ["recv", "--host", host, *common], _env(recv_dev))
     try:
         dest = _ready(receiver)
-        out = subprocess.run(send_prefix + [sys.executable, "-m", "bench.transfer_peer", "send", "--dest", dest, "--reps", str(reps), *common],
-                             cwd=ROOT, env=_env(send_dev), capture_output=True, text=True, timeout=600)
+        command = [sys.executable, "-m", PEER, "send", "--dest", dest, "--reps", str(reps), *common]
+        out = subprocess.run(send_prefix + command, cwd=ROOT, env=_env(send_dev), capture_output=True, text=True,
+                             timeout=600)
         if out.returncode != 0:
             raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "sender failed")
         return [json.loads(line) for line in out.stdout.strip().splitlines()]
@@ -147,7 +152,7 @@ def run_pair(link, transport: str, codec: str, payloads: list[float], reps: int)
 def run_ray(codec: str, payloads: list[float], reps: int) -> list[dict]:
     import ray
 
-    from bench.transfer_peer import RecvPeer, SendPeer
+    from bench.transfer.peer import RecvPeer, SendPeer
 
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -167,12 +172,16 @@ def print_table(result: dict) -> None:
     print(f"memcpy {base['memcpy_gbps']:.2f} GB/s | raw TCP socket (2 processes): {links} GB/s"
           + (f" (loopback: the faster of a tuned loop, {base['socket_tuned_gbps']:.2f}, and the plain loop, "
              f"{base['socket_plain_gbps']:.2f})" if "socket_plain_gbps" in base else ""))
-    print(f"{'link':<9} {'transport':<9} {'codec':<5} {'MiB':>5} {'effective GB/s':>14} {'vs socket':>9} {'wire MiB':>9} {'encode GB/s':>11} {'decode GB/s':>11}")
+    print(f"{'link':<9} {'transport':<9} {'codec':<5} {'MiB':>5} {'effective GB/s':>14} {'vs socket':>9} "
+          f"{'wire MiB':>9} {'encode GB/s':>11} {'decode GB/s':>11}")
     for r in result["records"]:
         socket = base["link_socket_gbps"].get(r["link"], 0) or float("nan")
         print(f"{r['link']:<9} {r['transport']:<9} {r['codec']:<5} {r['payload_mib']:>5g} {r['effective_gbps']:>14.2f} "
-              f"{r['effective_gbps'] / socket:>8.0%} {r['wire_bytes'] / MIB:>9.2f} {r['encode_gbps']:>11.2f} {r['decode_gbps']:>11.2f}")
-    print("codec on two threads (encode/decode GB/s):", ", ".join(f"{k} {v[0]:.2f}/{v[1]:.2f}" for k, v in base["codec_2threads_encode_decode_gbps"].items()))
+              f"{r['effective_gbps'] / socket:>8.0%} {r['wire_bytes'] / MIB:>9.2f} {r['encode_gbps']:>11.2f} "
+              f"{r['decode_gbps']:>11.2f}")
+    two_threads = base["codec_2threads_encode_decode_gbps"]
+    print("codec on two threads (encode/decode GB/s):",
+          ", ".join(f"{k} {v[0]:.2f}/{v[1]:.2f}" for k, v in two_threads.items()))
     for note in result["notes"]:
         print("note:", note)
 
@@ -194,18 +203,24 @@ def main(argv: list[str] | None = None) -> int:
     codecs, links = args.codecs.split(","), args.links.split(",")
     notes: list[str] = []
     codec_speed = {(c, p): codec_gbps(c, p, reps) for c in codecs for p in payloads}
-    two_threads = {f"{c}_{p:g}MiB": [round(v, 3) for v in codec_gbps(c, p, reps, workers=2)] for c in codecs for p in payloads}
-    result = {"baselines": {"memcpy_gbps": memcpy_gbps(), "socket_gbps": 0.0, "link_socket_gbps": {}, "codec_2threads_encode_decode_gbps": two_threads},
+    two_threads = {f"{c}_{p:g}MiB": [round(v, 3) for v in codec_gbps(c, p, reps, workers=2)]
+                   for c in codecs for p in payloads}
+    result = {"baselines": {"memcpy_gbps": memcpy_gbps(), "socket_gbps": 0.0, "link_socket_gbps": {},
+                            "codec_2threads_encode_decode_gbps": two_threads},
               "records": [], "notes": notes}
 
     def measure(link_name: str, link) -> None:
-        result["baselines"]["link_socket_gbps"][link_name] = socket_gbps(link, 128 if link_name != "1gbit" else 32, reps=reps)
+        link_mib = 128 if link_name != "1gbit" else 32
+        result["baselines"]["link_socket_gbps"][link_name] = socket_gbps(link, link_mib, reps=reps)
         for transport in transports:
             if transport == "ray" and link is not None:
                 continue  # the object store is same-node only
             for codec in codecs:
                 try:
-                    rows = run_ray(codec, payloads, reps) if transport == "ray" else run_pair(link, transport, codec, payloads, reps)
+                    if transport == "ray":
+                        rows = run_ray(codec, payloads, reps)
+                    else:
+                        rows = run_pair(link, transport, codec, payloads, reps)
                 except Exception as exc:
                     notes.append(f"{link_name} {transport} {codec}: failed: {exc}")
                     continue
@@ -224,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         base = result["baselines"]
         base["socket_tuned_gbps"] = base["link_socket_gbps"]["loopback"]
         base["socket_plain_gbps"] = socket_gbps(None, 128, plain=True, reps=reps)
-        base["socket_gbps"] = base["link_socket_gbps"]["loopback"] = max(base["socket_tuned_gbps"], base["socket_plain_gbps"])
+        fastest = max(base["socket_tuned_gbps"], base["socket_plain_gbps"])
+        base["socket_gbps"] = base["link_socket_gbps"]["loopback"] = fastest
     shaped = [name for name in links if name in ("10gbit", "1gbit")]
     reason = netns.available() if shaped else None
     if reason:
@@ -240,7 +256,3 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,10 @@
 """One end of a transfer benchmark run, in its own process (or Ray actor).
 
-    python -m bench.transfer_peer recv --transport grpc --codec fp8 --host 127.0.0.1 --token T
+    python -m bench.transfer.peer recv --transport grpc --codec fp8 --host 127.0.0.1 --token T
         prints "READY <endpoint>", serves until stdin closes; frees blocks on DONE
-    python -m bench.transfer_peer send --transport grpc --codec fp8 --dest E --token T --payloads 1,16 --reps 3
+    python -m bench.transfer.peer send --transport grpc --codec fp8 --dest E --token T --payloads 1,16 --reps 3
         prints one JSON line per payload: {"payload_mib", "seconds", "wire_bytes"}
-    python -m bench.transfer_peer sock-recv --host H   /   sock-send --dest H:P --mib 128 --reps 3 [--plain]
+    python -m bench.transfer.peer sock-recv --host H   /   sock-send --dest H:P --mib 128 --reps 3 [--plain]
         the raw TCP socket baseline between two processes (tuned, or the textbook loop)
 
 ``RecvPeer`` / ``SendPeer`` are plain classes so the Ray run can wrap them
@@ -25,7 +25,8 @@ import torch
 
 from kv_transfer import KVLayout, SimpleBlockPool, TransferStatus, codec_compiled, make_receiver, make_sender
 
-LAYOUT = KVLayout(num_layers=16, num_kv_heads=4, block_size=16, head_dim=64, dtype=torch.bfloat16, model_fingerprint="bench")
+LAYOUT = KVLayout(num_layers=16, num_kv_heads=4, block_size=16, head_dim=64, dtype=torch.bfloat16,
+                  model_fingerprint="bench")
 MIB = 1 << 20
 
 
@@ -39,7 +40,8 @@ class RecvPeer:
         self.pool = SimpleBlockPool(num_blocks)
         self.cache = torch.zeros(LAYOUT.cache_shape(num_blocks), dtype=LAYOUT.dtype)
         kwargs = {"host": host} if transport in ("grpc", "torch") else {}
-        self.receiver = make_receiver(transport, LAYOUT, self.cache, self.pool, codec=codec, token=token, on_complete=self._done, **kwargs)
+        self.receiver = make_receiver(transport, LAYOUT, self.cache, self.pool, self._done, codec=codec, token=token,
+                                      **kwargs)
         codec_compiled.wait_ready()  # the receiver started its kernel build: measure the warm codec
 
     def _done(self, result) -> None:
@@ -75,7 +77,8 @@ class SendPeer:
                 if handle.wait(120) != TransferStatus.DONE:
                     raise RuntimeError(f"send failed: {handle}")
                 times.append(handle.elapsed_s)
-            records.append({"payload_mib": payload_mib, "kv_bytes": num_blocks * LAYOUT.block_nbytes, "seconds": min(times), "wire_bytes": handle.wire_bytes})
+            records.append({"payload_mib": payload_mib, "kv_bytes": num_blocks * LAYOUT.block_nbytes,
+                            "seconds": min(times), "wire_bytes": handle.wire_bytes})
         return records
 
     def close(self) -> None:
@@ -121,7 +124,7 @@ def sock_send(dest: str, mib: int, reps: int, plain: bool = False) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.transfer_peer")
+    parser = argparse.ArgumentParser(prog="bench.transfer.peer")
     parser.add_argument("role", choices=["recv", "send", "sock-recv", "sock-send"])
     parser.add_argument("--transport", default="grpc")
     parser.add_argument("--codec", default="none")
@@ -138,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.role == "sock-send":
         print(json.dumps({"socket_gbps": sock_send(args.dest, args.mib, args.reps, args.plain)}), flush=True)
     elif args.role == "recv":
-        peer = RecvPeer(args.transport, args.codec, args.host, args.token, max(int(float(p)) for p in args.payloads.split(",")))
+        max_mib = max(int(float(p)) for p in args.payloads.split(","))
+        peer = RecvPeer(args.transport, args.codec, args.host, args.token, max_mib)
         print(f"READY {peer.endpoint()}", flush=True)
         sys.stdin.read()  # serve until the parent closes our stdin
         peer.close()

@@ -55,7 +55,8 @@ class ShapedLink:
         """Token bucket on both ends; burst sized for the rate (>= one GSO packet)."""
         burst = "4mb" if rate.startswith("10") else "512kb"
         for side, ns in NAMESPACES.items():
-            _run("tc", "-n", ns, "qdisc", "replace", "dev", DEVICES[side], "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")
+            _run("tc", "-n", ns, "qdisc", "replace", "dev", DEVICES[side], "root", "tbf", "rate", rate, "burst", burst,
+                 "latency", "50ms")
 
     def exec_prefix(self, side: str) -> list[str]:
         return ["ip", "netns", "exec", NAMESPACES[side]]
