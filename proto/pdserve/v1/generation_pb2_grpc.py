@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.pdserve.v1 import generation_pb2 as proto_dot_pdserve_dot_v1_dot_generation__pb2
+from proto.pdserve.v1 import generation_pb2 as pdserve_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/pdserve/v1/generation_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/v1/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class GenerationServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.GenerationService/Generate',
-                request_serializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=pdserve_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pdserve.v1.GenerationService/GetStats',
-                request_serializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GetStatsRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GetStatsResponse.FromString,
+                request_serializer=pdserve_dot_v1_dot_generation__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generation__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
 
 
@@ -71,13 +71,13 @@ def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GetStatsRequest.FromString,
-                    response_serializer=proto_dot_pdserve_dot_v1_dot_generation__pb2.GetStatsResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_v1_dot_generation__pb2.GetStatsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generation__pb2.GetStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -106,8 +106,8 @@ class GenerationService:
             request,
             target,
             '/pdserve.v1.GenerationService/Generate',
-            proto_dot_pdserve_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-            proto_dot_pdserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            pdserve_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -133,8 +133,8 @@ class GenerationService:
             request,
             target,
             '/pdserve.v1.GenerationService/GetStats',
-            proto_dot_pdserve_dot_v1_dot_generation__pb2.GetStatsRequest.SerializeToString,
-            proto_dot_pdserve_dot_v1_dot_generation__pb2.GetStatsResponse.FromString,
+            pdserve_dot_v1_dot_generation__pb2.GetStatsRequest.SerializeToString,
+            pdserve_dot_v1_dot_generation__pb2.GetStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

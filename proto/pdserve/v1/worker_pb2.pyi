@@ -1,0 +1,137 @@
+from proto.pdserve.v1 import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFILL_STATUS_UNSPECIFIED: _ClassVar[PrefillStatus]
+    PREFILL_STATUS_SENT: _ClassVar[PrefillStatus]
+    PREFILL_STATUS_FINISHED: _ClassVar[PrefillStatus]
+    PREFILL_STATUS_FAILED: _ClassVar[PrefillStatus]
+    PREFILL_STATUS_ABORTED: _ClassVar[PrefillStatus]
+
+class TransferSide(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_SIDE_UNSPECIFIED: _ClassVar[TransferSide]
+    TRANSFER_SIDE_SENDER: _ClassVar[TransferSide]
+    TRANSFER_SIDE_RECEIVER: _ClassVar[TransferSide]
+    TRANSFER_SIDE_TRANSPORT: _ClassVar[TransferSide]
+PREFILL_STATUS_UNSPECIFIED: PrefillStatus
+PREFILL_STATUS_SENT: PrefillStatus
+PREFILL_STATUS_FINISHED: PrefillStatus
+PREFILL_STATUS_FAILED: PrefillStatus
+PREFILL_STATUS_ABORTED: PrefillStatus
+TRANSFER_SIDE_UNSPECIFIED: TransferSide
+TRANSFER_SIDE_SENDER: TransferSide
+TRANSFER_SIDE_RECEIVER: TransferSide
+TRANSFER_SIDE_TRANSPORT: TransferSide
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: DecodeJob
+    def __init__(self, job: _Optional[_Union[DecodeJob, _Mapping]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[DecodeEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ...) -> None: ...
+
+class PrefillJob(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_endpoint", "transfer_id", "transfer_deadline_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _generation_pb2.SamplingParams
+    kv_endpoint: str
+    transfer_id: str
+    transfer_deadline_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_deadline_s: _Optional[float] = ...) -> None: ...
+
+class PrefillResult(_message.Message):
+    __slots__ = ("request_id", "transfer_id", "status", "first_token_id", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "error", "failed_side", "retryable", "queue_s", "prefill_s", "transfer_s", "kv_bytes", "wire_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FAILED_SIDE_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_id: str
+    status: PrefillStatus
+    first_token_id: int
+    finish_reason: _generation_pb2.FinishReason
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str
+    failed_side: TransferSide
+    retryable: bool
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    kv_bytes: int
+    wire_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., status: _Optional[_Union[PrefillStatus, str]] = ..., first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., failed_side: _Optional[_Union[TransferSide, str]] = ..., retryable: _Optional[bool] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
+
+class DecodeJob(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params", "transfer_id", "kv_timeout_s", "resume_output_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _generation_pb2.SamplingParams
+    transfer_id: str
+    kv_timeout_s: float
+    resume_output_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ..., resume_output_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeError(_message.Message):
+    __slots__ = ("code", "message", "retryable")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    retryable: bool
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
+
+class DecodeEvent(_message.Message):
+    __slots__ = ("token_ids", "text", "finish_reason", "error", "decode_queue_s", "num_cached_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DECODE_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: _generation_pb2.FinishReason
+    error: DecodeError
+    decode_queue_s: float
+    num_cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., error: _Optional[_Union[DecodeError, _Mapping]] = ..., decode_queue_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
