@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 import uuid
 
 import torch
@@ -141,25 +142,40 @@ class Engine:
         self.scheduler.add(req)
         return req.request_id
 
-    def adopt(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
-              params: SamplingParams, block_ids: list[int], num_cached_tokens: int = 0) -> RequestOutput:
-        """Continue a request whose prompt KV already sits in `block_ids` (allocated from this pool).
+    def expect_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, transfer_id: str,
+                  deadline: float) -> Request:
+        """Decode side: register a request whose prompt KV is on its way here (WAITING_FOR_KV).
+
+        The request is validated now, so a bad one fails before any KV arrives; it joins the
+        batch at `adopt` and can be aborted while it waits (it holds no blocks yet).
+        """
+        req = self._new_request(request_id, prompt_token_ids, params, False)
+        req.status = RequestStatus.WAITING_FOR_KV
+        req.kv_transfer_id, req.kv_deadline = transfer_id, deadline
+        self.requests[req.request_id] = req
+        return req
+
+    def adopt(self, request_id: str, first_token_id: int, block_ids: list[int],
+              num_cached_tokens: int = 0) -> RequestOutput:
+        """Continue a WAITING_FOR_KV request whose prompt KV now sits in `block_ids` (from this pool).
 
         The blocks become the request's (freed when it ends). Returns the output for
         `first_token_id`, which may already finish the request (EOS, max_tokens == 1).
+        Raises ValueError (and takes no blocks) when the blocks cannot hold the prompt.
         """
-        req = self._new_request(request_id, prompt_token_ids, params, False)
+        req = self.requests[request_id]
+        assert req.status is RequestStatus.WAITING_FOR_KV, req.status
         need = (len(req.prompt_token_ids) + self.block_size - 1) // self.block_size
         if len(block_ids) < need:
-            raise ValueError(f"block_ids: {len(block_ids)} blocks cannot hold {len(prompt_token_ids)} tokens")
+            raise ValueError(f"block_ids: {len(block_ids)} blocks cannot hold {req.num_prompt_tokens} tokens")
         req.block_table = list(block_ids)
         req.num_computed_tokens = len(req.prompt_token_ids)
         req.num_cached_tokens = num_cached_tokens
+        req.kv_adopted_time = time.monotonic()
         hashes = prompt_block_hashes(req.prompt_token_ids, self.block_size)
         req.block_hashes = hashes
         for block_id, h in zip(block_ids, hashes):
             self.block_manager.register(block_id, h)
-        self.requests[request_id] = req
         out = self.output.process(req, first_token_id)     # counts the first token; may finish at once
         if req.status.finished:
             self._finish(req)

@@ -5,12 +5,21 @@ Workers never touch the engine from other threads; they post closures with
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger(f"pdserve.{__name__}")
+
+
+def on_event_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[T], object]) -> Callable[[T], None]:
+    """The thread → asyncio bridge: a callback that any thread may call; `fn` then runs on `loop`."""
+    return lambda value: loop.call_soon_threadsafe(fn, value)
 
 
 class EngineLoop:
@@ -38,21 +47,19 @@ class EngineLoop:
 
     async def run_async(self, fn: Callable[[], object]) -> object:
         """Run `fn` on the loop thread between steps; await its result (or exception) here."""
-        import asyncio
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut = asyncio.get_running_loop().create_future()
 
-        def settle(setter, value) -> None:
+        def settle(outcome: tuple[bool, object]) -> None:
+            ok, value = outcome
             if not fut.done():
-                setter(value)
+                fut.set_result(value) if ok else fut.set_exception(value)
+        reply = on_event_loop(fut.get_loop(), settle)
 
         def run() -> None:
             try:
-                result = fn()
+                reply((True, fn()))
             except Exception as e:       # report to the caller, never kill the loop
-                loop.call_soon_threadsafe(settle, fut.set_exception, e)
-                return
-            loop.call_soon_threadsafe(settle, fut.set_result, result)
+                reply((False, e))
         self.call(run)
         return await fut
 

@@ -60,7 +60,9 @@ def measure_prefill(engine, prompt_len: int, batch: int = 1, repeats: int = 1, s
     """
     _check_idle(engine)
     bs = engine.block_size
-    if prompt_len + 1 > engine.max_model_len or not engine.block_manager.can_allocate(batch * -(-(prompt_len + 1) // bs)):
+    if prompt_len + 1 > engine.max_model_len:
+        return None
+    if not engine.block_manager.can_allocate(batch * -(-(prompt_len + 1) // bs)):
         return None
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -107,7 +109,8 @@ def measure_decode(engine, batch: int, context: int, repeats: int = 3, seed: int
         for i in range(batch):
             blocks = engine.block_manager.allocate(-(-context // bs))
             rid = f"profile-decode-{i}"
-            engine.adopt(rid, _random_ids(engine, context, gen), 2, params, blocks)
+            engine.expect_kv(rid, _random_ids(engine, context, gen), params, rid, float("inf"))
+            engine.adopt(rid, 2, blocks)
             ids.append(rid)
         for i in range(steps):
             _sync(engine.device)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from proto.pdserve.v1 import generation_pb2
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 
@@ -32,6 +34,24 @@ class SamplingParams:
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
 
+    @classmethod
+    def from_proto(cls, msg: generation_pb2.SamplingParams) -> SamplingParams:
+        """Proto → params; unset (optional) fields take the defaults above. Not validated."""
+        params = cls(stop=tuple(msg.stop), ignore_eos=msg.ignore_eos)
+        for name in _PROTO_OPTIONAL:
+            if msg.HasField(name):
+                setattr(params, name, getattr(msg, name))
+        return params
+
+    def to_proto(self) -> generation_pb2.SamplingParams:
+        """Params → proto with every field set (what the router sends to the workers)."""
+        msg = generation_pb2.SamplingParams(stop=list(self.stop), ignore_eos=self.ignore_eos)
+        for name in _PROTO_OPTIONAL:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(msg, name, value)
+        return msg
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -58,6 +78,11 @@ class SamplingParams:
                 raise ValueError("stop strings must be non-empty strings")
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}")
+
+
+# Fields with presence in the proto (`optional`): unset means "use the default".
+_PROTO_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "frequency_penalty",
+                   "presence_penalty", "seed")
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

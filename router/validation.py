@@ -84,15 +84,7 @@ def sampling_params_from_proto(sampling: pb.SamplingParams) -> SamplingParams:
     Raises:
         RequestError: INVALID_ARGUMENT with ``sampling.<field>`` in the message.
     """
-    params = SamplingParams()
-    for name in ("max_tokens", "top_k", "seed"):
-        if sampling.HasField(name):
-            setattr(params, name, int(getattr(sampling, name)))
-    for name in ("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
-        if sampling.HasField(name):
-            setattr(params, name, float(getattr(sampling, name)))
-    params.stop = tuple(sampling.stop)
-    params.ignore_eos = sampling.ignore_eos
+    params = SamplingParams.from_proto(sampling)
     try:
         params.validate()
     except ValueError as e:

@@ -13,7 +13,7 @@ def test_allocate_free_exact_ids_and_lru_eviction():
     for block_id, h in zip(a, hashes):
         bm.register(block_id, h)
     bm.free(a)                               # freed tail first: LRU order 2, 1, 0
-    assert bm.allocate(4) is not None        # takes 3, 4, 5, then evicts 2 (tail block)
+    assert bm.allocate(4) == [3, 4, 5, 2]    # the never-used blocks, then evicts 2 (the tail block)
     assert bm.match_prefix(hashes) == [0, 1]
     assert bm.allocate(10) is None           # allocation failure returns None, changes nothing
     assert bm.num_free_blocks == 2
