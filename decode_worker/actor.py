@@ -1,4 +1,8 @@
-"""Ray actor around `DecodeWorker`; tokens stream to the router over `DecodeStreamServer` (gRPC)."""
+"""Ray actors around `DecodeWorker` and `ColocatedWorker` (deploy applies `ray.remote` to them).
+
+Tokens stream to the router over `DecodeStreamServer` (gRPC, worker.proto), started
+in the actor's event loop by the first `info()` call.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -6,39 +10,37 @@ import logging
 import os
 import uuid
 
+from decode_worker.colocated import ColocatedWorker
 from decode_worker.stream_service import DecodeStreamServer
 from decode_worker.worker import DecodeWorker
 from engine.args import EngineArgs
-from kv_transfer.codec_compiled import release_gil_in_compiled_kernels
-from kv_transfer.settings import TransferSettings, build_receiver, layout_of
+from kv_transfer import TransferSettings, layout_of, make_receiver, release_gil_in_compiled_kernels
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
 
-class DecodeActor:
-    def __init__(self, engine_args: EngineArgs, transfer: TransferSettings | None, actor_id: str,
-                 stream_token: str, bind_host: str = "127.0.0.1"):
-        """transfer None: a colocated actor (no KV receiver; prefills every request itself).
-        stream_token: the cluster token the router presents on the token stream."""
-        if "auto" in (bind_host, transfer.bind_host if transfer else ""):   # multi-node: this node's address
+class ColocatedActor:
+    """A colocated engine: prefills and decodes every request itself (the baseline)."""
+
+    def __init__(self, engine_args: EngineArgs, actor_id: str, stream_token: str, bind_host: str = "127.0.0.1"):
+        """stream_token: the cluster token the router presents on the token stream."""
+        if bind_host == "auto":                  # multi-node: this node's address
             import ray
-            node_ip = ray.util.get_node_ip_address()
-            bind_host = node_ip if bind_host == "auto" else bind_host
-            if transfer is not None and transfer.bind_host == "auto":
-                transfer = dataclasses.replace(transfer, bind_host=node_ip)
+            bind_host = ray.util.get_node_ip_address()
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.incarnation = uuid.uuid4().hex     # changes when Ray restarts the actor
         release_gil_in_compiled_kernels()  # compiled CPU kernels then leave the other threads running
         engine = engine_args.build()
         self.layout = layout_of(engine.kv_cache, engine.fingerprint)
-        self.transfer = transfer
-        make_receiver = None if transfer is None else (lambda on_complete: build_receiver(
-            transfer, self.layout, engine.kv_cache, engine.block_manager, on_complete))
-        self.worker = DecodeWorker(engine, make_receiver, actor_id, role="decode" if transfer else "colocated")
+        self.codec = "none"
+        self.worker = self._make_worker(engine, actor_id)
         self.worker.start()
         self.stream = DecodeStreamServer(self.worker, stream_token, bind_host)
-        log.info("decode actor %s ready: model %s, %d KV blocks, KV endpoint %s", actor_id,
-                 engine.model_dir, engine.block_manager.num_blocks, self.worker.endpoint)
+        log.info("%s actor %s ready: model %s, %d KV blocks", self.worker.role, actor_id, engine.model_dir,
+                 engine.block_manager.num_blocks)
+
+    def _make_worker(self, engine, actor_id: str) -> ColocatedWorker:
+        return ColocatedWorker(engine, actor_id)
 
     async def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
@@ -51,8 +53,8 @@ class DecodeActor:
             await self.stream.start()
         engine = self.worker.engine
         return {"role": self.worker.role, "actor_id": self.worker.actor_id, "incarnation": self.incarnation,
-                "pid": os.getpid(), "endpoint": self.worker.endpoint, "stream_endpoint": self.stream.endpoint,
-                "layout": self.layout.describe(self.transfer.codec if self.transfer else "none"),
+                "pid": os.getpid(), "endpoint": self.worker.endpoint,
+                "stream_endpoint": self.stream.endpoint, "layout": self.layout.describe(self.codec),
                 "kv_blocks_total": engine.block_manager.num_blocks, "block_size": engine.block_size,
                 "max_model_len": engine.max_model_len}
 
@@ -61,3 +63,23 @@ class DecodeActor:
         between steps so it never races the loop."""
         from engine.profile import run_point
         return await self.worker.loop.run_async(lambda: run_point(self.worker.engine, spec))
+
+
+class DecodeActor(ColocatedActor):
+    """A decode actor: receives each request's KV from a prefill actor, then decodes it."""
+
+    def __init__(self, engine_args: EngineArgs, transfer: TransferSettings, actor_id: str, stream_token: str,
+                 bind_host: str = "127.0.0.1"):
+        if "auto" in (bind_host, transfer.bind_host):   # multi-node: this node's address
+            import ray
+            node_ip = ray.util.get_node_ip_address()
+            bind_host = node_ip if bind_host == "auto" else bind_host
+            if transfer.bind_host == "auto":
+                transfer = dataclasses.replace(transfer, bind_host=node_ip)
+        self.transfer = transfer
+        super().__init__(engine_args, actor_id, stream_token, bind_host)
+        self.codec = transfer.codec
+
+    def _make_worker(self, engine, actor_id: str) -> DecodeWorker:
+        return DecodeWorker(engine, lambda on_complete: make_receiver(
+            self.transfer, self.layout, engine.kv_cache, engine.block_manager, on_complete), actor_id)

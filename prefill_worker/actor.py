@@ -1,15 +1,20 @@
-"""Ray actor around `PrefillWorker` (the only module here that touches Ray's API surface)."""
+"""Ray actor around `PrefillWorker` (deploy applies `ray.remote` to it).
+
+Its calls take and return serialized `pdserve.v1` worker messages (bytes), so
+nothing the router and the actor exchange is pickled.
+"""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import uuid
-import logging
 
 from engine.args import EngineArgs
-from kv_transfer.codec_compiled import release_gil_in_compiled_kernels
-from kv_transfer.settings import TransferSettings, build_sender, layout_of
-from prefill_worker.worker import PrefillJob, PrefillResult, PrefillWorker
+from engine.loop import on_event_loop
+from kv_transfer import TransferSettings, layout_of, make_sender, release_gil_in_compiled_kernels
+from prefill_worker.worker import PrefillWorker
+from proto.pdserve.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
@@ -24,23 +29,22 @@ class PrefillActor:
         engine = engine_args.build()
         self.layout = layout_of(engine.kv_cache, engine.fingerprint)
         self.transfer = transfer
-        self.worker = PrefillWorker(engine, build_sender(transfer, self.layout, engine.device), actor_id)
+        self.worker = PrefillWorker(engine, make_sender(transfer, self.layout, engine.device), actor_id)
         self.worker.start()
         log.info("prefill actor %s ready: model %s, %d KV blocks, transport %s/%s", actor_id,
                  engine.model_dir, engine.block_manager.num_blocks, transfer.transport, transfer.codec)
 
-    async def prefill(self, job: PrefillJob) -> PrefillResult:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def done(result: PrefillResult) -> None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
-        self.worker.submit(job, done)
+    async def prefill(self, job_bytes: bytes) -> bytes:
+        """A serialized `PrefillJob` in, its serialized `PrefillResult` out."""
+        job = wpb.PrefillJob.FromString(job_bytes)
+        fut = asyncio.get_running_loop().create_future()
+        self.worker.submit(job, on_event_loop(fut.get_loop(), lambda r: fut.done() or fut.set_result(r)))
         try:
-            return await fut
+            result = await fut
         except asyncio.CancelledError:
             self.worker.abort(job.request_id)
             raise
+        return result.SerializeToString()
 
     async def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)

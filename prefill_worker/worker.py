@@ -1,9 +1,9 @@
 """Prefill worker: batched, chunked prefill that ships each request's KV to a decode actor.
 
-Lifecycle of one request on this worker:
+Lifecycle of one request on this worker (each loop step: schedule → run → send KV):
 
-    submit(job) ──► engine queue (WAITING) ──schedule/run──► first token sampled (PREFILLED,
-    blocks held) ──► sender.send(kv_cache[:, blocks] → job.dest) ──► handle DONE/FAILED
+    submit(PrefillJob) ──► engine queue (WAITING) ──schedule/run──► first token sampled (PREFILLED,
+    blocks held) ──► sender.send(kv_cache[:, blocks] → job.kv_endpoint) ──► handle DONE/FAILED
     ──► engine.release (blocks stay in the prefix cache) ──► on_done(PrefillResult)
 
 A request that finishes at its first token (EOS, max_tokens == 1) is reported
@@ -14,56 +14,33 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine import Engine, SamplingParams
 from engine.loop import EngineLoop
-from kv_transfer import KVSender, SendHandle, TransferStatus
+from engine.request import RequestOutput
+from kv_transfer import FailedSide, KVSender, SendHandle, TransferStatus
+from proto.pdserve.v1 import generation_pb2, worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
 IDLE_WAIT_S = 0.05      # nothing to do: sleep until a command arrives (or this long)
 SEND_POLL_S = 0.002     # only transfers in flight: check their handles this often
 
-
-@dataclass(slots=True)
-class PrefillJob:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    dest: str                          # the decode actor's KV receiver endpoint
-    transfer_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    deadline_s: float = 30.0           # for the KV transfer
-
-
-@dataclass(slots=True)
-class PrefillResult:
-    request_id: str
-    transfer_id: str
-    status: str                        # "sent" | "finished" | "failed" | "aborted"
-    first_token_id: int = -1
-    finish_reason: str | None = None   # set when the request ended at its first token
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str = ""
-    failed_side: str = ""              # "sender" | "receiver" | "transport" when failed
-    queue_s: float = 0.0
-    prefill_s: float = 0.0
-    transfer_s: float = 0.0
-    kv_bytes: int = 0                  # KV shipped, in the model dtype
-    wire_bytes: int = 0                # what the codec put on the wire
+FINISH_REASON = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation_pb2.FINISH_REASON_LENGTH,
+                 "abort": generation_pb2.FINISH_REASON_ABORT}
+TRANSFER_SIDE = {FailedSide.SENDER: wpb.TRANSFER_SIDE_SENDER, FailedSide.RECEIVER: wpb.TRANSFER_SIDE_RECEIVER,
+                 FailedSide.TRANSPORT: wpb.TRANSFER_SIDE_TRANSPORT}
 
 
 @dataclass(slots=True)
 class _Pending:
-    job: PrefillJob
-    on_done: Callable[[PrefillResult], None]
+    job: wpb.PrefillJob
+    on_done: Callable[[wpb.PrefillResult], None]
     submitted: float
     handle: SendHandle | None = None
-    result: PrefillResult | None = None
-    kv_bytes: int = 0
+    result: wpb.PrefillResult | None = None
 
 
 class PrefillWorker:
@@ -73,8 +50,8 @@ class PrefillWorker:
         self.engine = engine
         self.sender = sender
         self.actor_id = actor_id
-        self._pending: dict[str, _Pending] = {}
-        self._sending: dict[str, _Pending] = {}
+        self._pending: dict[str, _Pending] = {}      # request_id -> job, until its result is out
+        self._sending: dict[str, _Pending] = {}      # request_id -> job whose KV is on the wire
         self.loop = EngineLoop(f"{actor_id}-loop", self._step)
 
     # ---- called from any thread ----------------------------------------
@@ -85,7 +62,7 @@ class PrefillWorker:
         self.loop.stop()
         self.sender.close()
 
-    def submit(self, job: PrefillJob, on_done: Callable[[PrefillResult], None]) -> None:
+    def submit(self, job: wpb.PrefillJob, on_done: Callable[[wpb.PrefillResult], None]) -> None:
         self.loop.call(lambda: self._admit(_Pending(job, on_done, time.monotonic())))
 
     def abort(self, request_id: str) -> None:
@@ -93,13 +70,17 @@ class PrefillWorker:
 
     # ---- loop thread ----------------------------------------------------
     def _admit(self, p: _Pending) -> None:
-        rid = p.job.request_id
+        job = p.job
         try:
-            self.engine.add_request(p.job.prompt_token_ids, p.job.params, request_id=rid, prefill_only=True)
-        except ValueError as e:
-            p.on_done(PrefillResult(rid, p.job.transfer_id, "failed", error=str(e), failed_side="sender"))
+            params = SamplingParams.from_proto(job.params)
+            self.engine.add_request(list(job.prompt_token_ids), params, request_id=job.request_id,
+                                    prefill_only=True)
+        except ValueError as e:          # the request itself is bad: another actor would refuse it too
+            p.on_done(wpb.PrefillResult(request_id=job.request_id, transfer_id=job.transfer_id,
+                                        status=wpb.PREFILL_STATUS_FAILED, error=str(e),
+                                        failed_side=wpb.TRANSFER_SIDE_SENDER, retryable=False))
             return
-        self._pending[rid] = p
+        self._pending[job.request_id] = p
 
     def _abort(self, request_id: str) -> None:
         p = self._pending.pop(request_id, None)
@@ -108,35 +89,39 @@ class PrefillWorker:
         if request_id in self._sending:          # blocks are released when the send ends
             return
         self.engine.abort(request_id)
-        p.on_done(PrefillResult(request_id, p.job.transfer_id, "aborted"))
+        p.on_done(wpb.PrefillResult(request_id=request_id, transfer_id=p.job.transfer_id,
+                                    status=wpb.PREFILL_STATUS_ABORTED))
 
-    def _step(self) -> bool:
-        for out in self.engine.step():
+    def _step(self) -> float:
+        for out in self.engine.step():           # schedule → run
             p = self._pending.get(out.request_id)
-            if p is None:
-                continue
-            req_first = out.new_token_ids[0]
-            done = time.monotonic()
-            scheduled = out.first_scheduled_time or done
-            result = PrefillResult(out.request_id, p.job.transfer_id, "sent", req_first, None,
-                                   out.num_prompt_tokens, out.num_cached_tokens,
-                                   queue_s=scheduled - p.submitted, prefill_s=done - scheduled)
-            if out.finish_reason:                # ended at the first token: nothing to ship
-                result.status, result.finish_reason = "finished", out.finish_reason
-                del self._pending[out.request_id]
-                p.on_done(result)
-                continue
-            p.result = result
-            cache = self.engine.kv_cache
-            p.kv_bytes = len(out.block_ids) * cache[:, 0].numel() * cache.element_size()
-            p.handle = self.sender.send(out.request_id, self.engine.kv_cache, out.block_ids, p.job.dest,
-                                        transfer_id=p.job.transfer_id, deadline_s=p.job.deadline_s,
-                                        num_tokens=out.num_prompt_tokens, first_token_id=req_first)
-            self._sending[out.request_id] = p
+            if p is not None:
+                self._send_kv(p, out)
         self._reap_sends()
         if self.engine.has_unfinished():
             return 0.0
         return SEND_POLL_S if self._sending else IDLE_WAIT_S
+
+    def _send_kv(self, p: _Pending, out: RequestOutput) -> None:
+        """The first token is sampled: ship the prompt's KV (or report a request that ended here)."""
+        done = time.monotonic()
+        scheduled = out.first_scheduled_time or done
+        result = wpb.PrefillResult(request_id=out.request_id, transfer_id=p.job.transfer_id,
+                                   status=wpb.PREFILL_STATUS_SENT, first_token_id=out.new_token_ids[0],
+                                   num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+                                   queue_s=scheduled - p.submitted, prefill_s=done - scheduled)
+        if out.finish_reason:                    # ended at the first token: nothing to ship
+            result.status, result.finish_reason = wpb.PREFILL_STATUS_FINISHED, FINISH_REASON[out.finish_reason]
+            del self._pending[out.request_id]
+            p.on_done(result)
+            return
+        cache = self.engine.kv_cache
+        result.kv_bytes = len(out.block_ids) * cache[:, 0].numel() * cache.element_size()
+        p.result = result
+        p.handle = self.sender.send(out.request_id, cache, out.block_ids, p.job.kv_endpoint,
+                                    transfer_id=p.job.transfer_id, deadline_s=p.job.transfer_deadline_s,
+                                    num_tokens=out.num_prompt_tokens, first_token_id=out.new_token_ids[0])
+        self._sending[out.request_id] = p
 
     def _reap_sends(self) -> None:
         for rid, p in list(self._sending.items()):
@@ -147,15 +132,15 @@ class PrefillWorker:
             result = p.result
             result.transfer_s = p.handle.elapsed_s
             result.wire_bytes = p.handle.wire_bytes
-            result.kv_bytes = p.kv_bytes
             if p.handle.status is not TransferStatus.DONE:
-                result.status = "failed"
+                result.status = wpb.PREFILL_STATUS_FAILED
                 result.error = p.handle.error or p.handle.status.value
-                result.failed_side = p.handle.failed_side.value
+                result.failed_side = TRANSFER_SIDE.get(p.handle.failed_side, wpb.TRANSFER_SIDE_UNSPECIFIED)
+                result.retryable = True          # the transfer, not the request, failed
                 log.warning("KV transfer %s of %s failed (%s side): %s", p.job.transfer_id, rid,
-                            result.failed_side, result.error)
+                            p.handle.failed_side.value, result.error)
             if self._pending.pop(rid, None) is None:
-                result.status = "aborted"
+                result.status = wpb.PREFILL_STATUS_ABORTED
             p.on_done(result)
 
     # ---- load report ----------------------------------------------------
