@@ -2,7 +2,7 @@
 
 Every `interval_s`:
 
-    observe  ─ finished requests of the last `window_s` (ClusterBackend.completed): arrival
+    observe  ─ finished requests of the last `window_s` (Dispatcher.completed): arrival
                rate, mean prompt/output lengths, measured TTFT and TPOT; in-flight work
                (decode requests running or waiting for admission, queued prefill tokens)
     correct  ─ correction = measured / predicted TTFT and TPOT (smoothed, clamped), so the
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from deploy.planner import SLO, Corrections, Plan, Workload, inputs_from_config, p99_ttft, plan
-from deploy.profile_model import Profile
+from deploy.profiler import Profile
 from deploy.pool_manager import add_actors, drain_actor
 
 log = logging.getLogger(f"pdserve.{__name__}")
@@ -87,7 +87,7 @@ class Autoscaler:
 
     async def tick(self) -> Decision:
         obs = self.observe(time.monotonic())
-        kv_blocks = min((v.kv_blocks_total for v in self.backend.decode), default=1)
+        kv_blocks = min((v.kv_blocks_total for v in self.backend.pools.decode), default=1)
         _, slo, limits = inputs_from_config(self.cfg, kv_blocks)
         self.corrections = self._correct(obs, slo)
         result = plan(self.profile, obs.workload, slo, limits, self.corrections)
@@ -95,7 +95,7 @@ class Autoscaler:
         decision = Decision(time.monotonic(), obs, result, self.corrections, targets)
         for name in self.pools:
             await self._scale(name, targets[name])
-        decision.sizes = {name: len(self.backend.pool(name)) for name in ("prefill", "decode")}
+        decision.sizes = {name: len(self.backend.pools.get(name)) for name in ("prefill", "decode")}
         self.history.append(decision)
         del self.history[:-1000]
         return decision
@@ -115,8 +115,8 @@ class Autoscaler:
             workload = Workload(s_in, max(s_out, 1.0), max(len(recent) / span, 1e-6))
         ttfts = sorted(r[3] for r in recent)
         tpots = [r[4] for r in recent if r[2] > 1]
-        decode_in_flight = sum(v.running for v in self.backend.decode) + self.backend.admission.num_waiting
-        queued = sum(v.queued_tokens for v in self.backend.prefill)
+        decode_in_flight = sum(v.running for v in self.backend.pools.decode) + self.backend.admission.num_waiting
+        queued = sum(v.queued_tokens for v in self.backend.pools.prefill)
         return Observation(workload, len(recent), ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
                            statistics.fmean(tpots) if tpots else None, decode_in_flight, queued)
 
@@ -128,12 +128,12 @@ class Autoscaler:
         w = obs.workload
         if obs.ttft_s is not None:
             t_p = self.profile.prefill_seconds(w.input_tokens)
-            n = max(len(self.backend.prefill), 1)
+            n = max(len(self.backend.pools.prefill), 1)
             util = min(w.arrival_rate_rps * t_p / n, 0.95)
             predicted = p99_ttft(t_p, util)
             ttft = (1 - a) * ttft + a * min(max(obs.ttft_s / predicted, lo), hi)
         if obs.tpot_s is not None:
-            n = max(len(self.backend.decode), 1)
+            n = max(len(self.backend.pools.decode), 1)
             concurrency = max(w.arrival_rate_rps * w.output_tokens * obs.tpot_s / n, 1.0)
             predicted = self.profile.decode_step_seconds(concurrency, w.input_tokens + w.output_tokens / 2)
             tpot = (1 - a) * tpot + a * min(max(obs.tpot_s / predicted, lo), hi)
@@ -153,7 +153,7 @@ class Autoscaler:
 
     # ---- act ------------------------------------------------------------
     async def _scale(self, name: str, target: int) -> None:
-        current = len(self.backend.pool(name))
+        current = len(self.backend.pools.get(name))
         if target > current:
             self._want_fewer[name] = 0
             await self.grow(name, target - current)
@@ -169,24 +169,25 @@ class Autoscaler:
         handles = [(name, self.factory.spawn(name)) for _ in range(count)]
         views = await self.factory.views(handles)
         await add_actors(self.backend, name, views)
-        log.info("autoscaler: %s pool grew by %d to %d (%s)", name, count, len(self.backend.pool(name)),
+        log.info("autoscaler: %s pool grew by %d to %d (%s)", name, count, len(self.backend.pools.get(name)),
                  ", ".join(v.actor_id for v in views))
 
     async def shrink(self, name: str) -> bool:
         """Drain the least busy actor (its in-flight requests finish), then kill it."""
         import ray
-        pool = [v for v in self.backend.pool(name) if not v.draining]
+        pool = [v for v in self.backend.pools.get(name) if not v.draining]
         lo, _ = getattr(self.cfg.pools, name).bounds()
         if len(pool) <= lo:
             return False
-        busy = (lambda v: v.queued_tokens) if name == "prefill" else (lambda v: v.running)
-        view = min(pool, key=busy)
+        load = (lambda v: v.queued_tokens) if name == "prefill" else (lambda v: v.running)
+        view = min(pool, key=load)
         drained = await drain_actor(self.backend, name, view, self.settings.drain_timeout_s)
         if not drained:
             log.warning("autoscaler: %s actor %s still busy after %.0fs; killing it anyway", name,
                         view.actor_id, self.settings.drain_timeout_s)
-        ray.kill(view.handle, no_restart=True)
-        log.info("autoscaler: %s pool shrank to %d (removed %s)", name, len(self.backend.pool(name)), view.actor_id)
+        ray.kill(view.client.handle, no_restart=True)
+        log.info("autoscaler: %s pool shrank to %d (removed %s)", name, len(self.backend.pools.get(name)),
+                 view.actor_id)
         return drained
 
 
@@ -206,6 +207,7 @@ async def start_autoscaler(cfg, backend, factory, settings: AutoscaleSettings | 
                 data = None
     if data is None:
         log.info("autoscaler: no profile for this config yet; measuring the first actors (quick)")
-        handles = {"prefill": backend.prefill[0].handle, "decode": backend.decode[0].handle}
+        pools = backend.pools
+        handles = {"prefill": pools.prefill[0].client.handle, "decode": pools.decode[0].client.handle}
         data = await profile_actors(handles, plan_points(cfg, factory.model_dir, quick=True), progress=False)
     return Autoscaler(cfg, backend, factory, Profile(data), settings)

@@ -10,16 +10,16 @@ import asyncio
 import logging
 import os
 import secrets
-from dataclasses import dataclass, field
 
+from decode_worker.stream_service import DecodeStreamClient
+from deploy.actor_clients import RayDecodeClient, RayPrefillClient
 from deploy.config import PDServeConfig
 from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.presets import resolve_model
 from engine.tokenizer import Tokenizer
-from kv_transfer.layout import HandshakeError, check_compatible
-from kv_transfer.settings import TransferSettings
-from router.dispatch import DecodeView, PrefillView
+from kv_transfer import HandshakeError, TransferSettings, check_compatible
+from router.pools import DecodeView, Pools, PrefillView
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
@@ -66,17 +66,6 @@ def transfer_settings(cfg: PDServeConfig, cluster_token: str, bind_host: str) ->
     return TransferSettings(t.transport, t.compression, cluster_token, t.chunk_bytes, t.deadline_s, bind_host)
 
 
-@dataclass
-class Pools:
-    prefill: list[PrefillView] = field(default_factory=list)
-    decode: list[DecodeView] = field(default_factory=list)
-    long_decode: list[DecodeView] = field(default_factory=list)
-
-    @property
-    def handles(self) -> list:
-        return [v.handle for v in (*self.prefill, *self.decode, *self.long_decode)]
-
-
 def _actor_options(cfg: PDServeConfig, pool: str, name: str) -> dict:
     p = getattr(cfg.pools, pool)
     r = p.resources
@@ -97,12 +86,14 @@ class ActorFactory:
         self.suffix = secrets.token_hex(3)
         self.first: dict | None = None
         self._next_index: dict[str, int] = {}
+        self.streams = DecodeStreamClient(cluster_token)     # the router's token streams to decode actors
 
     def spawn(self, pool: str):
-        """Start one actor of `pool` ("prefill" | "decode" | "long_context"); returns its handle."""
+        """Start one actor of `pool` ("prefill" | "decode" | "long_context"); returns its handle.
+        In colocated mode every actor is a colocated engine with the decode pool's resources."""
         import ray
 
-        from decode_worker.actor import DecodeActor
+        from decode_worker.actor import ColocatedActor, DecodeActor
         from prefill_worker.actor import PrefillActor
         index = self._next_index.get(pool, 0)
         self._next_index[pool] = index + 1
@@ -110,15 +101,19 @@ class ActorFactory:
             args = engine_args(self.cfg, "decode", self.model_dir)
             args.chunk_size = args.chunk_size if self.chunked else None
             args.max_num_batched_tokens = self.cfg.pools.prefill.max_batch_tokens
-            actor_id, cls, transfer, res_pool = f"colocated-{index}", DecodeActor, None, "decode"
-        else:
-            args = engine_args(self.cfg, pool, self.model_dir)
-            cls = PrefillActor if pool == "prefill" else DecodeActor
-            actor_id, transfer, res_pool = f"{pool}-{index}", self.transfer, pool
-        options = _actor_options(self.cfg, res_pool, f"pdserve-{actor_id}-{self.suffix}")
-        if cls is DecodeActor:
-            return ray.remote(cls).options(**options).remote(args, transfer, actor_id, self.token, self.bind_host)
-        return ray.remote(cls).options(**options).remote(args, transfer, actor_id)
+            actor_id = f"colocated-{index}"
+            actor = ray.remote(ColocatedActor).options(**_actor_options(self.cfg, "decode", self._name(actor_id)))
+            return actor.remote(args, actor_id, self.token, self.bind_host)
+        args = engine_args(self.cfg, pool, self.model_dir)
+        actor_id = f"{pool}-{index}"
+        options = _actor_options(self.cfg, pool, self._name(actor_id))
+        if pool == "prefill":
+            return ray.remote(PrefillActor).options(**options).remote(args, self.transfer, actor_id)
+        return ray.remote(DecodeActor).options(**options).remote(args, self.transfer, actor_id, self.token,
+                                                                 self.bind_host)
+
+    def _name(self, actor_id: str) -> str:
+        return f"pdserve-{actor_id}-{self.suffix}"
 
     async def views(self, spawned: list[tuple[str, object]]) -> list:
         """Wait for spawned actors; check their layouts agree with the first one ever seen."""
@@ -128,11 +123,12 @@ class ActorFactory:
         check_layouts([self.first, *infos])
         out = []
         for (pool, handle), info in zip(spawned, infos):
+            actor_id = info["actor_id"]
             if pool == "prefill":
-                view = PrefillView(info["actor_id"], handle, info["kv_blocks_total"])
+                view = PrefillView(actor_id, RayPrefillClient(actor_id, handle), info["kv_blocks_total"])
             else:
-                view = DecodeView(info["actor_id"], handle, info["endpoint"], info["kv_blocks_total"],
-                                  stream_endpoint=info["stream_endpoint"])
+                client = RayDecodeClient(actor_id, handle, info["stream_endpoint"], self.streams)
+                view = DecodeView(actor_id, client, info["endpoint"], info["kv_blocks_total"])
             view.incarnation = info["incarnation"]
             out.append(view)
         return out
@@ -155,7 +151,7 @@ async def start_pools(factory: ActorFactory, counts: dict[str, int] | None = Non
     views = await factory.views(spawned)
     pools = Pools()
     for (pool, _), view in zip(spawned, views):
-        {"prefill": pools.prefill, "decode": pools.decode, "long_context": pools.long_decode}[pool].append(view)
+        pools.get(pool).append(view)
     return pools
 
 

@@ -13,20 +13,20 @@ import asyncio
 import logging
 import time
 
-from deploy.cluster_backend import ClusterBackend
 from deploy.launcher import ActorFactory
-from router.dispatch import DecodeView, PrefillView
+from router.dispatcher import Dispatcher
+from router.pools import POOL_NAMES, DecodeView, PrefillView
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
 
-async def add_actors(backend: ClusterBackend, name: str, views: list) -> None:
+async def add_actors(backend: Dispatcher, name: str, views: list) -> None:
     """New actors take traffic from now on."""
-    backend.pool(name).extend(views)
+    backend.pools.get(name).extend(views)
     await backend.admission.notify()
 
 
-async def drain_actor(backend: ClusterBackend, name: str, view, timeout: float = 300.0) -> bool:
+async def drain_actor(backend: Dispatcher, name: str, view, timeout: float = 300.0) -> bool:
     """Stop sending `view` new requests, wait for its in-flight ones, then drop it from the pool.
 
     Returns True when it drained in time (the caller then kills the actor).
@@ -34,17 +34,16 @@ async def drain_actor(backend: ClusterBackend, name: str, view, timeout: float =
     view.draining = True
     if isinstance(view, PrefillView):
         view.healthy = False              # pick_prefill skips it
-    busy = (lambda: view.queued_tokens > 0) if isinstance(view, PrefillView) else (lambda: view.running > 0)
     end = time.monotonic() + timeout
-    while busy() and time.monotonic() < end:
+    while view.busy and time.monotonic() < end:
         await asyncio.sleep(0.05)
-    if view in backend.pool(name):
-        backend.pool(name).remove(view)
-    return not busy()
+    if view in backend.pools.get(name):
+        backend.pools.get(name).remove(view)
+    return not view.busy
 
 
 class PoolManager:
-    def __init__(self, backend: ClusterBackend, factory: ActorFactory, interval_s: float = 1.0,
+    def __init__(self, backend: Dispatcher, factory: ActorFactory, interval_s: float = 1.0,
                  timeout_s: float = 5.0, replace_after_s: float = 120.0):
         self.backend, self.factory = backend, factory
         self.interval_s, self.timeout_s, self.replace_after_s = interval_s, timeout_s, replace_after_s
@@ -61,8 +60,7 @@ class PoolManager:
                 log.exception("pool manager check failed")
 
     async def check_once(self) -> None:
-        checks = [(name, view) for name in ("prefill", "decode", "long_context")
-                  for view in list(self.backend.pool(name))]
+        checks = [(name, view) for name in POOL_NAMES for view in list(self.backend.pools.get(name))]
         results = await asyncio.gather(*(self._info(v) for _, v in checks))
         now = time.monotonic()
         for (name, view), (info, dead) in zip(checks, results):
@@ -78,7 +76,7 @@ class PoolManager:
             if info["incarnation"] != view.incarnation:
                 view.incarnation = info["incarnation"]
                 if isinstance(view, DecodeView):
-                    view.endpoint, view.stream_endpoint = info["endpoint"], info["stream_endpoint"]
+                    view.endpoint, view.client.stream_endpoint = info["endpoint"], info["stream_endpoint"]
                 self.restarted += 1
                 log.info("%s actor %s restarted by Ray; back in rotation", name, view.actor_id)
             if not view.draining:
@@ -89,7 +87,7 @@ class PoolManager:
         """(info, dead for good): a restarting actor is silent but not dead."""
         import ray
         try:
-            return await asyncio.wait_for(view.handle.info.remote(), self.timeout_s), False
+            return await asyncio.wait_for(view.client.handle.info.remote(), self.timeout_s), False
         except ray.exceptions.ActorDiedError:
             return None, True
         except Exception:
@@ -98,10 +96,10 @@ class PoolManager:
     async def _replace(self, name: str, view) -> None:
         import ray
         self._silent_since.pop(id(view), None)
-        if view in self.backend.pool(name):
-            self.backend.pool(name).remove(view)
+        if view in self.backend.pools.get(name):
+            self.backend.pools.get(name).remove(view)
         try:
-            ray.kill(view.handle, no_restart=True)
+            ray.kill(view.client.handle, no_restart=True)
         except Exception:
             pass
         handle = self.factory.spawn(name)

@@ -1,14 +1,14 @@
-"""A running cluster in this process: Ray pools + ClusterBackend + router gRPC server."""
+"""A running cluster in this process: Ray pools + the router's Dispatcher + its gRPC server."""
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import dataclass
 
-from deploy.cluster_backend import ClusterBackend, RoutingSettings
 from deploy.config import PDServeConfig
+from deploy.launcher import ActorFactory, cluster_token, init_ray, load_tokenizer, start_pools
 from deploy.pool_manager import PoolManager
-from deploy.launcher import ActorFactory, Pools, cluster_token, init_ray, load_tokenizer, start_pools
+from router.dispatcher import Dispatcher, RoutingSettings
 from router.metrics import Metrics, poll_stats
 from router.security import TLSConfig
 from router.server import RouterServer, start_server
@@ -19,8 +19,7 @@ log = logging.getLogger(f"pdserve.{__name__}")
 @dataclass
 class RunningCluster:
     cfg: PDServeConfig
-    pools: Pools
-    backend: ClusterBackend
+    backend: Dispatcher
     server: RouterServer
     factory: ActorFactory
     metrics: Metrics | None = None           # set when server.metrics_port is
@@ -45,10 +44,9 @@ class RunningCluster:
             self.metrics_task.cancel()
         if self.metrics is not None:
             self.metrics.stop()
-        b = self.backend
-        await b.close()
-        for handle in [v.handle for v in (*b.prefill, *b.decode, *b.long_decode)]:
-            ray.kill(handle, no_restart=True)
+        await self.factory.streams.close()
+        for view in self.backend.pools.all():
+            ray.kill(view.client.handle, no_restart=True)
         log.info("cluster stopped")
 
 
@@ -73,13 +71,12 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     routing = RoutingSettings(r.local_prefill_tokens, r.long_request_tokens, r.max_queue,
                               transfer_deadline_s=cfg.kv_transfer.deadline_s)
     metrics = Metrics() if cfg.server.metrics_port else None
-    backend = ClusterBackend(pools.prefill, pools.decode, tokenizer, max_len, cfg.kv_cache.block_size,
-                             routing, pools.long_decode, codec=cfg.kv_transfer.compression, metrics=metrics,
-                             stream_token=factory.token)
+    backend = Dispatcher(pools, tokenizer, max_len, cfg.kv_cache.block_size, routing,
+                         codec=cfg.kv_transfer.compression, metrics=metrics)
     token = cfg.security.token.get_secret_value() if cfg.security.token else None
     # In flight at the router = running on decode actors + waiting for KV room (routing.max_queue).
     max_in_flight = r.max_queue + cfg.pools.decode.max_batch_size * max(len(pools.decode), 1) + \
-        cfg.pools.decode.max_batch_size * len(pools.long_decode)
+        cfg.pools.decode.max_batch_size * len(pools.long_context)
     server = await start_server(backend, cfg.server.host, cfg.server.port if port is None else port,
                                 token=token, tls=tls_of(cfg), max_queue=max_in_flight, metrics=metrics)
     metrics_task = None
@@ -91,7 +88,7 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
              cfg.kv_transfer.transport, cfg.kv_transfer.compression)
     manager = PoolManager(backend, factory)
     manager_task = asyncio.get_running_loop().create_task(manager.run())
-    cluster = RunningCluster(cfg, pools, backend, server, factory, metrics, metrics_task, manager, manager_task)
+    cluster = RunningCluster(cfg, backend, server, factory, metrics, metrics_task, manager, manager_task)
     if mode == "disaggregated" and any(p.is_auto for _, p in cfg.pools.items()):
         from deploy.autoscaler import start_autoscaler
         cluster.autoscaler = await start_autoscaler(cfg, backend, factory, autoscale)

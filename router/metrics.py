@@ -4,7 +4,7 @@ Who feeds what::
 
     GenerationServicer (per finished request) → request_finished: TTFT, TPOT, ITL, E2E,
                                                 queue seconds, requests_total{finish_reason}
-    ClusterBackend hooks                      → kv_transfer, transfer_failed, local_prefill,
+    Dispatcher hooks                          → kv_transfer, transfer_failed, local_prefill,
                                                 prefix_hit_tokens
     poll_stats (periodic backend.stats())     → blocks_used: pdserve_kv_blocks_used{actor,role}
 
@@ -17,6 +17,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from engine.latency import time_per_output_token
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
 log = logging.getLogger("pdserve.router")
@@ -66,7 +67,7 @@ class Metrics:
                          num_output_tokens: int, itl_s: Sequence[float] = ()) -> None:
         """One request ended. ``finish_reason`` is stop/length/abort, or a failure status in lower case.
 
-        TPOT excludes the first token: (e2e - ttft) / (tokens - 1), for requests of two or more tokens.
+        TPOT excludes the first token (`engine.latency.time_per_output_token`), for two or more tokens.
         """
         self.requests.labels(finish_reason).inc()
         if ttft_s is None:
@@ -75,11 +76,11 @@ class Metrics:
         self.e2e.observe(e2e_s)
         self.queue.observe(queue_s)
         if num_output_tokens > 1:
-            self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+            self.tpot.observe(time_per_output_token(ttft_s, e2e_s, num_output_tokens))
         for gap in itl_s:
             self.itl.observe(gap)
 
-    # ---- ClusterBackend hooks -------------------------------------------------
+    # ---- Dispatcher hooks -----------------------------------------------------
     def kv_transfer(self, seconds: float, kv_bytes: int, wire_bytes: int, codec: str) -> None:
         self.kv_transfer_seconds.observe(seconds)
         self.kv_bytes.labels(codec).inc(kv_bytes)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine.latency import time_per_output_token
 from proto.pdserve.v1 import generation_pb2 as pb
 from router.backend import Backend, BackendError, GenerationChunk, GenerationInput, Timing, Usage
 from router.log import log_event
@@ -257,8 +258,8 @@ def _peek_request_id(request: pb.GenerateRequest | UnparsableRequest) -> str:
 
 def _tpot(record: _RequestRecord) -> float:
     """Time per output token after the first (0 for fewer than two tokens)."""
-    n, t = record.num_completion_tokens, record.timing
-    return (t.e2e_s - t.ttft_s) / (n - 1) if record.usage and n > 1 else 0.0
+    t = record.timing
+    return time_per_output_token(t.ttft_s, t.e2e_s, record.num_completion_tokens) if record.usage else 0.0
 
 
 def _report_finished(metrics, record: _RequestRecord) -> None:

@@ -72,12 +72,12 @@ def main(model_dir: str, transports: list[str]) -> None:
                         outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
                     b = running.backend
                     placed = {}
-                    for pool, views in (("prefill", b.prefill), ("decode", b.decode)):
-                        infos = [state.actors(v.handle._actor_id.hex()) for v in views]
+                    for pool, views in (("prefill", b.pools.prefill), ("decode", b.pools.decode)):
+                        infos = [state.actors(v.client.handle._actor_id.hex()) for v in views]
                         placed[pool] = [info["Address"]["NodeID"] for info in infos]
                         placed[pool + "_pids"] = [info["Pid"] for info in infos]
                     pids = set(placed["prefill_pids"] + placed["decode_pids"])
-                    endpoints = [v.endpoint for v in b.decode]
+                    endpoints = [v.endpoint for v in b.pools.decode]
                     return {"outputs": outputs, "placed": placed, "endpoints": endpoints,
                             "listeners": listeners(pids)}
                 finally:

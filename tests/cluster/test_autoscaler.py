@@ -82,13 +82,13 @@ def test_load_step_grows_then_drains_decode_pool(ray_local, tiny_model_dir, refe
 
         async def sample():
             while True:
-                sizes.append(len(cluster.backend.decode))
+                sizes.append(len(cluster.backend.pools.decode))
                 await asyncio.sleep(0.05)
         sampler = asyncio.ensure_future(sample())
         try:
             await cluster.server.wait_ready(30)
             load = Load(cluster.address, prompts, params)
-            decode = cluster.backend.decode
+            decode = cluster.backend.pools.decode
             await load.run(1, lambda: load.next >= 3)                      # quiet: stays at min
             quiet_max = max(sizes)
             grown_at = {}

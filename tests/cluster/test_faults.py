@@ -3,7 +3,9 @@
 For every fault: no request hangs, every request ends with the reference
 output or a clear status, the affected ones complete (a healthy actor of the
 same role exists), every pool returns to zero used blocks, and the service
-serves new requests afterwards.
+serves new requests afterwards. A kill waits until the victim has requests in
+flight (the router's own view of it), never for a fixed time. The per-fault
+counts are printed when the module's cluster stops (they go in the README).
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def cluster(ray_local, tiny_model_dir):
     c.cluster.manager.interval_s = 0.3
     yield c
     c.stop()
+    for fault, line in REPORT.items():
+        print(f"{fault}: {line}")
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +83,10 @@ def _settle(cluster):
     """Every actor healthy again, zero blocks used, and a fresh request served."""
     backend = cluster.cluster.backend
     end = time.monotonic() + 90
-    views = [*backend.prefill, *backend.decode]
+    views = [*backend.pools.prefill, *backend.pools.decode]
     while time.monotonic() < end:
         try:                                   # every actor answers (restarted ones included) ...
-            ray.get([v.handle.info.remote() for v in views], timeout=10)
+            ray.get([v.client.handle.info.remote() for v in views], timeout=10)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             time.sleep(0.5)
             continue
@@ -98,6 +102,18 @@ def _pid(handle) -> int:
     return ray.get(handle.info.remote(), timeout=30)["pid"]
 
 
+def _running_on(view) -> int:
+    return ray.get(view.client.handle.stats.remote(), timeout=10)["running_requests"]
+
+
+def _wait_in_flight(busy, what: str, timeout: float = 60.0) -> None:
+    """Wait until `busy()` holds: the victim has work in flight."""
+    end = time.monotonic() + timeout
+    while not busy():
+        assert time.monotonic() < end, f"{what} never had requests in flight"
+        time.sleep(0.005)
+
+
 def _check_all_complete(results, expected, report, fault):
     ok = sum(1 for i, (tokens, code) in results.items() if code is None and tokens == expected[i])
     report[fault] = f"{ok}/{len(results)} completed with the reference output"
@@ -110,10 +126,12 @@ REPORT: dict[str, str] = {}
 
 def test_kill_decode_actor_mid_stream(cluster, workload):
     prompts, expected = workload
-    victim = cluster.cluster.backend.decode[0]
+    victim = cluster.cluster.backend.pools.decode[0]
+    pid = _pid(victim.client.handle)
     threads, results = _fire(cluster, prompts)
-    time.sleep(1.0)
-    os.kill(_pid(victim.handle), signal.SIGKILL)
+    # mid-stream: the actor itself reports requests in its running (decoding) batch
+    _wait_in_flight(lambda: _running_on(victim) >= 2, "decode-0")
+    os.kill(pid, signal.SIGKILL)
     _join(threads)
     _check_all_complete(results, expected, REPORT, "kill -9 decode actor mid-stream")
     _settle(cluster)
@@ -121,10 +139,10 @@ def test_kill_decode_actor_mid_stream(cluster, workload):
 
 def test_kill_prefill_actor_mid_batch(cluster, workload):
     prompts, expected = workload
-    victim = cluster.cluster.backend.prefill[0]
-    pid = _pid(victim.handle)
+    victim = cluster.cluster.backend.pools.prefill[0]
+    pid = _pid(victim.client.handle)
     threads, results = _fire(cluster, prompts)
-    time.sleep(0.3)
+    _wait_in_flight(lambda: victim.queued_tokens > 0, "prefill-0")      # prompts queued or computing there
     os.kill(pid, signal.SIGKILL)
     _join(threads)
     _check_all_complete(results, expected, REPORT, "kill -9 prefill actor mid-batch")
@@ -134,29 +152,30 @@ def test_kill_prefill_actor_mid_batch(cluster, workload):
 @pytest.mark.parametrize("fault", ["stall", "corrupt"])
 def test_stalled_or_corrupted_transfer(cluster, workload, fault):
     prompts, expected = workload
-    bad = cluster.cluster.backend.prefill[0]
-    ray.get(bad.handle.set_fault.remote(fault, 3.0))
+    bad = cluster.cluster.backend.pools.prefill[0]
+    ray.get(bad.client.handle.set_fault.remote(fault, 3.0))
     try:
         threads, results = _fire(cluster, prompts)
         _join(threads)
     finally:
-        ray.get(bad.handle.set_fault.remote(None))
+        ray.get(bad.client.handle.set_fault.remote(None))
     _check_all_complete(results, expected, REPORT, f"{fault} KV transfer")
     _settle(cluster)
 
 
 def test_receiver_disappears_mid_transfer(cluster, workload):
     prompts, expected = workload
-    victim = cluster.cluster.backend.decode[1]
-    slow = cluster.cluster.backend.prefill[1]
-    ray.get(slow.handle.set_fault.remote("stall", 0.3))       # keep transfers in flight for a while
+    victim = cluster.cluster.backend.pools.decode[1]
+    slow = cluster.cluster.backend.pools.prefill[1]
+    pid = _pid(victim.client.handle)
+    ray.get(slow.client.handle.set_fault.remote("stall", 0.3))       # keep transfers in flight for a while
     try:
         threads, results = _fire(cluster, prompts)
-        time.sleep(0.5)
-        os.kill(_pid(victim.handle), signal.SIGKILL)
+        _wait_in_flight(lambda: victim.running >= 2, "decode-1")       # requests reserved there, KV arriving
+        os.kill(pid, signal.SIGKILL)
         _join(threads)
     finally:
-        ray.get(slow.handle.set_fault.remote(None))
+        ray.get(slow.client.handle.set_fault.remote(None))
     _check_all_complete(results, expected, REPORT, "receiver killed mid-transfer")
     _settle(cluster)
 
@@ -174,9 +193,3 @@ def test_client_cancels_at_random_points(cluster, workload):
             assert code is None and tokens == expected[i]
     REPORT["client cancels at random points"] = f"{N - len(cancel_at)}/{N - len(cancel_at)} uncancelled completed"
     _settle(cluster)
-
-
-def test_report(cluster):
-    """Print the per-fault counts (they go in the README)."""
-    for fault, line in REPORT.items():
-        print(f"{fault}: {line}")

@@ -26,8 +26,8 @@ def cluster(ray_local, tiny_model_dir):
 
 def test_long_requests_use_the_long_context_pool(cluster, reference):
     backend = cluster.cluster.backend
-    assert len(backend.long_decode) == 1 and len(backend.decode) == 1
-    assert backend._decode_pool(301) is backend.long_decode and backend._decode_pool(300) is backend.decode
+    assert len(backend.pools.long_context) == 1 and len(backend.pools.decode) == 1
+    assert backend._decode_pool(301) is backend.pools.long_context and backend._decode_pool(300) is backend.pools.decode
     short, long_ = list(range(2, 50)), list(range(2, 280))
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     expected = reference([short, long_], [params, params])
@@ -46,5 +46,5 @@ def test_long_requests_use_the_long_context_pool(cluster, reference):
             assert got == exp
     finally:
         backend.admission.acquire = original
-    assert seen == [backend.decode[0].actor_id, backend.long_decode[0].actor_id]
+    assert seen == [backend.pools.decode[0].actor_id, backend.pools.long_context[0].actor_id]
     assert all(a.kv_blocks_used == 0 for a in wait_blocks_free(cluster.address).actors)

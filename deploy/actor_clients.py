@@ -1,0 +1,77 @@
+"""The router's actor protocol (`router.actor_client`) over Ray actor handles.
+
+Prefill jobs travel as serialized `PrefillJob` bytes in a Ray call; decode jobs
+open a gRPC stream (`DecodeStreamService.Decode`) on the decode actor, which
+streams tokens with far less delay than a Ray generator. Ray and gRPC errors
+become `ActorUnavailable`, so the router never sees either.
+"""
+from __future__ import annotations
+
+import grpc
+import ray
+
+from decode_worker.stream_service import DecodeStreamClient
+from proto.pdserve.v1 import worker_pb2 as wpb
+from router.actor_client import ActorUnavailable
+from router.backend import ActorStats
+
+
+class RayActorClient:
+    """What every pool's actor answers: abort, info, stats."""
+
+    def __init__(self, actor_id: str, handle):
+        self.actor_id = actor_id
+        self.handle = handle
+
+    def abort(self, request_id: str) -> None:
+        self.handle.abort.remote(request_id)
+
+    async def info(self) -> dict:
+        try:
+            return await self.handle.info.remote()
+        except ray.exceptions.RayError as e:
+            raise ActorUnavailable(f"{self.actor_id}: {e}") from None
+
+    async def stats(self) -> ActorStats:
+        try:
+            return ActorStats(**await self.handle.stats.remote())
+        except ray.exceptions.RayError as e:
+            raise ActorUnavailable(f"{self.actor_id}: {e}") from None
+
+
+class RayPrefillClient(RayActorClient):
+    async def prefill(self, job: wpb.PrefillJob) -> wpb.PrefillResult:
+        try:
+            data = await self.handle.prefill.remote(job.SerializeToString())
+        except ray.exceptions.RayError as e:
+            raise ActorUnavailable(f"{self.actor_id}: {e}") from None
+        return wpb.PrefillResult.FromString(data)
+
+
+class GrpcDecodeStream:
+    """One request's `Decode` call."""
+
+    def __init__(self, actor_id: str, call: grpc.aio.UnaryStreamCall):
+        self.actor_id, self._call = actor_id, call
+
+    async def read(self) -> list[wpb.DecodeEvent] | None:
+        try:
+            response = await self._call.read()
+        except grpc.aio.AioRpcError as e:
+            raise ActorUnavailable(f"{e.code().name} {e.details()}") from None
+        return None if response is grpc.aio.EOF else list(response.events)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class RayDecodeClient(RayActorClient):
+    """A decode (or colocated) actor: Ray for control, its gRPC stream endpoint for tokens."""
+
+    def __init__(self, actor_id: str, handle, stream_endpoint: str, streams: DecodeStreamClient):
+        super().__init__(actor_id, handle)
+        self.stream_endpoint = stream_endpoint       # the pool manager updates it when Ray restarts the actor
+        self.streams = streams
+
+    def open_stream(self, job: wpb.DecodeJob) -> GrpcDecodeStream:
+        return GrpcDecodeStream(self.actor_id, self.streams.open(self.stream_endpoint, job))

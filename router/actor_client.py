@@ -1,0 +1,59 @@
+"""The router's protocol for talking to worker actors (deploy implements it with Ray; tests fake it).
+
+Every message is a `pdserve.v1` worker message (proto/pdserve/v1/worker.proto):
+
+    PrefillClient.prefill(PrefillJob) -> PrefillResult     prefill, ship the KV, report
+    DecodeClient.open_stream(DecodeJob) -> DecodeStream    decode; tokens stream back
+    ActorClient.abort(request_id)                          fire and forget; idempotent
+    ActorClient.info() -> dict                             liveness and identity
+    ActorClient.stats() -> ActorStats                      load, for GetStats and metrics
+
+A call whose actor is gone (dead, restarting, unreachable) raises `ActorUnavailable`;
+the dispatcher then retries on another prefill actor or migrates the decode.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from proto.pdserve.v1 import worker_pb2 as wpb
+from router.backend import ActorStats
+
+
+class ActorUnavailable(Exception):
+    """The actor did not answer: it died, is restarting, or cannot be reached."""
+
+
+class ActorClient(Protocol):
+    actor_id: str
+
+    def abort(self, request_id: str) -> None:
+        """Drop the request on the actor (no reply; unknown ids are ignored)."""
+
+    async def info(self) -> dict:
+        """Identity of a live actor; raises ActorUnavailable when it does not answer."""
+
+    async def stats(self) -> ActorStats:
+        """Current load; raises ActorUnavailable when it does not answer."""
+
+
+class PrefillClient(ActorClient, Protocol):
+    async def prefill(self, job: wpb.PrefillJob) -> wpb.PrefillResult:
+        """Prefill `job.prompt_token_ids` and ship the KV to `job.kv_endpoint`.
+
+        Returns the result once the KV reached the decode actor (or the request ended at
+        its first token, or failed). Cancelling the call aborts the request on the actor.
+        """
+
+
+class DecodeStream(Protocol):
+    async def read(self) -> list[wpb.DecodeEvent] | None:
+        """The events produced since the last read; None when the stream ended.
+        Raises ActorUnavailable when the actor is lost mid-stream."""
+
+    def cancel(self) -> None:
+        """Close the stream; the actor aborts the request if it has not finished."""
+
+
+class DecodeClient(ActorClient, Protocol):
+    def open_stream(self, job: wpb.DecodeJob) -> DecodeStream:
+        """Start `job` on the actor (it waits for the job's KV, or prefills it there)."""

@@ -1,0 +1,327 @@
+"""`Dispatcher`: the router's `Backend` over the prefill and decode actor pools.
+
+One request, as dispatched here:
+
+    admission: reserve KV blocks on a decode actor (wait in a bounded queue if none fits)
+      → pick a prefill actor (longest cached prefix, then fewest queued prompt tokens)
+      → open the decode stream first (`DecodeJob`: the actor waits for the KV), then
+        `PrefillJob` on the prefill actor ships the KV straight to that decode actor
+      → decode events stream back as chunks; the `PrefillResult` adds timings
+
+Failures, each one an attempt (at most `routing.max_attempts`):
+
+    prefill actor unavailable, or its KV transfer failed (PrefillResult.retryable)
+        → prefill again on another prefill actor; when the receiving side failed and the
+          decode actor does not answer, the reservation moves to another decode actor first
+    the KV never reached the decode actor (DecodeEvent.error.retryable) → prefill again
+    decode actor lost mid-stream → migrate: another decode actor recomputes the prompt and
+        the tokens already streamed, and continues (the client sees one stream)
+
+Short uncached prompts (`local_prefill_tokens`) and migrated requests are prefilled by
+the decode actor itself. Cancellation aborts the request on both actors. The actors are
+reached only through `router.actor_client` (deploy implements it with Ray).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.block_manager import prompt_block_hashes
+from engine.latency import time_per_output_token
+from proto.pdserve.v1 import generation_pb2, worker_pb2 as wpb
+from router.actor_client import ActorUnavailable
+from router.admission import AdmissionQueue
+from router.backend import ActorStats, Backend, BackendError, GenerationChunk, GenerationInput, Timing, Usage
+from router.dispatch import pick_prefill
+from router.pools import DecodeView, Pools, PrefillView
+
+log = logging.getLogger(f"pdserve.{__name__}")
+
+FINISH_REASON = {generation_pb2.FINISH_REASON_STOP: "stop", generation_pb2.FINISH_REASON_LENGTH: "length",
+                 generation_pb2.FINISH_REASON_ABORT: "abort"}
+STATUS_NAME = {code.value[0]: code.name for code in grpc.StatusCode}
+SUSPECT_SIDES = (wpb.TRANSFER_SIDE_RECEIVER, wpb.TRANSFER_SIDE_TRANSPORT)
+
+
+@dataclass(slots=True)
+class RoutingSettings:
+    local_prefill_tokens: int = 0
+    long_request_tokens: int | None = None
+    max_queue: int = 1024
+    max_attempts: int = 3
+    transfer_deadline_s: float = 30.0
+    stream_idle_s: float = 60.0          # no prefill result and no token for this long: the actor is stuck
+
+
+class _Retry(Exception):
+    """The prefill side failed; try again on another prefill actor."""
+
+    def __init__(self, message: str, receiver_suspect: bool = False):
+        super().__init__(message)
+        self.receiver_suspect = receiver_suspect    # the transport failed: is the decode actor alive?
+
+
+class _DecodeLost(Exception):
+    """The decode actor died under the request; continue on another one."""
+
+
+@dataclass(slots=True)
+class _Dispatch:
+    """One request's disaggregation state at the router."""
+
+    inp: GenerationInput
+    pool: list[DecodeView]               # the decode pool it is served from
+    need_blocks: int                     # KV blocks reserved for prompt + max_tokens
+    hashes: list[bytes]                  # chained hashes of the prompt's full blocks
+    started: float
+    timing: Timing = field(default_factory=Timing)
+    view: DecodeView | None = None       # the decode actor holding the reservation
+    excluded: set[str] = field(default_factory=set)    # prefill actors that failed it
+    lost: set[str] = field(default_factory=set)        # decode actors that died under it
+    emitted: list[int] = field(default_factory=list)   # tokens the client already has
+    num_failures: int = 0
+    first_token_at: float | None = None
+
+    @property
+    def attempt_id(self) -> str:
+        """Each attempt has its own id on the actors, so a late abort of a failed
+        attempt never hits the retry that replaced it."""
+        rid = self.inp.request_id
+        return rid if self.num_failures == 0 else f"{rid}#{self.num_failures}"
+
+
+class Dispatcher(Backend):
+    def __init__(self, pools: Pools, tokenizer, max_model_len: int, block_size: int, routing: RoutingSettings,
+                 codec: str = "none", metrics=None):
+        """metrics: None, or an object with kv_transfer(seconds, kv_bytes, wire_bytes, codec),
+        transfer_failed(), local_prefill() and prefix_hit_tokens(n) (router.metrics.Metrics)."""
+        self.pools = pools
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.routing = routing
+        self.admission = AdmissionQueue(routing.max_queue)
+        self.codec = codec
+        self.metrics = metrics
+        # finished requests for the autoscaler: (end, prompt_tokens, output_tokens, ttft_s, tpot_s)
+        self.completed: deque[tuple[float, int, int, float, float]] = deque(maxlen=4096)
+
+    async def ready(self) -> bool:
+        return bool(self.pools.decode) and all(v.healthy for v in self.pools.decode)
+
+    async def stats(self) -> list[ActorStats]:
+        results = await asyncio.gather(*(v.client.stats() for v in self.pools.all()), return_exceptions=True)
+        return [r for r in results if isinstance(r, ActorStats)]
+
+    def _decode_pool(self, total_tokens: int) -> list[DecodeView]:
+        limit = self.routing.long_request_tokens
+        if self.pools.long_context and limit is not None and total_tokens > limit:
+            return self.pools.long_context
+        return self.pools.decode
+
+    # ---- one request ----------------------------------------------------
+    async def generate(self, inp: GenerationInput):
+        prompt = inp.prompt_token_ids
+        total = len(prompt) + inp.params.max_tokens
+        need = -(-total // self.block_size)
+        pool = self._decode_pool(total)
+        largest = max((v.kv_blocks_total for v in pool), default=0)
+        if need > largest:
+            raise BackendError("RESOURCE_EXHAUSTED", f"request needs {need} KV blocks ({total} tokens); "
+                               f"the largest decode actor holds {largest}")
+        d = _Dispatch(inp, pool, need, prompt_block_hashes(prompt, self.block_size), time.monotonic())
+        d.view = await self._admit(d)
+        d.timing.queue_s = time.monotonic() - d.started
+        try:
+            while True:
+                try:
+                    async for chunk in self._attempt(d):
+                        if chunk.token_ids and not d.emitted:
+                            d.first_token_at = time.monotonic()
+                        d.emitted.extend(chunk.token_ids)
+                        yield chunk
+                    self._record(d)
+                    return
+                except _Retry as e:
+                    d.num_failures += 1
+                    log.warning("request %s: prefill/transfer attempt %d failed: %s", inp.request_id,
+                                d.num_failures, e)
+                    if e.receiver_suspect and not await self._alive(d.view):
+                        await self._switch_decode(d, f"decode actor {d.view.actor_id} is unreachable")
+                except _DecodeLost as e:
+                    d.num_failures += 1
+                    log.warning("request %s: decode actor lost after %d tokens (%s); migrating",
+                                inp.request_id, len(d.emitted), e)
+                    await self._switch_decode(d, str(e))
+                if d.num_failures >= self.routing.max_attempts:
+                    raise BackendError("UNAVAILABLE", f"request failed {d.num_failures} times (prefill, KV "
+                                       "transfer or decode actor); giving up")
+        finally:
+            if d.view is not None:
+                await self.admission.release(d.view, need)
+
+    async def _admit(self, d: _Dispatch) -> DecodeView:
+        timeout = None if d.inp.deadline is None else max(d.inp.deadline - time.monotonic(), 0.0)
+        view = await self.admission.acquire(d.pool, d.need_blocks, timeout)
+        if view is None:
+            raise BackendError("RESOURCE_EXHAUSTED", f"no decode actor has room for {d.need_blocks} KV blocks "
+                               f"and the admission queue is full ({self.routing.max_queue}) or the deadline passed")
+        return view
+
+    async def _switch_decode(self, d: _Dispatch, why: str) -> None:
+        """Move the request's KV reservation to another decode actor (the old one is gone)."""
+        old = d.view
+        old.healthy = False             # the pool manager restores it once the actor is back
+        d.lost.add(old.actor_id)
+        d.view = None                   # released here; nothing left to release if no one takes it
+        await self.admission.release(old, d.need_blocks)
+        timeout = 0.0 if d.inp.deadline is None else max(d.inp.deadline - time.monotonic(), 0.0)
+        d.view = await self.admission.acquire(d.pool, d.need_blocks, timeout, exclude=d.lost)
+        if d.view is None:
+            raise BackendError("UNAVAILABLE", f"{why}; no other decode actor can take the request")
+
+    async def _alive(self, view: DecodeView, timeout: float = 2.0) -> bool:
+        try:
+            await asyncio.wait_for(view.client.info(), timeout)
+            return True
+        except Exception:
+            return False
+
+    def _record(self, d: _Dispatch) -> None:
+        now = time.monotonic()
+        ttft = (d.first_token_at or now) - d.started
+        tpot = time_per_output_token(ttft, now - d.started, len(d.emitted))
+        self.completed.append((now, len(d.inp.prompt_token_ids), len(d.emitted), ttft, tpot))
+
+    # ---- one attempt ----------------------------------------------------
+    async def _attempt(self, d: _Dispatch):
+        """One try on decode actor `d.view`. After a migration (`d.emitted` not empty) the
+        decode actor recomputes prompt + emitted tokens locally and continues."""
+        inp, view, rid = d.inp, d.view, d.attempt_id
+        prompt = inp.prompt_token_ids
+        pview, cached = pick_prefill(self.pools.prefill, d.hashes, d.excluded)
+        uncached = len(prompt) - cached * self.block_size
+        local = bool(d.emitted) or pview is None or uncached < self.routing.local_prefill_tokens
+        transfer_id = "" if local else uuid.uuid4().hex
+        deadline_s = self.routing.transfer_deadline_s
+        if inp.deadline is not None:         # the client's deadline bounds every remote step
+            deadline_s = max(min(deadline_s, inp.deadline - time.monotonic()), 0.05)
+        params = inp.params.to_proto()
+        stream = view.client.open_stream(wpb.DecodeJob(
+            request_id=rid, prompt_token_ids=prompt, params=params, transfer_id=transfer_id,
+            kv_timeout_s=deadline_s, resume_output_ids=d.emitted))
+        prefill_task = None
+        if local and self.metrics:
+            self.metrics.local_prefill()
+        if not local:
+            pview.queued_tokens += uncached
+            job = wpb.PrefillJob(request_id=rid, prompt_token_ids=prompt, params=params, kv_endpoint=view.endpoint,
+                                 transfer_id=transfer_id, transfer_deadline_s=deadline_s)
+            prefill_task = asyncio.ensure_future(self._prefill(pview, job, uncached))
+        usage = Usage(len(prompt), len(d.emitted), 0)
+        finished = False
+        read_task = asyncio.ensure_future(stream.read())
+        try:
+            while True:
+                waiting = {read_task} | ({prefill_task} if prefill_task is not None else set())
+                done, _ = await asyncio.wait(waiting, timeout=self.routing.stream_idle_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    idle = f"sent nothing for {self.routing.stream_idle_s:.0f}s"
+                    if prefill_task is not None:
+                        raise _Retry(f"prefill actor {pview.actor_id} {idle}")
+                    raise _DecodeLost(f"decode actor {view.actor_id} {idle}")
+                if prefill_task in done:
+                    result = prefill_task.result()
+                    prefill_task = None
+                    chunk = self._on_prefill(result, pview, d, usage)
+                    if chunk is not None:            # ended at its first token: no decode needed
+                        finished = True
+                        yield chunk
+                        return
+                if read_task in done:
+                    events = read_task.result()
+                    if events is None:
+                        raise BackendError("INTERNAL", f"decode stream of {rid} ended without a finish")
+                    for ev in events:
+                        chunk = self._on_event(ev, d.timing, usage)
+                        finished = chunk.finish_reason is not None
+                        yield chunk
+                        if finished:
+                            return
+                    read_task = asyncio.ensure_future(stream.read())
+        except ActorUnavailable as e:
+            raise _DecodeLost(f"decode actor {view.actor_id}: {e}") from None
+        except _Retry:
+            if not local and len(self.pools.prefill) > len(d.excluded) + 1:
+                d.excluded.add(pview.actor_id)       # try a different prefill actor next
+            raise
+        finally:
+            read_task.cancel()
+            stream.cancel()
+            if prefill_task is not None:
+                prefill_task.cancel()
+            if not finished:
+                view.client.abort(rid)
+                if not local:
+                    pview.client.abort(rid)
+
+    async def _prefill(self, pview: PrefillView, job: wpb.PrefillJob, uncached: int) -> wpb.PrefillResult:
+        try:
+            return await pview.client.prefill(job)
+        except ActorUnavailable as e:
+            return wpb.PrefillResult(request_id=job.request_id, transfer_id=job.transfer_id,
+                                     status=wpb.PREFILL_STATUS_FAILED, error=str(e),
+                                     failed_side=wpb.TRANSFER_SIDE_SENDER, retryable=True)
+        finally:
+            pview.queued_tokens -= uncached
+
+    def _on_prefill(self, result: wpb.PrefillResult, pview: PrefillView, d: _Dispatch,
+                    usage: Usage) -> GenerationChunk | None:
+        """Account the prefill; a chunk when the request already ended at its first token."""
+        if result.status in (wpb.PREFILL_STATUS_FAILED, wpb.PREFILL_STATUS_ABORTED):
+            d.view.client.abort(result.request_id)
+            if result.status == wpb.PREFILL_STATUS_FAILED:
+                if self.metrics:
+                    self.metrics.transfer_failed()
+                if not result.retryable:         # the request itself was refused: no actor would take it
+                    raise BackendError("INVALID_ARGUMENT", result.error)
+            raise _Retry(f"prefill actor {pview.actor_id}: {result.error or 'aborted'}",
+                         receiver_suspect=result.failed_side in SUSPECT_SIDES)
+        pview.remember(d.hashes)
+        if self.metrics:
+            self.metrics.prefix_hit_tokens(result.num_cached_tokens)
+            if result.status == wpb.PREFILL_STATUS_SENT:
+                self.metrics.kv_transfer(result.transfer_s, result.kv_bytes, result.wire_bytes, self.codec)
+        t = d.timing
+        t.queue_s += result.queue_s
+        t.prefill_s = result.prefill_s
+        t.kv_transfer_s = result.transfer_s
+        usage.cached_prompt_tokens = result.num_cached_tokens
+        if result.status == wpb.PREFILL_STATUS_FINISHED:
+            d.view.client.abort(result.request_id)
+            usage.completion_tokens = 1
+            text = self.tokenizer.decode([result.first_token_id])
+            return GenerationChunk([result.first_token_id], text, FINISH_REASON[result.finish_reason], usage, t)
+        return None
+
+    def _on_event(self, ev: wpb.DecodeEvent, timing: Timing, usage: Usage) -> GenerationChunk:
+        if ev.error.code:
+            if ev.error.retryable:               # the KV never arrived: prefill again
+                raise _Retry(ev.error.message)
+            raise BackendError(STATUS_NAME.get(ev.error.code, "INTERNAL"), ev.error.message)
+        if ev.decode_queue_s:
+            timing.decode_queue_s = ev.decode_queue_s
+        token_ids = list(ev.token_ids)
+        usage.completion_tokens += len(token_ids)
+        if ev.finish_reason:
+            if not usage.cached_prompt_tokens:
+                usage.cached_prompt_tokens = ev.num_cached_tokens
+            return GenerationChunk(token_ids, ev.text, FINISH_REASON[ev.finish_reason], usage, timing)
+        return GenerationChunk(token_ids, ev.text, None)

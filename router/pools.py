@@ -1,0 +1,88 @@
+"""The router's view of every actor, by pool (no Ray, no I/O).
+
+The router keeps these views itself: it reserves decode blocks when it
+dispatches and releases them when the request ends, and remembers which
+prompt blocks each prefill actor has computed (an LRU bounded by that actor's
+KV pool). `deploy` creates the views; the pool manager marks them (un)healthy.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from router.actor_client import DecodeClient, PrefillClient
+
+POOL_NAMES = ("prefill", "decode", "long_context")
+
+
+@dataclass(eq=False)
+class PrefillView:
+    actor_id: str
+    client: PrefillClient
+    kv_blocks_total: int
+    queued_tokens: int = 0
+    healthy: bool = True
+    draining: bool = False
+    incarnation: str = ""
+    prefix: OrderedDict = field(default_factory=OrderedDict)   # block hash -> None, LRU order
+
+    def cached_blocks(self, hashes: list[bytes]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.prefix:
+                break
+            n += 1
+        return n
+
+    def remember(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self.prefix[h] = None
+            self.prefix.move_to_end(h)
+        while len(self.prefix) > self.kv_blocks_total:
+            self.prefix.popitem(last=False)
+
+    @property
+    def busy(self) -> bool:
+        return self.queued_tokens > 0
+
+
+@dataclass(eq=False)
+class DecodeView:
+    actor_id: str
+    client: DecodeClient
+    endpoint: str                      # its KV receiver ("" for a colocated actor)
+    kv_blocks_total: int
+    reserved_blocks: int = 0
+    running: int = 0
+    healthy: bool = True
+    draining: bool = False
+    incarnation: str = ""
+
+    @property
+    def free_blocks(self) -> int:
+        return self.kv_blocks_total - self.reserved_blocks
+
+    @property
+    def busy(self) -> bool:
+        return self.running > 0
+
+
+@dataclass
+class Pools:
+    """The actor pools by name: `prefill`, `decode` and the optional `long_context` decode pool
+    (requests longer than `routing.long_request_tokens` go there)."""
+
+    prefill: list[PrefillView] = field(default_factory=list)
+    decode: list[DecodeView] = field(default_factory=list)
+    long_context: list[DecodeView] = field(default_factory=list)
+
+    def get(self, name: str) -> list:
+        if name not in POOL_NAMES:
+            raise KeyError(f"unknown pool {name!r}; pools are {', '.join(POOL_NAMES)}")
+        return getattr(self, name)
+
+    def items(self) -> list[tuple[str, list]]:
+        return [(name, getattr(self, name)) for name in POOL_NAMES]
+
+    def all(self) -> list:
+        return [view for _, views in self.items() for view in views]

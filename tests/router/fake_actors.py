@@ -1,0 +1,179 @@
+"""Fake prefill and decode actors behind the router's actor protocol (no Ray, no engine).
+
+Generation is a pure function of the prompt, so a retried or migrated request
+must stream exactly the tokens an undisturbed one does:
+
+    token at output position i = (sum(prompt) + 7 * i) % 200
+
+A prefill actor "ships" its KV by putting (first token, prompt length) into a
+shared `KVHub` under the transfer id; the decode actor waits for it there.
+Faults are scripted per actor (`faults`: a list consumed one per job).
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from proto.pdserve.v1 import generation_pb2, worker_pb2 as wpb
+from router.actor_client import ActorUnavailable
+from router.backend import ActorStats
+from router.pools import DecodeView, Pools, PrefillView
+
+
+def token_at(prompt: list[int], position: int) -> int:
+    return (sum(prompt) + 7 * position) % 200
+
+
+def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
+    return [token_at(prompt, i) for i in range(max_tokens)]
+
+
+@dataclass
+class KVHub:
+    """Transfers in flight: transfer id -> future of (first token id, prompt length)."""
+
+    transfers: dict[str, asyncio.Future] = field(default_factory=dict)
+
+    def slot(self, transfer_id: str) -> asyncio.Future:
+        if transfer_id not in self.transfers:
+            self.transfers[transfer_id] = asyncio.get_running_loop().create_future()
+        return self.transfers[transfer_id]
+
+
+class FakeActor:
+    def __init__(self, actor_id: str, role: str):
+        self.actor_id, self.role = actor_id, role
+        self.alive = True
+        self.faults: list[str] = []          # consumed one per job; "" = behave
+        self.aborted: list[str] = []
+        self.jobs: list = []
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def info(self) -> dict:
+        if not self.alive:
+            raise ActorUnavailable(f"{self.actor_id} is dead")
+        return {"actor_id": self.actor_id}
+
+    async def stats(self) -> ActorStats:
+        if not self.alive:
+            raise ActorUnavailable(f"{self.actor_id} is dead")
+        return ActorStats(self.actor_id, self.role, 100, 0, 0, len(self.jobs))
+
+    def next_fault(self) -> str:
+        return self.faults.pop(0) if self.faults else ""
+
+
+class FakePrefill(FakeActor):
+    """Faults: "unavailable" (the call raises), "sender" / "receiver" (a failed transfer of that
+    side), "refuse" (a non-retryable rejection), "hang" (never answers)."""
+
+    def __init__(self, actor_id: str, hub: KVHub):
+        super().__init__(actor_id, "prefill")
+        self.hub = hub
+
+    async def prefill(self, job: wpb.PrefillJob) -> wpb.PrefillResult:
+        self.jobs.append(job)
+        fault = self.next_fault()
+        prompt = list(job.prompt_token_ids)
+        result = wpb.PrefillResult(request_id=job.request_id, transfer_id=job.transfer_id,
+                                   num_prompt_tokens=len(prompt), first_token_id=token_at(prompt, 0),
+                                   prefill_s=0.01, transfer_s=0.002, kv_bytes=1000, wire_bytes=500)
+        if fault == "unavailable" or not self.alive:
+            raise ActorUnavailable(f"{self.actor_id} died")
+        if fault == "hang":
+            await asyncio.Event().wait()
+        if fault == "refuse":
+            result.status, result.error, result.retryable = wpb.PREFILL_STATUS_FAILED, "prompt is bad", False
+            return result
+        if fault in ("sender", "receiver"):
+            side = wpb.TRANSFER_SIDE_SENDER if fault == "sender" else wpb.TRANSFER_SIDE_RECEIVER
+            result.status, result.error, result.retryable = wpb.PREFILL_STATUS_FAILED, f"{fault} failed", True
+            result.failed_side = side
+            return result
+        if job.params.max_tokens == 1:
+            result.status = wpb.PREFILL_STATUS_FINISHED
+            result.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+            return result
+        self.hub.slot(job.transfer_id).set_result((result.first_token_id, len(prompt)))
+        result.status = wpb.PREFILL_STATUS_SENT
+        return result
+
+
+class FakeStream:
+    def __init__(self, actor: FakeDecode, job: wpb.DecodeJob):
+        self.actor, self.job = actor, job
+        self.prompt = list(job.prompt_token_ids)
+        self.position = len(job.resume_output_ids)
+        self.done = False
+        self.cancelled = False
+        self.fault = actor.next_fault()
+
+    async def read(self) -> list[wpb.DecodeEvent] | None:
+        if self.done:
+            return None
+        if not self.actor.alive:
+            raise ActorUnavailable(f"{self.actor.actor_id} died")
+        if self.fault == "kv_never" and self.job.transfer_id:
+            self.done = True
+            return [wpb.DecodeEvent(error=wpb.DecodeError(code=4, message="KV did not arrive", retryable=True))]
+        if self.fault == "invalid":
+            self.done = True
+            return [wpb.DecodeEvent(error=wpb.DecodeError(code=3, message="bad params"))]
+        if self.fault == "hang":
+            await asyncio.Event().wait()
+        if self.position == 0 and self.job.transfer_id:
+            first, num_tokens = await self.actor.hub.slot(self.job.transfer_id)
+            assert num_tokens == len(self.prompt) and first == token_at(self.prompt, 0)
+        if self.fault.startswith("die_after:") and self.position >= int(self.fault.split(":")[1]):
+            self.actor.alive = False
+            raise ActorUnavailable(f"{self.actor.actor_id} was killed")
+        token = token_at(self.prompt, self.position)
+        self.position += 1
+        event = wpb.DecodeEvent(token_ids=[token], text=chr(65 + token % 26))
+        if self.position >= self.job.params.max_tokens:
+            self.done = True
+            event.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+        await asyncio.sleep(0)
+        return [event]
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.actor.streams.discard(self)
+
+
+class FakeDecode(FakeActor):
+    """Faults: "kv_never" (a retryable error instead of the KV), "invalid" (a non-retryable
+    INVALID_ARGUMENT), "die_after:N" (the actor dies after streaming N tokens), "hang"."""
+
+    def __init__(self, actor_id: str, hub: KVHub):
+        super().__init__(actor_id, "decode")
+        self.hub = hub
+        self.streams: set[FakeStream] = set()
+
+    def open_stream(self, job: wpb.DecodeJob) -> FakeStream:
+        self.jobs.append(job)
+        stream = FakeStream(self, job)
+        self.streams.add(stream)
+        return stream
+
+
+@dataclass
+class FakeCluster:
+    hub: KVHub
+    pools: Pools
+    prefill: list[FakePrefill]
+    decode: list[FakeDecode]
+    long_context: list[FakeDecode]
+
+
+def fake_cluster(num_prefill: int = 2, num_decode: int = 2, num_long: int = 0, kv_blocks: int = 64) -> FakeCluster:
+    hub = KVHub()
+    prefill = [FakePrefill(f"prefill-{i}", hub) for i in range(num_prefill)]
+    decode = [FakeDecode(f"decode-{i}", hub) for i in range(num_decode)]
+    long_context = [FakeDecode(f"long-{i}", hub) for i in range(num_long)]
+    pools = Pools([PrefillView(a.actor_id, a, kv_blocks) for a in prefill],
+                  [DecodeView(a.actor_id, a, f"kv://{a.actor_id}", kv_blocks) for a in decode],
+                  [DecodeView(a.actor_id, a, f"kv://{a.actor_id}", kv_blocks * 4) for a in long_context])
+    return FakeCluster(hub, pools, prefill, decode, long_context)

@@ -1,0 +1,378 @@
+"""`router.dispatcher.Dispatcher` against fake actors: every admission, retry and migration branch,
+without Ray. Each test checks the exact token stream and that no reservation or stream is left."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from fake_actors import FakeCluster, expected_tokens, fake_cluster
+from proto.pdserve.v1 import worker_pb2 as wpb
+from router.backend import BackendError, GenerationInput
+from router.dispatcher import Dispatcher, RoutingSettings
+
+BLOCK_SIZE = 4
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+
+
+class Counts:
+    """A stand-in for router.metrics.Metrics that counts the dispatcher's hooks."""
+
+    def __init__(self):
+        self.transfers = self.failed = self.local = self.hit_tokens = 0
+
+    def kv_transfer(self, seconds, kv_bytes, wire_bytes, codec):
+        self.transfers += 1
+
+    def transfer_failed(self):
+        self.failed += 1
+
+    def local_prefill(self):
+        self.local += 1
+
+    def prefix_hit_tokens(self, n):
+        self.hit_tokens += n
+
+
+def make(cluster: FakeCluster, **routing) -> Dispatcher:
+    settings = RoutingSettings(**{"max_queue": 8, "stream_idle_s": 2.0, **routing})
+    return Dispatcher(cluster.pools, tokenizer=None, max_model_len=1024, block_size=BLOCK_SIZE, routing=settings,
+                      metrics=Counts())
+
+
+def request(rid: str = "r1", max_tokens: int = 6, prompt: list[int] = PROMPT, deadline=None) -> GenerationInput:
+    return GenerationInput(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0), deadline)
+
+
+async def collect(dispatcher: Dispatcher, inp: GenerationInput) -> tuple[list[int], list]:
+    chunks = [chunk async for chunk in dispatcher.generate(inp)]
+    return [t for c in chunks for t in c.token_ids], chunks
+
+
+def assert_nothing_held(cluster: FakeCluster) -> None:
+    for view in (*cluster.pools.decode, *cluster.pools.long_context):
+        assert (view.reserved_blocks, view.running) == (0, 0), view.actor_id
+    for view in cluster.pools.prefill:
+        assert view.queued_tokens == 0, view.actor_id
+    for actor in (*cluster.decode, *cluster.long_context):
+        assert not actor.streams, f"{actor.actor_id} has open streams"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_disaggregated_request_streams_the_exact_tokens():
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        tokens, chunks = await collect(d, request(max_tokens=6))
+        assert tokens == expected_tokens(PROMPT, 6)
+        last = chunks[-1]
+        assert last.finish_reason == "length"
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(PROMPT), 6)
+        assert last.timing.prefill_s == pytest.approx(0.01) and last.timing.kv_transfer_s == pytest.approx(0.002)
+        [pjob] = [j for a in c.prefill for j in a.jobs]
+        [djob] = [j for a in c.decode for j in a.jobs]
+        assert pjob.transfer_id and pjob.transfer_id == djob.transfer_id
+        decode_view = next(v for v in c.pools.decode if v.actor_id in {a.actor_id for a in c.decode if a.jobs})
+        assert pjob.kv_endpoint == decode_view.endpoint
+        assert list(pjob.prompt_token_ids) == PROMPT and pjob.params.max_tokens == 6
+        assert d.metrics.transfers == 1 and d.metrics.failed == 0
+        assert len(d.completed) == 1
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_short_uncached_prompt_is_prefilled_on_the_decode_actor():
+    async def main():
+        c = fake_cluster()
+        d = make(c, local_prefill_tokens=64)
+        tokens, _ = await collect(d, request())
+        assert tokens == expected_tokens(PROMPT, 6)
+        assert not any(a.jobs for a in c.prefill)
+        [djob] = [j for a in c.decode for j in a.jobs]
+        assert djob.transfer_id == "" and d.metrics.local == 1
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_prefill_is_placed_on_the_actor_with_the_longest_cached_prefix():
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        await collect(d, request("a"))
+        first = next(a for a in c.prefill if a.jobs)
+        c.pools.prefill[1 - c.prefill.index(first)].queued_tokens = 0
+        await collect(d, request("b"))              # same prompt: the actor that computed it
+        assert len(first.jobs) == 2
+        assert_nothing_held(c)
+    run(main())
+
+
+@pytest.mark.parametrize("fault", ["unavailable", "sender"])
+def test_failed_prefill_is_retried_on_another_prefill_actor(fault):
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        c.prefill[0].faults = [fault]
+        c.pools.prefill[1].queued_tokens = 1         # prefill-0 is picked first
+        tokens, _ = await collect(d, request())
+        c.pools.prefill[1].queued_tokens = 0
+        assert tokens == expected_tokens(PROMPT, 6)
+        assert len(c.prefill[0].jobs) == 1 and len(c.prefill[1].jobs) == 1
+        retry = c.prefill[1].jobs[0]
+        assert retry.request_id == "r1#1" and "r1" in c.prefill[0].aborted
+        assert sum(len(a.jobs) for a in c.decode) == 2     # same decode actor, a new stream
+        assert c.pools.decode[0].healthy and c.pools.decode[1].healthy
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_receiver_failure_with_a_dead_decode_actor_moves_the_reservation():
+    async def main():
+        c = fake_cluster(num_prefill=1)
+        d = make(c)
+        c.prefill[0].faults = ["receiver"]
+        c.pools.decode[1].reserved_blocks = 1      # decode-0 is picked first
+        c.decode[0].alive = False                   # ... and does not answer the liveness check
+        tokens, _ = await collect(d, request())
+        c.pools.decode[1].reserved_blocks = 0
+        assert tokens == expected_tokens(PROMPT, 6)
+        assert not c.pools.decode[0].healthy
+        assert c.prefill[0].jobs[1].kv_endpoint == c.pools.decode[1].endpoint
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_receiver_failure_with_a_live_decode_actor_keeps_it():
+    async def main():
+        c = fake_cluster(num_prefill=1)
+        d = make(c)
+        c.prefill[0].faults = ["receiver"]
+        c.pools.decode[1].reserved_blocks = 1
+        tokens, _ = await collect(d, request())
+        c.pools.decode[1].reserved_blocks = 0
+        assert tokens == expected_tokens(PROMPT, 6)
+        assert len(c.decode[0].jobs) == 2 and not c.decode[1].jobs
+        assert c.pools.decode[0].healthy
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_kv_that_never_arrives_is_prefilled_again():
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        c.decode[0].faults = c.decode[1].faults = ["kv_never"]
+        tokens, _ = await collect(d, request())
+        assert tokens == expected_tokens(PROMPT, 6)
+        assert sum(len(a.jobs) for a in c.prefill) == 2
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_decode_actor_lost_mid_stream_migrates_without_a_gap_or_a_repeat():
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        c.decode[0].faults = ["die_after:3"]         # decode-0 (as free as decode-1) is picked first
+        tokens, chunks = await collect(d, request(max_tokens=8))
+        assert tokens == expected_tokens(PROMPT, 8)
+        assert chunks[-1].usage.completion_tokens == 8
+        dead = next(a for a in c.decode if not a.alive)
+        survivor = next(a for a in c.decode if a.alive)
+        migrated = survivor.jobs[-1]
+        assert migrated.transfer_id == ""                       # recomputed locally
+        assert list(migrated.resume_output_ids) == expected_tokens(PROMPT, 3)
+        assert not next(v for v in c.pools.decode if v.actor_id == dead.actor_id).healthy
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_decode_actor_lost_with_no_other_actor_is_unavailable():
+    async def main():
+        c = fake_cluster(num_decode=1)
+        d = make(c)
+        c.decode[0].faults = ["die_after:2"]
+        got = []
+        with pytest.raises(BackendError) as e:
+            async for chunk in d.generate(request()):
+                got.extend(chunk.token_ids)
+        assert e.value.code == "UNAVAILABLE" and "no other decode actor" in e.value.message
+        assert got == expected_tokens(PROMPT, 2)
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_gives_up_after_max_attempts():
+    async def main():
+        c = fake_cluster()
+        d = make(c, max_attempts=3)
+        for a in c.prefill:
+            a.faults = ["sender"] * 3
+        with pytest.raises(BackendError) as e:
+            await collect(d, request())
+        assert e.value.code == "UNAVAILABLE" and "3 times" in e.value.message
+        assert sum(len(a.jobs) for a in c.prefill) == 3
+        assert d.metrics.failed == 3
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_a_refused_request_is_invalid_argument_and_not_retried():
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        for a in c.prefill:
+            a.faults = ["refuse"]
+        with pytest.raises(BackendError) as e:
+            await collect(d, request())
+        assert e.value.code == "INVALID_ARGUMENT" and "prompt is bad" in e.value.message
+        assert sum(len(a.jobs) for a in c.prefill) == 1
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_a_decode_side_error_keeps_its_status():
+    async def main():
+        c = fake_cluster(num_decode=1)
+        d = make(c, local_prefill_tokens=64)
+        c.decode[0].faults = ["invalid"]
+        with pytest.raises(BackendError) as e:
+            await collect(d, request())
+        assert e.value.code == "INVALID_ARGUMENT" and e.value.message == "bad params"
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_request_that_ends_at_its_first_token_needs_no_decode():
+    class Tok:
+        def decode(self, ids):
+            return "".join(chr(65 + t % 26) for t in ids)
+
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        d.tokenizer = Tok()
+        tokens, chunks = await collect(d, request(max_tokens=1))
+        assert tokens == expected_tokens(PROMPT, 1) and chunks[-1].finish_reason == "length"
+        assert chunks[-1].usage.completion_tokens == 1
+        decode_actor = next(a for a in c.decode if a.jobs)
+        assert "r1" in decode_actor.aborted             # the waiting decode job is dropped
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_client_cancel_aborts_on_both_actors_and_releases_the_reservation():
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        for a in c.decode:
+            a.faults = ["hang"]
+        gen = d.generate(request())
+        task = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        assert sum(v.running for v in c.pools.decode) == 1
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await gen.aclose()
+        assert any("r1" in a.aborted for a in c.decode)
+        assert any("r1" in a.aborted for a in c.prefill)
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_stuck_decode_actor_is_migrated_after_the_idle_timeout():
+    async def main():
+        c = fake_cluster()
+        d = make(c, stream_idle_s=0.2, local_prefill_tokens=64)
+        c.decode[0].faults = ["hang"]
+        c.pools.decode[1].reserved_blocks = 1
+        tokens, _ = await collect(d, request())
+        c.pools.decode[1].reserved_blocks = 0
+        assert tokens == expected_tokens(PROMPT, 6)
+        assert c.decode[1].jobs and not c.pools.decode[0].healthy
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_stuck_prefill_actor_is_retried_after_the_idle_timeout():
+    async def main():
+        c = fake_cluster()
+        d = make(c, stream_idle_s=0.2)
+        c.prefill[0].faults = ["hang"]
+        c.pools.prefill[1].queued_tokens = 1
+        tokens, _ = await collect(d, request())
+        c.pools.prefill[1].queued_tokens = 0
+        assert tokens == expected_tokens(PROMPT, 6)
+        assert c.prefill[1].jobs[0].request_id == "r1#1"
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_admission_refuses_what_no_decode_actor_can_hold():
+    async def main():
+        c = fake_cluster(kv_blocks=4)
+        d = make(c)
+        with pytest.raises(BackendError) as e:
+            await collect(d, request(max_tokens=20))
+        assert e.value.code == "RESOURCE_EXHAUSTED" and "largest decode actor holds 4" in e.value.message
+        assert not any(a.jobs for a in (*c.prefill, *c.decode))
+    run(main())
+
+
+def test_admission_waits_for_room_and_refuses_past_its_bound():
+    async def main():
+        c = fake_cluster(num_decode=1, kv_blocks=8)
+        d = make(c, max_queue=1)
+        c.pools.decode[0].reserved_blocks = 8               # full
+        waiter = asyncio.ensure_future(collect(d, request("w")))
+        await asyncio.sleep(0.05)
+        assert d.admission.num_waiting == 1
+        with pytest.raises(BackendError) as e:              # the queue (1) is full: refused at once
+            await collect(d, request("x"))
+        assert e.value.code == "RESOURCE_EXHAUSTED"
+        c.pools.decode[0].reserved_blocks = 0
+        await d.admission.notify()
+        tokens, _ = await waiter
+        assert tokens == expected_tokens(PROMPT, 6)
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_long_requests_go_to_the_long_context_pool():
+    async def main():
+        c = fake_cluster(num_long=1)
+        d = make(c, long_request_tokens=12)
+        await collect(d, request("short", max_tokens=2))
+        await collect(d, request("long", max_tokens=6))
+        assert [j.request_id for a in c.decode for j in a.jobs] == ["short"]
+        assert [j.request_id for j in c.long_context[0].jobs] == ["long"]
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_stats_skip_actors_that_do_not_answer():
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        c.decode[1].alive = False
+        stats = await d.stats()
+        assert sorted(s.actor_id for s in stats) == ["decode-0", "prefill-0", "prefill-1"]
+        assert await d.ready()
+    run(main())
+
+
+def test_prefill_job_is_a_typed_message():
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        await collect(d, request())
+        [job] = [j for a in c.prefill for j in a.jobs]
+        assert isinstance(job, wpb.PrefillJob)
+        assert wpb.PrefillJob.FromString(job.SerializeToString()) == job
+    run(main())
