@@ -16,8 +16,8 @@ import sys
 from deploy.config import PDServeConfig
 from deploy.launcher import engine_args
 from deploy.planner import Plan, inputs_from_config, plan
-from deploy.profile_model import Profile
-from deploy.profiler import (default_profile_path, load_profile, profile_cluster, profile_local, save_profile)
+from deploy.profiler import (Profile, default_profile_path, load_profile, profile_cluster, profile_local,
+                             save_profile)
 from engine.presets import resolve_model
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from deploy.profile_model import Profile
+from deploy.profiler import Profile
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,47 +1,15 @@
-"""Planner (pure functions) on synthetic profiles with exact expectations; the profiler's
-measurements on a tiny engine; `pdserve plan --json` from a profile file."""
+"""Planner (pure functions) on synthetic profiles with exact expectations."""
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
+from profile_helpers import COSTS, synthetic
 
 from deploy.planner import SLO, Corrections, Limits, Workload, decode_batch, max_utilization, p99_ttft, plan
-from deploy.profile_model import Profile
-from engine.profile import ModelCosts
-
-COSTS = ModelCosts(num_layers=4, hidden_size=256, attn_dim=256, layer_params=2_000_000, head_params=250_000,
-                   weight_bytes=9_000_000, kv_bytes_per_token=4096, dtype_bytes=4)
-
-
-def synthetic(flops_per_s: float = 1e10, step=lambda b, c: 0.01 + 0.001 * b + 1e-6 * b * c) -> dict:
-    """Prefill at a constant FLOP/s; decode step time linear in batch (exact under interpolation)."""
-    engine = {"costs": COSTS.to_dict()}
-    prefill = [{"prompt_len": s, "seconds": COSTS.prefill_flops(s) / flops_per_s, "flops": COSTS.prefill_flops(s),
-                "flops_per_s": flops_per_s} for s in (128, 512, 2048)]
-    decode = [{"batch": b, "context": c, "seconds": step(b, c), "bytes": COSTS.decode_bytes(b, c),
-               "bytes_per_s": COSTS.decode_bytes(b, c) / step(b, c)}
-              for c in (128, 1024, 2048) for b in (1, 4, 16, 64, 256)]
-    return {"version": 1, "source": "synthetic", "prefill": {"engine": engine, "points": prefill},
-            "decode": {"engine": engine, "points": decode}}
-
+from deploy.profiler import Profile
 
 LIMITS = Limits(decode_kv_blocks=100_000, block_size=16, max_batch_size=256)
-
-
-def test_flop_and_byte_counts():
-    s = 1000
-    assert COSTS.prefill_flops(s) == 2 * 2_000_000 * s + 4 * 4 * s * s * 256 + 2 * 250_000
-    assert COSTS.decode_bytes(8, 500) == 9_000_000 + 8 * 500 * 4096
-
-
-def test_interpolation_reproduces_measured_points():
-    p = Profile(synthetic())
-    assert p.decode_step_seconds(16, 1024) == pytest.approx(0.01 + 0.016 + 1e-6 * 16 * 1024)
-    assert p.decode_step_seconds(10, 1024) == pytest.approx(0.01 + 0.010 + 1e-6 * 10 * 1024)   # between points
-    assert p.decode_step_seconds(10, 1536) == pytest.approx(0.01 + 0.010 + 1e-6 * 10 * 1536)   # between contexts
-    assert p.prefill_seconds(700) == pytest.approx(COSTS.prefill_flops(700) / 1e10)
 
 
 def test_decode_batch_is_largest_meeting_tpot():
@@ -114,45 +82,6 @@ def test_max_utilization_edges():
     assert max_utilization(0.001, 100.0) == pytest.approx(0.999)
     u = max_utilization(0.1, 0.5)
     assert p99_ttft(0.1, u) <= 0.5 < p99_ttft(0.1, u + 0.01)
-
-
-def test_measurements_on_a_tiny_engine(tiny_model_dir):
-    from engine import Engine
-    from engine.profile import engine_costs, measure_decode, measure_prefill
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=64, chunk_size=32)
-    pre = measure_prefill(engine, 100)
-    assert pre["flops"] == engine_costs(engine).prefill_flops(100) and pre["seconds"] > 0
-    dec = measure_decode(engine, 4, 100, repeats=1)
-    costs = engine_costs(engine)
-    assert dec["bytes"] == costs.weight_bytes + 4 * 100 * costs.kv_bytes_per_token
-    assert measure_decode(engine, 64, 100) is None                      # does not fit 64 blocks
-    engine.block_manager.check_no_leaks()
-
-
-def test_plan_cli_json_from_profile_file(tmp_path, tiny_model_dir, capsys):
-    from deploy.cli import main
-    path = tmp_path / "profile.json"
-    path.write_text(json.dumps(synthetic()))
-    rc = main(["plan", "--model", tiny_model_dir, "--profile", str(path), "--json",
-               "--set", "kv_cache.num_blocks=4096", "--set", "workload.arrival_rate_rps=3"])
-    assert rc == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["n_prefill"] >= 1 and out["n_decode"] >= 1 and out["ledger"]["kv_bytes_per_token"] == 4096
-    rc = main(["plan", "--model", tiny_model_dir, "--profile", str(path)])
-    table = capsys.readouterr().out
-    assert rc == 0 and "prefill FLOPs per request" in table and "decode actors (needed → planned)" in table
-
-
-def test_saturated_prefill_sets_capacity():
-    data = synthetic()
-    t_single = COSTS.prefill_flops(512) / 1e10
-    data["prefill"]["points"].append({"prompt_len": 512, "batch": 8, "seconds": 4 * t_single,
-                                      "flops": 8 * COSTS.prefill_flops(512), "flops_per_s": 2e10})
-    p = Profile(data)
-    assert p.prefill_seconds(512) == pytest.approx(t_single)                  # TTFT side: one prompt
-    assert p.prefill_capacity(512) == pytest.approx(8 * 512 / (4 * t_single))  # throughput side: the batch
-    result = plan(p, Workload(512, 128, 4.0), SLO(3.0, 0.05), LIMITS)
-    assert result.prefill["capacity_tokens_per_s"] == pytest.approx(2 * 512 / t_single)
 
 
 def test_calibration_scales_like_corrections():

@@ -1,0 +1,19 @@
+"""A synthetic profile with exact numbers, shared by the planner, profiler and `pdserve plan` tests."""
+from __future__ import annotations
+
+from engine.cost_model import ModelCosts
+
+COSTS = ModelCosts(num_layers=4, hidden_size=256, attn_dim=256, layer_params=2_000_000, head_params=250_000,
+                   weight_bytes=9_000_000, kv_bytes_per_token=4096, dtype_bytes=4)
+
+
+def synthetic(flops_per_s: float = 1e10, step=lambda b, c: 0.01 + 0.001 * b + 1e-6 * b * c) -> dict:
+    """Prefill at a constant FLOP/s; decode step time linear in batch (exact under interpolation)."""
+    engine = {"costs": COSTS.to_dict()}
+    prefill = [{"prompt_len": s, "seconds": COSTS.prefill_flops(s) / flops_per_s, "flops": COSTS.prefill_flops(s),
+                "flops_per_s": flops_per_s} for s in (128, 512, 2048)]
+    decode = [{"batch": b, "context": c, "seconds": step(b, c), "bytes": COSTS.decode_bytes(b, c),
+               "bytes_per_s": COSTS.decode_bytes(b, c) / step(b, c)}
+              for c in (128, 1024, 2048) for b in (1, 4, 16, 64, 256)]
+    return {"version": 1, "source": "synthetic", "prefill": {"engine": engine, "points": prefill},
+            "decode": {"engine": engine, "points": decode}}
