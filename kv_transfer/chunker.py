@@ -98,7 +98,8 @@ def encode_jobs(
     num_blocks = len(src_block_ids)
     cell_shape = (1, 1, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)
     cell_nbytes = codec.payload_nbytes(cell_shape, layout.dtype)
-    plans = plan_chunks(layers, num_blocks, cell_nbytes, pipeline_chunk_bytes((layers[1] - layers[0]) * num_blocks * cell_nbytes, chunk_bytes))
+    total_nbytes = (layers[1] - layers[0]) * num_blocks * cell_nbytes
+    plans = plan_chunks(layers, num_blocks, cell_nbytes, pipeline_chunk_bytes(total_nbytes, chunk_bytes))
     index = torch.tensor(src_block_ids, dtype=torch.long, device=kv_cache.device)
 
     def nbytes(plan: ChunkPlan) -> int:
@@ -108,7 +109,8 @@ def encode_jobs(
     def job(chunk_index: int, plan: ChunkPlan) -> EncodedChunk:
         payload = payload_pool.acquire(nbytes(plan), kv_cache.device)
         with scratch_pool.lease() as scratch:
-            codec.encode_from(kv_cache, (plan.layer_start, plan.layer_end), index[plan.block_start : plan.block_end], payload, scratch)
+            codec.encode_from(kv_cache, (plan.layer_start, plan.layer_end), index[plan.block_start : plan.block_end],
+                              payload, scratch)
         crc = checksum(payload.numpy()) if with_checksum and payload.device.type == "cpu" else -1
         header = ChunkHeader(
             request_id=request_id,
@@ -145,7 +147,8 @@ def encode_chunks(*args, **kwargs) -> Iterator[EncodedChunk]:
         yield job()
 
 
-def pipeline(jobs: list[Callable], executor: Executor, transform: Callable = lambda item: item, depth: int = 3) -> Iterator:
+def pipeline(jobs: list[Callable], executor: Executor, transform: Callable = lambda item: item,
+             depth: int = 3) -> Iterator:
     """Run ``transform(job())`` for each job on ``executor``, at most ``depth`` ahead; yield in order.
 
     Chunks are independent, so N encoder threads can run N chunks at once

@@ -73,7 +73,8 @@ class Codec(ABC):
     def prepare(self, kv_cache: torch.Tensor) -> None:
         """Start building whatever fast kernels this codec has for ``kv_cache`` (no-op by default)."""
 
-    def encode_from(self, kv_cache: torch.Tensor, layers: tuple[int, int], index: torch.Tensor, out: torch.Tensor, scratch: Scratch | None = None) -> None:
+    def encode_from(self, kv_cache: torch.Tensor, layers: tuple[int, int], index: torch.Tensor, out: torch.Tensor,
+                    scratch: Scratch | None = None) -> None:
         """Gather ``kv_cache[l0:l1, index]`` and encode it into ``out`` (uint8 [payload_nbytes])."""
         scratch = scratch or Scratch()
         shape = (layers[1] - layers[0], index.numel(), *kv_cache.shape[2:])
@@ -81,7 +82,8 @@ class Codec(ABC):
         torch.index_select(kv_cache[layers[0] : layers[1]], 1, index, out=x)
         self.encode(x, out, scratch)
 
-    def decode_into(self, payload: torch.Tensor, shape: tuple[int, ...], kv_cache: torch.Tensor, layers: tuple[int, int], index: torch.Tensor, scratch: Scratch | None = None) -> None:
+    def decode_into(self, payload: torch.Tensor, shape: tuple[int, ...], kv_cache: torch.Tensor,
+                    layers: tuple[int, int], index: torch.Tensor, scratch: Scratch | None = None) -> None:
         """Decode a payload of ``shape`` into ``kv_cache[l0:l1, index]`` (the cache's dtype)."""
         write_blocks(kv_cache[layers[0] : layers[1]], index, self.decode(payload, shape, kv_cache.dtype, scratch))
 
@@ -89,7 +91,8 @@ class Codec(ABC):
     def encode(self, x: torch.Tensor, out: torch.Tensor, scratch: Scratch | None = None) -> None: ...
 
     @abstractmethod
-    def decode(self, payload: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, scratch: Scratch | None = None) -> torch.Tensor:
+    def decode(self, payload: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+               scratch: Scratch | None = None) -> torch.Tensor:
         """payload -> [l, n, 2, H, B, D] in ``dtype``; may be a view of ``scratch`` (copy it out before reuse)."""
 
 
@@ -241,7 +244,8 @@ def write_blocks(dst: torch.Tensor, index: torch.Tensor, data: torch.Tensor) -> 
         dst_flat = dst.view(dst.shape[0], dst.shape[1], -1)
         data_flat = data.contiguous().view(data.shape[0], data.shape[1], -1)
         cell_bytes = dst_flat.shape[-1] * dst_flat.element_size()
-        word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if cell_bytes % w.itemsize == 0 and dst.element_size() <= w.itemsize)
+        word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                    if cell_bytes % w.itemsize == 0 and dst.element_size() <= w.itemsize)
         dst_words, data_words = dst_flat.view(word), data_flat.view(word)
     except RuntimeError:  # not viewable (a strided cache): element-wise on the original shape
         dst.index_copy_(1, index, data)

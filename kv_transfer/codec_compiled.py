@@ -130,10 +130,12 @@ def _build(dtype: torch.dtype, groups: int, elems: int) -> None:
             decode_rows(data, scales, out, rows)
             x, y, amax = cells[rows].float(), out[rows].float(), scales * FP8_MAX
             if not bool(((y - x).abs() <= x.abs() * 2**-3 + amax * 2**-9).all()):
-                log.warning("compiled fp8 kernels for %s cells [%d, %d] gave wrong results; using the eager codec", dtype, groups, elems)
+                log.warning("compiled fp8 kernels for %s cells [%d, %d] gave wrong results; using the eager codec",
+                            dtype, groups, elems)
                 return
         _ready[(dtype, groups, elems)] = (encode_rows, decode_rows)
     except Exception as exc:  # no compiler, unsupported op: stay on the eager path
-        log.warning("cannot compile fp8 kernels for %s cells [%d, %d] (%s); using the eager codec", dtype, groups, elems, str(exc)[:200])
+        log.warning("cannot compile fp8 kernels for %s cells [%d, %d] (%s); using the eager codec",
+                    dtype, groups, elems, str(exc)[:200])
         return
     log.info("compiled fp8 kernels ready for %s cells [%d, %d]", dtype, groups, elems)
