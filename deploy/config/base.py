@@ -78,6 +78,16 @@ def resolve_path(value: str, info: ValidationInfo | None) -> str:
     return os.path.normpath(path)
 
 
+def existing_file(value: str | None, info: ValidationInfo | None) -> str | None:
+    """``value`` resolved as :func:`resolve_path` does; ValueError when no such file (None stays None)."""
+    if value is None:
+        return None
+    path = resolve_path(value, info)
+    if not os.path.isfile(path):
+        raise ValueError(f"file not found: {path}")
+    return path
+
+
 # ---------------------------------------------------------------- formatting
 
 def _show(value: Any) -> str:

@@ -6,7 +6,7 @@ from typing import Optional
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
-from deploy.config.base import FieldProblem, Section, resolve_path
+from deploy.config.base import FieldProblem, Section, existing_file
 
 
 class SecuritySection(Section):
@@ -23,12 +23,7 @@ class SecuritySection(Section):
     @field_validator("tls_cert", "tls_key", "tls_client_ca")
     @classmethod
     def _file_exists(cls, value: Optional[str], info: ValidationInfo) -> Optional[str]:
-        if value is None:
-            return None
-        path = resolve_path(value, info)
-        if not os.path.isfile(path):
-            raise ValueError(f"file not found: {path}")
-        return path
+        return existing_file(value, info)
 
     @model_validator(mode="after")
     def _pairs(self) -> "SecuritySection":

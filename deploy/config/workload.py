@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from typing import Optional
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from deploy.config.base import FieldProblem, Float, Int, Section, resolve_path
+from deploy.config.base import FieldProblem, Float, Int, Section, existing_file
 
 DEFAULT_INPUT_TOKENS = 512
 DEFAULT_OUTPUT_TOKENS = 128
@@ -97,12 +96,9 @@ class WorkloadSection(Section):
     @field_validator("histogram_file")
     @classmethod
     def _readable(cls, value: Optional[str], info: ValidationInfo) -> Optional[str]:
-        if value is None:
-            return None
-        path = resolve_path(value, info)
-        if not os.path.isfile(path):
-            raise ValueError(f"file not found: {path}")
-        read_histogram(path)
+        path = existing_file(value, info)
+        if path is not None:
+            read_histogram(path)
         return path
 
     @model_validator(mode="after")
