@@ -2,7 +2,8 @@
 
 Requests are taken in workload order in batches of ``batch_size``, left-padded; each batch
 decodes greedily until its longest output is done (static batching: finished rows keep
-burning steps). Throughput counts only each request's own output tokens, like the served
+burning steps), by the engine benchmark's HF peer (`bench.engine.peers.hf_static_batches`).
+Throughput counts only each request's own output tokens, like the served
 runs, so the figures are comparable. It times one short batch with 1 torch thread and with the
 served actors' total, then runs the workload with the faster (on a loaded machine extra
 threads can lose badly to oversubscription).
@@ -18,6 +19,7 @@ def hf_static_batching(cfg, specs: list, batch_size: int = 8) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from bench.engine.peers import hf_static_batches
     from engine.engine import pick_dtype
     from engine.presets import resolve_model
     model_dir = resolve_model(cfg.model.name)
@@ -31,14 +33,14 @@ def hf_static_batching(cfg, specs: list, batch_size: int = 8) -> dict:
     try:
         for threads in sorted({1, max(1, total)}):      # time one short batch per thread count
             torch.set_num_threads(threads)
-            _run(model, prompts[:batch_size], [2] * min(batch_size, len(prompts)), batch_size)
+            hf_static_batches(model, prompts[:batch_size], [2] * min(batch_size, len(prompts)), batch_size)
             start = time.monotonic()
-            _run(model, prompts[:batch_size], [4] * min(batch_size, len(prompts)), batch_size)
+            hf_static_batches(model, prompts[:batch_size], [4] * min(batch_size, len(prompts)), batch_size)
             warmup[threads] = time.monotonic() - start
         threads = min(warmup, key=warmup.get)
         torch.set_num_threads(threads)
         start = time.monotonic()
-        _run(model, prompts, outputs, batch_size)
+        hf_static_batches(model, prompts, outputs, batch_size)
         duration = time.monotonic() - start
         print(f"hf-static: {threads} thread(s) {duration:.1f}s", file=sys.stderr, flush=True)
     finally:
@@ -49,20 +51,3 @@ def hf_static_batching(cfg, specs: list, batch_size: int = 8) -> dict:
             "warmup_seconds_by_threads": warmup,
             "request_throughput_rps": len(prompts) / duration, "throughput_tokens_s": sum(outputs) / duration}
 
-
-def _run(model, prompts: list[list[int]], outputs: list[int], batch_size: int) -> None:
-    import torch
-    from transformers import GenerationConfig
-    with torch.inference_mode():
-        for b in range(0, len(prompts), batch_size):
-            batch, lens = prompts[b:b + batch_size], outputs[b:b + batch_size]
-            width = max(len(p) for p in batch)
-            ids = torch.zeros((len(batch), width), dtype=torch.long)       # left-padded
-            mask = torch.zeros_like(ids)
-            for row, p in enumerate(batch):
-                ids[row, width - len(p):] = torch.tensor(p)
-                mask[row, width - len(p):] = 1
-            steps = max(lens)
-            config = GenerationConfig(max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)
-            model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
