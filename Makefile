@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo lint test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,7 +23,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/pdserve demo
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -x --durations=15 tests
 
 bench: $(STAMP)

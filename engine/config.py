@@ -53,7 +53,8 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
         rope_params = raw.get("rope_parameters") or {}
-        scaling = raw.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+        custom_rope = rope_params.get("rope_type", "default") != "default"
+        scaling = raw.get("rope_scaling") or (rope_params if custom_rope else None)
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind not in ("default", "linear", "llama3"):

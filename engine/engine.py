@@ -93,7 +93,9 @@ class Engine:
                                     block_size, cfg.head_dim, dtype=self.dtype, device=self.device)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache)
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, chunk_size)
-        kernel = attention_compiled.build(self.kv_cache[0], cfg.num_attention_heads) if attention == "compiled" else None
+        kernel = None
+        if attention == "compiled":
+            kernel = attention_compiled.build(self.kv_cache[0], cfg.num_attention_heads)
         if kernel is None and requested == "compiled":
             raise RuntimeError("attention='compiled' was asked for but the kernel cannot be compiled here "
                                "(see the log); use attention='eager'")

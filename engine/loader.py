@@ -70,7 +70,8 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
             if cfg.attention_bias:
                 layer.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
             layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
-            layer.gate_up_proj.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+            gate_up = [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+            layer.gate_up_proj.weight.copy_(torch.cat(gate_up))
             layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
             if cfg.mlp_bias:
                 layer.gate_up_proj.bias.copy_(torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]))

@@ -108,7 +108,8 @@ class GenerationServicer:
         except asyncio.TimeoutError:
             return False
 
-    async def Generate(self, request: pb.GenerateRequest | UnparsableRequest, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def Generate(self, request: pb.GenerateRequest | UnparsableRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> None:
         received = time.monotonic()
         self._num_admitting += 1  # holds a slot while the request is validated
         try:
@@ -197,7 +198,8 @@ class GenerationServicer:
         if not self.ready:
             raise RequestError("UNAVAILABLE", "cluster is not ready yet; retry shortly")
 
-    async def _stream(self, inp: GenerationInput, context: grpc.aio.ServicerContext, record: _RequestRecord) -> RequestError | None:
+    async def _stream(self, inp: GenerationInput, context: grpc.aio.ServicerContext,
+                      record: _RequestRecord) -> RequestError | None:
         """Relay backend chunks; return the error to send, if any."""
         try:
             async with contextlib.aclosing(self._backend.generate(inp)) as chunks:

@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # compiling the decode-attention kernel; tests/engine runs the default and checks both paths.
 os.environ.setdefault("PDSERVE_ATTENTION", "eager")
 # Likewise the compiled fp8 codec (tens of seconds in a background thread, per process): the
-# suite runs the eager codec; test_kv_codec.py builds and checks the compiled one.
+# suite runs the eager codec; tests/kv_transfer/test_codec_compiled.py builds and checks the compiled one.
 os.environ.setdefault("PDSERVE_KV_COMPILE", "0")
 
 
@@ -39,3 +39,13 @@ def reference(tiny_model_dir):
     def run(prompts, params):
         return [c.token_ids for c in engine.generate(prompts, params)]
     return run
+
+
+@pytest.fixture
+def pair(tiny_model_dir):
+    """A started prefill and decode worker joined by the fake transport (tests/worker_support.py)."""
+    from worker_support import worker_pair
+    prefill, decode, hub = worker_pair(tiny_model_dir)
+    yield prefill, decode, hub
+    prefill.stop()
+    decode.stop()

@@ -2,19 +2,9 @@
 when it never comes, and give every block back however they end."""
 from __future__ import annotations
 
-import pytest
-
 from engine import SamplingParams
 from engine.request import RequestStatus
-from worker_support import Collector, decode_job, prefill_job, wait_blocks_returned, wait_for, worker_pair
-
-
-@pytest.fixture
-def pair(tiny_model_dir):
-    prefill, decode, hub = worker_pair(tiny_model_dir)
-    yield prefill, decode, hub
-    prefill.stop()
-    decode.stop()
+from worker_support import Collector, decode_job, prefill_job, wait_blocks_returned, wait_for
 
 
 def test_a_request_waits_for_its_kv_as_an_engine_request(pair):

@@ -27,7 +27,7 @@ def test_stop_string_spanning_tokens_cuts_text_and_never_streams_it(tiny_model_d
     stop = text[boundary - 1: boundary + 2]
     assert len(stop) == 3
     cut = text.find(stop)
-    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]))
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]))
     deltas, reason = [], None
     while engine.has_unfinished():
         for out in engine.step():

@@ -1,21 +1,9 @@
 """`PrefillWorker` shipping KV to a `DecodeWorker` over the in-process fake transport (no Ray)."""
 from __future__ import annotations
 
-import pytest
-
 from engine import SamplingParams
 from proto.pdserve.v1 import worker_pb2 as wpb
-from worker_support import (
-    Collector, decode_job, prefill_job, prompts_and_params, wait_blocks_returned, wait_for, worker_pair,
-)
-
-
-@pytest.fixture
-def pair(tiny_model_dir):
-    prefill, decode, hub = worker_pair(tiny_model_dir)
-    yield prefill, decode, hub
-    prefill.stop()
-    decode.stop()
+from worker_support import Collector, decode_job, prefill_job, prompts_and_params, wait_blocks_returned, wait_for
 
 
 def _run(prefill, decode, prompts, params, local=()):

@@ -47,7 +47,8 @@ def test_sigterm_drains_and_exits(tmp_path):
             first = next(call)
             proc.send_signal(signal.SIGTERM)
             health = health_pb2_grpc.HealthStub(ch)
-            while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+            serving = health_pb2.HealthCheckResponse.SERVING
+            while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == serving:
                 pass
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.Generate(build_request("new"), timeout=5))
