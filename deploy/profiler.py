@@ -145,7 +145,7 @@ def plan_points(cfg: PDServeConfig, model_dir: str, quick: bool = False) -> dict
     """
     w = cfg.workload
     s_in, s_out = w.input_tokens_mean, w.output_tokens_mean
-    p_args, d_args = engine_args(cfg, "prefill", model_dir), engine_args(cfg, "decode", model_dir)
+    d_args = engine_args(cfg, "decode", model_dir)
     lens = sorted({min(s, 64) if quick else s for s in (*PREFILL_LENS, s_in)})
     prefill = [{"kind": "prefill", "prompt_len": s, "batch": 1, "repeats": 2 if s <= 512 else 1} for s in lens]
     prefill.append({"kind": "prefill", "prompt_len": lens[-1] if quick else s_in, "batch": "saturated", "repeats": 1})

@@ -59,7 +59,9 @@ def rows(result: dict) -> tuple[list[str], list[list[str]]]:
 
 def _table(head: list[str], body: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in body])
 
 

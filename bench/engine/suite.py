@@ -162,7 +162,7 @@ def bench_decode(plan: Plan, engine: Engine, hf, cfg: ModelConfig, rng, log) -> 
             log(f"decode batch {batch}: rep {rep + 1}/{plan.decode_repeats} "
                 f"ours {ours[-1] * 1e3:.1f}ms HF {theirs[-1] * 1e3:.1f}ms per step")
         ours_side.close()
-        del hf_side
+        hf_side = None                                          # free HF's cache before the next batch
         t_ours, t_hf = statistics.median(ours), statistics.median(theirs)
         # context: prompt + first token + warm-up, then the timed steps (mean over them)
         context = plan.decode_context + 3 + plan.decode_steps * plan.decode_repeats / 2

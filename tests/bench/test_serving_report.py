@@ -30,7 +30,8 @@ def test_targets_and_ratio_table():
 
 
 def test_distserve_goodput_is_the_highest_rate_held():
-    curve = lambda *pairs: [{"x": x, "slo_attainment": a} for x, a in pairs]
+    def curve(*pairs):
+        return [{"x": x, "slo_attainment": a} for x, a in pairs]
     # 90% is crossed a quarter of the way from 4 (100%) to 6 (60%): 4.5 req/s
     assert max_rate_at_attainment(curve((2, 1.0), (4, 1.0), (6, 0.6))) == (4.5, "")
     assert max_rate_at_attainment(curve((6, 0.95), (2, 1.0))) == (6, ">=")        # held at every rate
@@ -58,4 +59,5 @@ def test_plots_and_page(tmp_path):
                           "ray": "r", "grpcio": "g", "transformers": "x", "commit": "c", "load_before": [1, 1, 1]}}
     page = render_markdown(result, {"rate": "img/rate.png", "concurrency": "img/c.png"})
     assert "![SLO attainment vs rate](img/rate.png)" in page and "### The issue's targets" in page
-    assert "| disaggregated goodput ≥ 1.3× the better colocated variant (per run, requests/s meeting both SLOs at the loaded rate) | 1.00× | **not met** |" in page
+    assert ("| disaggregated goodput ≥ 1.3× the better colocated variant (per run, requests/s meeting both SLOs "
+            "at the loaded rate) | 1.00× | **not met** |") in page
