@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     result = measure(args.model, args.requests, args.max_tokens, args.dtype)
-    print(f"{'codec':<12} {'greedy prefix agreement':>24} {'identical seqs':>15} {'logits rel L2':>14} {'max |dlogit|':>13}")
+    print(f"{'codec':<12} {'greedy prefix agreement':>24} {'identical seqs':>15} {'logits rel L2':>14} "
+          f"{'max |dlogit|':>13}")
     for codec, r in result.items():
         print(f"{codec:<12} {r['greedy_prefix_agreement']:>24.3f} {r['identical_sequences']:>15.3f} "
               f"{r['first_step_logits_rel_l2_mean']:>14.2e} {r['first_step_logits_max_abs']:>13.2e}")

@@ -6,6 +6,7 @@ import statistics
 import time
 
 from deploy.config import PDServeConfig
+from engine.latency import time_per_output_token
 
 PROMPTS = [
     "The prefill pool computes the whole prompt at once, so",
@@ -46,7 +47,7 @@ def run_demo(cfg: PDServeConfig, max_tokens: int = 32) -> int:
             ttfts, tpots = [], []
             for prompt, text, last, e2e in results:
                 t, u = last.timing, last.usage
-                tpot = (t.e2e_s - t.ttft_s) / max(u.completion_tokens - 1, 1)
+                tpot = time_per_output_token(t.ttft_s, t.e2e_s, u.completion_tokens)
                 ttfts.append(t.ttft_s)
                 tpots.append(tpot)
                 print(f"> {prompt}\n  {text!r}")

@@ -11,11 +11,14 @@ import logging
 import os
 import secrets
 
+import torch
+
 from decode_worker.stream_service import DecodeStreamClient
 from deploy.actor_clients import RayDecodeClient, RayPrefillClient
 from deploy.config import PDServeConfig
 from engine.args import EngineArgs
 from engine.config import ModelConfig
+from engine.engine import pick_dtype
 from engine.presets import resolve_model
 from engine.tokenizer import Tokenizer
 from kv_transfer import HandshakeError, TransferSettings, check_compatible
@@ -26,18 +29,19 @@ log = logging.getLogger(f"pdserve.{__name__}")
 CPU_KV_DEFAULT_BYTES = 1 << 30       # budget base per actor on CPU when only memory_fraction is set
 
 
-def init_ray(address: str | None = None, namespace: str = "pdserve", num_cpus: float | None = None) -> None:
+def init_ray(address: str | None = None, namespace: str = "pdserve", num_cpus: float | None = None,
+             log_to_driver: bool = True) -> None:
     """Join `address`, or start a local Ray instance with every listener on 127.0.0.1."""
     import ray
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=address, namespace=namespace, log_to_driver=True)
+        ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # keep Ray on loopback
     # address="local": always a fresh instance, never a cluster some other process left behind.
     ray.init(address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
+             _node_ip_address="127.0.0.1", log_to_driver=log_to_driver, configure_logging=False)
 
 
 def engine_args(cfg: PDServeConfig, pool: str, model_dir: str) -> EngineArgs:
@@ -45,8 +49,8 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str) -> EngineArgs:
     kv = cfg.pool_kv_cache(pool)
     mcfg = ModelConfig.from_dir(model_dir)
     dtype = cfg.model.dtype
-    itemsize = 4 if dtype == "float32" or (dtype == "auto" and p.resources.num_gpus == 0) else 2
-    per_block = mcfg.kv_bytes_per_token(itemsize) * kv.block_size
+    device = torch.device("cuda" if p.resources.num_gpus else "cpu")
+    per_block = mcfg.kv_bytes_per_token(pick_dtype(dtype, device).itemsize) * kv.block_size
     num_blocks = kv.resolve_num_blocks(per_block, CPU_KV_DEFAULT_BYTES)
     args = EngineArgs(model=model_dir, dtype=dtype, block_size=kv.block_size, num_blocks=max(num_blocks, 1),
                       max_model_len=cfg.model.max_model_len, torch_threads=p.resources.threads(),

@@ -151,9 +151,9 @@ def run_hf(plan: Plan, out: dict) -> None:
 def machine_info() -> dict:
     import platform
     import subprocess
+    from importlib.metadata import version
 
     import grpc
-    import ray
     import torch
     import transformers
     cpu = "?"
@@ -169,7 +169,7 @@ def machine_info() -> dict:
         commit = "?"
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem, 1), "os": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
+            "python": platform.python_version(), "torch": torch.__version__, "ray": version("ray"),
             "grpcio": grpc.__version__, "transformers": transformers.__version__, "commit": commit,
             "load_before": os.getloadavg()}
 

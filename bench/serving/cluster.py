@@ -73,15 +73,8 @@ def bench_config(config_path: str | None, model: str | None, dtype: str | None, 
 def init_local_ray(cfg, num_cpus: float) -> None:
     """A private local Ray on 127.0.0.1 (never another job's cluster on this machine), unless
     ``ray.address`` says which cluster to join; start_cluster then finds Ray initialized."""
-    import ray
-
     from deploy.launcher import init_ray
-    if ray.is_initialized() or cfg.ray.address:
-        init_ray(cfg.ray.address, cfg.ray.namespace)
-        return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(address="local", num_cpus=num_cpus, namespace=cfg.ray.namespace, include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+    init_ray(cfg.ray.address, cfg.ray.namespace, num_cpus=num_cpus, log_to_driver=False)
 
 
 @contextlib.asynccontextmanager

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from kv_helpers import TOKEN, assert_no_leak, random_cache, wait_for
 
 import kv_transfer.sender as sender_module
