@@ -112,6 +112,7 @@ class PrefillWorker:
                                    queue_s=scheduled - p.submitted, prefill_s=done - scheduled)
         if out.finish_reason:                    # ended at the first token: nothing to ship
             result.status, result.finish_reason = wpb.PREFILL_STATUS_FINISHED, FINISH_REASON[out.finish_reason]
+            result.text = out.text_delta         # after stop-string matching, as the engine emits it
             del self._pending[out.request_id]
             p.on_done(result)
             return

@@ -307,8 +307,7 @@ class Dispatcher(Backend):
         if result.status == wpb.PREFILL_STATUS_FINISHED:
             d.view.client.abort(result.request_id)
             usage.completion_tokens = 1
-            text = self.tokenizer.decode([result.first_token_id])
-            return GenerationChunk([result.first_token_id], text, FINISH_REASON[result.finish_reason], usage, t)
+            return GenerationChunk([result.first_token_id], result.text, FINISH_REASON[result.finish_reason], usage, t)
         return None
 
     def _on_event(self, ev: wpb.DecodeEvent, timing: Timing, usage: Usage) -> GenerationChunk:

@@ -116,3 +116,22 @@ def test_bad_requests_invalid_argument_and_still_serving(cluster, kwargs, field)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
     assert list(generate(cluster.address, "still here", max_tokens=2))[-1].finish_reason
+
+
+def test_first_token_completing_a_stop_string_is_cut_as_colocated(cluster, tiny_model_dir):
+    """Issue #13 defect 8: a request that ends at its first token because that token completes a stop
+    string gets the text the colocated engine emits ("" here), not the token's text."""
+    from engine import Engine
+    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=64)
+    for start in range(20, 300):               # longer than LOCAL_PREFILL: prefilled remotely
+        prompt = list(range(start, start + 2 * LOCAL_PREFILL))
+        [first] = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids
+        stop = engine.tokenizer.decode([first])
+        if stop.strip() and "\ufffd" not in stop:
+            break
+    [want] = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, stop=(stop,)))
+    assert want.finish_reason == "stop" and want.token_ids == [first]
+    msgs = list(generate(cluster.address, token_ids=prompt, max_tokens=8, temperature=0.0, stop=[stop]))
+    assert [t for m in msgs for t in m.token_ids] == [first]
+    assert "".join(m.text for m in msgs) == want.text == ""
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP

@@ -74,6 +74,29 @@ def test_request_that_ends_at_its_first_token_ships_nothing(pair, reference):
     wait_blocks_returned(prefill.engine, decode.engine)
 
 
+def test_first_token_that_completes_a_stop_string_emits_what_the_engine_emits(pair, tiny_model_dir):
+    """Issue #13 defect 8: the router used to decode the first token alone, ignoring the stop string."""
+    from engine import Engine
+    prefill, decode, _ = pair
+    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=64)
+    tokenizer = engine.tokenizer
+    for start in range(3, 200):
+        prompt = [start, start + 1, start + 2]
+        [first] = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids
+        stop = tokenizer.decode([first])
+        if stop.strip() and "\ufffd" not in stop:
+            break
+    params = SamplingParams(max_tokens=8, temperature=0.0, stop=(stop,))
+    [want] = engine.generate([prompt], params)
+    assert want.finish_reason == "stop" and want.text == ""           # the colocated engine emits nothing
+    results = []
+    prefill.submit(prefill_job("stop", prompt, params, decode.endpoint), results.append)
+    assert wait_for(lambda: results, 10)
+    [r] = results
+    assert r.status == wpb.PREFILL_STATUS_FINISHED and r.text == want.text
+    wait_blocks_returned(prefill.engine, decode.engine)
+
+
 def test_abort_before_the_send_reports_aborted(pair):
     prefill, decode, _ = pair
     results = []

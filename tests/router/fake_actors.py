@@ -24,6 +24,10 @@ def token_at(prompt: list[int], position: int) -> int:
     return (sum(prompt) + 7 * position) % 200
 
 
+def text_of(token: int) -> str:
+    return chr(65 + token % 26)
+
+
 def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
     return [token_at(prompt, i) for i in range(max_tokens)]
 
@@ -95,6 +99,7 @@ class FakePrefill(FakeActor):
         if job.params.max_tokens == 1:
             result.status = wpb.PREFILL_STATUS_FINISHED
             result.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+            result.text = text_of(result.first_token_id)
             return result
         self.hub.slot(job.transfer_id).set_result((result.first_token_id, len(prompt)))
         result.status = wpb.PREFILL_STATUS_SENT
@@ -131,7 +136,7 @@ class FakeStream:
             raise ActorUnavailable(f"{self.actor.actor_id} was killed")
         token = token_at(self.prompt, self.position)
         self.position += 1
-        event = wpb.DecodeEvent(token_ids=[token], text=chr(65 + token % 26))
+        event = wpb.DecodeEvent(token_ids=[token], text=text_of(token))
         if self.position >= self.job.params.max_tokens:
             self.done = True
             event.finish_reason = generation_pb2.FINISH_REASON_LENGTH

@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from engine.sampling_params import SamplingParams
-from fake_actors import FakeCluster, expected_tokens, fake_cluster
+from fake_actors import FakeCluster, expected_tokens, fake_cluster, text_of
 from proto.pdserve.v1 import worker_pb2 as wpb
 from router.backend import BackendError, GenerationInput
 from router.dispatcher import Dispatcher, RoutingSettings
@@ -249,16 +249,12 @@ def test_a_decode_side_error_keeps_its_status():
 
 
 def test_request_that_ends_at_its_first_token_needs_no_decode():
-    class Tok:
-        def decode(self, ids):
-            return "".join(chr(65 + t % 26) for t in ids)
-
     async def main():
         c = fake_cluster()
         d = make(c)
-        d.tokenizer = Tok()
         tokens, chunks = await collect(d, request(max_tokens=1))
         assert tokens == expected_tokens(PROMPT, 1) and chunks[-1].finish_reason == "length"
+        assert chunks[-1].text == text_of(tokens[0])            # the prefill actor's text, as it emitted it
         assert chunks[-1].usage.completion_tokens == 1
         decode_actor = next(a for a in c.decode if a.jobs)
         assert "r1" in decode_actor.aborted             # the waiting decode job is dropped

@@ -61,7 +61,7 @@ class PrefillJob(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_deadline_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "status", "first_token_id", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "error", "failed_side", "retryable", "queue_s", "prefill_s", "transfer_s", "kv_bytes", "wire_bytes")
+    __slots__ = ("request_id", "transfer_id", "status", "first_token_id", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "error", "failed_side", "retryable", "queue_s", "prefill_s", "transfer_s", "kv_bytes", "wire_bytes", "text")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class PrefillResult(_message.Message):
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     status: PrefillStatus
@@ -92,23 +93,26 @@ class PrefillResult(_message.Message):
     transfer_s: float
     kv_bytes: int
     wire_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., status: _Optional[_Union[PrefillStatus, str]] = ..., first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., failed_side: _Optional[_Union[TransferSide, str]] = ..., retryable: _Optional[bool] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
+    text: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., status: _Optional[_Union[PrefillStatus, str]] = ..., first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., failed_side: _Optional[_Union[TransferSide, str]] = ..., retryable: _Optional[bool] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
 
 class DecodeJob(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "transfer_id", "kv_timeout_s", "resume_output_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "transfer_id", "kv_timeout_s", "resume_output_ids", "resume_text_chars")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     RESUME_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _generation_pb2.SamplingParams
     transfer_id: str
     kv_timeout_s: float
     resume_output_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ..., resume_output_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    resume_text_chars: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ...) -> None: ...
 
 class DecodeError(_message.Message):
     __slots__ = ("code", "message", "retryable")
