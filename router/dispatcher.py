@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections import deque
@@ -87,13 +88,14 @@ class _Dispatch:
     emitted: list[int] = field(default_factory=list)   # tokens the client already has
     num_failures: int = 0
     first_token_at: float | None = None
+    nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:16])   # this dispatch, among all of its id
 
     @property
     def attempt_id(self) -> str:
-        """Each attempt has its own id on the actors, so a late abort of a failed
-        attempt never hits the retry that replaced it."""
-        rid = self.inp.request_id
-        return rid if self.num_failures == 0 else f"{rid}#{self.num_failures}"
+        """The request's id on the actors: unique per dispatch and per attempt, so a late abort of a
+        failed attempt, or of a cancelled request whose id the client reuses at once, never hits
+        the request that replaced it (client ids may contain any separator: the nonce decides)."""
+        return f"{self.inp.request_id}~{self.nonce}.{self.num_failures}"
 
 
 class Dispatcher(Backend):
@@ -135,6 +137,8 @@ class Dispatcher(Backend):
         if need > largest:
             raise BackendError("RESOURCE_EXHAUSTED", f"request needs {need} KV blocks ({total} tokens); "
                                f"the largest decode actor holds {largest}")
+        if inp.params.seed is None:      # a server-chosen seed: a migrated request redraws the same tokens
+            inp.params.seed = random.getrandbits(63)
         d = _Dispatch(inp, pool, need, prompt_block_hashes(prompt, self.block_size), time.monotonic())
         d.view = await self._admit(d)
         d.timing.queue_s = time.monotonic() - d.started

@@ -55,6 +55,10 @@ class FakeActor:
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
+    def aborted_request(self, request_id: str) -> bool:
+        """An abort reached this actor for some attempt of client request `request_id`."""
+        return any(a.split("~")[0] == request_id for a in self.aborted)
+
     async def info(self) -> dict:
         if not self.alive:
             raise ActorUnavailable(f"{self.actor_id} is dead")
@@ -113,11 +117,15 @@ class FakeStream:
         self.position = len(job.resume_output_ids)
         self.done = False
         self.cancelled = False
+        self.aborted = False
         self.fault = actor.next_fault()
 
     async def read(self) -> list[wpb.DecodeEvent] | None:
         if self.done:
             return None
+        if self.aborted:
+            self.done = True
+            return [wpb.DecodeEvent(finish_reason=generation_pb2.FINISH_REASON_ABORT)]
         if not self.actor.alive:
             raise ActorUnavailable(f"{self.actor.actor_id} died")
         if self.fault == "kv_never" and self.job.transfer_id:
@@ -156,6 +164,16 @@ class FakeDecode(FakeActor):
         super().__init__(actor_id, "decode")
         self.hub = hub
         self.streams: set[FakeStream] = set()
+
+    def abort(self, request_id: str) -> None:
+        """Like a real actor's: it lands a moment later (a Ray call), and ends that id's stream."""
+        super().abort(request_id)
+
+        def land() -> None:
+            for stream in self.streams:
+                if stream.job.request_id == request_id:
+                    stream.aborted = True
+        asyncio.get_running_loop().call_later(0.002, land)
 
     def open_stream(self, job: wpb.DecodeJob) -> FakeStream:
         self.jobs.append(job)
