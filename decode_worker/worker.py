@@ -78,7 +78,13 @@ class DecodeWorker(ColocatedWorker):
 
     def _receive_kv(self) -> None:
         for result in self.receiver.poll():
-            self._on_transfer(result)
+            try:
+                self._on_transfer(result)
+            except Exception:            # a bug must not drop the rest of the batch or strand its request
+                log.exception("handling KV transfer %s failed", result.transfer_id)
+                rid = self._waiting_kv.pop(result.transfer_id, None)
+                if rid is not None:
+                    self._fail(rid, error_event(grpc.StatusCode.INTERNAL, "KV handoff failed; see the actor log"))
         self._expire(time.monotonic())
 
     def _on_transfer(self, result: TransferResult) -> None:
@@ -91,13 +97,17 @@ class DecodeWorker(ColocatedWorker):
             self._fail(rid, error_event(grpc.StatusCode.UNAVAILABLE, f"KV transfer {result.transfer_id} "
                                         f"{result.status.value}: {result.error}", retryable=True))
             return
-        req = self.engine.requests[rid]
         try:
+            req = self.engine.requests[rid]
             if result.num_tokens != req.num_prompt_tokens:
                 raise ValueError(f"KV for {result.num_tokens} tokens, prompt has {req.num_prompt_tokens}")
             out = self.engine.adopt(rid, result.first_token_id, list(result.dst_block_ids))
-        except ValueError as e:
-            self.engine.block_manager.free(result.dst_block_ids)
+        except Exception as e:               # whatever went wrong, the blocks go back and the request ends
+            if not isinstance(e, ValueError):
+                log.exception("adopting the KV of %s failed", rid)
+            req = self.engine.requests.get(rid)
+            if req is None or not req.block_table:       # else the request owns them: _fail frees them
+                self.engine.block_manager.free(result.dst_block_ids)
             self._fail(rid, error_event(grpc.StatusCode.INTERNAL, f"cannot adopt KV: {e}"))
             return
         self._streams[rid].adopted = time.monotonic()

@@ -86,3 +86,29 @@ def test_duplicate_and_bad_jobs_are_refused(pair):
     decode.abort("d")
     assert c.done.wait(5)
     assert not decode.engine.requests
+
+
+def test_an_unexpected_error_while_adopting_frees_the_blocks_and_ends_the_request(pair, reference):
+    """Issue #13 defect 10: only ValueError was caught, so any other error stranded the request and
+    leaked the transfer's blocks (and dropped the rest of the poll batch)."""
+    prefill, decode, _ = pair
+    real_adopt = decode.engine.adopt
+
+    def broken(request_id, *args, **kwargs):
+        if request_id == "bad":
+            raise RuntimeError("simulated bug")
+        return real_adopt(request_id, *args, **kwargs)
+    decode.engine.adopt = broken
+    c = Collector(expected=2)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = {"bad": list(range(3, 40)), "good": list(range(5, 50))}
+    for rid, prompt in prompts.items():
+        job = prefill_job(rid, prompt, params, decode.endpoint)
+        decode.submit(decode_job(rid, prompt, params, transfer_id=job.transfer_id), c.sink(rid))
+        prefill.submit(job, lambda r: None)
+    assert c.done.wait(20)
+    error = c.events["bad"][-1].error
+    assert error.code == 13 and "simulated bug" in error.message          # INTERNAL
+    assert c.tokens("good") == reference([prompts["good"]], [params])[0]
+    wait_blocks_returned(prefill.engine, decode.engine)
+    assert not decode.engine.requests and not decode._waiting_kv
