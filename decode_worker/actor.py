@@ -10,6 +10,7 @@ import logging
 import os
 import uuid
 
+from decode_worker import faults
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.stream_service import DecodeStreamServer
 from decode_worker.worker import DecodeWorker
@@ -63,6 +64,10 @@ class ColocatedActor:
         between steps so it never races the loop."""
         from engine.profile import run_point
         return await self.worker.loop.run_async(lambda: run_point(self.worker.engine, spec))
+
+    async def set_fault(self, kind: str | None, seconds: float = 0.0) -> None:
+        """Failure drills: "hang" stops this actor's engine loop for `seconds`; None ends it."""
+        faults.set_fault(self.worker, kind, seconds)
 
 
 class DecodeActor(ColocatedActor):
