@@ -119,7 +119,7 @@ class Engine:
                              f"({params.max_tokens}) = {total} exceeds the context length {self.max_model_len}")
 
     def _new_request(self, request_id: str | None, prompt, params: SamplingParams, prefill_only: bool,
-                     resume_output_ids: list[int] = ()) -> Request:
+                     resume_output_ids: list[int] = (), resume_text_chars: int = 0) -> Request:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(ids, params)
         if len(resume_output_ids) >= params.max_tokens:
@@ -130,16 +130,19 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req = Request(request_id, ids, params, seed, prefill_only=prefill_only)
         req.output_token_ids = list(resume_output_ids)
-        self.output.attach(req)
+        self.output.attach(req, resume_text_chars)
         return req
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prefill_only: bool = False,
-                    resume_output_ids: list[int] = ()) -> str:
+                    resume_output_ids: list[int] = (), resume_text_chars: int = 0) -> str:
         """Queue a request. `resume_output_ids`: tokens it already produced elsewhere (migration):
         they are recomputed like after a preemption and generation continues after them, with the
-        same seeded draws and penalties as if it had never moved."""
-        req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only, resume_output_ids)
+        same seeded draws and penalties as if it had never moved. `resume_text_chars`: how much of
+        their text the client already has; the rest (held back for stop strings, or half a UTF-8
+        character) is streamed from here, and stop strings are matched across the seam."""
+        req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only, resume_output_ids,
+                                resume_text_chars)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req.request_id

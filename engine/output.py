@@ -12,8 +12,14 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos = set(eos_token_ids)
 
-    def attach(self, req: Request) -> None:
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.all_token_ids)
+    def attach(self, req: Request, num_emitted_chars: int = 0) -> None:
+        """Give `req` its detokenizer. A migrated request (output tokens already set) gets the
+        detokenizer state and text its first actor had, by replaying those tokens, and resumes
+        streaming after the `num_emitted_chars` characters the client already has."""
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        for token in req.output_token_ids:
+            req.text += req.detokenizer.push(token)
+        req.num_emitted_chars = min(num_emitted_chars, len(req.text))
 
     def process(self, req: Request, token: int) -> RequestOutput:
         """Append one sampled token; returns the step's output for the request."""

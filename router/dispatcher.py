@@ -86,6 +86,7 @@ class _Dispatch:
     excluded: set[str] = field(default_factory=set)    # prefill actors that failed it
     lost: set[str] = field(default_factory=set)        # decode actors that died under it
     emitted: list[int] = field(default_factory=list)   # tokens the client already has
+    emitted_chars: int = 0                             # ... and how many characters of their text
     num_failures: int = 0
     first_token_at: float | None = None
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:16])   # this dispatch, among all of its id
@@ -149,6 +150,7 @@ class Dispatcher(Backend):
                         if chunk.token_ids and not d.emitted:
                             d.first_token_at = time.monotonic()
                         d.emitted.extend(chunk.token_ids)
+                        d.emitted_chars += len(chunk.text)
                         yield chunk
                     self._record(d)
                     return
@@ -219,7 +221,7 @@ class Dispatcher(Backend):
         params = inp.params.to_proto()
         stream = view.client.open_stream(wpb.DecodeJob(
             request_id=rid, prompt_token_ids=prompt, params=params, transfer_id=transfer_id,
-            kv_timeout_s=deadline_s, resume_output_ids=d.emitted))
+            kv_timeout_s=deadline_s, resume_output_ids=d.emitted, resume_text_chars=d.emitted_chars))
         prefill_task = None
         if local and self.metrics:
             self.metrics.local_prefill()

@@ -24,9 +24,10 @@ def prompts_and_params(n: int, seed: int = 0, max_len: int = 500):
 
 
 def decode_job(request_id: str, prompt: list[int], params: SamplingParams, transfer_id: str = "",
-               kv_timeout_s: float = 30.0, resume: list[int] = ()) -> wpb.DecodeJob:
+               kv_timeout_s: float = 30.0, resume: list[int] = (), resume_text_chars: int = 0) -> wpb.DecodeJob:
     return wpb.DecodeJob(request_id=request_id, prompt_token_ids=prompt, params=params.to_proto(),
-                         transfer_id=transfer_id, kv_timeout_s=kv_timeout_s, resume_output_ids=resume)
+                         transfer_id=transfer_id, kv_timeout_s=kv_timeout_s, resume_output_ids=resume,
+                         resume_text_chars=resume_text_chars)
 
 
 def prefill_job(request_id: str, prompt: list[int], params: SamplingParams, kv_endpoint: str,

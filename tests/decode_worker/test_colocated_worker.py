@@ -46,3 +46,47 @@ def test_a_colocated_actor_receives_no_kv(worker):
     error = c.events["t"][-1].error
     assert error.code == 3 and "receives no KV" in error.message
     assert not worker.engine.requests
+
+
+def _emitted_after(engine: Engine, prompt, params, k: int) -> str:
+    """The text a client has after `k` tokens of an undisturbed run (held-back characters excluded)."""
+    rid = engine.add_request(prompt, params)
+    text, n = "", 0
+    while n < k:
+        for out in engine.step():
+            text += out.text_delta
+            n += len(out.new_token_ids)
+    engine.abort(rid)
+    return text
+
+
+def test_migration_keeps_held_back_text_and_finds_a_stop_string_across_the_seam(worker, tiny_model_dir):
+    """Issue #13 defect 3: after a migration the client's text must equal an undisturbed run's, and a
+    stop string that straddles the migration point must still end the request."""
+    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=256)
+    tok = engine.tokenizer
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for start in range(5, 200, 7):
+        prompt = list(range(start, start + 30))
+        [full] = engine.generate([prompt], greedy)
+        for k in range(6, 30):
+            seam = len(tok.decode(full.token_ids[:k]))
+            stop = full.text[seam - 2:seam + 2]
+            if len(stop) == 4 and "\ufffd" not in full.text[:seam + 2] and full.text.find(stop) == seam - 2:
+                break
+        else:
+            continue
+        break
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,))
+    [want] = engine.generate([prompt], params)
+    assert want.finish_reason == "stop" and want.text == full.text[:seam - 2]
+    before = _emitted_after(engine, prompt, params, k)        # what the client has when the actor dies
+    assert len(before) < seam                                  # some text was held back for the stop string
+    c = Collector()
+    worker.submit(decode_job("mig", prompt, params, resume=full.token_ids[:k], resume_text_chars=len(before)),
+                  c.sink("mig"))
+    assert c.done.wait(30)
+    assert c.events["mig"][-1].finish_reason == 1              # FINISH_REASON_STOP
+    assert before + c.text("mig") == want.text
+    assert full.token_ids[:k] + c.tokens("mig") == want.token_ids
+    wait_blocks_returned(worker.engine)

@@ -189,6 +189,7 @@ def test_decode_actor_lost_mid_stream_migrates_without_a_gap_or_a_repeat():
         migrated = survivor.jobs[-1]
         assert migrated.transfer_id == ""                       # recomputed locally
         assert list(migrated.resume_output_ids) == expected_tokens(PROMPT, 3)
+        assert migrated.resume_text_chars == 3                   # one character per fake token
         assert not next(v for v in c.pools.decode if v.actor_id == dead.actor_id).healthy
         assert_nothing_held(c)
     run(main())
