@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 
@@ -425,3 +426,35 @@ def test_every_request_gets_a_seed_that_survives_migration():
         assert all(j.params.HasField("seed") for j in jobs)
         assert len({j.params.seed for j in jobs}) == 1 and len(jobs) >= 3
     run(main())
+
+
+def test_cancel_while_migrating_releases_the_reservation_once():
+    """Issue #13 defect 4: the old decode actor's reservation was released before the migration
+    awaited a new one, and again when the cancelled request unwound: counts went negative."""
+    async def main():
+        c = fake_cluster(kv_blocks=16)
+        d = make(c)
+        c.decode[0].faults = ["die_after:2"]
+        full = c.pools.decode[1]
+        full.reserved_blocks = full.kv_blocks_total          # nowhere to migrate to: the migration waits
+        gen = d.generate(request(deadline=time.monotonic() + 60))
+        task = asyncio.ensure_future(collect_gen(gen))
+        for _ in range(200):
+            if d.admission.num_waiting == 1:
+                break
+            await asyncio.sleep(0.005)
+        assert d.admission.num_waiting == 1                  # migrating: waiting for room
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await gen.aclose()
+        dead = c.pools.decode[0]
+        assert (dead.reserved_blocks, dead.running) == (0, 0)
+        assert (full.reserved_blocks, full.running) == (full.kv_blocks_total, 0)
+        full.reserved_blocks = 0
+        assert_nothing_held(c)
+    run(main())
+
+
+async def collect_gen(gen) -> list:
+    return [chunk async for chunk in gen]
