@@ -142,4 +142,4 @@ class ColocatedWorker:
                 "running_requests": len(sched.running)}
 
     def num_queued(self) -> int:
-        return len(self.engine.scheduler.waiting)
+        return self.engine.scheduler.num_queued

@@ -32,6 +32,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.chunk_size = chunk_size            # None: prompts are never split
         self.waiting: deque[Request] = deque()
+        self.adopted: deque[Request] = deque()  # KV already in their blocks, waiting for a batch slot
         self.running: list[Request] = []
         self.num_preemptions = 0
 
@@ -40,12 +41,18 @@ class Scheduler:
         self.waiting.append(req)
 
     def add_running(self, req: Request) -> None:
-        """A request whose KV already sits in its blocks (adopted from a prefill actor)."""
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        """A request whose KV already sits in its blocks (adopted from a prefill actor): it joins the
+        batch, ahead of waiting prompts, as soon as the batch has a slot (`max_num_seqs`)."""
+        req.status = RequestStatus.WAITING
+        self.adopted.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.adopted or self.running)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting for a batch slot (prompts to prefill and adopted ones)."""
+        return len(self.waiting) + len(self.adopted)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -64,6 +71,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         out: list[ScheduledRequest] = []
         preempted = False
+        while self.adopted and len(self.running) < self.max_num_seqs:
+            req = self.adopted.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -138,10 +149,10 @@ class Scheduler:
 
     def remove(self, req: Request) -> None:
         """Drop a request from the queues (finished, aborted or handed off)."""
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        for queue in (self.running, self.waiting, self.adopted):
+            if req in queue:
+                queue.remove(req)
+                return
 
     def commit(self, scheduled: list[ScheduledRequest]) -> None:
         """After the model ran: advance computed counts and cache newly full blocks."""

@@ -68,11 +68,12 @@ def layout_of_engine(engine: Engine) -> KVLayout:
                     engine.dtype, engine.fingerprint)
 
 
-def worker_pair(model_dir: str, num_blocks: int = 256) -> tuple[PrefillWorker, DecodeWorker, FakeHub]:
-    """Started prefill and decode workers over one fake transport; stop both when done."""
+def worker_pair(model_dir: str, num_blocks: int = 256, **decode_engine) -> tuple[PrefillWorker, DecodeWorker, FakeHub]:
+    """Started prefill and decode workers over one fake transport; stop both when done.
+    `decode_engine`: extra `Engine` arguments of the decode side (e.g. max_num_seqs)."""
     hub = FakeHub()
     p_engine = Engine(model_dir, dtype="float32", num_blocks=num_blocks)
-    d_engine = Engine(model_dir, dtype="float32", num_blocks=num_blocks)
+    d_engine = Engine(model_dir, dtype="float32", num_blocks=num_blocks, **decode_engine)
     layout = layout_of_engine(p_engine)
     prefill = PrefillWorker(p_engine, make_sender("fake", layout, codec="none", hub=hub))
     decode = DecodeWorker(d_engine, lambda on_complete: make_receiver(

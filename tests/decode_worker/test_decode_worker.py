@@ -112,3 +112,30 @@ def test_an_unexpected_error_while_adopting_frees_the_blocks_and_ends_the_reques
     assert c.tokens("good") == reference([prompts["good"]], [params])[0]
     wait_blocks_returned(prefill.engine, decode.engine)
     assert not decode.engine.requests and not decode._waiting_kv
+
+
+def test_adopted_requests_never_exceed_the_batch_bound(tiny_model_dir, reference):
+    """Issue #13 defect 5: adopted requests joined the running batch regardless of max_num_seqs
+    (GetStats showed 32 running with max_batch_size 4); now at most 4 run and the rest queue."""
+    from worker_support import worker_pair
+    prefill, decode, _ = worker_pair(tiny_model_dir, num_blocks=512, max_num_seqs=4)
+    try:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        prompts = [list(range(3 + i, 30 + i)) for i in range(12)]
+        c = Collector(expected=len(prompts))
+        for i, prompt in enumerate(prompts):
+            job = prefill_job(f"b{i}", prompt, params, decode.endpoint)
+            decode.submit(decode_job(f"b{i}", prompt, params, transfer_id=job.transfer_id), c.sink(f"b{i}"))
+            prefill.submit(job, lambda r: None)
+        seen_running, seen_queued = 0, 0
+        while not c.done.is_set():
+            stats = decode.stats()
+            seen_running = max(seen_running, stats["running_requests"])
+            seen_queued = max(seen_queued, stats["queued_requests"])
+            c.done.wait(0.002)
+        assert seen_running <= 4 and seen_queued > 0
+        assert [c.tokens(f"b{i}") for i in range(12)] == reference(prompts, [params] * 12)
+        wait_blocks_returned(prefill.engine, decode.engine)
+    finally:
+        prefill.stop()
+        decode.stop()
