@@ -4,8 +4,8 @@ Lifecycle of one request on this worker (each loop step: receive KV → schedule
 
     submit(DecodeJob with transfer_id) ─► engine request WAITING_FOR_KV (validated now)
         receiver DONE  ─► engine.adopt(blocks, first token) ─► joins the running batch
-        receiver FAILED/EXPIRED, or no KV by the request's kv_deadline
-                       ─► retryable error event (the router prefills again)
+        receiver FAILED/EXPIRED (the transfer's own deadline runs from its first chunk), or no
+        transfer begun by the request's kv_deadline ─► retryable error event (the router prefills again)
     running ─► one event per step with new tokens ─► finish (stop/length) or abort
         ─► the engine frees every block the request held
 
@@ -116,10 +116,10 @@ class DecodeWorker(ColocatedWorker):
     def _expire(self, now: float) -> None:
         for tid, rid in list(self._waiting_kv.items()):
             req = self.engine.requests[rid]
-            if now > req.kv_deadline:
+            if now > req.kv_deadline and self.receiver.status(tid) is None:    # begun: its own deadline rules
                 timeout = self._streams[rid].job.kv_timeout_s
-                self._fail(rid, error_event(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for transfer {tid} did not "
-                                            f"arrive within {timeout:.1f}s", retryable=True))
+                self._fail(rid, error_event(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer {tid} did not "
+                                            f"begin within {timeout:.1f}s", retryable=True))
         for tid, (result, parked) in list(self._orphans.items()):
             if now - parked > self.orphan_lease_s:
                 del self._orphans[tid]

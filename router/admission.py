@@ -1,7 +1,17 @@
-"""Admission: requests wait here (bounded) until a decode actor can hold their KV."""
+"""Admission: requests wait here, first come first served, until a decode actor can hold their KV.
+
+The queue is bounded (`max_waiting`: more are refused at once) and so is every
+wait (the caller's timeout: the client's deadline or `routing.max_queue_wait_s`).
+Only the head of the queue may take room, so a large request is never starved
+by smaller ones arriving after it; a newcomer takes room directly only when
+nobody waits. `ready()` (optional) adds a condition of the caller's, e.g. room
+in the prefill pool's backlog.
+"""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from collections.abc import Callable
 
 from router.dispatch import pick_decode
 from router.pools import DecodeView
@@ -10,31 +20,48 @@ from router.pools import DecodeView
 class AdmissionQueue:
     def __init__(self, max_waiting: int):
         self.max_waiting = max_waiting
-        self.num_waiting = 0
-        self._changed = asyncio.Condition()
+        self._waiters: deque[asyncio.Event] = deque()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiters)
 
     async def acquire(self, views: list[DecodeView], need_blocks: int, timeout: float | None,
-                      exclude: set[str] = frozenset()) -> DecodeView | None:
-        """Reserve `need_blocks` on a decode actor; None if the queue is full or time ran out."""
-        view = pick_decode(views, need_blocks, exclude)
-        if view is None:
-            if self.num_waiting >= self.max_waiting:
-                return None
-            self.num_waiting += 1
-            try:
-                async with self._changed:
-                    await asyncio.wait_for(self._changed.wait_for(
-                        lambda: pick_decode(views, need_blocks, exclude) is not None), timeout)
-            except asyncio.TimeoutError:
-                return None
-            finally:
-                self.num_waiting -= 1
-            view = pick_decode(views, need_blocks, exclude)
-            if view is None:
-                return None
-        view.reserved_blocks += need_blocks
-        view.running += 1
-        return view
+                      exclude: set[str] = frozenset(), ready: Callable[[], bool] = lambda: True,
+                      first: bool = False) -> DecodeView | None:
+        """Reserve `need_blocks` on a decode actor; None if the queue is full or time ran out.
+        `first`: a request already admitted once (migrating) goes ahead of the queue."""
+        def take() -> DecodeView | None:
+            view = pick_decode(views, need_blocks, exclude) if ready() else None
+            if view is not None:
+                view.reserved_blocks += need_blocks
+                view.running += 1
+            return view
+
+        if first or not self._waiters:
+            view = take()
+            if view is not None:
+                return view
+        if not first and len(self._waiters) >= self.max_waiting:
+            return None
+        turn = asyncio.Event()
+        self._waiters.appendleft(turn) if first else self._waiters.append(turn)
+
+        async def wait_for_room() -> DecodeView:
+            while True:
+                if self._waiters[0] is turn:
+                    view = take()
+                    if view is not None:
+                        return view
+                turn.clear()
+                await turn.wait()
+        try:
+            return await asyncio.wait_for(wait_for_room(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self._waiters.remove(turn)
+            self._wake_head()
 
     async def release(self, view: DecodeView, need_blocks: int) -> None:
         view.reserved_blocks -= need_blocks
@@ -42,6 +69,10 @@ class AdmissionQueue:
         await self.notify()
 
     async def notify(self) -> None:
-        """Wake the waiters: a reservation was released or the pools changed."""
-        async with self._changed:
-            self._changed.notify_all()
+        """Something changed (a reservation released, a pool changed, a backlog drained): the head
+        of the queue checks again."""
+        self._wake_head()
+
+    def _wake_head(self) -> None:
+        if self._waiters:
+            self._waiters[0].set()

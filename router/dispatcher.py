@@ -58,6 +58,8 @@ class RoutingSettings:
     max_attempts: int = 3
     transfer_deadline_s: float = 30.0
     stream_idle_s: float = 60.0          # no prefill result and no token for this long: the actor is stuck
+    max_queue_wait_s: float = 30.0       # longest admission wait of a request without a client deadline
+    max_prefill_backlog_tokens: int | None = 32768   # a request waits while every prefill actor has more queued
 
 
 class _Retry(Exception):
@@ -173,12 +175,32 @@ class Dispatcher(Backend):
                 await self.admission.release(d.view, need)
 
     async def _admit(self, d: _Dispatch) -> DecodeView:
-        timeout = None if d.inp.deadline is None else max(d.inp.deadline - time.monotonic(), 0.0)
-        view = await self.admission.acquire(d.pool, d.need_blocks, timeout)
+        """A decode reservation, FIFO; RESOURCE_EXHAUSTED at once when the queue is full, or when the
+        wait (client deadline, else routing.max_queue_wait_s) runs out."""
+        timeout = self.routing.max_queue_wait_s
+        if d.inp.deadline is not None:
+            timeout = min(timeout, max(d.inp.deadline - time.monotonic(), 0.0))
+        uncached = len(d.inp.prompt_token_ids)
+        view = await self.admission.acquire(d.pool, d.need_blocks, timeout,
+                                            ready=lambda: self._prefill_has_room(d.hashes, uncached))
         if view is None:
-            raise BackendError("RESOURCE_EXHAUSTED", f"no decode actor has room for {d.need_blocks} KV blocks "
-                               f"and the admission queue is full ({self.routing.max_queue}) or the deadline passed")
+            raise BackendError("RESOURCE_EXHAUSTED", f"no room for {d.need_blocks} KV blocks on a decode actor "
+                               f"and {uncached} prompt tokens in a prefill backlog: the admission queue is full "
+                               f"({self.routing.max_queue}) or {timeout:.1f}s passed; retry later")
         return view
+
+    def _prefill_has_room(self, hashes: list[bytes], num_prompt_tokens: int) -> bool:
+        """Some healthy prefill actor can queue this prompt within routing.max_prefill_backlog_tokens
+        (an idle one always can); true when prefill is local or unbounded."""
+        limit = self.routing.max_prefill_backlog_tokens
+        if limit is None or num_prompt_tokens < self.routing.local_prefill_tokens:
+            return True
+        healthy = [v for v in self.pools.prefill if v.healthy]
+        if not healthy:
+            return True          # every attempt prefills locally on its decode actor
+        return any(v.queued_tokens == 0 or
+                   v.queued_tokens + num_prompt_tokens - v.cached_blocks(hashes) * self.block_size <= limit
+                   for v in healthy)
 
     async def _switch_decode(self, d: _Dispatch, why: str) -> None:
         """Move the request's KV reservation to another decode actor (the old one is gone)."""
@@ -188,7 +210,7 @@ class Dispatcher(Backend):
         d.view = None                   # released here; nothing left to release if no one takes it
         await self.admission.release(old, d.need_blocks)
         timeout = 0.0 if d.inp.deadline is None else max(d.inp.deadline - time.monotonic(), 0.0)
-        d.view = await self.admission.acquire(d.pool, d.need_blocks, timeout, exclude=d.lost)
+        d.view = await self.admission.acquire(d.pool, d.need_blocks, timeout, exclude=d.lost, first=True)
         if d.view is None:
             raise BackendError("UNAVAILABLE", f"{why}; no other decode actor can take the request")
 
@@ -215,13 +237,16 @@ class Dispatcher(Backend):
         uncached = len(prompt) - cached * self.block_size
         local = bool(d.emitted) or pview is None or uncached < self.routing.local_prefill_tokens
         transfer_id = "" if local else uuid.uuid4().hex
-        deadline_s = self.routing.transfer_deadline_s
+        # The transfer's deadline runs from when the send starts (prefill queueing does not eat it); the
+        # decode actor waits for the transfer to begin as long as the router waits for the prefill.
+        deadline_s, kv_wait_s = self.routing.transfer_deadline_s, self.routing.stream_idle_s
         if inp.deadline is not None:         # the client's deadline bounds every remote step
-            deadline_s = max(min(deadline_s, inp.deadline - time.monotonic()), 0.05)
+            remaining = inp.deadline - time.monotonic()
+            deadline_s, kv_wait_s = max(min(deadline_s, remaining), 0.05), max(remaining, 0.05)
         params = inp.params.to_proto()
         stream = view.client.open_stream(wpb.DecodeJob(
             request_id=rid, prompt_token_ids=prompt, params=params, transfer_id=transfer_id,
-            kv_timeout_s=deadline_s, resume_output_ids=d.emitted, resume_text_chars=d.emitted_chars))
+            kv_timeout_s=kv_wait_s, resume_output_ids=d.emitted, resume_text_chars=d.emitted_chars))
         prefill_task = None
         if local and self.metrics:
             self.metrics.local_prefill()
@@ -287,6 +312,7 @@ class Dispatcher(Backend):
                                      failed_side=wpb.TRANSFER_SIDE_SENDER, retryable=True)
         finally:
             pview.queued_tokens -= uncached
+            await self.admission.notify()        # a backlog drained: the head of the queue may fit now
 
     def _on_prefill(self, result: wpb.PrefillResult, pview: PrefillView, d: _Dispatch,
                     usage: Usage) -> GenerationChunk | None:

@@ -19,6 +19,11 @@ class RoutingSection(Section):
         "pools.long_context (which must then be configured).")
     max_queue: Int = Field(1024, ge=1, description="Requests waiting in the router before "
                            "new ones get RESOURCE_EXHAUSTED.")
+    max_queue_wait_s: float = Field(30.0, gt=0, description="Longest admission wait (first come, first "
+                                    "served) of a request without a client deadline; then RESOURCE_EXHAUSTED.")
+    max_prefill_backlog_tokens: Optional[Int] = Field(
+        32768, gt=0, description="A request waits in admission while every prefill actor has more "
+        "prompt tokens queued than this (an idle actor always takes one); null = unbounded.")
     prefill_policy: Literal["prefix_then_load"] = Field(
         "prefix_then_load", description="Longest cached prefix, then fewest queued prompt tokens.")
     decode_policy: Literal["most_free_blocks"] = Field(

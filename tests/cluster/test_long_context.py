@@ -34,8 +34,8 @@ def test_long_requests_use_the_long_context_pool(cluster, reference):
     seen = []
     original = backend.admission.acquire
 
-    async def spy(views, need, timeout, exclude=frozenset()):
-        view = await original(views, need, timeout, exclude)
+    async def spy(views, need, timeout, **kwargs):
+        view = await original(views, need, timeout, **kwargs)
         seen.append(view.actor_id)
         return view
     backend.admission.acquire = spy

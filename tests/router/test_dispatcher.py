@@ -458,3 +458,82 @@ def test_cancel_while_migrating_releases_the_reservation_once():
 
 async def collect_gen(gen) -> list:
     return [chunk async for chunk in gen]
+
+
+def test_admission_is_first_come_first_served():
+    """Issue #13 defect 5: a newcomer that fits could take room ahead of an older, larger waiter."""
+    async def main():
+        c = fake_cluster(num_decode=1, kv_blocks=16)
+        d = make(c)
+        view = c.pools.decode[0]
+        view.reserved_blocks = 16                              # full
+        order = []
+
+        async def run_one(rid, max_tokens):
+            await collect(d, request(rid, max_tokens=max_tokens))
+            order.append(rid)
+        big = asyncio.ensure_future(run_one("big", 40))         # (10 + 40) / 4 -> 13 blocks
+        while d.admission.num_waiting < 1:
+            await asyncio.sleep(0.001)
+        small = asyncio.ensure_future(run_one("small", 2))      # 3 blocks
+        while d.admission.num_waiting < 2:
+            await asyncio.sleep(0.001)
+        view.reserved_blocks = 16 - 4                           # room for small, not for big
+        await d.admission.notify()
+        await asyncio.sleep(0.02)
+        assert d.admission.num_waiting == 2 and not order       # small does not jump the queue
+        view.reserved_blocks = 0
+        await d.admission.notify()
+        await asyncio.gather(big, small)
+        assert [j.request_id.split("~")[0] for j in c.decode[0].jobs] == ["big", "small"]
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_admission_wait_is_bounded_without_a_client_deadline():
+    async def main():
+        c = fake_cluster(num_decode=1, kv_blocks=8)
+        d = make(c, max_queue_wait_s=0.1)
+        c.pools.decode[0].reserved_blocks = 8
+        start = time.monotonic()
+        with pytest.raises(BackendError) as e:
+            await collect(d, request())
+        assert e.value.code == "RESOURCE_EXHAUSTED" and time.monotonic() - start < 2.0
+        assert d.admission.num_waiting == 0
+    run(main())
+
+
+def test_admission_bounds_the_prefill_backlog():
+    async def main():
+        c = fake_cluster(kv_blocks=64)
+        d = make(c, max_prefill_backlog_tokens=16, max_queue=1, max_queue_wait_s=5.0)
+        for v in c.pools.prefill:
+            v.queued_tokens = 12                             # 12 + 10 prompt tokens > 16 on every actor
+        waiter = asyncio.ensure_future(collect(d, request("w")))
+        while d.admission.num_waiting < 1:
+            await asyncio.sleep(0.001)
+        with pytest.raises(BackendError) as e:               # the queue (1) is full: refused at once
+            await collect(d, request("x"))
+        assert e.value.code == "RESOURCE_EXHAUSTED"
+        assert not any(a.jobs for a in c.decode)
+        c.pools.prefill[0].queued_tokens = 0                 # a backlog drains
+        await d.admission.notify()
+        tokens, _ = await waiter
+        assert tokens == expected_tokens(PROMPT, 6)
+        c.pools.prefill[1].queued_tokens = 0
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_the_decode_actor_waits_for_the_transfer_to_begin_as_long_as_the_router_waits_for_prefill():
+    """Issue #13 defect 5: the KV wait started at registration and was the transfer deadline, so
+    prefill queueing ate it; now the transfer deadline runs from the send and the decode side waits
+    for the transfer to begin as long as the router waits for the prefill."""
+    async def main():
+        c = fake_cluster()
+        d = make(c, transfer_deadline_s=2.0, stream_idle_s=50.0)
+        await collect(d, request())
+        [djob] = [j for a in c.decode for j in a.jobs]
+        [pjob] = [j for a in c.prefill for j in a.jobs]
+        assert pjob.transfer_deadline_s == 2.0 and djob.kv_timeout_s == 50.0
+    run(main())
