@@ -105,8 +105,11 @@ class BaseReceiver(KVReceiver):
     def describe(self) -> dict[str, object]:
         return self.layout.describe(self.codec)
 
-    def check_token(self, token: str | None) -> bool:
-        ok = hmac.compare_digest((token or "").encode(), self.token.encode())
+    def check_token(self, token: object, expected: str | None = None) -> bool:
+        """Constant-time check of a peer's token, or with ``expected`` of a proof derived from it (torch
+        rendezvous); each failure is counted in ``stats.auth_failures``."""
+        given = token if isinstance(token, str) else ""
+        ok = hmac.compare_digest(given.encode(), (self.token if expected is None else expected).encode())
         if not ok:
             with self._cond:
                 self._stats.auth_failures += 1

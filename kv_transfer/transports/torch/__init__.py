@@ -4,14 +4,23 @@
     sender.py    TorchSender (prefill side): builds pairs, posts chunks, reads acks
     receiver.py  TorchReceiver (decode side): hosts the store, serves each pair on a thread
 
-The decode side hosts a TCPStore at its endpoint ("host:port"). A sender
-meeting a new destination:
-    1. connects to the store, takes a pair index n = add("pairs", 1),
-    2. writes hello/n = msgpack {token, layout description, backend},
-    3. the receiver's accept thread checks the token (counted on failure)
-       and the layout, and writes reply/n = msgpack {ok, error, layout},
-    4. both build a ProcessGroup (rank 0 = sender, rank 1 = receiver) over
+The decode side hosts a TCPStore at its endpoint. No secret is ever stored
+in it: any client of the store can read every key. A sender meeting a new
+destination:
+    1. connects to the store and claims a slot n = add("pairs", 1) - 1,
+    2. reads challenge/n = msgpack {nonce} (the receiver writes a fresh
+       random nonce for every slot it sees claimed),
+    3. writes hello/n = msgpack {proof, layout description, backend} where
+       proof = HMAC-SHA256(key, "hello|n|nonce") and
+       key = HMAC-SHA256(token, "pdserve-kv-rendezvous-v1"),
+    4. the receiver's accept loop checks the proof (counted on failure) and
+       the layout, writes reply/n = msgpack {ok, error, layout}; the sender
+       reads and deletes it,
+    5. both build a ProcessGroup (rank 0 = sender, rank 1 = receiver) over
        PrefixStore("pair/n/"): NCCL when the caches are CUDA, gloo on CPU.
+The accept loop serves every open slot at once: a slot claimed by a client
+that never says hello (or a sender killed between its steps) is skipped
+after ``hello_timeout_s`` and its keys deleted; it delays no other slot.
 Each chunk is two point-to-point messages, metadata first:
     control uint8 [4096] (u32 kind, u32 header_len, u64 payload_len,
                           u32 is_last, u64 next_len, msgpack header at

@@ -1,12 +1,15 @@
 """torch.distributed pair plumbing shared by TorchSender and TorchReceiver.
 
 Message kinds and limits of the pair protocol (see ``kv_transfer.transports.torch``),
-process-group construction (NCCL on CUDA, gloo on CPU over the endpoint's
-interface) and small helpers. Imports torch.distributed only.
+the rendezvous keys and proofs, process-group construction (NCCL on CUDA,
+gloo on CPU over the endpoint's interface) and small helpers. Imports
+torch.distributed only.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import struct
 from datetime import timedelta
@@ -28,6 +31,33 @@ CONTROL_BYTES = 4096
 MAX_CONTROL_HEADER = CONTROL_BYTES - 32
 MAX_PENDING_DECODES = 2  # received chunks waiting for decode, per pair
 IDLE_TIMEOUT = timedelta(days=1)  # an idle pair waits in recv; peer death still wakes it
+
+# Rendezvous: the receiver challenges each claimed slot with a fresh nonce; the sender answers with
+# an HMAC under a key derived from the token, so the store never holds the token or the key.
+RENDEZVOUS_CONTEXT = b"pdserve-kv-rendezvous-v1"
+NONCE_BYTES = 16
+HELLO_TIMEOUT_S = 5.0  # a claimed slot whose hello has not come by then is skipped
+MAX_OPEN_SLOTS = 64  # claimed slots awaiting a hello; a burst of claims beyond it skips the oldest
+
+
+def rendezvous_key(token: str) -> bytes:
+    """HMAC-SHA256(token, RENDEZVOUS_CONTEXT): the key proofs are made with; it never leaves the process."""
+    return hmac.new(token.encode(), RENDEZVOUS_CONTEXT, hashlib.sha256).digest()
+
+
+def rendezvous_proof(key: bytes, index: int, nonce: str) -> str:
+    """The answer to slot ``index``'s challenge: bound to that slot and its nonce, so it cannot be replayed."""
+    return hmac.new(key, f"hello|{index}|{nonce}".encode(), hashlib.sha256).hexdigest()
+
+
+def slot_key(kind: str, index: int) -> str:
+    """Store key of one rendezvous message: kind is challenge, hello or reply."""
+    return f"{kind}/{index}"
+
+
+def pair_prefix(index: int) -> str:
+    """Store prefix under which the pair of slot ``index`` builds its process group."""
+    return f"pair/{index}/"
 
 
 def control_tensor(kind: int, header: bytes, payload_len: int, is_last: bool, device,

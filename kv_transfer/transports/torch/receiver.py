@@ -1,7 +1,8 @@
 """TorchReceiver: the decode side of the torch.distributed transport.
 
-Hosts the TCPStore at its endpoint, answers hellos (token, layout, backend),
-and serves each accepted pair on its own thread: chunks are received into
+Hosts the TCPStore at its endpoint, challenges each claimed pair slot and
+answers its hello (proof of the token, layout, backend), skips slots that
+stay silent, and serves each accepted pair on its own thread: chunks are received into
 pooled buffers and decoded on a small pool while the next one arrives; the
 last chunk of each send() is acked. A broken pair fails its in-flight
 transfers (their blocks are freed) and its thread ends.
@@ -9,6 +10,7 @@ transfers (their blocks are freed) and its thread ends.
 
 from __future__ import annotations
 
+import secrets
 import socket
 import threading
 import time
@@ -29,58 +31,104 @@ from kv_transfer.transports.torch.pair import (
     IDLE_TIMEOUT,
     KIND_ABORT,
     KIND_CLOSE,
+    HELLO_TIMEOUT_S,
+    MAX_OPEN_SLOTS,
     MAX_PENDING_DECODES,
+    NONCE_BYTES,
     make_group,
+    pair_prefix,
     parse_control,
+    rendezvous_key,
+    rendezvous_proof,
+    slot_key,
 )
 from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header, unpack_small
+
+ACCEPT_POLL_S = 0.02  # how often the accept loop looks for new claims and hellos
 
 
 class TorchReceiver(BaseReceiver):
     def __init__(self, layout, kv_cache, allocator, *, host: str = "127.0.0.1", port: int = 0, max_groups: int = 64,
-                 interface: str | None = None, decode_threads: int = 2, **kwargs):
+                 interface: str | None = None, decode_threads: int = 2, hello_timeout_s: float = HELLO_TIMEOUT_S,
+                 **kwargs):
         super().__init__(layout, kv_cache, allocator, **kwargs)
         self.device = kv_cache.device
         self.backend = "nccl" if kv_cache.is_cuda else "gloo"
-        self.max_groups, self.interface = max_groups, interface
+        self.max_groups, self.interface, self.hello_timeout_s = max_groups, interface, hello_timeout_s
         self.host = host
         # TCPStore alone listens on every interface; hand it a socket bound to `host` only.
         listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                         backlog=128)
-        bound_port = listener.getsockname()[1]
-        self._store = dist.TCPStore(host, bound_port, is_master=True, wait_for_workers=False,
+        self._port = listener.getsockname()[1]
+        self._store = dist.TCPStore(host, self._port, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=30), master_listen_fd=listener.fileno(),
                                     use_libuv=True)
         listener.detach()                # the store owns the descriptor now
-        self._endpoint = f"{host}:{bound_port}"
+        self._endpoint = f"{host}:{self._port}"
+        self._key = rendezvous_key(self.token)
         self._closed = threading.Event()
         self._decoders = ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="kv-torch-decode")
         self._num_groups = 0
         self._pair_threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        # accept-loop state: slot index -> (nonce, hello deadline); reply index -> when an unread reply is deleted
+        self._slots: dict[int, tuple[str, float]] = {}
+        self._replies: dict[int, float] = {}
+        self._next_slot = 0
         threading.Thread(target=self._accept_loop, name="kv-torch-accept", daemon=True).start()
 
+    # --- rendezvous ---------------------------------------------------------
     def _accept_loop(self) -> None:
-        index = 0
-        while not self._closed.is_set():
-            key = f"hello/{index}"
+        """Challenge each claimed slot, answer the hellos that come, skip the slots that stay silent."""
+        while not self._closed.wait(ACCEPT_POLL_S):
             try:
-                if not self._store.check([key]):
-                    self._closed.wait(0.02)
-                    continue
-                hello = self._store.get(key)
+                self._open_slots()
+                for index in list(self._slots):
+                    self._poll_slot(index)
+                self._expire_replies()
             except Exception:  # store shutting down
-                self._closed.wait(0.1)
                 continue
-            self._store.delete_key(key)
-            self._answer(index, hello)
-            index += 1
 
-    def _answer(self, index: int, hello: bytes) -> None:
+    def _open_slots(self) -> None:
+        claimed = self._store.add("pairs", 0)
+        for index in range(max(self._next_slot, claimed - MAX_OPEN_SLOTS), claimed):
+            nonce = secrets.token_hex(NONCE_BYTES)
+            self._store.set(slot_key("challenge", index), msgpack.packb({"nonce": nonce}))
+            self._slots[index] = (nonce, time.monotonic() + self.hello_timeout_s)
+        self._next_slot = max(self._next_slot, claimed)
+        while len(self._slots) > MAX_OPEN_SLOTS:
+            self._close_slot(min(self._slots))
+
+    def _poll_slot(self, index: int) -> None:
+        nonce, hello_deadline = self._slots[index]
+        hello_key = slot_key("hello", index)
+        if self._store.check([hello_key]):
+            hello = self._store.get(hello_key)
+            self._close_slot(index)
+            self._answer(index, hello, nonce)
+        elif time.monotonic() > hello_deadline:  # claimed, then silent (or killed): later slots go on
+            self._close_slot(index)
+
+    def _close_slot(self, index: int) -> None:
+        del self._slots[index]
+        for kind in ("challenge", "hello"):
+            self._store.delete_key(slot_key(kind, index))
+
+    def _expire_replies(self) -> None:
+        """Forget replies their sender read (it deletes them); delete the ones nobody read in time."""
+        for index, expires_at in list(self._replies.items()):
+            key = slot_key("reply", index)
+            if not self._store.check([key]):
+                del self._replies[index]
+            elif time.monotonic() > expires_at:
+                self._store.delete_key(key)
+                del self._replies[index]
+
+    def _answer(self, index: int, hello: bytes, nonce: str) -> None:
         reply = {"ok": False, "error": "", "layout": self.describe()}
         try:
             message = unpack_small(hello)
-            if not self.check_token(message.get("token")):
+            if not self.check_token(message.get("proof"), rendezvous_proof(self._key, index, nonce)):
                 raise TransferError("receiver rejected the cluster token", FailedSide.RECEIVER)
             self.check_handshake(message.get("layout") or {})
             if message.get("backend") != self.backend:
@@ -94,18 +142,23 @@ class TorchReceiver(BaseReceiver):
             reply["ok"] = True
         except Exception as exc:
             reply["error"] = str(exc)
-        self._store.set(f"reply/{index}", msgpack.packb(reply))
+        self._store.set(slot_key("reply", index), msgpack.packb(reply))
+        self._replies[index] = time.monotonic() + self.hello_timeout_s
         if reply["ok"]:
             thread = threading.Thread(target=self._serve_pair, args=(index,), name=f"kv-torch-pair-{index}",
                                       daemon=True)
             self._pair_threads.append(thread)
             thread.start()
 
+    # --- one pair -----------------------------------------------------------
     def _serve_pair(self, index: int) -> None:
         in_flight: set[str] = set()
         try:
-            store = dist.PrefixStore(f"pair/{index}/", self._store)
-            group = make_group(store, 1, self.backend, IDLE_TIMEOUT, self.host, self.interface)
+            # A store client of its own: a group waiting in the store for its peer must not hold up the
+            # accept loop's calls on the shared one.
+            client = dist.TCPStore(self.host, self._port, is_master=False, timeout=timedelta(seconds=30))
+            group = make_group(dist.PrefixStore(pair_prefix(index), client), 1, self.backend, IDLE_TIMEOUT,
+                               self.host, self.interface)
             self._serve(group, in_flight)
         except Exception as exc:  # peer died or the pair broke
             for transfer_id in in_flight:

@@ -1,10 +1,10 @@
 """TorchSender: the prefill side of the torch.distributed transport.
 
-Builds a pair lazily per destination (hello over the receiver's TCPStore,
-then a 2-rank group), keeps at most ``max_groups`` (LRU; evicted pairs get a
-close message), posts each chunk's sends while the previous chunk's
-complete, and reads the receiver's ack after the last chunk. A pair that
-breaks is dropped (the next send builds a fresh one).
+Builds a pair lazily per destination (answers the receiver's challenge
+over its TCPStore, then a 2-rank group), keeps at most ``max_groups`` (LRU;
+evicted pairs get a close message), posts each chunk's sends while the
+previous chunk's complete, and reads the receiver's ack after the last
+chunk. A pair that breaks is dropped (the next send builds a fresh one).
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ from kv_transfer.transports.torch.pair import (
     KIND_CLOSE,
     control_tensor,
     make_group,
+    pair_prefix,
+    rendezvous_key,
+    rendezvous_proof,
+    slot_key,
     split_host_port,
 )
 from kv_transfer.wire import unpack_small
@@ -54,6 +58,7 @@ class TorchSender(BaseSender):
         self.max_groups, self.connect_timeout_s, self.interface = max_groups, connect_timeout_s, interface
         self._pairs: OrderedDict[str, _Pair] = OrderedDict()
         self._pairs_lock = threading.Lock()
+        self._key = rendezvous_key(self.token)
 
     def _remote_handshake(self, dest: str, local: dict) -> dict:
         return self._pair(dest)[1]
@@ -67,17 +72,8 @@ class TorchSender(BaseSender):
         host, port = split_host_port(dest)
         timeout = timedelta(seconds=self.connect_timeout_s)
         store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-        index = store.add("pairs", 1) - 1
-        hello = {"token": self.token, "layout": self.describe(), "backend": self.backend}
-        store.set(f"hello/{index}", msgpack.packb(hello))
-        store.wait([f"reply/{index}"], timeout)
-        reply = unpack_small(store.get(f"reply/{index}"))
-        store.delete_key(f"reply/{index}")
-        if not reply.get("ok"):
-            error = str(reply.get("error"))
-            raise HandshakeError(error) if "mismatch" in error else TransferError(error, FailedSide.RECEIVER)
-        check_compatible(self.describe(), reply.get("layout") or {})
-        group = make_group(dist.PrefixStore(f"pair/{index}/", store), 0, self.backend, IDLE_TIMEOUT, host,
+        index, layout = self._rendezvous(store, timeout)
+        group = make_group(dist.PrefixStore(pair_prefix(index), store), 0, self.backend, IDLE_TIMEOUT, host,
                            self.interface)
         pair = _Pair(store, group, index)
         with self._pairs_lock:
@@ -85,7 +81,33 @@ class TorchSender(BaseSender):
             evicted = [self._pairs.popitem(last=False)[1] for _ in range(len(self._pairs) - self.max_groups)]
         for old in evicted:
             self._close_pair(old)
-        return pair, reply.get("layout") or {}
+        return pair, layout
+
+    def _rendezvous(self, store, timeout: timedelta) -> tuple[int, dict]:
+        """Claim a slot, answer its challenge, read the reply: -> (slot index, the receiver's layout).
+
+        The hello carries an HMAC of the receiver's nonce for this slot, never the token.
+        """
+        index = store.add("pairs", 1) - 1
+        challenge_key, hello_key, reply_key = (slot_key(kind, index) for kind in ("challenge", "hello", "reply"))
+        store.wait([challenge_key], timeout)
+        nonce = str(unpack_small(store.get(challenge_key)).get("nonce", ""))
+        hello = {"proof": rendezvous_proof(self._key, index, nonce), "layout": self.describe(),
+                 "backend": self.backend}
+        store.set(hello_key, msgpack.packb(hello))
+        try:
+            store.wait([reply_key], timeout)
+        except Exception:
+            store.delete_key(hello_key)  # nobody answered: leave nothing behind
+            raise
+        reply = unpack_small(store.get(reply_key))
+        store.delete_key(reply_key)
+        if not reply.get("ok"):
+            error = str(reply.get("error"))
+            raise HandshakeError(error) if "mismatch" in error else TransferError(error, FailedSide.RECEIVER)
+        layout = reply.get("layout") or {}
+        check_compatible(self.describe(), layout)
+        return index, layout
 
     def _close_pair(self, pair: _Pair) -> None:
         with pair.lock:
