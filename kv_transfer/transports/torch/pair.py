@@ -30,7 +30,10 @@ CONTROL = struct.Struct("<IIQIQ")
 CONTROL_BYTES = 4096
 MAX_CONTROL_HEADER = CONTROL_BYTES - 32
 MAX_PENDING_DECODES = 2  # received chunks waiting for decode, per pair
-IDLE_TIMEOUT = timedelta(days=1)  # an idle pair waits in recv; peer death still wakes it
+# A group's own timeout bounds its set-up (gloo) and nothing else: every wait on an operation names
+# its timeout. An idle pair waits in recv up to IDLE_TIMEOUT (peer death or teardown wakes it).
+IDLE_TIMEOUT = timedelta(days=1)
+TEARDOWN_TIMEOUT = timedelta(seconds=2)  # for the close message of a pair being torn down
 
 # Rendezvous: the receiver challenges each claimed slot with a fresh nonce; the sender answers with
 # an HMAC under a key derived from the token, so the store never holds the token or the key.
@@ -86,16 +89,46 @@ def split_host_port(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def make_group(store, rank: int, backend: str, timeout: timedelta, device_host: str, interface: str | None):
+def make_group(store, rank: int, backend: str, setup_timeout: timedelta, device_host: str, interface: str | None):
+    """The pair's 2-rank group; gloo connects now and gives up after ``setup_timeout``.
+
+    NCCL connects at the first operation (bounded by that operation's wait); its own timeout stays
+    IDLE_TIMEOUT, since its watchdog would tear down a pair that merely waits for the next send.
+    """
     prefix_store = dist.PrefixStore("pg/", store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
+        options._timeout = IDLE_TIMEOUT
         return dist.ProcessGroupNCCL(prefix_store, rank, 2, options)
     options = dist.ProcessGroupGloo._Options()
     options._devices = [_gloo_device(device_host, interface)]
-    options._timeout = timeout
+    options._timeout = setup_timeout
     return dist.ProcessGroupGloo(prefix_store, rank, 2, options)
+
+
+def wait_work(work, timeout: timedelta | None) -> None:
+    """Wait for one send/recv; raises (TimeoutError or the backend's error) when it does not complete.
+
+    ``timeout`` None: the backend's own wait, for NCCL only (the current stream waits for the
+    operation; the group's IDLE_TIMEOUT bounds it). gloo's own wait would use the group's timeout,
+    which bounds its set-up only, so gloo waits always name one.
+    """
+    if timeout is None:
+        work.wait()
+    elif not work.wait(timeout):
+        raise TimeoutError(f"torch pair operation did not complete within {timeout.total_seconds():.0f} s")
+
+
+def destroy_group(group) -> None:
+    """Tear a pair's group down: NCCL aborts its communicator (waking pending operations); gloo closes
+    its connections when the last reference goes, which the caller drops next (its peer's pending
+    receives then fail with "connection closed")."""
+    if group is None:
+        return
+    try:
+        group.abort()
+    except Exception:  # already broken, or a backend without abort
+        pass
 
 
 def _gloo_device(host: str, interface: str | None):

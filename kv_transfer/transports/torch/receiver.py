@@ -35,12 +35,15 @@ from kv_transfer.transports.torch.pair import (
     MAX_OPEN_SLOTS,
     MAX_PENDING_DECODES,
     NONCE_BYTES,
+    TEARDOWN_TIMEOUT,
+    destroy_group,
     make_group,
     pair_prefix,
     parse_control,
     rendezvous_key,
     rendezvous_proof,
     slot_key,
+    wait_work,
 )
 from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header, unpack_small
 
@@ -54,6 +57,7 @@ class TorchReceiver(BaseReceiver):
         super().__init__(layout, kv_cache, allocator, **kwargs)
         self.device = kv_cache.device
         self.backend = "nccl" if kv_cache.is_cuda else "gloo"
+        self._op_timeout = None if self.backend == "nccl" else IDLE_TIMEOUT  # see pair.wait_work
         self.max_groups, self.interface, self.hello_timeout_s = max_groups, interface, hello_timeout_s
         self.host = host
         # TCPStore alone listens on every interface; hand it a socket bound to `host` only.
@@ -70,6 +74,7 @@ class TorchReceiver(BaseReceiver):
         self._decoders = ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="kv-torch-decode")
         self._num_groups = 0
         self._pair_threads: list[threading.Thread] = []
+        self._groups: dict[int, object] = {}  # slot index -> the live group of that pair
         self._lock = threading.Lock()
         # accept-loop state: slot index -> (nonce, hello deadline); reply index -> when an unread reply is deleted
         self._slots: dict[int, tuple[str, float]] = {}
@@ -153,19 +158,26 @@ class TorchReceiver(BaseReceiver):
     # --- one pair -----------------------------------------------------------
     def _serve_pair(self, index: int) -> None:
         in_flight: set[str] = set()
+        group = None
         try:
-            # A store client of its own: a group waiting in the store for its peer must not hold up the
-            # accept loop's calls on the shared one.
-            client = dist.TCPStore(self.host, self._port, is_master=False, timeout=timedelta(seconds=30))
-            group = make_group(dist.PrefixStore(pair_prefix(index), client), 1, self.backend, IDLE_TIMEOUT,
-                               self.host, self.interface)
+            # Set-up is bounded by this receiver's transfer deadline: a sender that read its reply and
+            # never joins costs that long, then frees its group slot. A store client of its own, so a
+            # group waiting for its peer in the store does not hold up the accept loop's calls.
+            setup = timedelta(seconds=self.default_timeout_s)
+            client = dist.TCPStore(self.host, self._port, is_master=False, timeout=setup)
+            group = make_group(dist.PrefixStore(pair_prefix(index), client), 1, self.backend, setup, self.host,
+                               self.interface)
+            with self._lock:
+                self._groups[index] = group
             self._serve(group, in_flight)
-        except Exception as exc:  # peer died or the pair broke
+        except Exception as exc:  # peer died, never joined, or the pair broke
             for transfer_id in in_flight:
                 self.fail(transfer_id, f"sender connection lost: {str(exc)[:200]}")
         finally:
             with self._lock:
+                self._groups.pop(index, None)
                 self._num_groups -= 1
+            destroy_group(group)
 
     def _post_control(self, group):
         slot = torch.empty(CONTROL_BYTES, dtype=torch.uint8, device=self.device)
@@ -192,14 +204,14 @@ class TorchReceiver(BaseReceiver):
         slot, work = self._post_control(group)
         ahead = None  # (buffer, work): the next payload, posted when the previous control announced it
         while not self._closed.is_set():
-            work.wait()
+            wait_work(work, self._op_timeout)
             kind, header_bytes, payload_len, is_last, next_len = parse_control(slot)  # WireError: drop the pair
             if kind == KIND_CLOSE:
                 return
             if kind == KIND_ABORT:  # the sender failed to encode: the piece ends here
                 is_last = True
                 if ahead is not None:  # the announced payload arrives as filler
-                    ahead[1].wait()
+                    wait_work(ahead[1], self._op_timeout)
                     payload_pool.release(ahead[0])
                     ahead = None
                 self._drain(pending, errors, 0)
@@ -214,15 +226,16 @@ class TorchReceiver(BaseReceiver):
                 if not is_last:
                     slot, work = self._post_control(group)
                     ahead = self._post_payload(group, next_len) if next_len else None
-                payload_work.wait()
+                wait_work(payload_work, self._op_timeout)
                 self._take(header_bytes, payload, payload_len, pending, errors, in_flight)
             if is_last:
                 self._drain(pending, errors, 0)
                 data = (errors[0] if errors else "").encode()[:MAX_HEADER_BYTES]
                 ack = torch.tensor([0 if data else 1, len(data)], dtype=torch.int64, device=self.device)
-                group.send([ack], 0, 0).wait()
+                wait_work(group.send([ack], 0, 0), self._op_timeout)
                 if data:
-                    group.send([torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)], 0, 0).wait()
+                    error = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+                    wait_work(group.send([error], 0, 0), self._op_timeout)
                 errors.clear()
                 in_flight.clear()
                 slot, work = self._post_control(group)
@@ -262,9 +275,14 @@ class TorchReceiver(BaseReceiver):
     def close(self) -> None:
         self._closed.set()
         # A pair thread ends when its sender says close or dies; give closing senders a moment
-        # (a thread still blocked in recv at interpreter exit takes gloo down with it).
-        end = time.monotonic() + 2.0
+        # (a thread still blocked in recv at interpreter exit takes gloo down with it), then
+        # destroy the groups left (NCCL wakes their threads; gloo's go when their sender does).
+        end = time.monotonic() + TEARDOWN_TIMEOUT.total_seconds()
         for thread in self._pair_threads:
             thread.join(timeout=max(0.0, end - time.monotonic()))
+        with self._lock:
+            groups = list(self._groups.values())
+        for group in groups:
+            destroy_group(group)
         self._decoders.shutdown(wait=False)
         super().close()

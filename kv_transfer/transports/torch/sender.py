@@ -9,6 +9,7 @@ chunk. A pair that breaks is dropped (the next send builds a fresh one).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -25,24 +26,26 @@ from kv_transfer.interface import FailedSide, TransferError, TransferStatus
 from kv_transfer.layout import HandshakeError, check_compatible
 from kv_transfer.sender import BaseSender
 from kv_transfer.transports.torch.pair import (
-    IDLE_TIMEOUT,
     KIND_ABORT,
     KIND_CHUNK,
     KIND_CLOSE,
+    TEARDOWN_TIMEOUT,
     control_tensor,
+    destroy_group,
     make_group,
     pair_prefix,
     rendezvous_key,
     rendezvous_proof,
     slot_key,
     split_host_port,
+    wait_work,
 )
 from kv_transfer.wire import unpack_small
 
 
 class _Pair:
-    def __init__(self, store, group, index: int) -> None:
-        self.store, self.group, self.index = store, group, index
+    def __init__(self, store, group, index: int, layout: dict) -> None:
+        self.store, self.group, self.index, self.layout = store, group, index, layout
         self.lock = threading.Lock()
 
 
@@ -59,23 +62,53 @@ class TorchSender(BaseSender):
         self._pairs: OrderedDict[str, _Pair] = OrderedDict()
         self._pairs_lock = threading.Lock()
         self._key = rendezvous_key(self.token)
+        self._sending = threading.local()  # .deadline_at of the send this worker thread runs
+
+    def _run(self, handle, dest: str, job: dict) -> None:
+        self._sending.deadline_at = job["deadline_at"]  # the handshake that builds a pair keeps to it
+        try:
+            super()._run(handle, dest, job)
+        finally:
+            self._sending.deadline_at = None
 
     def _remote_handshake(self, dest: str, local: dict) -> dict:
-        return self._pair(dest)[1]
+        return self._pair(dest, getattr(self._sending, "deadline_at", None))[1]
 
-    def _pair(self, dest: str) -> tuple[_Pair, dict]:
+    def _pair(self, dest: str, deadline_at: float | None = None) -> tuple[_Pair, dict]:
+        """The pair to ``dest``, built now if there is none: within ``connect_timeout_s`` and the
+        transfer's deadline (``deadline_at``, time.monotonic()), whichever ends first."""
         with self._pairs_lock:
             pair = self._pairs.get(dest)
             if pair is not None:
                 self._pairs.move_to_end(dest)
-                return pair, {}
+                return pair, pair.layout
         host, port = split_host_port(dest)
-        timeout = timedelta(seconds=self.connect_timeout_s)
-        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-        index, layout = self._rendezvous(store, timeout)
-        group = make_group(dist.PrefixStore(pair_prefix(index), store), 0, self.backend, IDLE_TIMEOUT, host,
-                           self.interface)
-        pair = _Pair(store, group, index)
+        start = time.monotonic()
+        end = start + self.connect_timeout_s if deadline_at is None else min(start + self.connect_timeout_s,
+                                                                              deadline_at)
+
+        def left() -> timedelta:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("no time left")
+            return timedelta(seconds=remaining)
+
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=left())
+            index, layout = self._rendezvous(store, left)
+            group = make_group(dist.PrefixStore(pair_prefix(index), store), 0, self.backend, left(), host,
+                               self.interface)
+        except (TransferError, HandshakeError):
+            raise
+        except Exception as exc:
+            if time.monotonic() < end:
+                raise  # refused or broken before the time was up: the error says it
+            by_deadline = deadline_at is not None and deadline_at <= start + self.connect_timeout_s
+            limit = "the transfer deadline" if by_deadline else "connect_timeout_s"
+            raise TransferError(f"torch pair set-up with {dest} did not finish within {limit} "
+                                f"({end - start:.1f} s): {str(exc)[:200]}", FailedSide.TRANSPORT,
+                                TransferStatus.EXPIRED if by_deadline else TransferStatus.FAILED) from None
+        pair = _Pair(store, group, index, layout)
         with self._pairs_lock:
             self._pairs[dest] = pair
             evicted = [self._pairs.popitem(last=False)[1] for _ in range(len(self._pairs) - self.max_groups)]
@@ -83,22 +116,24 @@ class TorchSender(BaseSender):
             self._close_pair(old)
         return pair, layout
 
-    def _rendezvous(self, store, timeout: timedelta) -> tuple[int, dict]:
+    def _rendezvous(self, store, left) -> tuple[int, dict]:
         """Claim a slot, answer its challenge, read the reply: -> (slot index, the receiver's layout).
 
-        The hello carries an HMAC of the receiver's nonce for this slot, never the token.
+        The hello carries an HMAC of the receiver's nonce for this slot, never the token. ``left()``
+        gives the time left for each wait.
         """
         index = store.add("pairs", 1) - 1
         challenge_key, hello_key, reply_key = (slot_key(kind, index) for kind in ("challenge", "hello", "reply"))
-        store.wait([challenge_key], timeout)
+        store.wait([challenge_key], left())
         nonce = str(unpack_small(store.get(challenge_key)).get("nonce", ""))
         hello = {"proof": rendezvous_proof(self._key, index, nonce), "layout": self.describe(),
                  "backend": self.backend}
         store.set(hello_key, msgpack.packb(hello))
         try:
-            store.wait([reply_key], timeout)
+            store.wait([reply_key], left())
         except Exception:
-            store.delete_key(hello_key)  # nobody answered: leave nothing behind
+            with contextlib.suppress(Exception):
+                store.delete_key(hello_key)  # nobody answered: leave nothing behind
             raise
         reply = unpack_small(store.get(reply_key))
         store.delete_key(reply_key)
@@ -110,16 +145,27 @@ class TorchSender(BaseSender):
         return index, layout
 
     def _close_pair(self, pair: _Pair) -> None:
+        """Say close (bounded by TEARDOWN_TIMEOUT: the receiver may be gone or hung), then destroy the group."""
         with pair.lock:
-            try:
-                pair.group.send([control_tensor(KIND_CLOSE, b"", 0, True, self.device)], 1, 0).wait()
-            except Exception:
-                pass
+            if pair.group is not None:
+                with contextlib.suppress(Exception):
+                    close = control_tensor(KIND_CLOSE, b"", 0, True, self.device)
+                    wait_work(pair.group.send([close], 1, 0), TEARDOWN_TIMEOUT)
+            self._destroy(pair)
 
-    def _drop(self, dest: str) -> None:
+    @staticmethod
+    def _destroy(pair: _Pair) -> None:
+        """Caller holds ``pair.lock``."""
+        destroy_group(pair.group)
+        pair.group = pair.store = None
+
+    def _drop(self, dest: str, pair: _Pair) -> None:
+        """A broken pair: forget it and destroy its group. Caller holds ``pair.lock``."""
         with self._pairs_lock:
-            self._pairs.pop(dest, None)
+            if self._pairs.get(dest) is pair:
+                del self._pairs[dest]
         self.forget(dest)
+        self._destroy(pair)
 
     @property
     def num_groups(self) -> int:
@@ -128,7 +174,7 @@ class TorchSender(BaseSender):
 
     def _ship(self, dest: str, chunks: Iterator[EncodedChunk], deadline_at: float, transfer_id: str = "",
               sizes: list[int] | None = None) -> int:
-        pair, _ = self._pair(dest)
+        pair, _ = self._pair(dest, deadline_at)
         sizes = sizes or []
         wire_bytes, inflight, announced = 0, None, 0
         ack = torch.empty(2, dtype=torch.int64, device=self.device)
@@ -171,10 +217,10 @@ class TorchSender(BaseSender):
                     raise encode_error
             except (TransferError, HandshakeError, CodecError) as exc:
                 if isinstance(exc, TransferError) and exc.side == FailedSide.TRANSPORT:
-                    self._drop(dest)  # sends may still be pending: the pair is out of step
+                    self._drop(dest, pair)  # sends may still be pending: the pair is out of step
                 raise
             except Exception as exc:
-                self._drop(dest)
+                self._drop(dest, pair)
                 raise TransferError(f"torch.distributed pair to {dest} broke: {str(exc)[:200]}",
                                     FailedSide.TRANSPORT) from None
         return wire_bytes
