@@ -24,7 +24,7 @@ from engine.latency import time_per_output_token
 from proto.pdserve.v1 import generation_pb2 as pb
 from router.backend import Backend, BackendError, GenerationChunk, GenerationInput, Timing, Usage
 from router.log import log_event
-from router.validation import RequestError, validate_request
+from router.validation import THREAD_TOKEN_IDS, RequestError, num_token_ids, validate_request
 
 SERVICE_NAME = "pdserve.v1.GenerationService"
 THREAD_TOKENIZE_CHARS = 8192  # prompts at least this long are tokenized in a worker thread
@@ -181,9 +181,12 @@ class GenerationServicer:
         remaining = context.time_remaining()
         deadline = received + remaining if remaining is not None else None
         tokenizer, max_model_len = self._backend.tokenizer, self._backend.max_model_len
-        if request.WhichOneof("input") != "prompt" or len(request.prompt) < THREAD_TOKENIZE_CHARS:
+        num_ids = num_token_ids(request)
+        long_prompt = request.WhichOneof("input") == "prompt" and len(request.prompt) >= THREAD_TOKENIZE_CHARS
+        if not long_prompt and not THREAD_TOKEN_IDS <= num_ids <= max_model_len:
+            # small inputs, and token ids beyond the budget (refused by their count alone), on the loop
             return validate_request(request, tokenizer, max_model_len, self._in_flight, deadline)
-        # Long prompts are tokenized off the event loop so other streams keep flowing.
+        # Long prompts are tokenized, and many token ids copied and checked, off the event loop.
         inp = await asyncio.to_thread(
             validate_request, request, tokenizer, max_model_len, frozenset(self._in_flight), deadline
         )

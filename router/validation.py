@@ -1,19 +1,27 @@
 """Turn a `GenerateRequest` into a `GenerationInput`, or reject it naming the field.
 
 Checks run cheapest first: request id, input presence, sampling ranges (via
-`SamplingParams.validate`, the one source of truth for them), token ids,
-tokenization, then the context-length budget.
+`SamplingParams.validate`, the one source of truth for them), the count of
+token ids against the context-length budget (before a single id is copied, so
+millions of ids cost nothing), the ids' range, tokenization, then the budget.
+
+Token ids are copied and range-checked in slices of `TOKEN_IDS_SLICE`: each
+slice is one short C call, so a worker thread that validates a large input
+(the servicer hands inputs of `THREAD_TOKEN_IDS` ids or more to one) never
+holds the GIL long enough to stall the event loop.
 """
 from __future__ import annotations
 
 import uuid
-from collections.abc import Container
+from collections.abc import Container, Sequence
 
 from engine.sampling_params import SamplingParams
 from proto.pdserve.v1 import generation_pb2 as pb
 from router.backend import GenerationInput, Tokenizer
 
 MAX_REQUEST_ID_CHARS = 256
+TOKEN_IDS_SLICE = 65536     # ids copied and range-checked per C call
+THREAD_TOKEN_IDS = 32768    # inputs of at least this many ids are worth validating off the event loop
 
 
 class RequestError(Exception):
@@ -63,19 +71,19 @@ def validate_request(
         raise invalid("token_ids.ids must not be empty")
     params = sampling_params_from_proto(request.sampling)
     if which == "token_ids":
-        prompt_token_ids = list(request.token_ids.ids)
-        _check_token_ids(prompt_token_ids, tokenizer.vocab_size)
+        _check_budget(len(request.token_ids.ids), params.max_tokens, max_model_len)   # O(1): nothing copied yet
+        prompt_token_ids = _copy_token_ids(request.token_ids.ids, tokenizer.vocab_size)
     else:
         prompt_token_ids = list(tokenizer.encode(request.prompt))
         if not prompt_token_ids:
             raise invalid("prompt encodes to zero tokens")
-    num_prompt_tokens = len(prompt_token_ids)
-    if num_prompt_tokens + params.max_tokens > max_model_len:
-        raise invalid(
-            f"prompt ({num_prompt_tokens} tokens) + sampling.max_tokens ({params.max_tokens}) = "
-            f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len ({max_model_len})"
-        )
+        _check_budget(len(prompt_token_ids), params.max_tokens, max_model_len)
     return GenerationInput(request_id, prompt_token_ids, params, deadline)
+
+
+def num_token_ids(request: pb.GenerateRequest) -> int:
+    """How many token ids the request carries (0 for a text prompt); O(1), copies nothing."""
+    return len(request.token_ids.ids) if request.WhichOneof("input") == "token_ids" else 0
 
 
 def sampling_params_from_proto(sampling: pb.SamplingParams) -> SamplingParams:
@@ -104,7 +112,21 @@ def _request_id(request_id: str, in_flight: Container[str]) -> str:
     return request_id
 
 
-def _check_token_ids(token_ids: list[int], vocab_size: int) -> None:
-    for i, token_id in enumerate(token_ids):
-        if token_id >= vocab_size:
-            raise invalid(f"token_ids.ids[{i}] = {token_id} is out of range: vocab_size is {vocab_size}")
+def _check_budget(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise invalid(
+            f"prompt ({num_prompt_tokens} tokens) + sampling.max_tokens ({max_tokens}) = "
+            f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_model_len})"
+        )
+
+
+def _copy_token_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The ids as a list, each checked against ``vocab_size`` (uint32 on the wire: never negative)."""
+    token_ids: list[int] = []
+    for start in range(0, len(ids), TOKEN_IDS_SLICE):
+        part = ids[start:start + TOKEN_IDS_SLICE]
+        if max(part) >= vocab_size:
+            i = next(i for i, token_id in enumerate(part) if token_id >= vocab_size)
+            raise invalid(f"token_ids.ids[{start + i}] = {part[i]} is out of range: vocab_size is {vocab_size}")
+        token_ids.extend(part)
+    return token_ids
