@@ -2,22 +2,24 @@
 
 - A configured token is required on every RPC except the standard health
   check (load balancers and probes call it without credentials):
-  metadata ``authorization: Bearer <token>``, compared in constant time.
+  metadata ``authorization: Bearer <token>``, compared in constant time by the
+  check every pdserve server shares (`kv_transfer.internal_auth`), before the
+  request body is read. Internal endpoints take a secret derived from the
+  token instead (`internal_secret`), never the token itself.
 - Binding to a non-loopback address without a token is refused at start.
 - TLS: server certificate chain + key; with ``client_ca_path`` the server
   also demands a client certificate signed by that CA (mTLS).
 """
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
+from kv_transfer.internal_auth import AsyncTokenInterceptor, TokenGate
 from router.log import log_event
 
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
@@ -73,51 +75,20 @@ def check_bind(host: str, token: str | None) -> None:
         )
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Reject RPCs whose ``authorization`` metadata is not ``Bearer <token>``."""
+class BearerTokenInterceptor(AsyncTokenInterceptor):
+    """Reject RPCs whose ``authorization`` metadata is not ``Bearer <token>`` (UNAUTHENTICATED, body unread)."""
 
     def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("auth token must not be empty")
-        self._expected = f"Bearer {token}".encode()
-        self.num_rejected = 0
+        super().__init__(TokenGate("authorization", f"Bearer {token}", exempt=(HEALTH_METHOD_PREFIX,),
+                                   message="{reason} bearer token: send metadata 'authorization: Bearer <token>'",
+                                   on_reject=_log_rejected))
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method = handler_call_details.method or ""
-        handler = await continuation(handler_call_details)
-        if handler is None or method.startswith(HEALTH_METHOD_PREFIX):
-            return handler
-        provided = b""
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                provided = value.encode() if isinstance(value, str) else value
-                break
-        if hmac.compare_digest(provided, self._expected):
-            return handler
-        self.num_rejected += 1
-        reason = "missing" if not provided else "invalid"
-        log_event("auth_rejected", logging.WARNING, method=method, reason=reason)
-        return _deny_handler(handler, f"{reason} bearer token: send metadata 'authorization: Bearer <token>'")
+    @property
+    def num_rejected(self) -> int:
+        return self.gate.num_rejected
 
 
-def _deny_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that aborts UNAUTHENTICATED."""
-
-    async def deny(request_or_iterator: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    kwargs = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+def _log_rejected(method: str, reason: str) -> None:
+    log_event("auth_rejected", logging.WARNING, method=method, reason=reason)
