@@ -5,7 +5,7 @@
     sender = make_sender("fake", layout, codec="none", hub=hub)                      # tests, benchmarks
 
 The first argument is either the ``TransferSettings`` (codec, token, chunk size,
-deadline and bind host come from them) or just a transport name from
+deadline, bind host and, for grpc, the internal TLS come from them) or just a transport name from
 ``kv_transfer.transports.TRANSPORTS`` (then only the keywords given are passed
 on, over the transport classes' own defaults).
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kv_transfer.interface import BlockAllocator, KVReceiver, KVSender, TransferResult
+from kv_transfer.internal_auth import InternalTLS
 from kv_transfer.layout import KVLayout
 from kv_transfer.transports import load
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES
@@ -26,10 +27,11 @@ from kv_transfer.wire import DEFAULT_CHUNK_BYTES
 class TransferSettings:
     transport: str = "grpc"           # grpc | torch | ray | fake
     codec: str = "fp8"                # fp8 | none
-    token: str = ""                   # cluster token for internal endpoints
+    token: str = ""                   # internal secret (internal_auth.internal_secret), never the public token
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     deadline_s: float = 30.0
     bind_host: str = "127.0.0.1"      # where a decode actor's receiver listens
+    tls: InternalTLS | None = None    # mutual TLS of the grpc transport (and of the decode token stream)
 
 
 def layout_of(kv_cache: torch.Tensor, model_fingerprint: str) -> KVLayout:
@@ -52,7 +54,7 @@ def make_sender(
         device: where the torch transport stages its tensors (the prefill engine's device; default
             CPU). The other transports read the cache where it lives and ignore it.
         options: transport keywords, over what the settings give: codec, token, chunk_bytes,
-            max_workers, prefetch_depth, encode_workers; grpc: num_streams; torch: max_groups,
+            max_workers, prefetch_depth, encode_workers; grpc: num_streams, tls; torch: max_groups,
             connect_timeout_s, interface; fake: hub.
     Returns:
         A ``KVSender``. Raises ValueError for an unknown transport.
@@ -60,7 +62,10 @@ def make_sender(
     if isinstance(transport, TransferSettings):
         settings = transport
         transport = settings.transport
-        options = {"codec": settings.codec, "token": settings.token, "chunk_bytes": settings.chunk_bytes, **options}
+        defaults = {"codec": settings.codec, "token": settings.token, "chunk_bytes": settings.chunk_bytes}
+        if transport == "grpc" and settings.tls is not None:
+            defaults["tls"] = settings.tls
+        options = {**defaults, **options}
     sender_class, _ = load(transport)
     if transport == "torch" and device is not None:
         options["device"] = device
@@ -84,7 +89,8 @@ def make_receiver(
         allocator: the decode actor's block pool (reserve on a first chunk, free on failure).
         on_complete: called once per terminal ``TransferResult``, from a transport thread.
         options: transport keywords, over what the settings give: codec, token, default_timeout_s;
-            grpc and torch: host, port; torch: max_groups, interface; ray: name; fake: hub.
+            grpc and torch: host, port; grpc: max_streams, max_calls, tls; torch: max_groups, interface;
+            ray: name; fake: hub.
     Returns:
         A ``KVReceiver``. Raises ValueError for an unknown transport.
     """
@@ -94,6 +100,8 @@ def make_receiver(
         defaults = {"codec": settings.codec, "token": settings.token, "default_timeout_s": settings.deadline_s}
         if transport in ("grpc", "torch"):
             defaults["host"] = settings.bind_host
+        if transport == "grpc" and settings.tls is not None:
+            defaults["tls"] = settings.tls
         options = {**defaults, **options}
     _, receiver_class = load(transport)
     return receiver_class(layout, kv_cache, allocator, on_complete=on_complete, **options)

@@ -6,9 +6,13 @@ proto/pdserve/v1/kv_transfer.proto) with raw-bytes handlers — a protobuf
     Handshake  unary:  msgpack layout description -> msgpack layout description
     PushKV     client stream of frames (u32 len | msgpack header | payload),
                closed by an END frame (u32 0) -> msgpack {"nbytes": int}
-The cluster token travels in metadata ``x-pdserve-token`` (``TOKEN_KEY``); a wrong token is
-answered UNAUTHENTICATED and counted. HTTP/2 flow control paces the stream,
-the call's timeout is the transfer deadline.
+The internal secret travels in metadata ``x-pdserve-token`` (``TOKEN_KEY``); an interceptor
+checks it before a message is read (``kv_transfer.internal_auth``), a wrong one is answered
+UNAUTHENTICATED and counted. Bounds: a Handshake body of ``MAX_HANDSHAKE_BYTES``, a PushKV
+frame of ``MAX_MESSAGE_BYTES`` (the wire's largest frame), ``max_calls`` calls at once (more get
+RESOURCE_EXHAUSTED; ``max_streams`` of them run, the rest wait unread). With ``tls`` (an
+``InternalTLS``) the service and the senders speak mutual TLS only. HTTP/2 flow control paces
+the stream, the call's timeout is the transfer deadline.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import grpc
 import msgpack
 
 from kv_transfer.chunker import EncodedChunk
+from kv_transfer.internal_auth import InternalTLS, TokenGate, TokenInterceptor, add_port, open_channel
 from kv_transfer.interface import FailedSide, TransferError, TransferStatus
 from kv_transfer.layout import HandshakeError
 from kv_transfer.receiver import BaseReceiver
@@ -46,6 +51,8 @@ END_FRAME = b"\x00\x00\x00\x00"
 ABORT_PREFIX = END_FRAME
 MAX_DECODES_PER_STREAM = 2  # chunks of one stream queued for decode (bounds memory)
 MAX_MESSAGE_BYTES = MAX_PAYLOAD_BYTES + MAX_HEADER_BYTES + 16
+MAX_HANDSHAKE_BYTES = 4096  # a layout description is ~200 bytes
+MAX_CALLS = 64  # concurrent calls per receiver (a transfer uses up to num_streams of them)
 _OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -67,29 +74,33 @@ class GrpcReceiver(BaseReceiver):
     """Serves KVTransferService on ``host:port`` (port 0 = pick one)."""
 
     def __init__(self, layout, kv_cache, allocator, *, host: str = "127.0.0.1", port: int = 0, max_streams: int = 32,
-                 decode_threads: int = 2, **kwargs):
+                 max_calls: int = MAX_CALLS, decode_threads: int = 2, tls: InternalTLS | None = None, **kwargs):
         super().__init__(layout, kv_cache, allocator, **kwargs)
         self._decoders = futures.ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="kv-decode")
+        gate = TokenGate(TOKEN_KEY, self.token, message="receiver rejected the cluster token ({reason})",
+                         on_reject=self._count_auth_failure)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="kv-grpc"),
-                                   options=_OPTIONS)
+                                   interceptors=[TokenInterceptor(gate)], options=_OPTIONS,
+                                   maximum_concurrent_rpcs=max_calls)
         handlers = {
             "Handshake": grpc.unary_unary_rpc_method_handler(self._handshake),
             "PushKV": grpc.stream_unary_rpc_method_handler(self._push),
         }
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        bound = add_port(self._server, f"{host}:{port}", tls)
         if bound == 0:
             raise OSError(f"cannot bind KV gRPC service to {host}:{port}")
         self._endpoint = f"{host}:{bound}"
         self._server.start()
 
-    def _authorized(self, context) -> bool:
-        token = dict(context.invocation_metadata()).get(TOKEN_KEY)
-        return self.check_token(token)
+    def _count_auth_failure(self, method: str, reason: str) -> None:
+        with self._cond:
+            self._stats.auth_failures += 1
 
     def _handshake(self, request: bytes, context) -> bytes:
-        if not self._authorized(context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "receiver rejected the cluster token")
+        if len(request) > MAX_HANDSHAKE_BYTES:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"Handshake of {len(request)} bytes is over the limit of {MAX_HANDSHAKE_BYTES}")
         try:
             self.check_handshake(unpack_small(request))
         except (HandshakeError, WireError, ValueError) as exc:
@@ -97,8 +108,6 @@ class GrpcReceiver(BaseReceiver):
         return msgpack.packb(self.describe())
 
     def _push(self, frames: Iterator[bytes], context) -> bytes:
-        if not self._authorized(context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "receiver rejected the cluster token")
         transfer_id, nbytes = "", 0
         code, error = None, ""
         pending: deque[Future] = deque()
@@ -144,7 +153,7 @@ class GrpcReceiver(BaseReceiver):
 
 
 class GrpcSender(BaseSender):
-    """Streams chunks to ``dest`` = "host:port" of a GrpcReceiver.
+    """Streams chunks to ``dest`` = "host:port" of a GrpcReceiver (mutual TLS with ``tls``).
 
     A transfer is striped over ``num_streams`` PushKV calls, each on its own
     TCP connection: one gRPC connection tops out near 1 GB/s here, two come
@@ -152,9 +161,10 @@ class GrpcSender(BaseSender):
     stealing); the receiver completes a transfer by coverage, not by stream.
     """
 
-    def __init__(self, layout, *, num_streams: int = 2, **kwargs) -> None:
+    def __init__(self, layout, *, num_streams: int = 2, tls: InternalTLS | None = None, **kwargs) -> None:
         super().__init__(layout, **kwargs)
         self.num_streams = max(1, num_streams)
+        self.tls = tls
         self._streams = futures.ThreadPoolExecutor(max_workers=self._pool._max_workers * (self.num_streams - 1) or 1,
                                                    thread_name_prefix="kv-grpc-stream")
         self._channels: dict[str, list[grpc.Channel]] = {}
@@ -166,7 +176,7 @@ class GrpcSender(BaseSender):
             if channels is None:
                 # a local subchannel pool per channel = a TCP connection per channel
                 channels = self._channels[dest] = [
-                    grpc.insecure_channel(dest, options=_OPTIONS + [("grpc.use_local_subchannel_pool", 1)])
+                    open_channel(dest, self.tls, _OPTIONS + [("grpc.use_local_subchannel_pool", 1)])
                     for _ in range(self.num_streams)
                 ]
             return channels[index]

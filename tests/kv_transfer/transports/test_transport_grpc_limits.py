@@ -1,0 +1,83 @@
+"""The KV service's bounds (kv_transfer/transports/grpc.py): the token is checked before a body is
+read, a Handshake is a few KiB, and at most ``max_calls`` calls run at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import msgpack
+import pytest
+import torch
+from kv_helpers import TOKEN
+
+from kv_transfer import SimpleBlockPool, make_receiver
+from kv_transfer.transports.grpc import END_FRAME, MAX_MESSAGE_BYTES, SERVICE
+from kv_transfer.wire import TOKEN_KEY
+
+_UNLIMITED_SEND = [("grpc.max_send_message_length", -1)]
+
+
+def _receiver(layout, **options):
+    return make_receiver("grpc", layout, torch.zeros(layout.cache_shape(8)), SimpleBlockPool(8), token=TOKEN,
+                         **options)
+
+
+@pytest.fixture
+def receiver(layout):
+    receiver = _receiver(layout)
+    yield receiver
+    receiver.close()
+
+
+def _handshake_code(endpoint: str, body: bytes, token: str) -> grpc.StatusCode:
+    with grpc.insecure_channel(endpoint, options=_UNLIMITED_SEND) as channel:
+        try:
+            channel.unary_unary(f"/{SERVICE}/Handshake")(body, metadata=((TOKEN_KEY, token),), timeout=60)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_wrong_token_is_refused_before_the_body_is_read(receiver):
+    # One byte over the largest message the service reads: had it read the body before the
+    # token, the answer would be RESOURCE_EXHAUSTED ("larger than max").
+    body = bytes(MAX_MESSAGE_BYTES + 1)   # zero pages: cheap until gRPC copies them
+    assert _handshake_code(receiver.endpoint, body, "not-the-token") == grpc.StatusCode.UNAUTHENTICATED
+    assert _handshake_code(receiver.endpoint, b"", "") == grpc.StatusCode.UNAUTHENTICATED
+    assert receiver.stats.auth_failures == 2
+
+
+def test_handshake_over_a_few_kib_is_refused(receiver, layout):
+    assert _handshake_code(receiver.endpoint, msgpack.packb(layout.describe("none")), TOKEN) == grpc.StatusCode.OK
+    assert _handshake_code(receiver.endpoint, bytes(8192), TOKEN) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert receiver.stats.auth_failures == 0
+
+
+def test_calls_over_max_calls_are_refused(layout):
+    receiver = _receiver(layout, max_calls=2)
+    release = threading.Event()
+
+    def held_frames():            # a sender that has opened its stream and not sent a frame yet
+        release.wait(30)
+        yield END_FRAME
+
+    try:
+        with grpc.insecure_channel(receiver.endpoint) as channel:
+            push = channel.stream_unary(f"/{SERVICE}/PushKV")
+            metadata = ((TOKEN_KEY, TOKEN),)
+            held = [push.future(held_frames(), metadata=metadata, timeout=30) for _ in range(2)]
+            code, end = grpc.StatusCode.OK, time.monotonic() + 20
+            while code == grpc.StatusCode.OK and time.monotonic() < end:   # until both held calls are in
+                try:
+                    push(iter([END_FRAME]), metadata=metadata, timeout=10)
+                except grpc.RpcError as exc:
+                    code = exc.code()
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            release.set()
+            assert all(msgpack.unpackb(call.result(timeout=10)) == {"nbytes": 0} for call in held)
+            push(iter([END_FRAME]), metadata=metadata, timeout=10)        # room again once they finished
+    finally:
+        release.set()
+        receiver.close()
