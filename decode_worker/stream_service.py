@@ -3,13 +3,16 @@
 Measured against a Ray streaming generator on this machine (bench/serving/stream_latency.py),
 a gRPC server stream adds ~8x less per-token delay, so each decode (and colocated)
 actor serves `Decode`: the request carries a `DecodeJob`, each response every
-`DecodeEvent` produced since the last one. The cluster token travels in metadata.
-Cancelling the call aborts the request on the actor.
+`DecodeEvent` produced since the last one. Cancelling the call aborts the request on the actor.
+
+The internal secret travels in metadata (``TOKEN_KEY``) and is checked by an interceptor before
+the request is read (`kv_transfer.internal_auth`); a request is at most `max_job_bytes` of the
+actor's ``max_model_len``, an actor serves at most `MAX_DECODE_STREAMS` calls at once (more get
+RESOURCE_EXHAUSTED), and with ``tls`` (an `InternalTLS`) both ends speak mutual TLS only.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator
 
@@ -18,26 +21,54 @@ import grpc
 from decode_worker.colocated import ColocatedWorker
 from engine.loop import on_event_loop
 from kv_transfer import TOKEN_KEY
+from kv_transfer.internal_auth import AsyncTokenInterceptor, InternalTLS, TokenGate, add_port, open_channel
 from proto.pdserve.v1 import worker_pb2 as wpb, worker_pb2_grpc
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
-MAX_JOB_BYTES = 16 << 20
+MAX_DECODE_STREAMS = 4096      # Decode calls one actor serves at once (running + waiting for KV)
+JOB_OVERHEAD_BYTES = 64 << 10  # ids, sampling params with 16 stop strings of 256 characters, field tags
+TOKEN_ID_BYTES = 5             # the longest varint of a uint32
+
+
+def max_job_bytes(max_model_len: int) -> int:
+    """The largest `DecodeRequest` an actor reads: prompt and resumed tokens fit in ``max_model_len``."""
+    return JOB_OVERHEAD_BYTES + TOKEN_ID_BYTES * max_model_len
 
 
 class DecodeStreamServer(worker_pb2_grpc.DecodeStreamServiceServicer):
-    """Runs in the actor's event loop; `worker` emits from its loop thread."""
+    """Runs in the actor's event loop; `worker` emits from its loop thread.
 
-    def __init__(self, worker: ColocatedWorker, token: str, host: str = "127.0.0.1"):
-        self.worker, self.token, self.host = worker, token, host
+    Args:
+        worker: the actor's worker (`submit`, `abort`; ``engine.max_model_len`` sizes the request limit).
+        token: the internal secret callers must present.
+        host: the interface to listen on.
+        tls: the node's internal certificates; set = mutual TLS only.
+        max_streams: concurrent calls; more get RESOURCE_EXHAUSTED.
+        max_request_bytes: the request limit (default `max_job_bytes` of the engine's ``max_model_len``).
+    """
+
+    def __init__(self, worker: ColocatedWorker, token: str, host: str = "127.0.0.1", *, tls: InternalTLS | None = None,
+                 max_streams: int = MAX_DECODE_STREAMS, max_request_bytes: int | None = None):
+        self.worker, self.token, self.host, self.tls = worker, token, host, tls
+        self.max_streams = max_streams
+        self.max_request_bytes = max_request_bytes or max_job_bytes(worker.engine.max_model_len)
         self.endpoint = ""
-        self.auth_failures = 0
+        self._gate = TokenGate(TOKEN_KEY, token, message="{reason} cluster token")
         self._server: grpc.aio.Server | None = None
 
+    @property
+    def auth_failures(self) -> int:
+        return self._gate.num_rejected
+
     async def start(self) -> str:
-        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_JOB_BYTES)])
+        self._server = grpc.aio.server(interceptors=[AsyncTokenInterceptor(self._gate)],
+                                       options=[("grpc.max_receive_message_length", self.max_request_bytes)],
+                                       maximum_concurrent_rpcs=self.max_streams)
         worker_pb2_grpc.add_DecodeStreamServiceServicer_to_server(self, self._server)
-        port = self._server.add_insecure_port(f"{self.host}:0")
+        port = add_port(self._server, f"{self.host}:0", self.tls)
+        if port == 0:
+            raise OSError(f"cannot bind the decode token stream to {self.host}")
         await self._server.start()
         self.endpoint = f"{self.host}:{port}"
         return self.endpoint
@@ -48,10 +79,6 @@ class DecodeStreamServer(worker_pb2_grpc.DecodeStreamServiceServicer):
 
     async def Decode(self, request: wpb.DecodeRequest,  # noqa: N802 — the proto's method name
                      context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.DecodeResponse]:
-        presented = dict(context.invocation_metadata()).get(TOKEN_KEY, "")
-        if not hmac.compare_digest(presented.encode(), self.token.encode()):
-            self.auth_failures += 1
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong cluster token")
         job = request.job
         queue: asyncio.Queue[wpb.DecodeEvent] = asyncio.Queue()
         self.worker.submit(job, on_event_loop(asyncio.get_running_loop(), queue.put_nowait))
@@ -69,17 +96,17 @@ class DecodeStreamServer(worker_pb2_grpc.DecodeStreamServiceServicer):
 
 
 class DecodeStreamClient:
-    """Router side: one channel per decode actor, one call per request."""
+    """Router side: one channel per decode actor, one call per request (mutual TLS with ``tls``)."""
 
-    def __init__(self, token: str):
-        self.token = token
+    def __init__(self, token: str, tls: InternalTLS | None = None):
+        self.token, self.tls = token, tls
         self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.DecodeStreamServiceStub]] = {}
 
     def open(self, endpoint: str, job: wpb.DecodeJob) -> grpc.aio.UnaryStreamCall:
         """Start the stream; iterate the call for `DecodeResponse`s; `cancel()` aborts."""
         entry = self._stubs.get(endpoint)
         if entry is None:
-            channel = grpc.aio.insecure_channel(endpoint)
+            channel = open_channel(endpoint, self.tls, asynchronous=True)
             entry = self._stubs[endpoint] = (channel, worker_pb2_grpc.DecodeStreamServiceStub(channel))
         return entry[1].Decode(wpb.DecodeRequest(job=job), metadata=((TOKEN_KEY, self.token),))
 
