@@ -16,6 +16,7 @@ from decode_worker.stream_service import DecodeStreamServer
 from decode_worker.worker import DecodeWorker
 from engine.args import EngineArgs
 from kv_transfer import TransferSettings, layout_of, make_receiver, release_gil_in_compiled_kernels
+from kv_transfer.internal_auth import InternalTLS
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
@@ -23,8 +24,10 @@ log = logging.getLogger(f"pdserve.{__name__}")
 class ColocatedActor:
     """A colocated engine: prefills and decodes every request itself (the baseline)."""
 
-    def __init__(self, engine_args: EngineArgs, actor_id: str, stream_token: str, bind_host: str = "127.0.0.1"):
-        """stream_token: the cluster token the router presents on the token stream."""
+    def __init__(self, engine_args: EngineArgs, actor_id: str, stream_token: str, bind_host: str = "127.0.0.1",
+                 tls: InternalTLS | None = None):
+        """stream_token: the internal secret the router presents on the token stream; tls: the
+        node's internal certificates (set = the stream speaks mutual TLS only)."""
         if bind_host == "auto":                  # multi-node: this node's address
             import ray
             bind_host = ray.util.get_node_ip_address()
@@ -36,7 +39,7 @@ class ColocatedActor:
         self.codec = "none"
         self.worker = self._make_worker(engine, actor_id)
         self.worker.start()
-        self.stream = DecodeStreamServer(self.worker, stream_token, bind_host)
+        self.stream = DecodeStreamServer(self.worker, stream_token, bind_host, tls=tls)
         log.info("%s actor %s ready: model %s, %d KV blocks", self.worker.role, actor_id, engine.model_dir,
                  engine.block_manager.num_blocks)
 
@@ -82,7 +85,7 @@ class DecodeActor(ColocatedActor):
             if transfer.bind_host == "auto":
                 transfer = dataclasses.replace(transfer, bind_host=node_ip)
         self.transfer = transfer
-        super().__init__(engine_args, actor_id, stream_token, bind_host)
+        super().__init__(engine_args, actor_id, stream_token, bind_host, transfer.tls)
         self.codec = transfer.codec
 
     def _make_worker(self, engine, actor_id: str) -> DecodeWorker:

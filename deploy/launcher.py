@@ -22,6 +22,7 @@ from engine.engine import pick_dtype
 from engine.presets import resolve_model
 from engine.tokenizer import Tokenizer
 from kv_transfer import HandshakeError, TransferSettings, check_compatible
+from kv_transfer.internal_auth import internal_secret
 from router.pools import DecodeView, Pools, PrefillView
 
 log = logging.getLogger(f"pdserve.{__name__}")
@@ -66,8 +67,10 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str) -> EngineArgs:
 
 
 def transfer_settings(cfg: PDServeConfig, cluster_token: str, bind_host: str) -> TransferSettings:
+    """The actors' transfer settings: they carry the secret derived from the token, never the token."""
     t = cfg.kv_transfer
-    return TransferSettings(t.transport, t.compression, cluster_token, t.chunk_bytes, t.deadline_s, bind_host)
+    return TransferSettings(t.transport, t.compression, internal_secret(cluster_token), t.chunk_bytes, t.deadline_s,
+                            bind_host, cfg.security.internal_tls())
 
 
 def _actor_options(cfg: PDServeConfig, pool: str, name: str) -> dict:
@@ -85,12 +88,19 @@ class ActorFactory:
         self.model_dir = resolve_model(cfg.model.name)    # materialize a preset once, before actors race for it
         multi_node = bool(cfg.ray.address)
         self.bind_host = "auto" if multi_node else "127.0.0.1"
-        self.token = cluster_token
+        self.token = internal_secret(cluster_token)        # internal endpoints never see the public token
+        self.tls = cfg.security.internal_tls()
         self.transfer = transfer_settings(cfg, cluster_token, self.bind_host)
         self.suffix = secrets.token_hex(3)
         self.first: dict | None = None
         self._next_index: dict[str, int] = {}
-        self.streams = DecodeStreamClient(cluster_token)     # the router's token streams to decode actors
+        self.streams = DecodeStreamClient(self.token, self.tls)  # the router's token streams to decode actors
+        if multi_node and self.tls is None:
+            log.warning("internal endpoints (KV, token streams) listen on node addresses in plaintext; "
+                        "set security.internal_tls_cert/_key/_ca to encrypt them")
+        if self.tls is not None and cfg.kv_transfer.transport != "grpc":
+            log.warning("security.internal_tls_* encrypts the token streams, not kv_transfer.transport %s "
+                        "(only the grpc transport runs over TLS)", cfg.kv_transfer.transport)
 
     def spawn(self, pool: str):
         """Start one actor of `pool` ("prefill" | "decode" | "long_context"); returns its handle.
@@ -107,7 +117,7 @@ class ActorFactory:
             args.max_num_batched_tokens = self.cfg.pools.prefill.max_batch_tokens
             actor_id = f"colocated-{index}"
             actor = ray.remote(ColocatedActor).options(**_actor_options(self.cfg, "decode", self._name(actor_id)))
-            return actor.remote(args, actor_id, self.token, self.bind_host)
+            return actor.remote(args, actor_id, self.token, self.bind_host, self.tls)
         args = engine_args(self.cfg, pool, self.model_dir)
         actor_id = f"{pool}-{index}"
         options = _actor_options(self.cfg, pool, self._name(actor_id))

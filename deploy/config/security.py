@@ -1,4 +1,11 @@
-"""The ``security`` section: the shared token and the TLS files."""
+"""The ``security`` section: the shared token, the public TLS files and the internal mutual TLS files.
+
+The router's public port takes the token; internal endpoints (KV service, decode token stream)
+take a secret derived from it (`kv_transfer.internal_auth.internal_secret`). ``tls_*`` secure the
+public port; ``internal_tls_*`` put every internal gRPC channel under mutual TLS: each node
+presents ``internal_tls_cert`` as server and as client certificate, and accepts only peers whose
+certificate chains to ``internal_tls_ca``. The files must exist at the same path on every node.
+"""
 from __future__ import annotations
 
 import os
@@ -7,6 +14,8 @@ from typing import Optional
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from deploy.config.base import FieldProblem, Section, existing_file
+
+INTERNAL_TLS_FILES = ("internal_tls_cert", "internal_tls_key", "internal_tls_ca")
 
 
 class SecuritySection(Section):
@@ -19,8 +28,16 @@ class SecuritySection(Section):
     tls_key: Optional[str] = Field(None, description="PEM private key of tls_cert.")
     tls_client_ca: Optional[str] = Field(None, description="PEM CA bundle; set = clients need "
                                          "a certificate signed by it (mutual TLS).")
+    internal_tls_cert: Optional[str] = Field(None, description="PEM certificate of the internal endpoints, "
+                                             "also their client certificate (with internal_tls_key and "
+                                             "internal_tls_ca; set = mutual TLS on every internal channel).")
+    internal_tls_key: Optional[str] = Field(None, description="PEM private key of internal_tls_cert.")
+    internal_tls_ca: Optional[str] = Field(None, description="PEM CA that every internal certificate must "
+                                           "chain to.")
+    internal_tls_server_name: Optional[str] = Field(None, description="Name internal clients check in a "
+                                                    "server certificate; unset = the address dialled.")
 
-    @field_validator("tls_cert", "tls_key", "tls_client_ca")
+    @field_validator("tls_cert", "tls_key", "tls_client_ca", *INTERNAL_TLS_FILES)
     @classmethod
     def _file_exists(cls, value: Optional[str], info: ValidationInfo) -> Optional[str]:
         return existing_file(value, info)
@@ -43,4 +60,21 @@ class SecuritySection(Section):
             raise FieldProblem(missing, f"required when security.{other} is set")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise FieldProblem("tls_cert", "required when security.tls_client_ca is set")
+        given = [key for key in INTERNAL_TLS_FILES if getattr(self, key) is not None]
+        if given and len(given) < len(INTERNAL_TLS_FILES):
+            missing = next(key for key in INTERNAL_TLS_FILES if key not in given)
+            raise FieldProblem(missing, f"required when security.{given[0]} is set (internal TLS is mutual: "
+                               "certificate, key and CA)")
+        if self.internal_tls_server_name is not None and not given:
+            raise FieldProblem("internal_tls_cert", "required when security.internal_tls_server_name is set")
+        if self.internal_tls_server_name is not None and not self.internal_tls_server_name.strip():
+            raise FieldProblem("internal_tls_server_name", "must not be empty")
         return self
+
+    def internal_tls(self):
+        """The internal mutual-TLS files as a `kv_transfer.internal_auth.InternalTLS`, or None (plaintext)."""
+        if self.internal_tls_cert is None:
+            return None
+        from kv_transfer.internal_auth import InternalTLS  # the config stays free of torch (kv_transfer's package)
+        return InternalTLS(self.internal_tls_cert, self.internal_tls_key, self.internal_tls_ca,
+                           self.internal_tls_server_name or "")

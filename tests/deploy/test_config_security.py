@@ -1,7 +1,9 @@
-"""The security section: token from the environment, TLS files (deploy/config/security.py)."""
+"""The security section: token from the environment, TLS files, internal TLS files (deploy/config/security.py)."""
 from __future__ import annotations
 
-from deploy.config import load_config
+import pytest
+
+from deploy.config import ConfigError, load_config
 
 
 def test_security_token_from_env_and_tls(monkeypatch, pem_files, write_yaml):
@@ -13,3 +15,30 @@ def test_security_token_from_env_and_tls(monkeypatch, pem_files, write_yaml):
     assert config.security.tls_client_ca == pem_files["ca.pem"]
     for host in ("localhost", "127.0.0.2", "::1"):
         assert load_config(None, {"server.host": host}).security.token is None
+
+
+def test_internal_tls_files_and_server_name(pem_files, write_yaml):
+    path = write_yaml("security: {internal_tls_cert: cert.pem, internal_tls_key: key.pem, internal_tls_ca: ca.pem, "
+                      "internal_tls_server_name: pdserve-internal}\n")
+    tls = load_config(path).security.internal_tls()
+    files = (pem_files["cert.pem"], pem_files["key.pem"], pem_files["ca.pem"])
+    assert (tls.cert_path, tls.key_path, tls.ca_path) == files
+    assert tls.server_name == "pdserve-internal"
+    assert load_config(None).security.internal_tls() is None
+
+
+@pytest.mark.parametrize("text, key, expected", [
+    ("{internal_tls_cert: cert.pem}", "security.internal_tls_key", "required when security.internal_tls_cert is set"),
+    ("{internal_tls_cert: cert.pem, internal_tls_key: key.pem}", "security.internal_tls_ca",
+     "required when security.internal_tls_cert is set (internal TLS is mutual"),
+    ("{internal_tls_ca: ca.pem}", "security.internal_tls_cert", "required when security.internal_tls_ca is set"),
+    ("{internal_tls_server_name: pdserve-internal}", "security.internal_tls_cert",
+     "required when security.internal_tls_server_name is set"),
+    ("{internal_tls_cert: nope.pem, internal_tls_key: key.pem, internal_tls_ca: ca.pem}",
+     "security.internal_tls_cert", "file not found: "),
+    ("{internal_tls_certificate: cert.pem}", "security.internal_tls_certificate", "unknown key (allowed: token,"),
+])
+def test_internal_tls_errors_name_the_key(pem_files, write_yaml, text, key, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(write_yaml(f"security: {text}\n"))
+    assert info.value.key == key and str(info.value).startswith(f"{key}: {expected}"), str(info.value)
