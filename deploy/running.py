@@ -82,7 +82,7 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
                                 token=token, tls=tls_of(cfg), max_queue=max_in_flight, metrics=metrics)
     metrics_task = None
     if metrics is not None:
-        metrics.serve(cfg.server.host, cfg.server.metrics_port)
+        metrics.serve(cfg.server.host, cfg.server.metrics_port, token)   # with a token, scrapes need it
         metrics_task = asyncio.get_running_loop().create_task(poll_stats(backend, metrics))
     log.info("pdserve ready on %s:%d (%s) — %d prefill + %d decode actors, model %s, KV %s/%s",
              cfg.server.host, server.port, mode, len(pools.prefill), len(pools.decode), cfg.model.name,

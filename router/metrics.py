@@ -6,19 +6,30 @@ Who feeds what::
                                                 queue seconds, requests_total{finish_reason}
     Dispatcher hooks                          → kv_transfer, transfer_failed, local_prefill,
                                                 prefix_hit_tokens
-    poll_stats (periodic backend.stats())     → blocks_used: pdserve_kv_blocks_used{actor,role}
+    poll_stats (periodic backend.stats())     → blocks_used: pdserve_kv_blocks_used{actor,role},
+                                                pdserve_kv_blocks_capacity{actor,role}
 
-`Metrics.serve(host, port)` exposes ``/metrics`` over HTTP (prometheus_client's
-server on a daemon thread); `Metrics.exposition()` returns the same text.
+Every name passes ``promtool check metrics``: ``_total`` on counters only (prometheus_client adds it
+to a Counter's name), base units (seconds, bytes) spelled out.
+
+`Metrics.serve(host, port, token)` exposes ``/metrics`` over HTTP on a daemon thread; with a token
+a scrape must send ``Authorization: Bearer <token>`` (else 401), and without one it binds loopback
+only. `Metrics.exposition()` returns the same text.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 from engine.latency import time_per_output_token
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from kv_transfer.internal_auth import token_matches
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import choose_encoder
+from router.security import is_loopback
 
 log = logging.getLogger("pdserve.router")
 
@@ -53,7 +64,8 @@ class Metrics:
         self.prefix_hits = Counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
                                    registry=r)
         self.blocks = Gauge("pdserve_kv_blocks_used", "KV blocks in use per actor.", ["actor", "role"], registry=r)
-        self.blocks_total = Gauge("pdserve_kv_blocks_total", "KV blocks per actor.", ["actor", "role"], registry=r)
+        self.blocks_capacity = Gauge("pdserve_kv_blocks_capacity", "KV blocks per actor (its cache's size).",
+                                     ["actor", "role"], registry=r)
         self.requests = Counter("pdserve_requests", "Finished requests by finish reason (or failure status).",
                                 ["finish_reason"], registry=r)
         self.transfer_failures = Counter("pdserve_transfer_failures", "Failed prefills or KV transfers.", registry=r)
@@ -100,7 +112,7 @@ class Metrics:
     def blocks_used(self, actor_id: str, role: str, used: int, total: int | None = None) -> None:
         self.blocks.labels(actor_id, role).set(used)
         if total is not None:
-            self.blocks_total.labels(actor_id, role).set(total)
+            self.blocks_capacity.labels(actor_id, role).set(total)
         self._actors.add((actor_id, role))
 
     def observe_stats(self, stats: Sequence) -> None:
@@ -110,7 +122,7 @@ class Metrics:
             self.blocks_used(s.actor_id, s.role, s.kv_blocks_used, s.kv_blocks_total)
             seen.add((s.actor_id, s.role))
         for gone in self._actors - seen:
-            for gauge in (self.blocks, self.blocks_total):
+            for gauge in (self.blocks, self.blocks_capacity):
                 try:
                     gauge.remove(*gone)
                 except KeyError:
@@ -122,15 +134,59 @@ class Metrics:
         """The Prometheus text format of every metric."""
         return generate_latest(self.registry)
 
-    def serve(self, host: str, port: int) -> None:
-        """Serve ``/metrics`` on ``host:port`` from a daemon thread."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, token: str | None = None) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0 = pick a port) from a daemon thread; returns the port.
+
+        Args:
+            token: when set, scrapes must send ``Authorization: Bearer <token>``.
+        Raises:
+            ValueError: a non-loopback ``host`` without a token (naming ``server.metrics_port``).
+        """
+        if not token and not is_loopback(host):
+            raise ValueError(f"server.metrics_port: refusing to serve /metrics on non-loopback host {host!r} "
+                             "without a token; set security.token or bind server.host to 127.0.0.1")
+        handler = type("MetricsHandler", (_MetricsHandler,),
+                       {"registry": self.registry, "expected": f"Bearer {token}" if token else None})
+        self._http = ThreadingHTTPServer((host, port), handler)
+        self._http.daemon_threads = True
+        threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True).start()
+        return self._http.server_address[1]
 
     def stop(self) -> None:
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """GET /metrics: the registry in the format the scraper asks for, behind the bearer token if any."""
+
+    registry: CollectorRegistry
+    expected: str | None = None   # "Bearer <token>", or None = open (loopback only)
+    timeout = 10                  # seconds a client may take to send its request
+
+    def do_GET(self) -> None:  # noqa: N802 — http.server's method name
+        if urlsplit(self.path).path not in ("/metrics", "/"):
+            self._reply(404, b"not found: scrape /metrics\n", "text/plain; charset=utf-8")
+        elif self.expected is not None and not token_matches(self.headers.get("Authorization"), self.expected):
+            self._reply(401, b"missing or invalid bearer token\n", "text/plain; charset=utf-8",
+                        {"WWW-Authenticate": 'Bearer realm="pdserve-metrics"'})
+        else:
+            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            self._reply(200, encoder(self.registry), content_type)
+
+    def _reply(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 — scrapes are not worth a log line
+        pass
 
 
 async def poll_stats(backend, metrics: Metrics, interval_s: float = 1.0) -> None:
