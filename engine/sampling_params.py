@@ -2,12 +2,27 @@
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 
 from proto.pdserve.v1 import generation_pb2
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# Floors of the sampler's divisors: logits are divided by the temperature and positive logits by the
+# repetition penalty, so a tiny positive value (a denormal such as 1e-45) overflows float32 logits to
+# inf and the softmax to NaN. At the floors a logit of 1e4 becomes 1e14 after both divisions: finite.
+MIN_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY = 1e-5
+
+
+def _float32(value: float) -> float:
+    """``value`` as the proto's float fields carry it (1e-5 arrives as 9.99999975e-06)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+_TEMPERATURE_FLOOR = _float32(MIN_TEMPERATURE)               # so that a floor sent over gRPC is accepted
+_REPETITION_PENALTY_FLOOR = _float32(MIN_REPETITION_PENALTY)
 
 
 @dataclass(slots=True)
@@ -15,14 +30,16 @@ class SamplingParams:
     """How to pick tokens and when to stop.
 
     Sampling order (fixed): repetition / frequency / presence penalties →
-    temperature → top-k → top-p → seeded draw. ``temperature == 0`` is greedy.
+    temperature → top-k → top-p → seeded draw. ``temperature == 0`` is greedy;
+    a positive temperature is at least `MIN_TEMPERATURE` (1e-5), and the
+    repetition penalty at least `MIN_REPETITION_PENALTY` (1e-5): both divide logits.
     """
 
     max_tokens: int = 16
-    temperature: float = 1.0
+    temperature: float = 1.0            # 0 = greedy, else >= MIN_TEMPERATURE
     top_p: float = 1.0
     top_k: int = 0                      # 0 = disabled
-    repetition_penalty: float = 1.0     # 1 = disabled, (0, 2]
+    repetition_penalty: float = 1.0     # 1 = disabled, (0, 2] and >= MIN_REPETITION_PENALTY
     frequency_penalty: float = 0.0      # [-2, 2]
     presence_penalty: float = 0.0       # [-2, 2]
     seed: int | None = None
@@ -60,13 +77,16 @@ class SamplingParams:
         """Raise ``ValueError`` naming the field and its allowed range."""
         _check_int("max_tokens", self.max_tokens, low=1)
         _check_float("temperature", self.temperature, 0.0, None, "a finite number >= 0")
+        if 0.0 < self.temperature < _TEMPERATURE_FLOOR:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}")
         _check_float("top_p", self.top_p, 0.0, 1.0, "in (0, 1]")
         if self.top_p <= 0.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k, low=0)
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, "in (0, 2]")
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.repetition_penalty < _REPETITION_PENALTY_FLOOR:
+            raise ValueError(f"repetition_penalty must be in (0, 2] and at least {MIN_REPETITION_PENALTY:g}, "
+                             f"got {self.repetition_penalty}")
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]")
         if self.seed is not None:
