@@ -189,11 +189,20 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         pass
 
 
-async def poll_stats(backend, metrics: Metrics, interval_s: float = 1.0) -> None:
-    """Feed `metrics.observe_stats` from ``await backend.stats()`` every ``interval_s`` until cancelled."""
+async def poll_stats(backend, metrics: Metrics, interval_s: float = 1.0, timeout_s: float = 3.0) -> None:
+    """Feed `metrics.observe_stats` from ``await backend.stats()`` every ``interval_s`` until cancelled;
+    a call that takes longer than ``timeout_s`` is given up (logged once until one answers again)."""
+    late = False
     while True:
         try:
-            metrics.observe_stats(await backend.stats())
+            metrics.observe_stats(await asyncio.wait_for(backend.stats(), timeout_s))
+            if late:
+                late = False
+                log.info("metrics poll: backend.stats() answers again")
+        except asyncio.TimeoutError:
+            if not late:
+                late = True
+                log.warning("metrics poll: backend.stats() did not answer within %.1f s; polling on", timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 — a failed poll must not stop the next one

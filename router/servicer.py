@@ -22,12 +22,13 @@ import grpc
 
 from engine.latency import time_per_output_token
 from proto.pdserve.v1 import generation_pb2 as pb
-from router.backend import Backend, BackendError, GenerationChunk, GenerationInput, Timing, Usage
+from router.backend import ActorStats, Backend, BackendError, GenerationChunk, GenerationInput, Timing, Usage
 from router.log import log_event
 from router.validation import THREAD_TOKEN_IDS, RequestError, num_token_ids, validate_request
 
 SERVICE_NAME = "pdserve.v1.GenerationService"
 THREAD_TOKENIZE_CHARS = 8192  # prompts at least this long are tokenized in a worker thread
+STATS_TIMEOUT_S = 3.0  # GetStats answers within this even when backend.stats() never returns
 
 FINISH_REASON_TO_PROTO = {
     "stop": pb.FINISH_REASON_STOP,
@@ -94,6 +95,8 @@ class GenerationServicer:
         self._idle.set()
         self.draining = False
         self.ready = False  # set by the server once backend.ready() is True
+        self.stats_timeout_s = STATS_TIMEOUT_S
+        self._stats_late = False  # the last backend.stats() timed out (logged once until it answers again)
         self._num_admitting = 0
 
     @property
@@ -145,7 +148,7 @@ class GenerationServicer:
 
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:  # noqa: N802
         try:
-            actors = await self._backend.stats()
+            actors = await self._actor_stats()
         except BackendError as e:
             await context.abort(grpc.StatusCode[e.code], e.message)
         except Exception:  # noqa: BLE001
@@ -168,6 +171,21 @@ class GenerationServicer:
             totals.queued_requests += a.queued_requests
             totals.running_requests += a.running_requests
         return response
+
+    async def _actor_stats(self) -> list[ActorStats]:
+        """``backend.stats()`` within `stats_timeout_s`; past it, no actor stats (logged once until it answers)."""
+        try:
+            actors = await asyncio.wait_for(self._backend.stats(), self.stats_timeout_s)
+        except asyncio.TimeoutError:
+            if not self._stats_late:
+                self._stats_late = True
+                log_event("stats_timeout", logging.WARNING, timeout_s=self.stats_timeout_s,
+                          note="GetStats answers without actor stats until the backend answers")
+            return []
+        if self._stats_late:
+            self._stats_late = False
+            log_event("stats_recovered")
+        return actors
 
     async def _admit(self, request: pb.GenerateRequest | UnparsableRequest, context: grpc.aio.ServicerContext,
                      received: float) -> GenerationInput:
