@@ -1,8 +1,13 @@
 """Start, drain and stop the router's gRPC server.
 
 The server hosts pdserve.v1.GenerationService, grpc.health.v1.Health and
-server reflection. Health is NOT_SERVING until ``await backend.ready()``
-first returns True, and again from `RouterServer.drain` on.
+server reflection. Health follows ``await backend.ready()``, polled for as
+long as the server runs: NOT_SERVING until it first returns True, then
+SERVING ⇄ NOT_SERVING as readiness comes and goes (e.g. every decode actor
+gone; each transition logged once), and NOT_SERVING for good from
+`RouterServer.drain` on. Requests are refused (UNAVAILABLE) until the backend
+is first ready; after that the backend decides (it queues them, bounded, while
+its actors come back).
 
 Example::
 
@@ -33,6 +38,7 @@ from router.servicer import SERVICE_NAME, GenerationServicer, parse_generate_req
 
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+READY_PROBE_TIMEOUT_S = 5.0  # a backend.ready() that takes longer counts as "not ready"
 HEALTH_SERVICE_NAMES = ("", SERVICE_NAME)
 
 
@@ -107,18 +113,35 @@ class RouterServer:
         self._ready_task = asyncio.get_running_loop().create_task(self._watch_ready(backend, poll_s))
 
     async def _watch_ready(self, backend: Backend, poll_s: float) -> None:
+        """Poll ``backend.ready()`` every ``poll_s`` until drain/stop; health follows each change."""
+        serving = False
+        probe_failed = False
         while True:
             try:
-                if await backend.ready():
-                    break
-            except Exception:  # noqa: BLE001 — a failing probe means "not ready yet"
-                logging.getLogger("pdserve.router").exception("backend.ready() failed")
+                ready = bool(await asyncio.wait_for(backend.ready(), READY_PROBE_TIMEOUT_S))
+                probe_failed = False
+            except Exception:  # noqa: BLE001 — a failing or hanging probe means "not ready"
+                if not probe_failed:
+                    logging.getLogger("pdserve.router").exception("backend.ready() failed or took over %.0f s",
+                                                                  READY_PROBE_TIMEOUT_S)
+                probe_failed, ready = True, False
+            if ready != serving and not self.servicer.draining:
+                serving = ready
+                await self._set_serving(ready)
             await asyncio.sleep(poll_s)
+
+    async def _set_serving(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in HEALTH_SERVICE_NAMES:
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.servicer.ready = True
-        self._ready.set()
-        log_event("ready", address=self.address)
+            await self._health.set(name, status)
+        if ready:
+            self.servicer.ready = True      # from now on the backend decides about each request
+            self._ready.set()
+            log_event("ready", address=self.address)
+        else:
+            self._ready.clear()
+            log_event("not_ready", logging.WARNING, address=self.address,
+                      note="backend.ready() is False (e.g. no decode actor); health is NOT_SERVING")
 
     def _cancel_ready_task(self) -> None:
         if self._ready_task is not None and not self._ready_task.done():
@@ -148,11 +171,11 @@ async def start_server(
         tls: server certificate and key, optionally a client CA for mTLS.
         max_queue: most Generate calls in flight; more get RESOURCE_EXHAUSTED.
         max_message_bytes: largest request/response message accepted.
-        ready_poll_s: how often to poll ``backend.ready()`` until it is True.
+        ready_poll_s: how often to poll ``backend.ready()`` (health follows it while the server runs).
         metrics: optional `router.metrics.Metrics` that every finished request is reported to.
 
     Returns:
-        The running `RouterServer`; health turns SERVING once the backend is ready.
+        The running `RouterServer`; health is SERVING while the backend is ready.
 
     Raises:
         ValueError: non-loopback host without a token, or a bad limit.
