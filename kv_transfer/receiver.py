@@ -4,7 +4,9 @@ A transport subclasses it, sets ``_endpoint``, and from its own threads
 checks peers (``check_token``, ``check_handshake``, ``describe``) and feeds
 chunks to ``accept(header, payload)``; ``fail(transfer_id, error)`` reports a
 broken stream. ``accept`` checks the header against the local layout,
-reserves destination blocks on a transfer's first chunk, decodes each chunk
+reserves destination blocks on a transfer's first chunk (no more than its
+tokens fill and ``max_blocks_share`` of the cache, for at most
+``max_deadline_s``; later chunks must agree with it), decodes each chunk
 straight into ``kv_cache[layers, dst_block_ids]`` and marks the transfer DONE
 once every (layer, block) cell arrived. Failures, expiry (reaper thread) and
 cancel free the reserved blocks. Each transfer ends with exactly one
@@ -76,13 +78,22 @@ class BaseReceiver(KVReceiver):
         default_timeout_s: float = 30.0,
         max_payload: int = MAX_PAYLOAD_BYTES,
         reap_interval_s: float = 0.05,
+        max_deadline_s: float | None = None,
+        max_blocks_share: float = 1.0,
     ) -> None:
+        """``default_timeout_s``: a transfer's deadline when its chunks carry none; ``max_deadline_s``
+        (default: ``default_timeout_s``) caps the deadline a chunk asks for; ``max_blocks_share``: the
+        share of the cache's blocks one transfer may reserve."""
         tune_malloc()
+        if not 0 < max_blocks_share <= 1:
+            raise ValueError(f"max_blocks_share must be in (0, 1], got {max_blocks_share}")
         layout.check_cache(kv_cache)
         get_codec(codec).prepare(kv_cache)  # start building fast kernels, so the first transfers find them ready
         self.layout, self.kv_cache, self.allocator = layout, kv_cache, allocator
         self.codec, self.token, self.on_complete = codec, token, on_complete
         self.default_timeout_s, self.max_payload = default_timeout_s, max_payload
+        self.max_deadline_s = default_timeout_s if max_deadline_s is None else max_deadline_s
+        self.max_transfer_blocks = max(1, int(kv_cache.shape[1] * max_blocks_share))
         self._stats = ReceiverStats()
         self._active: dict[str, _Transfer] = {}
         self._finished: OrderedDict[str, TransferResult] = OrderedDict()
@@ -142,6 +153,11 @@ class BaseReceiver(KVReceiver):
             self._fail_unknown(header, str(exc))
             raise TransferError(str(exc), FailedSide.RECEIVER) from None
         transfer = self._get_or_reserve(header)
+        if header.num_blocks != transfer.covered.shape[1]:
+            error = (f"chunk {header.chunk_index} claims {header.num_blocks} blocks; its transfer has "
+                     f"{transfer.covered.shape[1]}")
+            self.fail(header.transfer_id, error)
+            raise TransferError(error, FailedSide.RECEIVER)
         if payload.device != self.kv_cache.device:  # decode where the cache lives (GPU)
             payload = payload.to(self.kv_cache.device)
         layers, block_slice = (header.layer_start, header.layer_end), slice(header.block_start, header.block_end)
@@ -177,15 +193,20 @@ class BaseReceiver(KVReceiver):
             if done is not None:
                 raise TransferError(f"transfer {header.transfer_id} is already {done.status.value}: {done.error}",
                                     FailedSide.RECEIVER)
-            dst_block_ids = self.allocator.allocate(header.num_blocks)
+            too_many = header.num_blocks > self.max_transfer_blocks
+            dst_block_ids = None if too_many else self.allocator.allocate(header.num_blocks)
             if dst_block_ids is None:
                 error = f"receiver has no room: {header.num_blocks} KV blocks needed"
+                if too_many:
+                    error = (f"transfer asks for {header.num_blocks} KV blocks; one transfer gets at most "
+                             f"{self.max_transfer_blocks} of this receiver's {self.kv_cache.shape[1]}")
                 result = TransferResult(header.transfer_id, header.request_id, TransferStatus.FAILED, error=error)
                 self._remember(result)
                 self._stats.num_failed += 1
             else:
                 num_layers, num_blocks = header.num_layers, header.num_blocks
                 deadline_s = header.deadline_ms / 1000 if header.deadline_ms > 0 else self.default_timeout_s
+                deadline_s = min(deadline_s, self.max_deadline_s)  # a sender cannot hold blocks longer
                 transfer = _Transfer(
                     transfer_id=header.transfer_id,
                     request_id=header.request_id,

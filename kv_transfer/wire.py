@@ -119,7 +119,8 @@ def validate_header(header: ChunkHeader, receiver: dict, max_payload: int = MAX_
 
     Raises:
         HandshakeError: model, layout, dtype or codec differ.
-        WireError: ranges, sizes or codec fields are inconsistent.
+        WireError: ranges, sizes or codec fields are inconsistent, or the transfer claims more blocks
+            than its ``num_tokens`` fill.
     """
     check_compatible(header.describe(), receiver)
     if header.dtype not in DTYPES:
@@ -133,6 +134,12 @@ def validate_header(header: ChunkHeader, receiver: dict, max_payload: int = MAX_
         raise WireError(f"bad block range [{header.block_start}, {header.block_end}) of {header.num_blocks}")
     if not (0 <= header.chunk_index < header.num_chunks):
         raise WireError(f"bad chunk index {header.chunk_index} of {header.num_chunks}")
+    if header.num_tokens < 0 or header.deadline_ms < 0:
+        raise WireError(f"negative num_tokens {header.num_tokens} or deadline_ms {header.deadline_ms}")
+    needed = -(-header.num_tokens // header.block_size)  # 0 tokens: not given, no bound from them
+    if header.num_tokens and header.num_blocks > needed:
+        raise WireError(f"num_blocks {header.num_blocks} exceeds the {needed} blocks its {header.num_tokens} "
+                        f"tokens fill")
     expected = codec.payload_nbytes(header.shape, DTYPES[header.dtype])
     if header.payload_len != expected or expected > max_payload:
         raise WireError(f"payload_len {header.payload_len} != {expected} implied by the header (limit {max_payload})")

@@ -37,14 +37,14 @@ class Pair:
     """One sender and one receiver of the same transport over a fresh pool."""
 
     def __init__(self, kind, layout, *, codec="none", num_dst_blocks=64, sender_token=TOKEN, receiver_layout=None,
-                 hub=None, **sender_kwargs):
+                 hub=None, receiver_options=None, **sender_kwargs):
         self.kind, self.layout = kind, layout
         self.pool = SimpleBlockPool(num_dst_blocks)
         receiver_layout = receiver_layout or layout
         self.dst_cache = torch.zeros(receiver_layout.cache_shape(num_dst_blocks), dtype=receiver_layout.dtype)
         extra = {"hub": hub or FakeHub()} if kind == "fake" else {}
         self.receiver = make_receiver(kind, receiver_layout, self.dst_cache, self.pool, codec=codec, token=TOKEN,
-                                      **extra)
+                                      **extra, **(receiver_options or {}))
         self.sender = make_sender(kind, layout, codec=codec, token=sender_token, **extra, **sender_kwargs)
         self.dest = self.receiver.endpoint
 

@@ -78,6 +78,8 @@ def test_wrong_field_type():
         ({"block_start": 3}, "block range"),
         ({"chunk_index": 1}, "chunk index"),
         ({"scale_layout": "block"}, "scale layout"),
+        ({"num_tokens": 8}, "num_blocks 3 exceeds the 2 blocks its 8 tokens fill"),
+        ({"deadline_ms": -1}, "negative"),
     ],
 )
 def test_inconsistent_headers_fail_before_allocation(overrides, message):

@@ -34,7 +34,7 @@ def test_sixteen_concurrent_transfers(make_pair, layout, kind):
     extra = {"hub": pair.receiver.hub} if kind == "fake" else {}
     senders = [pair.sender] + [make_sender(kind, layout, token=TOKEN, chunk_bytes=200, max_workers=4, **extra)
                                for _ in range(3)]
-    handles = [senders[i % 4].send(f"req-{i}", sources[i], block_ids[i], pair.dest, num_tokens=i)
+    handles = [senders[i % 4].send(f"req-{i}", sources[i], block_ids[i], pair.dest, num_tokens=100 + i)
                for i in range(NUM_TRANSFERS)]
     for handle in handles:
         assert handle.wait(60) == TransferStatus.DONE, handle
@@ -42,7 +42,7 @@ def test_sixteen_concurrent_transfers(make_pair, layout, kind):
     owned = []
     for i in range(NUM_TRANSFERS):
         result = results[f"req-{i}"]
-        assert result.status == TransferStatus.DONE and result.num_tokens == i
+        assert result.status == TransferStatus.DONE and result.num_tokens == 100 + i
         expected = sources[i][:, block_ids[i]]
         assert torch.equal(pair.dst_cache[:, result.dst_block_ids], expected)
         owned += result.dst_block_ids
