@@ -94,12 +94,14 @@ def parse_counters(text: str) -> dict[str, float]:
     return out
 
 
-def scrape(metrics_url: str | None, timeout: float = 5.0) -> dict[str, float] | None:
-    """The router's KV counters now, or None without a URL or when unreachable."""
+def scrape(metrics_url: str | None, token: str | None = None, timeout: float = 5.0) -> dict[str, float] | None:
+    """The router's KV counters now, or None without a URL or when unreachable.
+    `token`: the bearer token a protected /metrics asks for."""
     if not metrics_url:
         return None
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with urllib.request.urlopen(metrics_url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(metrics_url, headers=headers), timeout=timeout) as r:
             return parse_counters(r.read().decode())
     except OSError:
         return None

@@ -36,13 +36,13 @@ async def measure(target: Target, args: argparse.Namespace, specs: list, *, seed
             if state == "warm" and i == 0:   # warm alone: one unmeasured pass fills the cache
                 await run_load(client, specs, concurrency=4, seed=seed, tag="fill", progress=False,
                                timeout=args.timeout)
-            before = scrape(target.metrics_url)
+            before = scrape(target.metrics_url, target.token)
             records, duration = await run_load(
                 client, specs, request_rate=rate, burstiness=args.burstiness, concurrency=conc, seed=seed,
                 label=f"{label} ({state})", tag=f"{label}-{state}", progress=not args.no_progress,
                 timeout=args.timeout)
             summary = summarize(records, duration, *slo)
-            summary.update(counter_delta(before, scrape(target.metrics_url)))
+            summary.update(counter_delta(before, scrape(target.metrics_url, target.token)))
             summary.update(cache=state, request_rate=rate, concurrency=conc, variant=target.label)
             summary["records"] = [r.to_dict() for r in records]
             out[label if state == states[0] else f"{label}-{state}"] = summary

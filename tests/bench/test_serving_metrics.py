@@ -83,3 +83,18 @@ def test_jsonl_workload(tmp_path):
     path.write_text('{"prompt_len": 5}\n')
     with pytest.raises(ValueError, match="w.jsonl:1"):
         make_workload(str(path), 1)
+
+
+def test_scrape_presents_the_token_a_protected_metrics_endpoint_asks_for():
+    from bench.serving.metrics import scrape
+    from router.metrics import Metrics
+    metrics = Metrics()
+    port = metrics.serve("127.0.0.1", 0, token="s3cret")
+    try:
+        metrics.kv_transfer(0.01, 4096, 1024, "fp8")
+        url = f"http://127.0.0.1:{port}/metrics"
+        assert scrape(url) is None                     # 401 without the token
+        counters = scrape(url, "s3cret")
+        assert counters["kv_bytes"] == 4096 and counters["kv_wire_bytes"] == 1024
+    finally:
+        metrics.stop()
