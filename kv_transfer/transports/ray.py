@@ -7,6 +7,9 @@ a receiver thread pops items, reads payloads with ``ray.get`` (a read-only
 view of shared memory), writes them into the cache, and acks each piece
 (handshake or the last chunk of a send) through the inbox. Only bytes and
 object refs cross; ``ray`` is imported lazily so kv_transfer stays ray-free.
+Nothing grows with dead senders: the inbox drops acks whose sender stopped
+waiting (and, after ACK_TTL_S, acks never asked for); the receiver forgets a
+piece that stayed silent longer than its ``max_deadline_s``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import asyncio
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import msgpack
 
@@ -29,13 +34,18 @@ from kv_transfer.wire import MAX_HEADER_BYTES, WireError, readonly_tensor, unpac
 PREFIX = "ray://"
 
 
+ACK_TTL_S = 600.0  # an ack nobody collected (its sender died before asking) is dropped after this
+MAX_ACKS = 4096  # acks kept at most, and pieces remembered as given up on
+
+
 class _Inbox:
     """Mailbox actor body (wrapped with ray.remote lazily)."""
 
     def __init__(self) -> None:
         self.items: asyncio.Queue = asyncio.Queue()
-        self.acks: dict[str, bytes] = {}
-        self.events: dict[str, asyncio.Event] = {}
+        self.acks: OrderedDict[str, tuple[bytes, float]] = OrderedDict()  # piece id -> (reply, when), uncollected
+        self.waiters: dict[str, asyncio.Event] = {}
+        self.given_up: OrderedDict[str, None] = OrderedDict()  # pieces whose sender stopped waiting
 
     async def push(self, item: list) -> None:
         await self.items.put(item)
@@ -51,18 +61,43 @@ class _Inbox:
         return batch
 
     async def ack(self, piece_id: str, reply: bytes) -> None:
-        self.acks[piece_id] = reply
-        self.events.setdefault(piece_id, asyncio.Event()).set()
+        if piece_id in self.given_up:  # a late ack: nobody will collect it
+            return
+        self.acks[piece_id] = (reply, time.monotonic())
+        self.acks.move_to_end(piece_id)
+        cutoff = time.monotonic() - ACK_TTL_S
+        while self.acks and (len(self.acks) > MAX_ACKS or next(iter(self.acks.values()))[1] < cutoff):
+            self.acks.popitem(last=False)
+        if piece_id in self.waiters:
+            self.waiters[piece_id].set()
 
     async def wait_ack(self, piece_id: str, timeout_s: float) -> bytes | None:
-        event = self.events.setdefault(piece_id, asyncio.Event())
-        try:
-            await asyncio.wait_for(event.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            return None
-        finally:
-            self.events.pop(piece_id, None)
-        return self.acks.pop(piece_id, None)
+        if piece_id not in self.acks:
+            event = self.waiters.setdefault(piece_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                self.given_up[piece_id] = None
+                while len(self.given_up) > MAX_ACKS:
+                    self.given_up.popitem(last=False)
+                return None
+            finally:
+                self.waiters.pop(piece_id, None)
+        reply = self.acks.pop(piece_id, None)
+        return None if reply is None else reply[0]
+
+    async def num_entries(self) -> int:
+        """Acks and waiters held (given-up pieces are bounded separately)."""
+        return len(self.acks) + len(self.waiters)
+
+
+@dataclass(slots=True)
+class _Piece:
+    """What the receiver keeps of one send() in flight."""
+
+    transfer_ids: set[str] = field(default_factory=set)
+    error: str | None = None  # the first error: the rest of the piece is drained, then acked with it
+    seen: float = field(default_factory=time.monotonic)  # when its last item came
 
 
 def _ray():
@@ -79,13 +114,12 @@ class RayReceiver(BaseReceiver):
         self._inbox = ray.remote(num_cpus=0, max_concurrency=64)(_Inbox).options(name=name).remote()
         self._endpoint = PREFIX + name
         self._closed = threading.Event()
+        self._pieces: dict[str, _Piece] = {}  # piece id -> its state, touched by the receive thread only
         self._thread = threading.Thread(target=self._loop, name="kv-ray-recv", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         ray = _ray()
-        errors: dict[str, str] = {}  # piece id -> first error of that piece
-        self._piece_transfers: dict[str, set[str]] = {}
         while not self._closed.is_set():
             try:
                 batch = ray.get(self._inbox.pop.remote(64, 0.2))
@@ -94,14 +128,22 @@ class RayReceiver(BaseReceiver):
                     return
                 continue
             for kind, piece_id, token, header_bytes, refs, is_last in batch:
-                reply = self._handle(ray, kind, piece_id, token, header_bytes, refs, errors)
+                reply = self._handle(ray, kind, piece_id, token, header_bytes, refs)
                 if reply is not None or is_last:
-                    self._piece_transfers.pop(piece_id, None)
-                    error = reply if reply is not None else errors.pop(piece_id, "")
+                    piece = self._pieces.pop(piece_id, None)
+                    error = reply if reply is not None else (piece.error if piece is not None else None) or ""
                     answer = {"ok": not error, "error": error, "layout": self.describe()}
                     self._inbox.ack.remote(piece_id, msgpack.packb(answer))
+            self._forget_silent_pieces()
 
-    def _handle(self, ray, kind, piece_id, token, header_bytes, refs, errors) -> str | None:
+    def _forget_silent_pieces(self) -> None:
+        """A sender that died mid-piece never sends its last chunk: forget the piece once it has been
+        silent longer than any transfer may live here (its transfers have expired by then)."""
+        cutoff = time.monotonic() - self.max_deadline_s
+        for piece_id in [piece_id for piece_id, piece in self._pieces.items() if piece.seen < cutoff]:
+            del self._pieces[piece_id]
+
+    def _handle(self, ray, kind, piece_id, token, header_bytes, refs) -> str | None:
         """Returns an error string to ack at once, or None to continue the piece."""
         if not isinstance(token, str) or not self.check_token(token):
             return "receiver rejected the cluster token"
@@ -112,23 +154,25 @@ class RayReceiver(BaseReceiver):
                 return str(exc)
             return ""
         if kind == "abort":  # the sender failed mid-piece: free what it reserved
-            for transfer_id in self._piece_transfers.get(piece_id, ()):
+            for transfer_id in self._pieces.get(piece_id, _Piece()).transfer_ids:
                 self.fail(transfer_id, "sender aborted mid-transfer")
             return "sender aborted"
-        if piece_id in errors:
+        piece = self._pieces.setdefault(piece_id, _Piece())
+        piece.seen = time.monotonic()
+        if piece.error is not None:
             return None
         try:
             if not isinstance(header_bytes, bytes) or len(header_bytes) > MAX_HEADER_BYTES or len(refs) != 1:
                 raise WireError("malformed ray chunk")
             header = unpack_header(header_bytes)
-            self._piece_transfers.setdefault(piece_id, set()).add(header.transfer_id)
+            piece.transfer_ids.add(header.transfer_id)
             array = ray.get(refs[0])
             if array.nbytes != header.payload_len:
                 self.fail(header.transfer_id, "truncated chunk")
                 raise WireError(f"truncated chunk: {array.nbytes} bytes, header says {header.payload_len}")
             self.accept(header, readonly_tensor(array.reshape(-1)))
         except Exception as exc:
-            errors[piece_id] = str(exc) or type(exc).__name__
+            piece.error = str(exc) or type(exc).__name__
         return None
 
     def close(self) -> None:

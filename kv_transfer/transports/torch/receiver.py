@@ -10,6 +10,7 @@ transfers (their blocks are freed) and its thread ends.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
 import threading
@@ -72,9 +73,10 @@ class TorchReceiver(BaseReceiver):
         self._key = rendezvous_key(self.token)
         self._closed = threading.Event()
         self._decoders = ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="kv-torch-decode")
-        self._num_groups = 0
-        self._pair_threads: list[threading.Thread] = []
-        self._groups: dict[int, object] = {}  # slot index -> the live group of that pair
+        # pairs by slot index, each entry removed when its pair ends: its thread (from the accepted
+        # hello on), its group (once built)
+        self._pair_threads: dict[int, threading.Thread] = {}
+        self._groups: dict[int, object] = {}
         self._lock = threading.Lock()
         # accept-loop state: slot index -> (nonce, hello deadline); reply index -> when an unread reply is deleted
         self._slots: dict[int, tuple[str, float]] = {}
@@ -140,20 +142,18 @@ class TorchReceiver(BaseReceiver):
                 raise HandshakeError(f"KV handshake mismatch on backend: sender={message.get('backend')!r} "
                                      f"receiver={self.backend!r}")
             with self._lock:
-                if self._num_groups >= self.max_groups:
-                    raise TransferError(f"receiver has {self._num_groups} peer groups (max {self.max_groups})",
+                if len(self._pair_threads) >= self.max_groups:
+                    raise TransferError(f"receiver has {len(self._pair_threads)} peer groups (max {self.max_groups})",
                                         FailedSide.RECEIVER)
-                self._num_groups += 1
+                self._pair_threads[index] = threading.Thread(target=self._serve_pair, args=(index,),
+                                                             name=f"kv-torch-pair-{index}", daemon=True)
             reply["ok"] = True
         except Exception as exc:
             reply["error"] = str(exc)
         self._store.set(slot_key("reply", index), msgpack.packb(reply))
         self._replies[index] = time.monotonic() + self.hello_timeout_s
         if reply["ok"]:
-            thread = threading.Thread(target=self._serve_pair, args=(index,), name=f"kv-torch-pair-{index}",
-                                      daemon=True)
-            self._pair_threads.append(thread)
-            thread.start()
+            self._pair_threads[index].start()
 
     # --- one pair -----------------------------------------------------------
     def _serve_pair(self, index: int) -> None:
@@ -169,15 +169,30 @@ class TorchReceiver(BaseReceiver):
                                self.interface)
             with self._lock:
                 self._groups[index] = group
-            self._serve(group, in_flight)
+            self._serve(group, in_flight, index)
         except Exception as exc:  # peer died, never joined, or the pair broke
             for transfer_id in in_flight:
                 self.fail(transfer_id, f"sender connection lost: {str(exc)[:200]}")
         finally:
             with self._lock:
                 self._groups.pop(index, None)
-                self._num_groups -= 1
+                self._pair_threads.pop(index, None)
             destroy_group(group)
+            self._delete_pair_keys(index)
+
+    def _delete_pair_keys(self, index: int) -> None:
+        """The keys the pair's group set up with (its peers are connected, or gone) and an unread reply."""
+        with contextlib.suppress(Exception):  # the store is closing
+            self._store.delete_key(slot_key("reply", index))
+            list_keys = getattr(self._store, "list_keys", None)  # torch >= 2.8; older ones leave pair/n/ keys
+            for key in list_keys() if list_keys is not None else ():
+                if key.startswith(pair_prefix(index)):
+                    self._store.delete_key(key)
+
+    @property
+    def num_groups(self) -> int:
+        with self._lock:
+            return len(self._pair_threads)
 
     def _post_control(self, group):
         slot = torch.empty(CONTROL_BYTES, dtype=torch.uint8, device=self.device)
@@ -189,7 +204,7 @@ class TorchReceiver(BaseReceiver):
         payload = payload_pool.acquire(nbytes, self.device)
         return payload, group.recv([payload], 0, 0)
 
-    def _serve(self, group, in_flight: set[str]) -> None:
+    def _serve(self, group, in_flight: set[str], index: int) -> None:
         """Receive chunks; ack the last chunk of each send(); return on a close message.
 
         Receives are posted ahead of the data (gloo holds a send until its
@@ -203,8 +218,12 @@ class TorchReceiver(BaseReceiver):
         pending: deque[Future] = deque()
         slot, work = self._post_control(group)
         ahead = None  # (buffer, work): the next payload, posted when the previous control announced it
+        keys_left = True
         while not self._closed.is_set():
             wait_work(work, self._op_timeout)
+            if keys_left:  # a first message: both ends are connected, the set-up keys are spent
+                self._delete_pair_keys(index)
+                keys_left = False
             kind, header_bytes, payload_len, is_last, next_len = parse_control(slot)  # WireError: drop the pair
             if kind == KIND_CLOSE:
                 return
@@ -278,8 +297,11 @@ class TorchReceiver(BaseReceiver):
         # (a thread still blocked in recv at interpreter exit takes gloo down with it), then
         # destroy the groups left (NCCL wakes their threads; gloo's go when their sender does).
         end = time.monotonic() + TEARDOWN_TIMEOUT.total_seconds()
-        for thread in self._pair_threads:
-            thread.join(timeout=max(0.0, end - time.monotonic()))
+        with self._lock:
+            threads = list(self._pair_threads.values())
+        for thread in threads:
+            if thread.is_alive():
+                thread.join(timeout=max(0.0, end - time.monotonic()))
         with self._lock:
             groups = list(self._groups.values())
         for group in groups:

@@ -1,8 +1,8 @@
 """Helper process for the fault tests: start a transfer, then hang until killed.
 
-    python kv_killed_sender.py grpc|torch DEST TOKEN
+    python kv_killed_sender.py grpc|torch DEST TOKEN [TRANSFER_ID]
 
-Sends the first chunk of transfer "killed" (request "victim"), prints SENT,
+Sends the first chunk of transfer TRANSFER_ID (default "killed", request "victim"), prints SENT,
 and blocks with the stream / process group still open.
 """
 
@@ -25,10 +25,10 @@ LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, block_size=4, head_dim=8, dtype=
                   model_fingerprint="tiny-test")
 
 
-def first_chunk():
+def first_chunk(transfer_id: str):
     cache = torch.randn(LAYOUT.cache_shape(4))
     chunks = encode_chunks(
-        cache, [0, 1, 2], LAYOUT, get_codec("none"), request_id="victim", transfer_id="killed",
+        cache, [0, 1, 2], LAYOUT, get_codec("none"), request_id="victim", transfer_id=transfer_id,
         layers=(0, 3), deadline_at=time.monotonic() + 120, chunk_bytes=200,
     )
     return next(chunks)
@@ -36,7 +36,7 @@ def first_chunk():
 
 def main() -> None:
     kind, dest, token = sys.argv[1:4]
-    chunk = first_chunk()
+    chunk = first_chunk(sys.argv[4] if len(sys.argv) > 4 else "killed")
     if kind == "grpc":
         import grpc
 

@@ -82,7 +82,7 @@ def test_a_sender_that_never_joins_frees_the_receivers_group_slot(layout, monkey
 
 
 def test_closing_a_sender_whose_receiver_hangs_returns(layout, monkeypatch, release):
-    def hangs(self, group, in_flight):  # the pair is up, then the decode side stops reading it
+    def hangs(self, *args):  # the pair is up, then the decode side stops reading it
         release.wait(60)
 
     monkeypatch.setattr(torch_receiver.TorchReceiver, "_serve", hangs)
