@@ -21,7 +21,7 @@ import torch
 from kv_transfer.buffers import payload_pool, scratch_pool
 from kv_transfer.codec import Codec, pin_transfer_thread
 from kv_transfer.layout import KVLayout
-from kv_transfer.wire import ChunkHeader, checksum, pack_header
+from kv_transfer.wire import ChunkHeader, host_checksum, pack_header
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +94,12 @@ def encode_jobs(
     first_token_id: int = -1,
     with_checksum: bool = True,
 ) -> list[ChunkJob]:
-    """One job per chunk; each gathers, encodes and checksums its rectangle when called."""
+    """One job per chunk; each gathers, encodes and checksums its rectangle when called.
+
+    ``with_checksum`` is ignored (kept for callers that still pass it): every chunk carries its
+    checksum, taken on a host copy when the cache is on a device, since receivers refuse chunks
+    without one.
+    """
     num_blocks = len(src_block_ids)
     cell_shape = (1, 1, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)
     cell_nbytes = codec.payload_nbytes(cell_shape, layout.dtype)
@@ -111,7 +116,7 @@ def encode_jobs(
         with scratch_pool.lease() as scratch:
             codec.encode_from(kv_cache, (plan.layer_start, plan.layer_end), index[plan.block_start : plan.block_end],
                               payload, scratch)
-        crc = checksum(payload.numpy()) if with_checksum and payload.device.type == "cpu" else -1
+        crc = host_checksum(payload)  # on every device: receivers refuse a chunk without one
         header = ChunkHeader(
             request_id=request_id,
             transfer_id=transfer_id,

@@ -58,7 +58,7 @@ class ChunkHeader:
     chunk_index: int  # within this send() call
     num_chunks: int
     payload_len: int
-    checksum: int  # xxh3-64 of the payload, -1 = not computed (device tensors)
+    checksum: int  # xxh3-64 of the payload, on every device (receivers refuse -1, "not computed")
     deadline_ms: int  # time left at send, relative (clocks need not agree)
     num_tokens: int = 0
     first_token_id: int = -1
@@ -162,16 +162,24 @@ def readonly_tensor(buffer) -> torch.Tensor:
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
+def host_checksum(payload: torch.Tensor) -> int:
+    """xxh3-64 of a uint8 tensor on any device: a device tensor is hashed on a host copy."""
+    return checksum((payload if payload.device.type == "cpu" else payload.cpu()).numpy())
+
+
 def checked_payload(header: ChunkHeader, payload) -> torch.Tensor:
     """The chunk's payload as a uint8 tensor once its checksum matches the header's.
 
-    ``payload``: received bytes-like, or a tensor (device tensors carry no checksum).
-    Raises WireError on a mismatch.
+    Fails closed on every device: a chunk without a checksum is refused, and a payload received
+    into device memory (NCCL) is checked on a host copy before anything is written from it.
+    ``payload``: received bytes-like, or a uint8 tensor on any device. Raises WireError.
     """
+    if header.checksum < 0:
+        raise WireError(f"chunk {header.chunk_index} carries no checksum")
     if isinstance(payload, torch.Tensor):
-        ok = header.checksum < 0 or payload.device.type != "cpu" or checksum(payload.numpy()) == header.checksum
+        ok = host_checksum(payload) == header.checksum
     else:
-        ok = header.checksum < 0 or checksum(payload) == header.checksum
+        ok = checksum(payload) == header.checksum
         payload = readonly_tensor(payload)
     if not ok:
         raise WireError(f"checksum mismatch in chunk {header.chunk_index}")

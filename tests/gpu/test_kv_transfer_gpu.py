@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 
 import pytest
 import torch
@@ -18,11 +19,15 @@ from kv_transfer import (  # noqa: E402
     FakeHub,
     KVLayout,
     SimpleBlockPool,
+    TransferError,
     TransferStatus,
     get_codec,
     make_receiver,
     make_sender,
 )
+from kv_transfer.chunker import encode_chunks  # noqa: E402
+from kv_transfer.receiver import BaseReceiver  # noqa: E402
+from kv_transfer.wire import pack_frame, split_frame  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 TOKEN = "gpu-token"
@@ -71,6 +76,58 @@ def test_device_caches_round_trip(kind, codec):
         assert pool.used_ids == {0, 3, *result.dst_block_ids}
     finally:
         sender.close()
+        receiver.close()
+
+
+def test_chunks_from_a_cuda_cache_carry_checksums_and_corruption_is_refused():
+    """Integrity fails closed on CUDA: every chunk of a device cache is checksummed (on a host copy),
+    and a corrupted one fails the transfer before it reaches the device cache."""
+    pool = SimpleBlockPool(32)
+    dst = torch.zeros(LAYOUT.cache_shape(32), dtype=LAYOUT.dtype, device="cuda")
+    hub = FakeHub()
+    receiver = make_receiver("fake", LAYOUT, dst, pool, codec="none", token=TOKEN, hub=hub)
+    sender = make_sender("fake", LAYOUT, codec="none", token=TOKEN, chunk_bytes=1 << 16, hub=hub)
+    checksums = []
+
+    def corrupt_chunk_1(frame: bytes) -> bytes:
+        header, payload = split_frame(frame)
+        checksums.append(header.checksum)
+        if header.chunk_index != 1:
+            return frame
+        corrupted = bytearray(payload)
+        corrupted[len(corrupted) // 2] ^= 0x5A
+        return pack_frame(frame[4 : len(frame) - len(payload)], bytes(corrupted))
+
+    hub.tamper = corrupt_chunk_1
+    try:
+        handle = sender.send("r", cache(16), [9, 1, 14, 4], receiver.endpoint)
+        assert handle.wait(30) == TransferStatus.FAILED, handle
+        assert "checksum mismatch in chunk 1" in handle.error
+        assert len(checksums) >= 2 and min(checksums) >= 0  # no chunk goes out unchecked
+        assert receiver.wait(handle.transfer_id, 10).status == TransferStatus.FAILED
+        assert pool.num_used == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_corrupted_device_payload_is_refused_before_it_is_written():
+    """The torch transport receives into device memory on NCCL: such a payload is checked too."""
+    pool = SimpleBlockPool(8)
+    dst = torch.zeros(LAYOUT.cache_shape(8), dtype=LAYOUT.dtype, device="cuda")
+    receiver = BaseReceiver(LAYOUT, dst, pool)
+    try:
+        chunk = next(encode_chunks(cache(4), [0, 1, 2], LAYOUT, get_codec("none"), request_id="r", transfer_id="t",
+                                   layers=(0, LAYOUT.num_layers), deadline_at=time.monotonic() + 30,
+                                   chunk_bytes=1 << 20))
+        assert chunk.payload.is_cuda and chunk.header.checksum >= 0
+        payload = chunk.payload.clone()
+        payload[payload.numel() // 2] ^= 0x5A
+        with pytest.raises(TransferError, match="checksum mismatch in chunk 0"):
+            receiver.accept(chunk.header, payload)
+        assert receiver.wait("t", 5).status == TransferStatus.FAILED
+        assert not bool(dst.any()) and pool.num_used == 0
+    finally:
         receiver.close()
 
 

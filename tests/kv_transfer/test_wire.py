@@ -107,4 +107,5 @@ def test_checked_payload_verifies_the_checksum_before_use():
     assert torch.equal(checked_payload(header(payload_len=40, checksum=checksum(payload)), good), good)
     with pytest.raises(WireError, match="checksum mismatch in chunk 3"):
         checked_payload(header(payload_len=40, checksum=checksum(payload) ^ 1, chunk_index=3), payload)
-    assert checked_payload(header(payload_len=40, checksum=-1), b"\x00" * 40).numel() == 40  # -1: not computed
+    with pytest.raises(WireError, match="chunk 0 carries no checksum"):  # -1, "not computed": fail closed
+        checked_payload(header(payload_len=40, checksum=-1), b"\x00" * 40)
