@@ -169,7 +169,7 @@ async def _kill(ctx: DrillContext, rec: FaultRecord, victim_index: int) -> None:
     pool = ctx.pools.prefill if role == "prefill" else ctx.pools.decode
     view = pool[victim_index % len(pool)]
     rec.victim = view.actor_id
-    info = await view.client.handle.info.remote()
+    info = await asyncio.wait_for(view.client.handle.info.remote(), 30.0)
     incarnation = view.incarnation
     if role == "prefill":
         rec.condition = "prompts queued or computing on it (router view: queued_tokens > 0)"
@@ -216,7 +216,7 @@ async def _transfer_fault(ctx: DrillContext, rec: FaultRecord, victim_index: int
         rec.skipped = f"condition never held: {rec.condition}"
         return
     seconds = ctx.transfer_deadline_s + 1.0 if rec.kind == "stall" else 0.0
-    await view.client.handle.set_fault.remote(rec.kind, seconds)
+    await asyncio.wait_for(view.client.handle.set_fault.remote(rec.kind, seconds), 30.0)
     rec.injected_at = time.monotonic()
     ctx.say(f"{rec.kind} on {view.actor_id}'s KV transfers")
     try:
@@ -225,7 +225,7 @@ async def _transfer_fault(ctx: DrillContext, rec: FaultRecord, victim_index: int
         if first:
             rec.detected_at, rec.detected_by = first[0][0], f"router: {first[0][2][:160]}"
     finally:
-        await view.client.handle.set_fault.remote(None)
+        await asyncio.wait_for(view.client.handle.set_fault.remote(None), 30.0)
         rec.cleared_at = time.monotonic()
     rec.window_end = rec.cleared_at + ctx.transfer_deadline_s + 1.0     # transfers begun before the clear
 
@@ -238,7 +238,7 @@ async def _hang(ctx: DrillContext, rec: FaultRecord, victim_index: int) -> None:
         rec.skipped = f"condition never held: {rec.condition}"
         return
     seconds = ctx.stream_idle_s + 2.0          # past the router's idle limit: it must migrate
-    await view.client.handle.set_fault.remote("hang", seconds)
+    await asyncio.wait_for(view.client.handle.set_fault.remote("hang", seconds), 30.0)
     rec.injected_at = time.monotonic()
     ctx.say(f"hang {view.actor_id}'s engine loop for {seconds:.1f}s")
     await _watch_detection(ctx, rec, view)

@@ -92,7 +92,7 @@ def make_requests(s: WorkloadSettings) -> list[ChaosRequest]:
 
 
 def add_references(requests: list[ChaosRequest], model_dir: str, stop_fraction: float, seed: int = 0,
-                   batch: int = 128, progress=None) -> None:
+                   batch: int = 64, progress=None) -> None:
     """Run every request undisturbed on the colocated engine; requests drawn for a stop string get
     one cut from their own reference text, and are run again with it."""
     engine = Engine(model_dir, dtype="float32", attention="eager", num_blocks=4096)
