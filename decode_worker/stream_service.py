@@ -110,6 +110,16 @@ class DecodeStreamClient:
             entry = self._stubs[endpoint] = (channel, worker_pb2_grpc.DecodeStreamServiceStub(channel))
         return entry[1].Decode(wpb.DecodeRequest(job=job), metadata=((TOKEN_KEY, self.token),))
 
+    async def forget(self, endpoint: str) -> None:
+        """Close the channel to an endpoint no actor serves any more (restarted or removed)."""
+        entry = self._stubs.pop(endpoint, None)
+        if entry is not None:
+            await entry[0].close()
+
+    @property
+    def num_channels(self) -> int:
+        return len(self._stubs)
+
     async def close(self) -> None:
         for channel, _ in self._stubs.values():
             await channel.close()

@@ -26,6 +26,9 @@ class RayActorClient:
     def abort(self, request_id: str) -> None:
         self.handle.abort.remote(request_id)
 
+    async def retire(self) -> None:
+        """The actor left the pool (replaced or removed): drop what the router holds for it."""
+
     async def info(self) -> dict:
         try:
             return await self.handle.info.remote()
@@ -72,6 +75,15 @@ class RayDecodeClient(RayActorClient):
         super().__init__(actor_id, handle)
         self.stream_endpoint = stream_endpoint       # the pool manager updates it when Ray restarts the actor
         self.streams = streams
+
+    async def moved(self, stream_endpoint: str) -> None:
+        """Ray restarted the actor: its token stream is served elsewhere now."""
+        old, self.stream_endpoint = self.stream_endpoint, stream_endpoint
+        if old != stream_endpoint:
+            await self.streams.forget(old)
+
+    async def retire(self) -> None:
+        await self.streams.forget(self.stream_endpoint)
 
     def open_stream(self, job: wpb.DecodeJob) -> GrpcDecodeStream:
         return GrpcDecodeStream(self.actor_id, self.streams.open(self.stream_endpoint, job))

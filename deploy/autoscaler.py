@@ -186,6 +186,7 @@ class Autoscaler:
             log.warning("autoscaler: %s actor %s still busy after %.0fs; killing it anyway", name,
                         view.actor_id, self.settings.drain_timeout_s)
         ray.kill(view.client.handle, no_restart=True)
+        await view.client.retire()
         log.info("autoscaler: %s pool shrank to %d (removed %s)", name, len(self.backend.pools.get(name)),
                  view.actor_id)
         return drained

@@ -76,7 +76,8 @@ class PoolManager:
             if info["incarnation"] != view.incarnation:
                 view.incarnation = info["incarnation"]
                 if isinstance(view, DecodeView):
-                    view.endpoint, view.client.stream_endpoint = info["endpoint"], info["stream_endpoint"]
+                    view.endpoint = info["endpoint"]
+                    await view.client.moved(info["stream_endpoint"])
                 self.restarted += 1
                 log.info("%s actor %s restarted by Ray; back in rotation", name, view.actor_id)
             if not view.draining:
@@ -102,6 +103,7 @@ class PoolManager:
             ray.kill(view.client.handle, no_restart=True)
         except Exception:
             pass
+        await view.client.retire()
         handle = self.factory.spawn(name)
         [new] = await self.factory.views([(name, handle)])
         await add_actors(self.backend, name, [new])
