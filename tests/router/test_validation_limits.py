@@ -11,15 +11,17 @@ import grpc
 from proto.pdserve.v1 import generation_pb2 as pb
 from router import build_request
 
-MAX_LAG_S = 0.3        # the router's loop may stall at most this long (the old code: 0.4-1.8 s; parsing: < 0.15 s)
+MAX_STALL_S = 0.3       # the router's loop may be held up at most this long (the old code: 0.4-1.8 s; parsing < 0.15 s)
 BIG_MESSAGES = 64 << 20  # room for the huge requests, so the router itself sees them
 
 
 class LoopLagProbe:
-    """Measures how late a 5 ms timer fires on the router's loop (a blocked loop fires late)."""
+    """How long the router's loop was held up by work in this process: a 5 ms timer fires late when the
+    loop is blocked. A machine busy with other processes makes it late too, but then this process burns
+    little CPU meanwhile, so each lateness counts only up to the CPU time the process used during it."""
 
     def __init__(self, loop_thread) -> None:
-        self.lags: list[float] = []
+        self.stalls: list[tuple[float, float]] = []      # (wall lateness, process CPU seconds during it)
         self._stop = asyncio.Event()
         self._task = loop_thread.submit(self._run())
         self._loop_thread = loop_thread
@@ -27,14 +29,15 @@ class LoopLagProbe:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stop.is_set():
-            start = loop.time()
+            start, cpu = loop.time(), time.process_time()
             await asyncio.sleep(0.005)
-            self.lags.append(loop.time() - start - 0.005)
+            self.stalls.append((loop.time() - start - 0.005, time.process_time() - cpu))
 
     def stop(self) -> float:
+        """The longest stall, counted as min(lateness, CPU this process used meanwhile)."""
         self._loop_thread.loop.call_soon_threadsafe(self._stop.set)
         self._task.result(5)
-        return max(self.lags)
+        return max(min(late, cpu) for late, cpu in self.stalls)
 
 
 class SmallStream:
@@ -95,7 +98,7 @@ def test_five_million_token_ids_refused_fast_without_stalling_other_streams(serv
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "5000000 tokens" in error.details() and "max_model_len (4096)" in error.details()
     assert elapsed < 5.0
-    assert lag < MAX_LAG_S, f"the router's loop stalled {lag:.3f}s"
+    assert lag < MAX_STALL_S, f"the router's loop stalled {lag:.3f}s"
     assert small.messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert sum(len(m.token_ids) for m in small.messages) == 150
     assert "huge" not in running.backend.inputs
@@ -114,6 +117,6 @@ def test_large_in_budget_token_ids_are_checked_off_the_loop(serve, make_backend,
 
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "token_ids.ids[7999999] = 258" in error.details() and "vocab_size is 258" in error.details()
-    assert lag < MAX_LAG_S, f"the router's loop stalled {lag:.3f}s"
+    assert lag < MAX_STALL_S, f"the router's loop stalled {lag:.3f}s"
     assert sum(len(m.token_ids) for m in small.messages) == 150
     assert "huge" not in running.backend.inputs
