@@ -2,7 +2,9 @@
 
 This is the one place that applies Ray to the plain worker classes
 (`ray.remote(PrefillActor)`, `ray.remote(DecodeActor)`) with resources from
-pools.yaml, and the startup check that every pool agrees on the KV layout.
+pools.yaml — scaled to fit a local Ray instance, and waited for no longer
+than ``ray.placement_timeout_s`` (deploy/placement.py) — and the startup
+check that every pool agrees on the KV layout.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from decode_worker.stream_service import DecodeStreamClient
 from deploy.actor_clients import RayDecodeClient, RayPrefillClient
 from deploy.config import PDServeConfig
+from deploy.placement import cpu_scale, scaled_cpus, wait_placed
 from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.engine import pick_dtype
@@ -73,11 +76,17 @@ def transfer_settings(cfg: PDServeConfig, cluster_token: str, bind_host: str) ->
                             bind_host, cfg.security.internal_tls())
 
 
-def _actor_options(cfg: PDServeConfig, pool: str, name: str) -> dict:
+def _actor_options(cfg: PDServeConfig, pool: str, name: str, cpu_fraction: float = 1.0) -> dict:
     p = getattr(cfg.pools, pool)
     r = p.resources
-    return dict(name=name, num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=dict(r.custom) or None,
-                max_restarts=p.max_restarts, max_concurrency=1000, lifetime=None)
+    return dict(name=name, num_cpus=scaled_cpus(r.num_cpus, cpu_fraction), num_gpus=r.num_gpus,
+                resources=dict(r.custom) or None, max_restarts=p.max_restarts, max_concurrency=1000, lifetime=None)
+
+
+def asked_resources(cfg: PDServeConfig, pool: str) -> dict[str, float]:
+    """What one actor of `pool` asks Ray for, as Ray names it (CPU, GPU when any, custom resources)."""
+    r = getattr(cfg.pools, pool).resources
+    return {"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {}), **r.custom}
 
 
 class ActorFactory:
@@ -94,6 +103,7 @@ class ActorFactory:
         self.suffix = secrets.token_hex(3)
         self.first: dict | None = None
         self._next_index: dict[str, int] = {}
+        self.cpu_fraction: float | None = None           # of each actor's num_cpus; set by fit_local
         self.streams = DecodeStreamClient(self.token, self.tls)  # the router's token streams to decode actors
         if multi_node and self.tls is None:
             log.warning("internal endpoints (KV, token streams) listen on node addresses in plaintext; "
@@ -102,6 +112,31 @@ class ActorFactory:
             log.warning("security.internal_tls_* encrypts the token streams, not kv_transfer.transport %s "
                         "(only the grpc transport runs over TLS)", cfg.kv_transfer.transport)
 
+    def most_actors(self, counts: dict[str, int] | None = None) -> dict[str, int]:
+        """The most actors each pool can run (its count, or its max when auto), by the pool whose
+        resources they take: in colocated mode every actor takes the decode pool's."""
+        counts = counts or {}
+        most = {pool: max(counts.get(pool) or 0, p.bounds()[1]) for pool, p in self.cfg.pools.items()}
+        return {"decode": most["prefill"] + most["decode"]} if self.mode == "colocated" else most
+
+    def fit_local(self, most: dict[str, int]) -> None:
+        """On a local Ray instance, give every actor the same fraction of its num_cpus so that `most`
+        actors per pool fit the node's CPUs (one log line when it scales); a joined cluster, GPUs and
+        custom resources keep the configured numbers (placement then waits `ray.placement_timeout_s`)."""
+        import ray
+        self.cpu_fraction = 1.0
+        if self.cfg.ray.address:
+            return
+        per_actor = {pool: getattr(self.cfg.pools, pool).resources.num_cpus for pool in most}
+        asked = sum(n * per_actor[pool] for pool, n in most.items())
+        node_cpus = ray.cluster_resources().get("CPU", 0.0)
+        self.cpu_fraction = cpu_scale(asked, node_cpus)
+        if self.cpu_fraction < 1.0:
+            log.info("local Ray has %g CPUs and the pools ask for %g (%s): every actor gets %.4g of its num_cpus "
+                     "(%s) so that all fit; torch threads are unchanged", node_cpus, asked,
+                     ", ".join(f"{n} {pool} x {per_actor[pool]:g}" for pool, n in most.items()), self.cpu_fraction,
+                     ", ".join(f"{pool} {scaled_cpus(c, self.cpu_fraction):g}" for pool, c in per_actor.items()))
+
     def spawn(self, pool: str):
         """Start one actor of `pool` ("prefill" | "decode" | "long_context"); returns its handle.
         In colocated mode every actor is a colocated engine with the decode pool's resources."""
@@ -109,6 +144,8 @@ class ActorFactory:
 
         from decode_worker.actor import ColocatedActor, DecodeActor
         from prefill_worker.actor import PrefillActor
+        if self.cpu_fraction is None:
+            self.fit_local(self.most_actors())
         index = self._next_index.get(pool, 0)
         self._next_index[pool] = index + 1
         if self.mode == "colocated":
@@ -116,11 +153,12 @@ class ActorFactory:
             args.chunk_size = args.chunk_size if self.chunked else None
             args.max_num_batched_tokens = self.cfg.pools.prefill.max_batch_tokens
             actor_id = f"colocated-{index}"
-            actor = ray.remote(ColocatedActor).options(**_actor_options(self.cfg, "decode", self._name(actor_id)))
+            options = _actor_options(self.cfg, "decode", self._name(actor_id), self.cpu_fraction)
+            actor = ray.remote(ColocatedActor).options(**options)
             return actor.remote(args, actor_id, self.token, self.bind_host, self.tls)
         args = engine_args(self.cfg, pool, self.model_dir)
         actor_id = f"{pool}-{index}"
-        options = _actor_options(self.cfg, pool, self._name(actor_id))
+        options = _actor_options(self.cfg, pool, self._name(actor_id), self.cpu_fraction)
         if pool == "prefill":
             return ray.remote(PrefillActor).options(**options).remote(args, self.transfer, actor_id)
         return ray.remote(DecodeActor).options(**options).remote(args, self.transfer, actor_id, self.token,
@@ -129,9 +167,33 @@ class ActorFactory:
     def _name(self, actor_id: str) -> str:
         return f"pdserve-{actor_id}-{self.suffix}"
 
+    async def _started(self, spawned: list[tuple[str, object]]) -> list[dict]:
+        """Every actor's info; placement is bounded by ray.placement_timeout_s, construction is not."""
+        import ray
+        infos = asyncio.ensure_future(asyncio.gather(*(h.info.remote() for _, h in spawned)))
+        asked = {pool: asked_resources(self.cfg, pool) for pool, _ in spawned}    # colocated actors are "decode"
+        placing = asyncio.ensure_future(wait_placed(spawned, self.cfg.ray.placement_timeout_s, asked,
+                                                    self.cfg.ray.address))
+        try:
+            await asyncio.wait({infos, placing}, return_when=asyncio.FIRST_COMPLETED)
+            if placing.done() and placing.exception() is not None:
+                for _, handle in spawned:          # an actor placed later would serve nobody
+                    ray.kill(handle, no_restart=True)
+                raise placing.exception()
+            return await infos
+        finally:
+            placing.cancel()
+            if not infos.done():
+                infos.cancel()
+                infos.add_done_callback(lambda f: f.cancelled() or f.exception())   # retrieved: no warning
+
     async def views(self, spawned: list[tuple[str, object]]) -> list:
-        """Wait for spawned actors; check their layouts agree with the first one ever seen."""
-        infos = await asyncio.gather(*(h.info.remote() for _, h in spawned))
+        """Wait for spawned actors; check their layouts agree with the first one ever seen.
+
+        Raises:
+            ConfigError: Ray did not place some actor within ``ray.placement_timeout_s`` (the batch is killed).
+        """
+        infos = await self._started(spawned)
         if self.first is None and infos:
             self.first = infos[0]
         check_layouts([self.first, *infos])
@@ -157,6 +219,7 @@ async def start_pools(factory: ActorFactory, counts: dict[str, int] | None = Non
     """
     cfg, counts = factory.cfg, counts or {}
     size = {pool: counts.get(pool) or getattr(cfg.pools, pool).bounds()[0] for pool, _ in cfg.pools.items()}
+    factory.fit_local(factory.most_actors(size))
     if factory.mode == "colocated":
         spawned = [("decode", factory.spawn("decode")) for _ in range(size["prefill"] + size["decode"])]
     else:

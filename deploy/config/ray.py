@@ -5,7 +5,7 @@ from typing import Optional
 
 from pydantic import Field
 
-from deploy.config.base import Section
+from deploy.config.base import Float, Section
 
 
 class RaySection(Section):
@@ -14,3 +14,8 @@ class RaySection(Section):
     address: Optional[str] = Field(None, description="Ray address: unset = start a local "
                                    "Ray; 'auto' = join the running cluster (ray up).")
     namespace: str = Field("pdserve", description="Ray namespace of the actors.")
+    placement_timeout_s: Float = Field(60.0, gt=0, description="Longest wait for Ray to place an actor (find it "
+                                       "a node with its resources) before startup fails naming the pool, what it "
+                                       "asks and what the cluster has. On a local Ray the actors' num_cpus are "
+                                       "scaled to fit the node instead; raise it when Ray's autoscaler must "
+                                       "start nodes first.")
