@@ -184,7 +184,7 @@ class TorchReceiver(BaseReceiver):
         """The keys the pair's group set up with (its peers are connected, or gone) and an unread reply."""
         with contextlib.suppress(Exception):  # the store is closing
             self._store.delete_key(slot_key("reply", index))
-            list_keys = getattr(self._store, "list_keys", None)  # torch >= 2.8; older ones leave pair/n/ keys
+            list_keys = getattr(self._store, "list_keys", None)  # torch from late 2025; older leaves pair/n/
             for key in list_keys() if list_keys is not None else ():
                 if key.startswith(pair_prefix(index)):
                     self._store.delete_key(key)
