@@ -68,10 +68,21 @@ def exposure(out, faults: list[FaultRecord]) -> list[int]:
             and out.started < (f.window_end or float("inf")) and end > f.injected_at]
 
 
+def _cause(exposed: list[int], faults: list[FaultRecord], first_moved: float | None) -> int | None:
+    """The fault a hit request is charged to: the last one injected before the router first moved it
+    (windows can overlap by a transfer deadline), else the last it was exposed to."""
+    if not exposed:
+        return None
+    before = [i for i in exposed if first_moved is not None and faults[i].injected_at <= first_moved]
+    return (before or exposed)[-1]
+
+
 def summarize(requests: list[ChaosRequest], result: RunResult) -> dict:
     """Every figure of the run (the JSON report's `figures`)."""
     by_index = {r.index: r for r in requests}
-    moved = {rid for _, rid, _ in result.router_events}
+    moved: dict[str, float] = {}                     # request id -> its first retry or migration
+    for t, rid, _ in result.router_events:
+        moved.setdefault(rid, t)
     bursts = [f for f in result.faults if f.kind == "burst"]
     rows = []
     for index, out in sorted(result.outcomes.items()):
@@ -85,6 +96,7 @@ def summarize(requests: list[ChaosRequest], result: RunResult) -> dict:
             hit = bool(exposed) and (req.request_id in moved or v != "exact")
         rows.append(dict(index=index, request_id=req.request_id, category=kind, verdict=v,
                          code=out.code, finish_reason=out.finish_reason, exposed=exposed,
+                         cause=_cause(exposed, result.faults, moved.get(req.request_id)) if hit else None,
                          moved=req.request_id in moved, hit=hit,
                          num_tokens=len(out.token_ids), ref_tokens=len(req.ref_token_ids),
                          seconds=None if out.ended is None else round(out.ended - out.started, 3),
@@ -163,10 +175,11 @@ def _rounded(values: list[float | None]) -> list[float | None]:
 
 def _fault_row(f: FaultRecord, rows: list[dict], i: int, t0: float, outcomes: dict) -> dict:
     exposed = [r for r in rows if i in r["exposed"]]
-    if f.kind == "burst":           # the requests sent while it was on
+    hit = [r for r in rows if r["cause"] == i]
+    if f.kind == "burst":           # the requests sent while it was on; the admitted ones were hit
         exposed = [r for r in rows if r["category"] == "burst" and f.injected_at is not None
                    and f.injected_at <= outcomes[r["index"]].started <= (f.window_end or float("inf"))]
-    hit = [r for r in exposed if r["hit"]]
+        hit = [r for r in exposed if r["hit"]]
     return dict(kind=f.kind, victim=f.victim, condition=f.condition, due_at_request=f.due_at_request,
                 fired=f.injected_at is not None, skipped=f.skipped, exposed=len(exposed), hit=len(hit),
                 shed=sum(1 for r in exposed if r["code"] == "RESOURCE_EXHAUSTED"),
