@@ -92,13 +92,11 @@ def encode_jobs(
     chunk_bytes: int,
     num_tokens: int = 0,
     first_token_id: int = -1,
-    with_checksum: bool = True,
 ) -> list[ChunkJob]:
     """One job per chunk; each gathers, encodes and checksums its rectangle when called.
 
-    ``with_checksum`` is ignored (kept for callers that still pass it): every chunk carries its
-    checksum, taken on a host copy when the cache is on a device, since receivers refuse chunks
-    without one.
+    Every chunk carries its checksum, taken on a host copy when the cache is on a device, since
+    receivers refuse chunks without one.
     """
     num_blocks = len(src_block_ids)
     cell_shape = (1, 1, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)

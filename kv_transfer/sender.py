@@ -16,10 +16,10 @@ import threading
 import time
 import uuid
 from abc import abstractmethod
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
 
 from kv_transfer.buffers import tune_malloc
 from kv_transfer.chunker import EncodedChunk, encode_jobs, pipeline
@@ -28,6 +28,8 @@ from kv_transfer.interface import FailedSide, KVSender, SendHandle, TransferErro
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES
 
+
+MAX_DESTINATIONS = 256   # per-destination state (handshakes, connections) kept for this many peers
 
 class BaseSender(KVSender):
     def __init__(
@@ -46,7 +48,7 @@ class BaseSender(KVSender):
         self.chunk_bytes, self.prefetch_depth, self.encode_workers = chunk_bytes, prefetch_depth, encode_workers
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-send")
         self._encoders = ThreadPoolExecutor(max_workers=max(1, encode_workers), thread_name_prefix="kv-encode")
-        self._handshaken: set[str] = set()
+        self._handshaken: OrderedDict[str, None] = OrderedDict()   # LRU: destinations handshaken with
         self._lock = threading.Lock()
 
     def describe(self) -> dict[str, object]:
@@ -55,17 +57,22 @@ class BaseSender(KVSender):
     def handshake(self, dest: str) -> None:
         with self._lock:
             if dest in self._handshaken:
+                self._handshaken.move_to_end(dest)
                 return
         local = self.describe()
         remote = self._remote_handshake(dest, local)
         check_compatible(local, remote)
         with self._lock:
-            self._handshaken.add(dest)
+            self._handshaken[dest] = None
+            stale = list(self._handshaken)[:-MAX_DESTINATIONS]
+        for old in stale:
+            self.forget(old)
 
     def forget(self, dest: str) -> None:
-        """Drop cached state for a destination (it died or was replaced)."""
+        """Drop cached state for a destination (it died, was replaced, or is the least recently used
+        of more than MAX_DESTINATIONS); transports drop their connections to it too."""
         with self._lock:
-            self._handshaken.discard(dest)
+            self._handshaken.pop(dest, None)
 
     def send(
         self,
@@ -106,7 +113,6 @@ class BaseSender(KVSender):
             chunk_bytes=self.chunk_bytes,
             num_tokens=num_tokens,
             first_token_id=first_token_id,
-            with_checksum=self._with_checksum(kv_cache),
         )
         self._pool.submit(self._run, handle, dest, job)
         return handle
@@ -135,9 +141,6 @@ class BaseSender(KVSender):
     def _prepare(self, chunk: EncodedChunk):
         """Per-chunk work a transport wants done on the encode thread (e.g. framing)."""
         return chunk
-
-    def _with_checksum(self, kv_cache: torch.Tensor) -> bool:
-        return kv_cache.device.type == "cpu"
 
     @abstractmethod
     def _remote_handshake(self, dest: str, local: dict) -> dict: ...

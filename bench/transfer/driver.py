@@ -68,7 +68,7 @@ def codec_gbps(codec_name: str, payload_mib: float, reps: int = 3, workers: int 
     def jobs():
         return encode_jobs(cache, ids, LAYOUT, codec, request_id="b", transfer_id="b",
                            layers=(0, LAYOUT.num_layers), deadline_at=time.monotonic() + 60,
-                           chunk_bytes=DEFAULT_CHUNK_BYTES, with_checksum=False)
+                           chunk_bytes=DEFAULT_CHUNK_BYTES)
 
     def decode(item) -> None:
         pin_transfer_thread()

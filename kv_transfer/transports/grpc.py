@@ -181,6 +181,13 @@ class GrpcSender(BaseSender):
                 ]
             return channels[index]
 
+    def forget(self, dest: str) -> None:
+        super().forget(dest)
+        with self._channels_lock:
+            channels = self._channels.pop(dest, [])
+        for channel in channels:
+            channel.close()
+
     def _metadata(self):
         return ((TOKEN_KEY, self.token),)
 
@@ -238,7 +245,7 @@ class GrpcSender(BaseSender):
         if failures:
             exc = failures[0]
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self.forget(dest)  # the receiver may come back with another layout
+                self.forget(dest)  # gone, or back with another layout: no handshake, no channels kept
             raise self._error(exc)
         return counted[0]
 

@@ -3,7 +3,7 @@ whatever device its payload or the sender's cache is on; a mismatch or a missing
 transfer and nothing is written.
 
 CUDA is forced on CPU twice: a payload tensor that reports a CUDA device (what the torch transport
-receives into on NCCL), and a sender whose device check says "CUDA cache" (``_with_checksum`` False).
+receives into on NCCL), and a sender's chunks (it checksums every one; it used to skip CUDA caches).
 tests/gpu/test_kv_transfer_gpu.py repeats both on a real device.
 """
 
@@ -19,7 +19,6 @@ from kv_transfer import FailedSide, SimpleBlockPool, TransferError, TransferStat
 from kv_transfer.chunker import encode_chunks
 from kv_transfer.codec import get_codec
 from kv_transfer.receiver import BaseReceiver
-from kv_transfer.sender import BaseSender
 from kv_transfer.wire import pack_frame, split_frame
 
 
@@ -82,8 +81,9 @@ def flip_a_byte_of_chunk(index: int):
     return tamper
 
 
-def test_senders_checksum_every_chunk_whatever_the_cache_device(make_pair, layout, monkeypatch):
-    monkeypatch.setattr(BaseSender, "_with_checksum", lambda self, kv_cache: False)  # the CUDA-cache branch
+def test_senders_checksum_every_chunk_whatever_the_cache_device(make_pair, layout):
+    """The sender has no per-device switch any more (it skipped checksums for CUDA caches); the chunker
+    checksums every chunk, on a host copy for device payloads (tests/gpu runs that branch)."""
     pair = make_pair("fake", layout, chunk_bytes=200)
     src = random_cache(layout, 5)
     ok = pair.sender.send("r", src, [0, 1], pair.dest)
