@@ -15,7 +15,6 @@ cancel free the reserved blocks. Each transfer ends with exactly one
 
 from __future__ import annotations
 
-import hmac
 import threading
 import time
 from collections import OrderedDict
@@ -26,6 +25,7 @@ import torch
 
 from kv_transfer.buffers import scratch_pool, tune_malloc
 from kv_transfer.codec import get_codec, pin_transfer_thread
+from kv_transfer.internal_auth import token_matches
 from kv_transfer.interface import (
     BlockAllocator,
     FailedSide,
@@ -119,8 +119,7 @@ class BaseReceiver(KVReceiver):
     def check_token(self, token: object, expected: str | None = None) -> bool:
         """Constant-time check of a peer's token, or with ``expected`` of a proof derived from it (torch
         rendezvous); each failure is counted in ``stats.auth_failures``."""
-        given = token if isinstance(token, str) else ""
-        ok = hmac.compare_digest(given.encode(), (self.token if expected is None else expected).encode())
+        ok = token_matches(token if isinstance(token, str) else "", self.token if expected is None else expected)
         if not ok:
             with self._cond:
                 self._stats.auth_failures += 1
