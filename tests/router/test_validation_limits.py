@@ -84,39 +84,35 @@ def _huge_request(num_ids: int, last_id: int = 1) -> bytes:
                               sampling=pb.SamplingParams(max_tokens=4)).SerializeToString()
 
 
-def test_five_million_token_ids_refused_fast_without_stalling_other_streams(serve, make_backend, loop_thread,
-                                                                           wait_until):
-    running = serve(make_backend(max_model_len=4096, token_delay_s=0.01), max_message_bytes=BIG_MESSAGES)
-    request = _huge_request(5_000_000)
+def _refuse_beside_a_stream(serve, make_backend, loop_thread, wait_until, max_model_len: int,
+                            request: bytes) -> tuple[grpc.RpcError, float, float]:
+    """Send ``request`` while a small request streams (it must finish intact); (error, seconds, loop stall)."""
+    running = serve(make_backend(max_model_len=max_model_len, token_delay_s=0.01), max_message_bytes=BIG_MESSAGES)
     small = SmallStream(running.address, max_tokens=150)
     wait_until(lambda: len(small.arrivals) >= 3)
     probe = LoopLagProbe(loop_thread)
     error, elapsed = _refusal(running.address, request)
-    lag = probe.stop()
+    stall = probe.stop()
     small.join()
-
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "5000000 tokens" in error.details() and "max_model_len (4096)" in error.details()
-    assert elapsed < 5.0
-    assert lag < MAX_STALL_S, f"the router's loop stalled {lag:.3f}s"
+    assert "huge" not in running.backend.inputs
     assert small.messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert sum(len(m.token_ids) for m in small.messages) == 150
-    assert "huge" not in running.backend.inputs
+    return error, elapsed, stall
+
+
+def test_five_million_token_ids_refused_fast_without_stalling_other_streams(serve, make_backend, loop_thread,
+                                                                           wait_until):
+    error, elapsed, stall = _refuse_beside_a_stream(serve, make_backend, loop_thread, wait_until, 4096,
+                                                    _huge_request(5_000_000))
+    assert "5000000 tokens" in error.details() and "max_model_len (4096)" in error.details()
+    assert elapsed < 5.0
+    assert stall < MAX_STALL_S, f"the router's loop stalled {stall:.3f}s"
 
 
 def test_large_in_budget_token_ids_are_checked_off_the_loop(serve, make_backend, loop_thread, wait_until):
     """Ids that fit max_model_len are still range-checked (naming the first bad index) without a stall."""
-    running = serve(make_backend(max_model_len=10_000_000, token_delay_s=0.01), max_message_bytes=BIG_MESSAGES)
-    request = _huge_request(8_000_000, last_id=258)
-    small = SmallStream(running.address, max_tokens=150)
-    wait_until(lambda: len(small.arrivals) >= 3)
-    probe = LoopLagProbe(loop_thread)
-    error, _ = _refusal(running.address, request)
-    lag = probe.stop()
-    small.join()
-
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    error, _, stall = _refuse_beside_a_stream(serve, make_backend, loop_thread, wait_until, 10_000_000,
+                                              _huge_request(8_000_000, last_id=258))
     assert "token_ids.ids[7999999] = 258" in error.details() and "vocab_size is 258" in error.details()
-    assert lag < MAX_STALL_S, f"the router's loop stalled {lag:.3f}s"
-    assert sum(len(m.token_ids) for m in small.messages) == 150
-    assert "huge" not in running.backend.inputs
+    assert stall < MAX_STALL_S, f"the router's loop stalled {stall:.3f}s"
