@@ -48,6 +48,7 @@ class PoolManager:
         self.backend, self.factory = backend, factory
         self.interval_s, self.timeout_s, self.replace_after_s = interval_s, timeout_s, replace_after_s
         self._silent_since: dict[int, float] = {}
+        self._owed: dict[str, int] = {}        # pool -> replacements that could not start yet (retried)
         self.replaced = 0
         self.restarted = 0
 
@@ -60,6 +61,10 @@ class PoolManager:
                 log.exception("pool manager check failed")
 
     async def check_once(self) -> None:
+        for name, count in list(self._owed.items()):
+            self._owed.pop(name)
+            for _ in range(count):
+                await self._spawn_replacement(name, "an earlier replacement")
         checks = [(name, view) for name in POOL_NAMES for view in list(self.backend.pools.get(name))]
         results = await asyncio.gather(*(self._info(v) for _, v in checks))
         now = time.monotonic()
@@ -104,8 +109,18 @@ class PoolManager:
         except Exception:
             pass
         await view.client.retire()
-        handle = self.factory.spawn(name)
-        [new] = await self.factory.views([(name, handle)])
+        await self._spawn_replacement(name, view.actor_id)
+
+    async def _spawn_replacement(self, name: str, replaces: str) -> None:
+        """Start a fresh actor of `name`; one that cannot start (e.g. cannot be placed) is owed and
+        tried again on the next check, so the pool never stays short for good."""
+        try:
+            handle = self.factory.spawn(name)
+            [new] = await self.factory.views([(name, handle)])
+        except Exception as e:
+            self._owed[name] = self._owed.get(name, 0) + 1
+            log.error("%s actor to replace %s could not start (%s); retrying on the next check", name, replaces, e)
+            return
         await add_actors(self.backend, name, [new])
         self.replaced += 1
-        log.warning("%s actor %s replaced by %s", name, view.actor_id, new.actor_id)
+        log.warning("%s actor %s replaced by %s", name, replaces, new.actor_id)

@@ -118,10 +118,13 @@ class Dispatcher(Backend):
         self.completed: deque[tuple[float, int, int, float, float]] = deque(maxlen=4096)
 
     async def ready(self) -> bool:
-        return bool(self.pools.decode) and all(v.healthy for v in self.pools.decode)
+        """Some decode actor can take requests (one down while it restarts is not an outage)."""
+        return any(v.healthy and not v.draining for v in self.pools.decode)
 
-    async def stats(self) -> list[ActorStats]:
-        results = await asyncio.gather(*(v.client.stats() for v in self.pools.all()), return_exceptions=True)
+    async def stats(self, timeout_s: float = 2.0) -> list[ActorStats]:
+        """Every actor's load; an actor that does not answer within `timeout_s` is left out."""
+        results = await asyncio.gather(*(asyncio.wait_for(v.client.stats(), timeout_s) for v in self.pools.all()),
+                                       return_exceptions=True)
         return [r for r in results if isinstance(r, ActorStats)]
 
     def _decode_pool(self, total_tokens: int) -> list[DecodeView]:

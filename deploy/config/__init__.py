@@ -23,7 +23,7 @@ models, unknown keys forbidden)::
                                                         arrival_rate_rps
       server: ServerSection             server.py       host, port, metrics_port, log_format
       security: SecuritySection         security.py     token, token_env, tls_cert, tls_key, tls_client_ca
-      ray: RaySection                   ray.py          address, namespace
+      ray: RaySection                   ray.py          address, namespace, placement_timeout_s
 """
 from deploy.config.base import PRESET_MODELS, ConfigError, FieldProblem, Section
 from deploy.config.kv_cache import KVCacheSection

@@ -48,6 +48,7 @@ class FakeActor:
     def __init__(self, actor_id: str, role: str):
         self.actor_id, self.role = actor_id, role
         self.alive = True
+        self.stats_hang = False               # stats() never answers
         self.faults: list[str] = []          # consumed one per job; "" = behave
         self.aborted: list[str] = []
         self.jobs: list = []
@@ -65,6 +66,8 @@ class FakeActor:
         return {"actor_id": self.actor_id}
 
     async def stats(self) -> ActorStats:
+        if self.stats_hang:
+            await asyncio.Event().wait()
         if not self.alive:
             raise ActorUnavailable(f"{self.actor_id} is dead")
         return ActorStats(self.actor_id, self.role, 100, 0, 0, len(self.jobs))

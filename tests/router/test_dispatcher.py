@@ -537,3 +537,26 @@ def test_the_decode_actor_waits_for_the_transfer_to_begin_as_long_as_the_router_
         [pjob] = [j for a in c.prefill for j in a.jobs]
         assert pjob.transfer_deadline_s == 2.0 and djob.kv_timeout_s == 50.0
     run(main())
+
+
+def test_ready_while_some_decode_actor_can_serve():
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        c.pools.decode[0].healthy = False           # restarting: not an outage
+        assert await d.ready()
+        c.pools.decode[1].draining = True
+        assert not await d.ready()
+    run(main())
+
+
+def test_stats_leave_out_an_actor_that_hangs_and_answer_in_bounded_time():
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        c.prefill[0].stats_hang = True
+        start = time.monotonic()
+        stats = await d.stats(timeout_s=0.2)
+        assert time.monotonic() - start < 2.0
+        assert sorted(s.actor_id for s in stats) == ["decode-0", "decode-1", "prefill-1"]
+    run(main())
