@@ -24,7 +24,10 @@ def pick_prefill(views: list[PrefillView], hashes: list[bytes],
 
 
 def pick_decode(views: list[DecodeView], need_blocks: int, exclude: set[str] = frozenset()) -> DecodeView | None:
-    """An actor with room for `need_blocks` (most free first), or None."""
-    fits = [v for v in views if v.healthy and not v.draining and v.actor_id not in exclude
-            and v.free_blocks >= need_blocks]
+    """An actor with room for `need_blocks` (most free first), or None. Quarantined actors (failing
+    requests while alive) are skipped while any other actor of the pool is open, so a black hole is
+    never the 'freest' choice; when every actor is quarantined they are tried (half-open)."""
+    candidates = [v for v in views if v.healthy and not v.draining and v.actor_id not in exclude]
+    open_ = [v for v in candidates if not v.quarantined]
+    fits = [v for v in (open_ or candidates) if v.free_blocks >= need_blocks]
     return max(fits, key=lambda v: v.free_blocks) if fits else None

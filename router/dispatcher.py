@@ -157,16 +157,22 @@ class Dispatcher(Backend):
                         d.emitted.extend(chunk.token_ids)
                         d.emitted_chars += len(chunk.text)
                         yield chunk
+                    d.view.succeeded()
                     self._record(d)
                     return
                 except _Retry as e:
                     d.num_failures += 1
                     log.warning("request %s: prefill/transfer attempt %d failed: %s", inp.request_id,
                                 d.num_failures, e)
-                    if e.receiver_suspect and not await self._alive(d.view):
-                        await self._switch_decode(d, f"decode actor {d.view.actor_id} is unreachable")
+                    if e.receiver_suspect:       # the decode side refused or lost the KV
+                        self._decode_failed(d.view)
+                        if not await self._alive(d.view):
+                            await self._switch_decode(d, f"decode actor {d.view.actor_id} is unreachable")
+                        else:
+                            await self._try_other_decode(d)
                 except _DecodeLost as e:
                     d.num_failures += 1
+                    self._decode_failed(d.view)
                     log.warning("request %s: decode actor lost after %d tokens (%s); migrating",
                                 inp.request_id, len(d.emitted), e)
                     await self._switch_decode(d, str(e))
@@ -216,6 +222,21 @@ class Dispatcher(Backend):
         d.view = await self.admission.acquire(d.pool, d.need_blocks, timeout, exclude=d.lost, first=True)
         if d.view is None:
             raise BackendError("UNAVAILABLE", f"{why}; no other decode actor can take the request")
+
+    def _decode_failed(self, view: DecodeView) -> None:
+        seconds = view.failed()
+        if seconds:
+            log.warning("decode actor %s quarantined for %.0fs after %d failed requests in a row", view.actor_id,
+                        seconds, view.num_failures)
+
+    async def _try_other_decode(self, d: _Dispatch) -> None:
+        """The decode actor is alive but failed the request: retry on another one when one has room
+        now (else stay: a single decode actor is retried rather than given up on)."""
+        other = await self.admission.acquire(d.pool, d.need_blocks, 0.0, exclude={*d.lost, d.view.actor_id},
+                                             first=True)
+        if other is not None:
+            old, d.view = d.view, other
+            await self.admission.release(old, d.need_blocks)
 
     async def _alive(self, view: DecodeView, timeout: float = 2.0) -> bool:
         try:
@@ -348,7 +369,7 @@ class Dispatcher(Backend):
     def _on_event(self, ev: wpb.DecodeEvent, timing: Timing, usage: Usage) -> GenerationChunk:
         if ev.error.code:
             if ev.error.retryable:               # the KV never arrived: prefill again
-                raise _Retry(ev.error.message)
+                raise _Retry(ev.error.message, receiver_suspect=True)
             raise BackendError(STATUS_NAME.get(ev.error.code, "INTERNAL"), ev.error.message)
         if ev.decode_queue_s:
             timing.decode_queue_s = ev.decode_queue_s

@@ -7,12 +7,16 @@ KV pool). `deploy` creates the views; the pool manager marks them (un)healthy.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from router.actor_client import DecodeClient, PrefillClient
 
 POOL_NAMES = ("prefill", "decode", "long_context")
+QUARANTINE_AFTER = 3          # consecutive requests failed on a decode actor before it is quarantined
+QUARANTINE_BASE_S = 1.0       # first quarantine; doubles with each further failure ...
+QUARANTINE_MAX_S = 30.0       # ... up to this
 
 
 @dataclass(eq=False)
@@ -57,10 +61,31 @@ class DecodeView:
     healthy: bool = True
     draining: bool = False
     incarnation: str = ""
+    num_failures: int = 0              # consecutive requests that failed here (its receiver or its stream)
+    quarantined_until: float = 0.0     # time.monotonic(): alive but failing; skipped until then
 
     @property
     def free_blocks(self) -> int:
         return self.kv_blocks_total - self.reserved_blocks
+
+    @property
+    def quarantined(self) -> bool:
+        return time.monotonic() < self.quarantined_until
+
+    def failed(self) -> float:
+        """A request failed on this actor; after QUARANTINE_AFTER in a row it is skipped for a while
+        (a circuit breaker: an alive actor whose receiver refuses everything is not the 'freest').
+        Returns the quarantine it now serves, in seconds (0: none)."""
+        self.num_failures += 1
+        extra = self.num_failures - QUARANTINE_AFTER
+        if extra < 0:
+            return 0.0
+        seconds = min(QUARANTINE_BASE_S * 2 ** extra, QUARANTINE_MAX_S)
+        self.quarantined_until = time.monotonic() + seconds
+        return seconds
+
+    def succeeded(self) -> None:
+        self.num_failures, self.quarantined_until = 0, 0.0
 
     @property
     def busy(self) -> bool:

@@ -150,7 +150,7 @@ def test_receiver_failure_with_a_dead_decode_actor_moves_the_reservation():
     run(main())
 
 
-def test_receiver_failure_with_a_live_decode_actor_keeps_it():
+def test_receiver_failure_with_a_live_decode_actor_retries_on_another():
     async def main():
         c = fake_cluster(num_prefill=1)
         d = make(c)
@@ -159,8 +159,39 @@ def test_receiver_failure_with_a_live_decode_actor_keeps_it():
         tokens, _ = await collect(d, request())
         c.pools.decode[1].reserved_blocks = 0
         assert tokens == expected_tokens(PROMPT, 6)
-        assert len(c.decode[0].jobs) == 2 and not c.decode[1].jobs
-        assert c.pools.decode[0].healthy
+        assert len(c.decode[0].jobs) == 1 and len(c.decode[1].jobs) == 1
+        assert c.pools.decode[0].healthy and c.pools.decode[0].num_failures == 1
+        assert c.pools.decode[1].num_failures == 0
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_receiver_failure_on_the_only_decode_actor_retries_there():
+    async def main():
+        c = fake_cluster(num_prefill=1, num_decode=1)
+        d = make(c)
+        c.prefill[0].faults = ["receiver"]
+        tokens, _ = await collect(d, request())
+        assert tokens == expected_tokens(PROMPT, 6) and len(c.decode[0].jobs) == 2
+        assert c.pools.decode[0].num_failures == 0          # it served the retry: the count starts over
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_a_black_hole_decode_actor_is_quarantined_and_requests_complete_elsewhere():
+    """Issue #13 defect 2: an alive decode actor whose receiver fails everything stayed the 'freest'
+    choice and requests burned every attempt there (UNAVAILABLE)."""
+    async def main():
+        c = fake_cluster(kv_blocks=64)
+        d = make(c, max_attempts=3)
+        c.decode[0].faults = ["kv_never"] * 100              # alive, answers info(), never gets the KV
+        c.pools.decode[1].reserved_blocks = 8                # decode-0 is always the freest
+        for i in range(10):
+            tokens, chunks = await collect(d, request(f"q{i}"))
+            assert tokens == expected_tokens(PROMPT, 6) and chunks[-1].finish_reason == "length"
+        assert len(c.decode[0].jobs) == 3                    # then quarantined: skipped while it lasts
+        assert c.pools.decode[0].quarantined and c.pools.decode[0].healthy
+        c.pools.decode[1].reserved_blocks = 0
         assert_nothing_held(c)
     run(main())
 
