@@ -39,6 +39,9 @@ def init_ray(address: str | None = None, namespace: str = "pdserve", num_cpus: f
     import ray
     if ray.is_initialized():
         return
+    # A call to an actor killed mid-call fails once Ray has its death info, after at most this long
+    # (default 1 s): the router notices a dead prefill actor within it and retries elsewhere.
+    os.environ.setdefault("RAY_timeout_ms_task_wait_for_death_info", "200")
     if address:
         ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
         return

@@ -231,12 +231,24 @@ async def _transfer_fault(ctx: DrillContext, rec: FaultRecord, victim_index: int
 
 
 async def _hang(ctx: DrillContext, rec: FaultRecord, victim_index: int) -> None:
-    view = ctx.pools.decode[victim_index % len(ctx.pools.decode)]
-    rec.victim = view.actor_id
-    rec.condition = "it reports >= 2 requests in its running batch (actor stats)"
-    if not await wait_until(lambda: _running_at_least(view, 2), ctx.arm_timeout_s):
+    # The victim is whichever decode actor first holds a running batch (starting at victim_index):
+    # after a kill the router may quarantine or avoid the restarted actor, so a fixed one may stay idle.
+    views = ctx.pools.decode[victim_index % len(ctx.pools.decode):] + ctx.pools.decode[:victim_index]
+    chosen = []
+    rec.condition = "a decode actor reports >= 2 requests in its running batch (actor stats)"
+
+    async def some_actor_busy() -> bool:
+        for candidate in views:
+            if await _running_at_least(candidate, 2):
+                chosen.append(candidate)
+                return True
+        return False
+    if not await wait_until(some_actor_busy, ctx.arm_timeout_s):
+        rec.victim = "decode pool"
         rec.skipped = f"condition never held: {rec.condition}"
         return
+    view = chosen[0]
+    rec.victim = view.actor_id
     seconds = ctx.stream_idle_s + 2.0          # past the router's idle limit: it must migrate
     await asyncio.wait_for(view.client.handle.set_fault.remote("hang", seconds), 30.0)
     rec.injected_at = time.monotonic()
