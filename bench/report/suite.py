@@ -148,6 +148,20 @@ def run_hf(plan: Plan, out: dict) -> None:
     out["throughput"]["hf-static"] = hf_static_batching(cfg, specs, plan.hf_batch_size)
 
 
+KEPT_SECTIONS = ("## Chaos run",)   # written by other benchmarks' own reports: carried over as they are
+
+
+def kept_sections(path: str) -> str:
+    """The sections of an existing page that this report does not write (from the first of them on)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    starts = [text.index(h) for h in KEPT_SECTIONS if h in text]
+    return "\n" + text[min(starts):] if starts else ""
+
+
 def machine_info() -> dict:
     import platform
     import subprocess
@@ -227,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     plots = write_plots(result, args.img_dir)
     rel = {k: os.path.relpath(v, os.path.dirname(os.path.abspath(args.out))) for k, v in plots.items()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    kept = kept_sections(args.out)
     with open(args.out, "w") as f:
-        f.write(render_markdown(result, rel))
+        f.write(render_markdown(result, rel) + kept)
     print(f"wrote {args.out} and {len(plots)} plots in {args.img_dir}", file=sys.stderr)
     return 0
 

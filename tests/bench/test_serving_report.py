@@ -61,3 +61,11 @@ def test_plots_and_page(tmp_path):
     assert "![SLO attainment vs rate](img/rate.png)" in page and "### The issue's targets" in page
     assert ("| disaggregated goodput ≥ 1.3× the better colocated variant (per run, requests/s meeting both SLOs "
             "at the loaded rate) | 1.00× | **not met** |") in page
+
+
+def test_the_suite_report_keeps_the_chaos_section(tmp_path):
+    from bench.report.suite import kept_sections
+    page = tmp_path / "benchmarks.md"
+    assert kept_sections(str(page)) == ""
+    page.write_text("# Benchmarks\n\n## Serving\nold figures\n\n## Chaos run\n\nchaos figures\n")
+    assert kept_sections(str(page)) == "\n## Chaos run\n\nchaos figures\n"
