@@ -60,12 +60,7 @@ def make_sender(
         A ``KVSender``. Raises ValueError for an unknown transport.
     """
     if isinstance(transport, TransferSettings):
-        settings = transport
-        transport = settings.transport
-        defaults = {"codec": settings.codec, "token": settings.token, "chunk_bytes": settings.chunk_bytes}
-        if transport == "grpc" and settings.tls is not None:
-            defaults["tls"] = settings.tls
-        options = {**defaults, **options}
+        transport, options = transport.transport, {**_options(transport, chunk_bytes=transport.chunk_bytes), **options}
     sender_class, _ = load(transport)
     if transport == "torch" and device is not None:
         options["device"] = device
@@ -95,13 +90,17 @@ def make_receiver(
         A ``KVReceiver``. Raises ValueError for an unknown transport.
     """
     if isinstance(transport, TransferSettings):
-        settings = transport
-        transport = settings.transport
-        defaults = {"codec": settings.codec, "token": settings.token, "default_timeout_s": settings.deadline_s}
-        if transport in ("grpc", "torch"):
-            defaults["host"] = settings.bind_host
-        if transport == "grpc" and settings.tls is not None:
-            defaults["tls"] = settings.tls
-        options = {**defaults, **options}
+        side = {"default_timeout_s": transport.deadline_s}
+        if transport.transport in ("grpc", "torch"):
+            side["host"] = transport.bind_host
+        transport, options = transport.transport, {**_options(transport, **side), **options}
     _, receiver_class = load(transport)
     return receiver_class(layout, kv_cache, allocator, on_complete=on_complete, **options)
+
+
+def _options(settings: TransferSettings, **side) -> dict:
+    """What the settings give both sides of their transport (codec, token, TLS for grpc), plus `side`'s own."""
+    options = {"codec": settings.codec, "token": settings.token, **side}
+    if settings.transport == "grpc" and settings.tls is not None:
+        options["tls"] = settings.tls
+    return options

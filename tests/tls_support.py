@@ -41,3 +41,19 @@ def make_certs(directory: Path) -> Path:
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
                  "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext", cwd=directory)
     return directory
+
+
+def handshake_code(channel, layout, token: str, codec: str):
+    """The gRPC status a KV service answers one Handshake of (layout, codec) with over `channel` (closed after)."""
+    import grpc
+    import msgpack
+
+    from kv_transfer.transports.grpc import SERVICE
+    from kv_transfer.wire import TOKEN_KEY
+    with channel:
+        try:
+            channel.unary_unary(f"/{SERVICE}/Handshake")(msgpack.packb(layout.describe(codec)),
+                                                         metadata=((TOKEN_KEY, token),), timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK

@@ -6,29 +6,22 @@ import asyncio
 from types import SimpleNamespace
 
 import grpc
-import msgpack
 import torch
 
 from decode_worker.stream_service import DecodeStreamClient, DecodeStreamServer
 from deploy.config import load_config
 from deploy.launcher import ActorFactory, transfer_settings
-from kv_transfer import TOKEN_KEY, KVLayout, SimpleBlockPool, make_receiver
+from kv_transfer import KVLayout, SimpleBlockPool, make_receiver
 from kv_transfer.internal_auth import internal_secret
-from kv_transfer.transports.grpc import SERVICE
 from proto.pdserve.v1 import worker_pb2 as wpb
+from tls_support import handshake_code
 
 PUBLIC = "public-token"
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, block_size=4, head_dim=8, dtype=torch.float32, model_fingerprint="t")
 
 
 def _handshake_code(endpoint: str, token: str) -> grpc.StatusCode:
-    with grpc.insecure_channel(endpoint) as channel:
-        try:
-            channel.unary_unary(f"/{SERVICE}/Handshake")(msgpack.packb(LAYOUT.describe("fp8")),
-                                                         metadata=((TOKEN_KEY, token),), timeout=10)
-        except grpc.RpcError as exc:
-            return exc.code()
-    return grpc.StatusCode.OK
+    return handshake_code(grpc.insecure_channel(endpoint), LAYOUT, token, "fp8")
 
 
 def test_kv_service_takes_the_derived_secret_and_refuses_the_public_token(model_dir):

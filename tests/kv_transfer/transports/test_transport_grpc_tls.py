@@ -4,16 +4,13 @@ a sender with a node certificate of the configured CA ships bit-exact KV."""
 from __future__ import annotations
 
 import grpc
-import msgpack
 import pytest
 import torch
 from kv_helpers import TOKEN, assert_no_leak, random_cache
-from tls_support import make_certs
+from tls_support import handshake_code, make_certs
 
 from kv_transfer import FailedSide, SimpleBlockPool, TransferSettings, TransferStatus, make_receiver, make_sender
 from kv_transfer.internal_auth import InternalTLS
-from kv_transfer.transports.grpc import SERVICE
-from kv_transfer.wire import TOKEN_KEY
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +23,7 @@ def node_tls(certs, name: str = "node") -> InternalTLS:
 
 
 def _handshake_code(endpoint: str, layout, channel: grpc.Channel) -> grpc.StatusCode:
-    with channel:
-        try:
-            channel.unary_unary(f"/{SERVICE}/Handshake")(msgpack.packb(layout.describe("none")),
-                                                         metadata=((TOKEN_KEY, TOKEN),), timeout=10)
-        except grpc.RpcError as exc:
-            return exc.code()
-    return grpc.StatusCode.OK
+    return handshake_code(channel, layout, TOKEN, "none")
 
 
 def test_plaintext_client_is_refused_and_mutual_tls_transfers(layout, certs):
