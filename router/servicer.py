@@ -146,7 +146,8 @@ class GenerationServicer:
         if error is not None:
             await context.abort(grpc.StatusCode[error.code], error.message)
 
-    async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:  # noqa: N802
+    async def GetStats(self, request: pb.GetStatsRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         try:
             actors = await self._actor_stats()
         except BackendError as e:
