@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
 import uuid
 
 import torch
@@ -176,7 +175,6 @@ class Engine:
         req.block_table = list(block_ids)
         req.num_computed_tokens = len(req.prompt_token_ids)
         req.num_cached_tokens = num_cached_tokens
-        req.kv_adopted_time = time.monotonic()
         hashes = prompt_block_hashes(req.prompt_token_ids, self.block_size)
         req.block_hashes = hashes
         for block_id, h in zip(block_ids, hashes):

@@ -44,11 +44,10 @@ class Request:
     stop_reason: str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    # Decode side of disaggregation: the transfer this request waits for (WAITING_FOR_KV),
-    # until when it may wait (time.monotonic()), and when its KV was adopted.
+    # Decode side of disaggregation: the transfer this request waits for (WAITING_FOR_KV), and
+    # until when it may wait for the transfer to begin (time.monotonic()).
     kv_transfer_id: str | None = None
     kv_deadline: float | None = None
-    kv_adopted_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -189,13 +189,13 @@ class Dispatcher(Backend):
         timeout = self.routing.max_queue_wait_s
         if d.inp.deadline is not None:
             timeout = min(timeout, max(d.inp.deadline - time.monotonic(), 0.0))
-        uncached = len(d.inp.prompt_token_ids)
+        num_prompt_tokens = len(d.inp.prompt_token_ids)
         view = await self.admission.acquire(d.pool, d.need_blocks, timeout,
-                                            ready=lambda: self._prefill_has_room(d.hashes, uncached))
+                                            ready=lambda: self._prefill_has_room(d.hashes, num_prompt_tokens))
         if view is None:
             raise BackendError("RESOURCE_EXHAUSTED", f"no room for {d.need_blocks} KV blocks on a decode actor "
-                               f"and {uncached} prompt tokens in a prefill backlog: the admission queue is full "
-                               f"({self.routing.max_queue}) or {timeout:.1f}s passed; retry later")
+                               f"and {num_prompt_tokens} prompt tokens in a prefill backlog: the admission queue is "
+                               f"full ({self.routing.max_queue}) or {timeout:.1f}s passed; retry later")
         return view
 
     def _prefill_has_room(self, hashes: list[bytes], num_prompt_tokens: int) -> bool:
