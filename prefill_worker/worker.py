@@ -106,13 +106,14 @@ class PrefillWorker:
         """The first token is sampled: ship the prompt's KV (or report a request that ended here)."""
         done = time.monotonic()
         scheduled = out.first_scheduled_time or done
+        first = wpb.DecodeEvent(token_ids=out.new_token_ids, text=out.text_delta)
         result = wpb.PrefillResult(request_id=out.request_id, transfer_id=p.job.transfer_id,
-                                   status=wpb.PREFILL_STATUS_SENT, first_token_id=out.new_token_ids[0],
+                                   status=wpb.PREFILL_STATUS_SENT, first_tokens=[first],
                                    num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
                                    queue_s=scheduled - p.submitted, prefill_s=done - scheduled)
         if out.finish_reason:                    # ended at the first token: nothing to ship
-            result.status, result.finish_reason = wpb.PREFILL_STATUS_FINISHED, FINISH_REASON[out.finish_reason]
-            result.text = out.text_delta         # after stop-string matching, as the engine emits it
+            result.status = wpb.PREFILL_STATUS_FINISHED
+            result.first_tokens[0].finish_reason = FINISH_REASON[out.finish_reason]
             del self._pending[out.request_id]
             p.on_done(result)
             return

@@ -12,9 +12,11 @@ Request lifecycle as the router sees it::
 
 Contract for implementers:
 
-- `generate` is an async generator. Every chunk but the last has
-  ``finish_reason=None``; the last has ``finish_reason`` in
-  ``{"stop", "length", "abort"}`` and should carry ``usage`` and ``timing``.
+- `generate` is an async generator. Each of the ``n`` sequences (``params.n``;
+  ``params.best_of`` of them are generated when it is set, and the router keeps
+  the best ``n``) ends with one chunk whose ``finish_reason`` is in
+  ``{"stop", "length", "abort"}``; the request's last chunk should carry
+  ``usage`` and ``timing``. Logprobs come with the tokens they score.
   ``text`` is a UTF-8-safe delta (never half a character).
 - Errors: raise `BackendError(code, message)`; ``code`` is a gRPC status
   name and is sent to the client as that status.
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.sampling_params import SamplingParams
+from proto.pdserve.v1 import generation_pb2 as pb
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -93,13 +96,23 @@ class Timing:
 
 @dataclass(slots=True)
 class GenerationChunk:
-    """New tokens of one request; the last chunk has ``finish_reason`` set."""
+    """New tokens of one sequence of a request.
+
+    With ``n`` > 1 (or ``best_of``) the sequences' chunks interleave, told apart by
+    ``index``; each sequence's last chunk has ``finish_reason`` set, and the request's
+    last chunk (the one that finishes its last running sequence) carries ``usage``
+    (completion tokens summed over the sequences) and ``timing``.
+    """
 
     token_ids: list[int]
     text: str
     finish_reason: str | None  # None | "stop" | "length" | "abort"
     usage: Usage | None = None
     timing: Timing | None = None
+    index: int = 0                                   # which of the n sequences
+    logprobs: list[pb.TokenLogprob] | None = None    # one per token id, when sampling.logprobs is set
+    prompt_logprobs: list[pb.TokenLogprob] | None = None   # first chunk only, when sampling.prompt_logprobs is set
+    matched_stop: str | int | None = None            # finish "stop": the stop string, or the EOS / stop token id
 
 
 @dataclass(slots=True)

@@ -362,8 +362,9 @@ class Dispatcher(Backend):
         usage.cached_prompt_tokens = result.num_cached_tokens
         if result.status == wpb.PREFILL_STATUS_FINISHED:
             d.view.client.abort(result.request_id)
-            usage.completion_tokens = 1
-            return GenerationChunk([result.first_token_id], result.text, FINISH_REASON[result.finish_reason], usage, t)
+            first = result.first_tokens[0]
+            usage.completion_tokens = len(first.token_ids)
+            return GenerationChunk(list(first.token_ids), first.text, FINISH_REASON[first.finish_reason], usage, t)
         return None
 
     def _on_event(self, ev: wpb.DecodeEvent, timing: Timing, usage: Usage) -> GenerationChunk:

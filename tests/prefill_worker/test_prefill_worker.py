@@ -31,7 +31,7 @@ def test_disaggregated_equals_colocated(pair, reference):
     assert wait_for(lambda: len(results) == 10, 5)
     for i, r in results.items():
         n = int(i[1:])
-        assert r.status == wpb.PREFILL_STATUS_SENT and r.first_token_id == got[n][0]
+        assert r.status == wpb.PREFILL_STATUS_SENT and r.first_tokens[0].token_ids[0] == got[n][0]
         assert r.num_prompt_tokens == len(prompts[n]) and r.kv_bytes > 0 and r.wire_bytes > 0
     assert [collector.text(f"r{i}") for i in range(12)] == [decode.engine.tokenizer.decode(g) for g in got]
     wait_blocks_returned(prefill.engine, decode.engine)
@@ -69,8 +69,8 @@ def test_request_that_ends_at_its_first_token_ships_nothing(pair, reference):
     prefill.submit(prefill_job("one", prompt, params, decode.endpoint), results.append)
     assert wait_for(lambda: results, 10)
     [r] = results
-    assert r.status == wpb.PREFILL_STATUS_FINISHED and r.finish_reason != 0
-    assert [r.first_token_id] == reference([prompt], [params])[0]
+    assert r.status == wpb.PREFILL_STATUS_FINISHED and r.first_tokens[0].finish_reason != 0
+    assert list(r.first_tokens[0].token_ids) == reference([prompt], [params])[0]
     wait_blocks_returned(prefill.engine, decode.engine)
 
 
@@ -93,7 +93,7 @@ def test_first_token_that_completes_a_stop_string_emits_what_the_engine_emits(pa
     prefill.submit(prefill_job("stop", prompt, params, decode.endpoint), results.append)
     assert wait_for(lambda: results, 10)
     [r] = results
-    assert r.status == wpb.PREFILL_STATUS_FINISHED and r.text == want.text
+    assert r.status == wpb.PREFILL_STATUS_FINISHED and r.first_tokens[0].text == want.text
     wait_blocks_returned(prefill.engine, decode.engine)
 
 

@@ -88,8 +88,10 @@ class FakePrefill(FakeActor):
         self.jobs.append(job)
         fault = self.next_fault()
         prompt = list(job.prompt_token_ids)
+        first_token_id = token_at(prompt, 0)
         result = wpb.PrefillResult(request_id=job.request_id, transfer_id=job.transfer_id,
-                                   num_prompt_tokens=len(prompt), first_token_id=token_at(prompt, 0),
+                                   num_prompt_tokens=len(prompt),
+                                   first_tokens=[wpb.DecodeEvent(token_ids=[first_token_id])],
                                    prefill_s=0.01, transfer_s=0.002, kv_bytes=1000, wire_bytes=500)
         if fault == "unavailable" or not self.alive:
             raise ActorUnavailable(f"{self.actor_id} died")
@@ -105,10 +107,10 @@ class FakePrefill(FakeActor):
             return result
         if job.params.max_tokens == 1:
             result.status = wpb.PREFILL_STATUS_FINISHED
-            result.finish_reason = generation_pb2.FINISH_REASON_LENGTH
-            result.text = text_of(result.first_token_id)
+            result.first_tokens[0].finish_reason = generation_pb2.FINISH_REASON_LENGTH
+            result.first_tokens[0].text = text_of(first_token_id)
             return result
-        self.hub.slot(job.transfer_id).set_result((result.first_token_id, len(prompt)))
+        self.hub.slot(job.transfer_id).set_result((first_token_id, len(prompt)))
         result.status = wpb.PREFILL_STATUS_SENT
         return result
 

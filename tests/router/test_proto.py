@@ -35,16 +35,21 @@ def test_public_contract_field_numbers():
     generate = service.methods_by_name["Generate"]
     assert generate.server_streaming and not generate.client_streaming
     assert not service.methods_by_name["GetStats"].server_streaming
-    assert _fields(pb.GenerateRequest) == {"request_id": 1, "prompt": 2, "token_ids": 3, "sampling": 4}
+    assert _fields(pb.GenerateRequest) == {"request_id": 1, "prompt": 2, "token_ids": 3, "sampling": 4, "user": 5}
     assert [f.name for f in pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"].fields] == ["prompt", "token_ids"]
     assert _fields(pb.TokenIds) == {"ids": 1}
     assert _fields(pb.SamplingParams) == {
         "max_tokens": 1, "temperature": 2, "top_p": 3, "top_k": 4, "repetition_penalty": 5,
         "frequency_penalty": 6, "presence_penalty": 7, "seed": 8, "stop": 9, "ignore_eos": 10,
+        "min_p": 11, "min_tokens": 12, "stop_token_ids": 13, "logit_bias": 14, "include_stop_str_in_output": 15,
+        "skip_special_tokens": 16, "logprobs": 17, "prompt_logprobs": 18, "n": 19, "best_of": 20,
     }
     assert _fields(pb.GenerateResponse) == {
         "request_id": 1, "token_ids": 2, "text": 3, "finish_reason": 4, "usage": 5, "timing": 6,
+        "index": 7, "logprobs": 8, "prompt_logprobs": 9, "stop_str": 10, "stop_token_id": 11,
     }
+    assert _fields(pb.TokenLogprob) == {"token_id": 1, "logprob": 2, "top": 3}
+    assert _fields(pb.TopLogprob) == {"token_id": 1, "logprob": 2}
     assert dict(pb.FinishReason.items()) == {
         "FINISH_REASON_UNSPECIFIED": 0, "FINISH_REASON_STOP": 1, "FINISH_REASON_LENGTH": 2,
         "FINISH_REASON_ABORT": 3,

@@ -24,37 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\x99\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfe\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seed\"\xbe\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.Timing\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"z\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x04 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x06 \x01(\x01\"\x11\n\x0fGetStatsRequest\"\xa7\x01\n\nActorStats\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.pdserve.v1.ActorRole\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\x04\x12\x17\n\x0fqueued_requests\x18\x05 \x01(\r\x12\x18\n\x10running_requests\x18\x06 \x01(\r\"\xc7\x01\n\x0c\x43lusterStats\x12\x1a\n\x12num_prefill_actors\x18\x01 \x01(\r\x12\x19\n\x11num_decode_actors\x18\x02 \x01(\r\x12\x1c\n\x14num_colocated_actors\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x04\x12\x17\n\x0fqueued_requests\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\"\x87\x01\n\x10GetStatsResponse\x12&\n\x06\x61\x63tors\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.ActorStats\x12(\n\x06totals\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.ClusterStats\x12!\n\x19router_in_flight_requests\x18\x03 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*p\n\tActorRole\x12\x1a\n\x16\x41\x43TOR_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41\x43TOR_ROLE_PREFILL\x10\x01\x12\x15\n\x11\x41\x43TOR_ROLE_DECODE\x10\x02\x12\x18\n\x14\x41\x43TOR_ROLE_COLOCATED\x10\x03\x32\xa3\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x1c.pdserve.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xa7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04user\x18\x05 \x01(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb9\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\x05min_p\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x0c\x88\x01\x01\x12\x0e\n\x01n\x18\x13 \x01(\rH\r\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x14 \x01(\rH\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\n\n\x08_best_of\"\xe9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\r\n\x05index\x18\x07 \x01(\r\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x12\n\x08stop_str\x18\n \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x0b \x01(\rH\x00\x42\x0e\n\x0cmatched_stop\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"z\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x04 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x06 \x01(\x01\"\x11\n\x0fGetStatsRequest\"\xa7\x01\n\nActorStats\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.pdserve.v1.ActorRole\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\x04\x12\x17\n\x0fqueued_requests\x18\x05 \x01(\r\x12\x18\n\x10running_requests\x18\x06 \x01(\r\"\xc7\x01\n\x0c\x43lusterStats\x12\x1a\n\x12num_prefill_actors\x18\x01 \x01(\r\x12\x19\n\x11num_decode_actors\x18\x02 \x01(\r\x12\x1c\n\x14num_colocated_actors\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x04\x12\x17\n\x0fqueued_requests\x18\x06 \x01(\r\x12\x18\n\x10running_requests\x18\x07 \x01(\r\"\x87\x01\n\x10GetStatsResponse\x12&\n\x06\x61\x63tors\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.ActorStats\x12(\n\x06totals\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.ClusterStats\x12!\n\x19router_in_flight_requests\x18\x03 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*p\n\tActorRole\x12\x1a\n\x16\x41\x43TOR_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41\x43TOR_ROLE_PREFILL\x10\x01\x12\x15\n\x11\x41\x43TOR_ROLE_DECODE\x10\x02\x12\x18\n\x14\x41\x43TOR_ROLE_COLOCATED\x10\x03\x32\xa3\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x1c.pdserve.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1544
-  _globals['_FINISHREASON']._serialized_end=1664
-  _globals['_ACTORROLE']._serialized_start=1666
-  _globals['_ACTORROLE']._serialized_end=1778
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2309
+  _globals['_FINISHREASON']._serialized_end=2429
+  _globals['_ACTORROLE']._serialized_start=2431
+  _globals['_ACTORROLE']._serialized_end=2543
   _globals['_GENERATEREQUEST']._serialized_start=44
-  _globals['_GENERATEREQUEST']._serialized_end=197
-  _globals['_TOKENIDS']._serialized_start=199
-  _globals['_TOKENIDS']._serialized_end=222
-  _globals['_SAMPLINGPARAMS']._serialized_start=225
-  _globals['_SAMPLINGPARAMS']._serialized_end=607
-  _globals['_GENERATERESPONSE']._serialized_start=610
-  _globals['_GENERATERESPONSE']._serialized_end=800
-  _globals['_USAGE']._serialized_start=802
-  _globals['_USAGE']._serialized_end=889
-  _globals['_TIMING']._serialized_start=891
-  _globals['_TIMING']._serialized_end=1013
-  _globals['_GETSTATSREQUEST']._serialized_start=1015
-  _globals['_GETSTATSREQUEST']._serialized_end=1032
-  _globals['_ACTORSTATS']._serialized_start=1035
-  _globals['_ACTORSTATS']._serialized_end=1202
-  _globals['_CLUSTERSTATS']._serialized_start=1205
-  _globals['_CLUSTERSTATS']._serialized_end=1404
-  _globals['_GETSTATSRESPONSE']._serialized_start=1407
-  _globals['_GETSTATSRESPONSE']._serialized_end=1542
-  _globals['_GENERATIONSERVICE']._serialized_start=1781
-  _globals['_GENERATIONSERVICE']._serialized_end=1944
+  _globals['_GENERATEREQUEST']._serialized_end=211
+  _globals['_TOKENIDS']._serialized_start=213
+  _globals['_TOKENIDS']._serialized_end=236
+  _globals['_SAMPLINGPARAMS']._serialized_start=239
+  _globals['_SAMPLINGPARAMS']._serialized_end=1064
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=790
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=838
+  _globals['_GENERATERESPONSE']._serialized_start=1067
+  _globals['_GENERATERESPONSE']._serialized_end=1428
+  _globals['_TOKENLOGPROB']._serialized_start=1430
+  _globals['_TOKENLOGPROB']._serialized_end=1516
+  _globals['_TOPLOGPROB']._serialized_start=1518
+  _globals['_TOPLOGPROB']._serialized_end=1565
+  _globals['_USAGE']._serialized_start=1567
+  _globals['_USAGE']._serialized_end=1654
+  _globals['_TIMING']._serialized_start=1656
+  _globals['_TIMING']._serialized_end=1778
+  _globals['_GETSTATSREQUEST']._serialized_start=1780
+  _globals['_GETSTATSREQUEST']._serialized_end=1797
+  _globals['_ACTORSTATS']._serialized_start=1800
+  _globals['_ACTORSTATS']._serialized_end=1967
+  _globals['_CLUSTERSTATS']._serialized_start=1970
+  _globals['_CLUSTERSTATS']._serialized_end=2169
+  _globals['_GETSTATSRESPONSE']._serialized_start=2172
+  _globals['_GETSTATSRESPONSE']._serialized_end=2307
+  _globals['_GENERATIONSERVICE']._serialized_start=2546
+  _globals['_GENERATIONSERVICE']._serialized_end=2709
 # @@protoc_insertion_point(module_scope)

@@ -30,16 +30,18 @@ ACTOR_ROLE_DECODE: ActorRole
 ACTOR_ROLE_COLOCATED: ActorRole
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "token_ids", "sampling")
+    __slots__ = ("request_id", "prompt", "token_ids", "sampling", "user")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     token_ids: TokenIds
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    user: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., user: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -48,7 +50,14 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "ignore_eos")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "ignore_eos", "min_p", "min_tokens", "stop_token_ids", "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "logprobs", "prompt_logprobs", "n", "best_of")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +68,16 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    BEST_OF_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -69,23 +88,61 @@ class SamplingParams(_message.Message):
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    min_p: float
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logit_bias: _containers.ScalarMap[int, float]
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    logprobs: int
+    prompt_logprobs: int
+    n: int
+    best_of: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timing")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timing", "index", "logprobs", "prompt_logprobs", "stop_str", "stop_token_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STR_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: FinishReason
     usage: Usage
     timing: Timing
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+    index: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    stop_str: str
+    stop_token_id: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")

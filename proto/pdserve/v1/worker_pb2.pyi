@@ -61,12 +61,10 @@ class PrefillJob(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_deadline_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "status", "first_token_id", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "error", "failed_side", "retryable", "queue_s", "prefill_s", "transfer_s", "kv_bytes", "wire_bytes", "text")
+    __slots__ = ("request_id", "transfer_id", "status", "num_prompt_tokens", "num_cached_tokens", "error", "failed_side", "retryable", "queue_s", "prefill_s", "transfer_s", "kv_bytes", "wire_bytes", "first_tokens", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -77,12 +75,11 @@ class PrefillResult(_message.Message):
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     status: PrefillStatus
-    first_token_id: int
-    finish_reason: _generation_pb2.FinishReason
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str
@@ -93,8 +90,15 @@ class PrefillResult(_message.Message):
     transfer_s: float
     kv_bytes: int
     wire_bytes: int
-    text: str
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., status: _Optional[_Union[PrefillStatus, str]] = ..., first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., failed_side: _Optional[_Union[TransferSide, str]] = ..., retryable: _Optional[bool] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+    first_tokens: _containers.RepeatedCompositeFieldContainer[DecodeEvent]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., status: _Optional[_Union[PrefillStatus, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., failed_side: _Optional[_Union[TransferSide, str]] = ..., retryable: _Optional[bool] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., first_tokens: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class Handoff(_message.Message):
+    __slots__ = ("first_tokens",)
+    FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    first_tokens: _containers.RepeatedCompositeFieldContainer[DecodeEvent]
+    def __init__(self, first_tokens: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ...) -> None: ...
 
 class DecodeJob(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "transfer_id", "kv_timeout_s", "resume_output_ids", "resume_text_chars")
@@ -125,17 +129,25 @@ class DecodeError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "error", "decode_queue_s", "num_cached_tokens")
+    __slots__ = ("token_ids", "text", "finish_reason", "error", "decode_queue_s", "num_cached_tokens", "index", "logprobs", "stop_str", "stop_token_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DECODE_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STR_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _generation_pb2.FinishReason
     error: DecodeError
     decode_queue_s: float
     num_cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., error: _Optional[_Union[DecodeError, _Mapping]] = ..., decode_queue_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    index: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    stop_str: str
+    stop_token_id: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., error: _Optional[_Union[DecodeError, _Mapping]] = ..., decode_queue_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
