@@ -28,14 +28,16 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens=False` adds no BOS (a chat template already has it)."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_token_id is not None:
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; `skip_special_tokens=False` keeps special tokens (e.g. `</s>`) in it."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
