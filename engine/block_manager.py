@@ -38,6 +38,17 @@ def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
     return hashes
 
 
+def blocks_needed(num_prompt_tokens: int, max_tokens: int, num_sequences: int, block_size: int) -> int:
+    """KV blocks a request can fill on the decode side (what the router reserves for admission).
+
+    Sequence 0 holds the prompt's blocks and its own output's: ceil((prompt + max_tokens) / block_size).
+    Every other sequence shares the prompt's full blocks and owns a copy of the partial last one plus
+    its output's blocks: that count less the prompt's full blocks.
+    """
+    per_sequence = -(-(num_prompt_tokens + max_tokens) // block_size)
+    return per_sequence + (num_sequences - 1) * (per_sequence - num_prompt_tokens // block_size)
+
+
 class BlockManager:
     """Owns every block; requests own only their block tables (lists of ids).
 
@@ -120,6 +131,14 @@ class BlockManager:
                 block.ref_count = 1
                 ids.append(block_id)
             return ids
+
+    def share(self, block_ids: list[int]) -> None:
+        """One more reference on blocks already in use (a forked sequence shares its prompt's full blocks)."""
+        with self.lock:
+            for block_id in block_ids:
+                block = self.blocks[block_id]
+                assert block.ref_count > 0, f"sharing unreferenced block {block_id}"
+                block.ref_count += 1
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference on each block, in reverse so a request's tail is evicted first."""
