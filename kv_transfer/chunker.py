@@ -92,6 +92,7 @@ def encode_jobs(
     chunk_bytes: int,
     num_tokens: int = 0,
     first_token_id: int = -1,
+    handoff: bytes = b"",
 ) -> list[ChunkJob]:
     """One job per chunk; each gathers, encodes and checksums its rectangle when called.
 
@@ -138,6 +139,7 @@ def encode_jobs(
             deadline_ms=max(0, int((deadline_at - time.monotonic()) * 1000)),
             num_tokens=num_tokens,
             first_token_id=first_token_id,
+            handoff=handoff,
         )
         return EncodedChunk(header, pack_header(header), payload)
 

@@ -106,6 +106,7 @@ class TransferResult:
     dst_block_ids: list[int] = field(default_factory=list)  # empty unless DONE
     num_tokens: int = 0
     first_token_id: int = -1
+    handoff: bytes = b""
     codec: str = ""
     error: str = ""
     nbytes: int = 0  # wire bytes received
@@ -167,6 +168,7 @@ class KVSender(ABC):
         deadline_s: float = 30.0,
         num_tokens: int = 0,
         first_token_id: int = -1,
+        handoff: bytes = b"",
     ) -> SendHandle:
         """Ship ``kv_cache[layers, src_block_ids]`` to ``dest`` in the background.
 
@@ -178,7 +180,8 @@ class KVSender(ABC):
             transfer_id: reuse one id across layer-range sends; default a new uuid.
             layers: ``(start, end)`` layer range; default all layers.
             deadline_s: the whole transfer's deadline; the receiver expires it too.
-            num_tokens, first_token_id: carried to the receiver's TransferResult.
+            num_tokens, first_token_id, handoff: carried to the receiver's TransferResult
+                (``handoff``: opaque bytes for the decode side, in every chunk header).
         Returns:
             A SendHandle; never raises for transfer errors (see handle.status,
             handle.failed_side, handle.error).

@@ -52,6 +52,7 @@ class _Transfer:
     deadline: float  # time.monotonic()
     num_tokens: int
     first_token_id: int
+    handoff: bytes
     num_missing: int
     status: TransferStatus = TransferStatus.PENDING
     error: str = ""
@@ -216,6 +217,7 @@ class BaseReceiver(KVReceiver):
                     deadline=time.monotonic() + deadline_s,
                     num_tokens=header.num_tokens,
                     first_token_id=header.first_token_id,
+                    handoff=header.handoff,
                     num_missing=num_layers * num_blocks,
                 )
                 self._active[header.transfer_id] = transfer
@@ -234,6 +236,7 @@ class BaseReceiver(KVReceiver):
         transfer.dst_block_ids = []
         return TransferResult(transfer.transfer_id, transfer.request_id, status, dst_block_ids=dst_block_ids,
                               num_tokens=transfer.num_tokens, first_token_id=transfer.first_token_id,
+                              handoff=transfer.handoff,
                               codec=transfer.codec, error=error, nbytes=transfer.nbytes)
 
     def _remember(self, result: TransferResult) -> None:

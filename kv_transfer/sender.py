@@ -86,6 +86,7 @@ class BaseSender(KVSender):
         deadline_s=30.0,
         num_tokens=0,
         first_token_id=-1,
+        handoff=b"",
     ) -> SendHandle:
         transfer_id = transfer_id or uuid.uuid4().hex
         handle = SendHandle(request_id, transfer_id)
@@ -113,6 +114,7 @@ class BaseSender(KVSender):
             chunk_bytes=self.chunk_bytes,
             num_tokens=num_tokens,
             first_token_id=first_token_id,
+            handoff=handoff,
         )
         self._pool.submit(self._run, handle, dest, job)
         return handle

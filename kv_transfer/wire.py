@@ -26,7 +26,7 @@ import xxhash
 from kv_transfer.codec import get_codec
 from kv_transfer.layout import DTYPES, HANDSHAKE_KEYS, check_compatible
 
-WIRE_VERSION = 2  # 2: xxh3-64 checksums (1: crc32)
+WIRE_VERSION = 3  # 3: the handoff bytes (2: xxh3-64 checksums, 1: crc32)
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024 - MAX_HEADER_BYTES  # frame stays <= gRPC's 4 MiB default
@@ -62,6 +62,7 @@ class ChunkHeader:
     deadline_ms: int  # time left at send, relative (clocks need not agree)
     num_tokens: int = 0
     first_token_id: int = -1
+    handoff: bytes = b""  # a serialized pdserve.v1.Handoff, opaque here
     version: int = WIRE_VERSION
 
     @property
@@ -81,7 +82,7 @@ class ChunkHeader:
         return {key: getattr(self, key) for key in HANDSHAKE_KEYS}
 
 
-_FIELD_TYPES = {f.name: (str if f.type == "str" else int) for f in fields(ChunkHeader)}
+_FIELD_TYPES = {f.name: {"str": str, "bytes": bytes}.get(f.type, int) for f in fields(ChunkHeader)}
 
 
 def pack_header(header: ChunkHeader) -> bytes:
@@ -96,7 +97,7 @@ def unpack_header(data: bytes | memoryview) -> ChunkHeader:
     if len(data) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        raw = msgpack.unpackb(data, raw=False, max_str_len=4096, max_bin_len=0, max_array_len=0, max_map_len=64)
+        raw = msgpack.unpackb(data, raw=False, max_str_len=4096, max_bin_len=MAX_HEADER_BYTES, max_array_len=0, max_map_len=64)
     except Exception as exc:  # msgpack raises several types on garbage
         raise WireError(f"undecodable header: {exc}") from None
     if not isinstance(raw, dict):

@@ -41,6 +41,14 @@ def test_header_round_trip_and_validation():
     h = header()
     assert unpack_header(pack_header(h)) == h
     validate_header(h, RECEIVER)
+    with_handoff = header(handoff=b"\x00\xff" * 100)
+    assert unpack_header(pack_header(with_handoff)).handoff == with_handoff.handoff
+
+
+def test_handoff_of_the_wrong_type_is_refused():
+    raw = msgpack.packb({**msgpack.unpackb(pack_header(header())), "handoff": "text, not bytes"})
+    with pytest.raises(WireError, match="handoff has type str"):
+        unpack_header(raw)
 
 
 def test_unknown_version_is_refused():

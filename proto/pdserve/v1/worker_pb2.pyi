@@ -129,7 +129,7 @@ class DecodeError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "error", "decode_queue_s", "num_cached_tokens", "index", "logprobs", "stop_str", "stop_token_id")
+    __slots__ = ("token_ids", "text", "finish_reason", "error", "decode_queue_s", "num_cached_tokens", "index", "logprobs", "stop_str", "stop_token_id", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class DecodeEvent(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_STR_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _generation_pb2.FinishReason
@@ -150,4 +151,5 @@ class DecodeEvent(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     stop_str: str
     stop_token_id: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., error: _Optional[_Union[DecodeError, _Mapping]] = ..., decode_queue_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., error: _Optional[_Union[DecodeError, _Mapping]] = ..., decode_queue_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...

@@ -36,10 +36,13 @@ def _roundtrip(make_pair, kind, case):
     pair = make_pair(kind, layout, num_dst_blocks=40, chunk_bytes=chunk_bytes)
     pair.pool.take(taken)
     num_tokens = (len(src_ids) - 1) * layout.block_size + 1  # fewest tokens that fill the blocks (checked)
-    handle = pair.sender.send("req", src, src_ids, pair.dest, num_tokens=num_tokens, first_token_id=42)
+    handoff = bytes(range(256)) * 3            # opaque bytes for the decode side, in every header
+    handle = pair.sender.send("req", src, src_ids, pair.dest, num_tokens=num_tokens, first_token_id=42,
+                              handoff=handoff)
     assert handle.wait(30) == TransferStatus.DONE, handle
     result = pair.receiver.wait(handle.transfer_id, 10)
     assert result.status == TransferStatus.DONE and (result.num_tokens, result.first_token_id) == (num_tokens, 42)
+    assert result.handoff == handoff
     assert not set(result.dst_block_ids) & set(taken)
     expected = src[:, src_ids]  # [L, n, 2, H, B, D]
     got = pair.dst_cache[:, result.dst_block_ids]
