@@ -151,10 +151,13 @@ class Backend(ABC):
         tokenizer: ``encode(str) -> list[int]``, ``decode(list[int]) -> str``,
             ``vocab_size``, ``eos_token_id``.
         max_model_len: most tokens (prompt + output) one request may hold.
+        generation_defaults: sampling defaults for fields a request leaves unset
+            (``SamplingParams.from_proto(msg, defaults)``); empty = the engine's.
     """
 
     tokenizer: Tokenizer
     max_model_len: int
+    generation_defaults: dict = {}  # the model's generation_config sampling defaults for unset fields (read only)
 
     @abstractmethod
     async def generate(self, inp: GenerationInput) -> AsyncIterator[GenerationChunk]:

@@ -34,7 +34,7 @@ from proto.pdserve.v1 import generation_pb2 as pb
 from router.backend import Backend
 from router.log import log_event
 from router.security import BearerTokenInterceptor, TLSConfig, check_bind, is_loopback
-from router.servicer import SERVICE_NAME, GenerationServicer, parse_generate_request
+from router.servicer import SERVICE_NAME, GenerationServicer, RequestCore, parse_generate_request
 
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -184,7 +184,8 @@ async def start_server(
     check_bind(host, token)
     if max_message_bytes < 1024:
         raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
-    servicer = GenerationServicer(backend, max_queue, metrics)
+    core = RequestCore(backend, max_queue, metrics)
+    servicer = GenerationServicer(core)
     interceptors = [BearerTokenInterceptor(token)] if token else []
     server = grpc.aio.server(
         interceptors=interceptors,

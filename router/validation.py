@@ -25,17 +25,23 @@ THREAD_TOKEN_IDS = 32768    # inputs of at least this many ids are worth validat
 
 
 class RequestError(Exception):
-    """A request the router refuses; ``code`` is the gRPC status name to send."""
+    """A request the router refuses; ``code`` is the gRPC status name to send.
 
-    def __init__(self, code: str, message: str) -> None:
+    ``field`` names the offending request field when one is to blame (``sampling.<name>`` for a
+    sampling parameter, ``prompt``, ``token_ids``, ``request_id``); the HTTP front door maps it
+    to the OpenAI parameter name.
+    """
+
+    def __init__(self, code: str, message: str, field: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.field = field
 
 
-def invalid(message: str) -> RequestError:
+def invalid(message: str, field: str | None = None) -> RequestError:
     """An INVALID_ARGUMENT rejection."""
-    return RequestError("INVALID_ARGUMENT", message)
+    return RequestError("INVALID_ARGUMENT", message, field)
 
 
 def validate_request(
@@ -44,6 +50,7 @@ def validate_request(
     max_model_len: int,
     in_flight: Container[str] = (),
     deadline: float | None = None,
+    defaults: dict | None = None,
 ) -> GenerationInput:
     """Validate and tokenize one request.
 
@@ -53,6 +60,7 @@ def validate_request(
         max_model_len: prompt tokens + max_tokens must not exceed it.
         in_flight: request ids already being served (duplicate → ALREADY_EXISTS).
         deadline: ``time.monotonic()`` deadline to carry into the input.
+        defaults: the model's sampling defaults for unset fields (`Backend.generation_defaults`).
 
     Returns:
         The `GenerationInput` for the backend; ``request_id`` is a fresh uuid
@@ -64,19 +72,20 @@ def validate_request(
     request_id = _request_id(request.request_id, in_flight)
     which = request.WhichOneof("input")
     if which is None:
-        raise invalid("input: set either prompt or token_ids")
+        raise invalid("input: set either prompt or token_ids", "prompt")
     if which == "prompt" and not request.prompt:
-        raise invalid("prompt must not be empty")
+        raise invalid("prompt must not be empty", "prompt")
     if which == "token_ids" and not request.token_ids.ids:
-        raise invalid("token_ids.ids must not be empty")
-    params = sampling_params_from_proto(request.sampling)
+        raise invalid("token_ids.ids must not be empty", "token_ids")
+    params = sampling_params_from_proto(request.sampling, defaults)
+    _check_sampling_token_ids(params, tokenizer.vocab_size)
     if which == "token_ids":
         _check_budget(len(request.token_ids.ids), params.max_tokens, max_model_len)   # O(1): nothing copied yet
         prompt_token_ids = _copy_token_ids(request.token_ids.ids, tokenizer.vocab_size)
     else:
         prompt_token_ids = list(tokenizer.encode(request.prompt))
         if not prompt_token_ids:
-            raise invalid("prompt encodes to zero tokens")
+            raise invalid("prompt encodes to zero tokens", "prompt")
         _check_budget(len(prompt_token_ids), params.max_tokens, max_model_len)
     return GenerationInput(request_id, prompt_token_ids, params, deadline)
 
@@ -86,29 +95,42 @@ def num_token_ids(request: pb.GenerateRequest) -> int:
     return len(request.token_ids.ids) if request.WhichOneof("input") == "token_ids" else 0
 
 
-def sampling_params_from_proto(sampling: pb.SamplingParams) -> SamplingParams:
-    """Proto → engine `SamplingParams` (unset fields take its defaults), validated.
+def sampling_params_from_proto(sampling: pb.SamplingParams, defaults: dict | None = None) -> SamplingParams:
+    """Proto → engine `SamplingParams` (unset fields take ``defaults``, then its own), validated.
 
     Raises:
-        RequestError: INVALID_ARGUMENT with ``sampling.<field>`` in the message.
+        RequestError: INVALID_ARGUMENT with ``sampling.<field>`` in the message and as ``field``.
     """
-    params = SamplingParams.from_proto(sampling)
+    params = SamplingParams.from_proto(sampling, defaults) if defaults else SamplingParams.from_proto(sampling)
     try:
         params.validate()
     except ValueError as e:
-        raise invalid(f"sampling.{e}") from None
+        name = str(e).split(" ", 1)[0].strip(":,.")   # validate() starts each message with the field's name
+        raise invalid(f"sampling.{e}", f"sampling.{name}") from None
     return params
+
+
+def _check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """stop_token_ids and logit_bias keys must be token ids of the model's vocabulary."""
+    for name, ids in (("stop_token_ids", getattr(params, "stop_token_ids", ()) or ()),
+                      ("logit_bias", getattr(params, "logit_bias", None) or {})):
+        bad = next((t for t in ids if not 0 <= int(t) < vocab_size), None)
+        if bad is not None:
+            raise invalid(f"sampling.{name}: token id {bad} is out of range: vocab_size is {vocab_size}",
+                          f"sampling.{name}")
 
 
 def _request_id(request_id: str, in_flight: Container[str]) -> str:
     if not request_id:
         return uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise invalid(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+        raise invalid(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}",
+                      "request_id")
     if not request_id.isprintable() or request_id.strip() != request_id:
-        raise invalid("request_id must be printable characters without leading or trailing whitespace")
+        raise invalid("request_id must be printable characters without leading or trailing whitespace",
+                      "request_id")
     if request_id in in_flight:
-        raise RequestError("ALREADY_EXISTS", f"request_id {request_id!r} is already in flight")
+        raise RequestError("ALREADY_EXISTS", f"request_id {request_id!r} is already in flight", "request_id")
     return request_id
 
 
@@ -116,7 +138,7 @@ def _check_budget(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -
     if num_prompt_tokens + max_tokens > max_model_len:
         raise invalid(
             f"prompt ({num_prompt_tokens} tokens) + sampling.max_tokens ({max_tokens}) = "
-            f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_model_len})"
+            f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_model_len})", "sampling.max_tokens"
         )
 
 
@@ -127,6 +149,7 @@ def _copy_token_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
         part = ids[start:start + TOKEN_IDS_SLICE]
         if max(part) >= vocab_size:
             i = next(i for i, token_id in enumerate(part) if token_id >= vocab_size)
-            raise invalid(f"token_ids.ids[{start + i}] = {part[i]} is out of range: vocab_size is {vocab_size}")
+            raise invalid(f"token_ids.ids[{start + i}] = {part[i]} is out of range: vocab_size is {vocab_size}",
+                          "token_ids")
         token_ids.extend(part)
     return token_ids
