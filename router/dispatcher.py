@@ -24,6 +24,7 @@ reached only through `router.actor_client` (deploy implements it with Ray).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.block_manager import prompt_block_hashes
+from engine.block_manager import blocks_needed, prompt_block_hashes
 from engine.latency import time_per_output_token
 from proto.pdserve.v1 import generation_pb2, worker_pb2 as wpb
 from router.actor_client import ActorUnavailable
@@ -103,12 +104,14 @@ class _Dispatch:
 
 class Dispatcher(Backend):
     def __init__(self, pools: Pools, tokenizer, max_model_len: int, block_size: int, routing: RoutingSettings,
-                 codec: str = "none", metrics=None):
+                 codec: str = "none", metrics=None, generation_defaults: dict | None = None):
         """metrics: None, or an object with kv_transfer(seconds, kv_bytes, wire_bytes, codec),
-        transfer_failed(), local_prefill() and prefix_hit_tokens(n) (router.metrics.Metrics)."""
+        transfer_failed(), local_prefill() and prefix_hit_tokens(n) (router.metrics.Metrics).
+        generation_defaults: the model's generation_config.json sampling defaults (unset fields)."""
         self.pools = pools
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.generation_defaults = dict(generation_defaults or {})
         self.block_size = block_size
         self.routing = routing
         self.admission = AdmissionQueue(routing.max_queue)
@@ -137,7 +140,7 @@ class Dispatcher(Backend):
     async def generate(self, inp: GenerationInput):
         prompt = inp.prompt_token_ids
         total = len(prompt) + inp.params.max_tokens
-        need = -(-total // self.block_size)
+        need = blocks_needed(len(prompt), inp.params.max_tokens, inp.params.num_sequences, self.block_size)
         pool = self._decode_pool(total)
         largest = max((v.kv_blocks_total for v in pool), default=0)
         if need > largest:
@@ -151,12 +154,14 @@ class Dispatcher(Backend):
         try:
             while True:
                 try:
-                    async for chunk in self._attempt(d):
-                        if chunk.token_ids and not d.emitted:
-                            d.first_token_at = time.monotonic()
-                        d.emitted.extend(chunk.token_ids)
-                        d.emitted_chars += len(chunk.text)
-                        yield chunk
+                    # closed at once when the client goes away at a yield (not left to the garbage collector)
+                    async with contextlib.aclosing(self._attempt(d)) as chunks:
+                        async for chunk in chunks:
+                            if chunk.token_ids and not d.emitted:
+                                d.first_token_at = time.monotonic()
+                            d.emitted.extend(chunk.token_ids)
+                            d.emitted_chars += len(chunk.text)
+                            yield chunk
                     d.view.succeeded()
                     self._record(d)
                     return
@@ -173,6 +178,9 @@ class Dispatcher(Backend):
                 except _DecodeLost as e:
                     d.num_failures += 1
                     self._decode_failed(d.view)
+                    if d.emitted and inp.params.num_sequences > 1:
+                        raise BackendError("UNAVAILABLE", f"{e}; a request with several sequences (n, best_of) is "
+                                           "not migrated once it has streamed tokens") from None
                     log.warning("request %s: decode actor lost after %d tokens (%s); migrating",
                                 inp.request_id, len(d.emitted), e)
                     await self._switch_decode(d, str(e))
@@ -281,10 +289,17 @@ class Dispatcher(Backend):
             prefill_task = asyncio.ensure_future(self._prefill(pview, job, uncached))
         usage = Usage(len(prompt), len(d.emitted), 0)
         finished = False
+        num_open = inp.params.num_sequences          # sequences without their finish yet
+        # Prompt logprobs come back in the PrefillResult: decode events wait for it, so they lead the stream.
+        hold = not local and inp.params.prompt_logprobs is not None
+        held: list[wpb.DecodeEvent] = []
+        prompt_logprobs = None
         read_task = asyncio.ensure_future(stream.read())
         try:
             while True:
-                waiting = {read_task} | ({prefill_task} if prefill_task is not None else set())
+                waiting = {task for task in (read_task, prefill_task) if task is not None}
+                if not waiting:
+                    raise BackendError("INTERNAL", f"decode stream of {rid} ended without a finish")
                 done, _ = await asyncio.wait(waiting, timeout=self.routing.stream_idle_s,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
@@ -292,25 +307,38 @@ class Dispatcher(Backend):
                     if prefill_task is not None:
                         raise _Retry(f"prefill actor {pview.actor_id} {idle}")
                     raise _DecodeLost(f"decode actor {view.actor_id} {idle}")
+                events: list[wpb.DecodeEvent] = []
                 if prefill_task in done:
                     result = prefill_task.result()
                     prefill_task = None
-                    chunk = self._on_prefill(result, pview, d, usage)
-                    if chunk is not None:            # ended at its first token: no decode needed
+                    chunks = self._on_prefill(result, pview, d, usage)
+                    if chunks:                       # every sequence ended at its first token: no decode
                         finished = True
-                        yield chunk
+                        for chunk in chunks:
+                            yield chunk
                         return
+                    if hold:
+                        prompt_logprobs = list(result.prompt_logprobs)
+                        hold, events, held = False, held, []
                 if read_task in done:
-                    events = read_task.result()
-                    if events is None:
+                    got = read_task.result()
+                    read_task = None
+                    if got is not None:
+                        (held if hold else events).extend(got)
+                        read_task = asyncio.ensure_future(stream.read())
+                    elif not hold:               # (held events may still finish it: checked once they are out)
                         raise BackendError("INTERNAL", f"decode stream of {rid} ended without a finish")
-                    for ev in events:
-                        chunk = self._on_event(ev, d.timing, usage)
-                        finished = chunk.finish_reason is not None
-                        yield chunk
-                        if finished:
-                            return
-                    read_task = asyncio.ensure_future(stream.read())
+                for ev in events:
+                    last = bool(ev.finish_reason) and num_open == 1
+                    chunk = self._on_event(ev, d.timing, usage, last)
+                    if prompt_logprobs is not None:
+                        chunk.prompt_logprobs, prompt_logprobs = prompt_logprobs, None
+                    if chunk.finish_reason is not None:
+                        num_open -= 1
+                    finished = num_open == 0
+                    yield chunk
+                    if finished:
+                        return
         except ActorUnavailable as e:
             raise _DecodeLost(f"decode actor {view.actor_id}: {e}") from None
         except _Retry:
@@ -318,7 +346,8 @@ class Dispatcher(Backend):
                 d.excluded.add(pview.actor_id)       # try a different prefill actor next
             raise
         finally:
-            read_task.cancel()
+            if read_task is not None:
+                read_task.cancel()
             stream.cancel()
             if prefill_task is not None:
                 prefill_task.cancel()
@@ -339,8 +368,8 @@ class Dispatcher(Backend):
             await self.admission.notify()        # a backlog drained: the head of the queue may fit now
 
     def _on_prefill(self, result: wpb.PrefillResult, pview: PrefillView, d: _Dispatch,
-                    usage: Usage) -> GenerationChunk | None:
-        """Account the prefill; a chunk when the request already ended at its first token."""
+                    usage: Usage) -> list[GenerationChunk]:
+        """Account the prefill; the chunks of every sequence when all ended at their first token."""
         if result.status in (wpb.PREFILL_STATUS_FAILED, wpb.PREFILL_STATUS_ABORTED):
             d.view.client.abort(result.request_id)
             if result.status == wpb.PREFILL_STATUS_FAILED:
@@ -360,14 +389,18 @@ class Dispatcher(Backend):
         t.prefill_s = result.prefill_s
         t.kv_transfer_s = result.transfer_s
         usage.cached_prompt_tokens = result.num_cached_tokens
-        if result.status == wpb.PREFILL_STATUS_FINISHED:
-            d.view.client.abort(result.request_id)
-            first = result.first_tokens[0]
-            usage.completion_tokens = len(first.token_ids)
-            return GenerationChunk(list(first.token_ids), first.text, FINISH_REASON[first.finish_reason], usage, t)
-        return None
+        if result.status != wpb.PREFILL_STATUS_FINISHED:
+            return []
+        d.view.client.abort(result.request_id)
+        chunks = [self._on_event(ev, t, usage, i == len(result.first_tokens) - 1)
+                  for i, ev in enumerate(result.first_tokens)]
+        if result.prompt_logprobs:
+            chunks[0].prompt_logprobs = list(result.prompt_logprobs)
+        return chunks
 
-    def _on_event(self, ev: wpb.DecodeEvent, timing: Timing, usage: Usage) -> GenerationChunk:
+    def _on_event(self, ev: wpb.DecodeEvent, timing: Timing, usage: Usage, last: bool) -> GenerationChunk:
+        """One sequence's event as a chunk; `last`: it finishes the request's last open sequence (the chunk
+        then carries usage and timing)."""
         if ev.error.code:
             if ev.error.retryable:               # the KV never arrived: prefill again
                 raise _Retry(ev.error.message, receiver_suspect=True)
@@ -376,8 +409,14 @@ class Dispatcher(Backend):
             timing.decode_queue_s = ev.decode_queue_s
         token_ids = list(ev.token_ids)
         usage.completion_tokens += len(token_ids)
+        chunk = GenerationChunk(token_ids, ev.text, None, index=ev.index, logprobs=list(ev.logprobs) or None,
+                                prompt_logprobs=list(ev.prompt_logprobs) or None)
         if ev.finish_reason:
+            chunk.finish_reason = FINISH_REASON[ev.finish_reason]
+            which = ev.WhichOneof("matched_stop")
+            chunk.matched_stop = getattr(ev, which) if which else None
             if not usage.cached_prompt_tokens:
                 usage.cached_prompt_tokens = ev.num_cached_tokens
-            return GenerationChunk(token_ids, ev.text, FINISH_REASON[ev.finish_reason], usage, timing)
-        return GenerationChunk(token_ids, ev.text, None)
+            if last:
+                chunk.usage, chunk.timing = usage, timing
+        return chunk

@@ -3,7 +3,9 @@
 Generation is a pure function of the prompt, so a retried or migrated request
 must stream exactly the tokens an undisturbed one does:
 
-    token at output position i = (sum(prompt) + 7 * i) % 200
+    token at output position i of sequence j = (sum(prompt) + 7 * i + 13 * j) % 200
+
+(j: which of a request's n sequences; every token's logprob is -(token / 100)).
 
 A prefill actor "ships" its KV by putting (first token, prompt length) into a
 shared `KVHub` under the transfer id; the decode actor waits for it there.
@@ -20,16 +22,24 @@ from router.backend import ActorStats
 from router.pools import DecodeView, Pools, PrefillView
 
 
-def token_at(prompt: list[int], position: int) -> int:
-    return (sum(prompt) + 7 * position) % 200
+def token_at(prompt: list[int], position: int, index: int = 0) -> int:
+    return (sum(prompt) + 7 * position + 13 * index) % 200
+
+
+def logprob_of(token: int) -> generation_pb2.TokenLogprob:
+    return generation_pb2.TokenLogprob(token_id=token, logprob=-token / 100)
+
+
+def num_sequences(params) -> int:
+    return params.best_of or params.n or 1
 
 
 def text_of(token: int) -> str:
     return chr(65 + token % 26)
 
 
-def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
-    return [token_at(prompt, i) for i in range(max_tokens)]
+def expected_tokens(prompt: list[int], max_tokens: int, index: int = 0) -> list[int]:
+    return [token_at(prompt, i, index) for i in range(max_tokens)]
 
 
 @dataclass
@@ -78,7 +88,8 @@ class FakeActor:
 
 class FakePrefill(FakeActor):
     """Faults: "unavailable" (the call raises), "sender" / "receiver" (a failed transfer of that
-    side), "refuse" (a non-retryable rejection), "hang" (never answers)."""
+    side), "refuse" (a non-retryable rejection), "hang" (never answers), "late" (the result comes
+    after the decode actor has streamed its first tokens)."""
 
     def __init__(self, actor_id: str, hub: KVHub):
         super().__init__(actor_id, "prefill")
@@ -89,10 +100,16 @@ class FakePrefill(FakeActor):
         fault = self.next_fault()
         prompt = list(job.prompt_token_ids)
         first_token_id = token_at(prompt, 0)
+        firsts = [wpb.DecodeEvent(token_ids=[token_at(prompt, 0, j)], index=j)
+                  for j in range(num_sequences(job.params))]
+        if job.params.HasField("logprobs"):
+            for ev in firsts:
+                ev.logprobs.append(logprob_of(ev.token_ids[0]))
         result = wpb.PrefillResult(request_id=job.request_id, transfer_id=job.transfer_id,
-                                   num_prompt_tokens=len(prompt),
-                                   first_tokens=[wpb.DecodeEvent(token_ids=[first_token_id])],
+                                   num_prompt_tokens=len(prompt), first_tokens=firsts,
                                    prefill_s=0.01, transfer_s=0.002, kv_bytes=1000, wire_bytes=500)
+        if job.params.HasField("prompt_logprobs"):
+            result.prompt_logprobs.extend(logprob_of(t) for t in prompt[1:])
         if fault == "unavailable" or not self.alive:
             raise ActorUnavailable(f"{self.actor_id} died")
         if fault == "hang":
@@ -107,10 +124,13 @@ class FakePrefill(FakeActor):
             return result
         if job.params.max_tokens == 1:
             result.status = wpb.PREFILL_STATUS_FINISHED
-            result.first_tokens[0].finish_reason = generation_pb2.FINISH_REASON_LENGTH
-            result.first_tokens[0].text = text_of(first_token_id)
+            for ev in result.first_tokens:
+                ev.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+                ev.text = text_of(ev.token_ids[0])
             return result
         self.hub.slot(job.transfer_id).set_result((first_token_id, len(prompt)))
+        if fault == "late":                  # the result comes after the decode actor has streamed
+            await asyncio.sleep(0.05)
         result.status = wpb.PREFILL_STATUS_SENT
         return result
 
@@ -120,6 +140,7 @@ class FakeStream:
         self.actor, self.job = actor, job
         self.prompt = list(job.prompt_token_ids)
         self.position = len(job.resume_output_ids)
+        self.num_sequences = num_sequences(job.params)
         self.done = False
         self.cancelled = False
         self.aborted = False
@@ -147,14 +168,22 @@ class FakeStream:
         if self.fault.startswith("die_after:") and self.position >= int(self.fault.split(":")[1]):
             self.actor.alive = False
             raise ActorUnavailable(f"{self.actor.actor_id} was killed")
-        token = token_at(self.prompt, self.position)
+        events = []
+        for j in range(self.num_sequences):           # one step: every sequence's next token
+            token = token_at(self.prompt, self.position, j)
+            event = wpb.DecodeEvent(token_ids=[token], text=text_of(token), index=j)
+            if self.job.params.HasField("logprobs"):
+                event.logprobs.append(logprob_of(token))
+            if self.position == 0 and j == 0 and not self.job.transfer_id and self.job.params.HasField(
+                    "prompt_logprobs"):               # prefilled here: the prompt's logprobs lead the stream
+                event.prompt_logprobs.extend(logprob_of(t) for t in self.prompt[1:])
+            if self.position + 1 >= self.job.params.max_tokens:
+                event.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+            events.append(event)
         self.position += 1
-        event = wpb.DecodeEvent(token_ids=[token], text=text_of(token))
-        if self.position >= self.job.params.max_tokens:
-            self.done = True
-            event.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+        self.done = self.position >= self.job.params.max_tokens
         await asyncio.sleep(0)
-        return [event]
+        return events
 
     def cancel(self) -> None:
         self.cancelled = True

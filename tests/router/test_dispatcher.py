@@ -11,7 +11,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from fake_actors import FakeCluster, expected_tokens, fake_cluster, text_of
 from proto.pdserve.v1 import worker_pb2 as wpb
-from router.backend import BackendError, GenerationInput
+from router.backend import BackendError, GenerationInput, Timing, Usage
 from router.dispatcher import Dispatcher, RoutingSettings
 
 BLOCK_SIZE = 4
@@ -591,3 +591,121 @@ def test_stats_leave_out_an_actor_that_hangs_and_answer_in_bounded_time():
         assert time.monotonic() - start < 2.0
         assert sorted(s.actor_id for s in stats) == ["decode-0", "decode-1", "prefill-1"]
     run(main())
+
+
+# ---- issue 14: n sequences, logprobs, prompt logprobs, matched stop --------------------------------
+
+def _by_index(chunks) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for c in chunks:
+        out.setdefault(c.index, []).extend(c.token_ids)
+    return out
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_n_sequences_stream_interleaved_and_usage_sums_them(local):
+    async def main():
+        c = fake_cluster()
+        d = make(c, local_prefill_tokens=64 if local else 0)
+        inp = request(max_tokens=5)
+        inp.params.n, inp.params.logprobs = 3, 1
+        _, chunks = await collect(d, inp)
+        assert _by_index(chunks) == {j: expected_tokens(PROMPT, 5, j) for j in range(3)}
+        finishes = [ch for ch in chunks if ch.finish_reason]
+        assert sorted(ch.index for ch in finishes) == [0, 1, 2]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 15
+        assert all(ch.usage is None for ch in chunks[:-1])      # only the request's last chunk has usage
+        for ch in chunks:                                        # every token scored, logprob beside it
+            assert [lp.token_id for lp in ch.logprobs] == ch.token_ids
+        [djob] = [j for a in c.decode for j in a.jobs]
+        assert djob.params.n == 3
+        assert sum(len(a.jobs) for a in c.prefill) == (0 if local else 1)     # one prefill for the three
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_n_sequences_reserve_blocks_for_every_sequence():
+    from engine.block_manager import blocks_needed
+
+    async def main():
+        c = fake_cluster(kv_blocks=64)
+        d = make(c)
+        inp = request(max_tokens=5)
+        inp.params.n = 4
+        gen = d.generate(inp)
+        await gen.__anext__()
+        view = next(v for v in c.pools.decode if v.reserved_blocks)
+        assert view.reserved_blocks == blocks_needed(len(PROMPT), 5, 4, BLOCK_SIZE) > blocks_needed(len(PROMPT), 5, 1,
+                                                                                                   BLOCK_SIZE)
+        await gen.aclose()
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_every_sequence_ending_at_its_first_token_needs_no_decode():
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        inp = request(max_tokens=1)
+        inp.params.n = 2
+        _, chunks = await collect(d, inp)
+        assert _by_index(chunks) == {0: expected_tokens(PROMPT, 1, 0), 1: expected_tokens(PROMPT, 1, 1)}
+        assert [ch.finish_reason for ch in chunks] == ["length", "length"]
+        assert chunks[-1].usage.completion_tokens == 2 and chunks[0].usage is None
+        assert_nothing_held(c)
+    run(main())
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_prompt_logprobs_from_the_prefill_actor_lead_the_stream(late):
+    async def main():
+        c = fake_cluster(num_prefill=1)
+        d = make(c)
+        c.prefill[0].faults = ["late" if late else ""]
+        inp = request(max_tokens=4)
+        inp.params.prompt_logprobs = 0
+        tokens, chunks = await collect(d, inp)
+        assert tokens == expected_tokens(PROMPT, 4)
+        assert [lp.token_id for lp in chunks[0].prompt_logprobs] == PROMPT[1:]
+        assert all(ch.prompt_logprobs is None for ch in chunks[1:])
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_prompt_logprobs_of_a_local_prefill_come_from_the_decode_actor():
+    async def main():
+        c = fake_cluster()
+        d = make(c, local_prefill_tokens=64)
+        inp = request(max_tokens=3)
+        inp.params.prompt_logprobs = 2
+        _, chunks = await collect(d, inp)
+        assert [lp.token_id for lp in chunks[0].prompt_logprobs] == PROMPT[1:]
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_a_request_with_several_sequences_is_not_migrated_after_streaming():
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        c.decode[0].faults = ["die_after:2"]
+        inp = request(max_tokens=6)
+        inp.params.n = 2
+        with pytest.raises(BackendError) as e:
+            _ = [chunk async for chunk in d.generate(inp)]
+        assert e.value.code == "UNAVAILABLE" and "not migrated" in e.value.message
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_matched_stop_reaches_the_chunk():
+    from proto.pdserve.v1 import generation_pb2
+
+    d = make(fake_cluster())
+    for event, want in ((wpb.DecodeEvent(token_ids=[2], stop_token_id=2), 2),
+                        (wpb.DecodeEvent(token_ids=[9], stop_str="##"), "##"),
+                        (wpb.DecodeEvent(token_ids=[9]), None)):
+        event.finish_reason = generation_pb2.FINISH_REASON_STOP
+        timing = Timing()
+        chunk = d._on_event(event, timing, Usage(3, 0, 0), last=True)
+        assert chunk.matched_stop == want and chunk.finish_reason == "stop" and chunk.timing is timing
