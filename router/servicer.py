@@ -193,9 +193,8 @@ class RequestCore:
         finally:
             self._num_admitting -= 1
         params = inp.params
-        num_sequences = getattr(params, "best_of", None) or getattr(params, "n", 1) or 1
         record = RequestRecord(inp.request_id, api, user[:MAX_LOGGED_USER_CHARS], received,
-                               len(inp.prompt_token_ids), num_sequences)
+                               len(inp.prompt_token_ids), params.num_sequences)
         self._in_flight[inp.request_id] = received
         self._idle.clear()
         return AdmittedRequest(self, inp, record)
@@ -225,15 +224,15 @@ class AdmittedRequest:
             RequestError: the backend failed (its code), or broke the contract (INTERNAL).
         """
         params, record = self.inp.params, self.record
-        n = getattr(params, "n", 1) or 1
-        selecting = needs_selection(n, getattr(params, "best_of", None))
+        n = params.n
+        selecting = needs_selection(n, params.best_of)
         num_out = n if selecting else record.num_sequences
         num_done = 0
         try:
             async with contextlib.aclosing(self.core.backend.generate(self.inp)) as raw:
                 stream = self._recorded(raw)
                 if selecting:
-                    stream = select_best(stream, n, keep_logprobs=getattr(params, "logprobs", None) is not None)
+                    stream = select_best(stream, n, keep_logprobs=params.logprobs is not None)
                 async with contextlib.aclosing(stream) as out:
                     async for chunk in out:
                         chunk.usage = chunk.timing = None
@@ -415,7 +414,7 @@ class GenerationServicer:
         deadline = received + remaining if remaining is not None else None
         backend = self.core.backend
         tokenizer, max_model_len = backend.tokenizer, backend.max_model_len
-        defaults = getattr(backend, "generation_defaults", None)
+        defaults = backend.generation_defaults
         num_ids = num_token_ids(request)
         long_prompt = request.WhichOneof("input") == "prompt" and len(request.prompt) >= THREAD_TOKENIZE_CHARS
         # Long prompts are tokenized, and many token ids copied and checked, off the event loop; token ids

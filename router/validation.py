@@ -101,7 +101,7 @@ def sampling_params_from_proto(sampling: pb.SamplingParams, defaults: dict | Non
     Raises:
         RequestError: INVALID_ARGUMENT with ``sampling.<field>`` in the message and as ``field``.
     """
-    params = SamplingParams.from_proto(sampling, defaults) if defaults else SamplingParams.from_proto(sampling)
+    params = SamplingParams.from_proto(sampling, defaults)
     try:
         params.validate()
     except ValueError as e:
@@ -112,8 +112,7 @@ def sampling_params_from_proto(sampling: pb.SamplingParams, defaults: dict | Non
 
 def _check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """stop_token_ids and logit_bias keys must be token ids of the model's vocabulary."""
-    for name, ids in (("stop_token_ids", getattr(params, "stop_token_ids", ()) or ()),
-                      ("logit_bias", getattr(params, "logit_bias", None) or {})):
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
         bad = next((t for t in ids if not 0 <= int(t) < vocab_size), None)
         if bad is not None:
             raise invalid(f"sampling.{name}: token id {bad} is out of range: vocab_size is {vocab_size}",
