@@ -4,6 +4,15 @@ A step is three calls: schedule → run → postprocess. The same class serves t
 workers: a prefill actor adds requests with ``prefill_only=True`` and ships the
 KV blocks of each ``prefilled`` output; a decode actor ``adopt``s blocks written
 by the KV receiver and continues decoding.
+
+n > 1 (``params.num_sequences`` sequences): the prompt is prefilled once, by
+sequence 0. At the step its prompt completes, every sequence's first token is
+drawn from that one logits row (sequence i with ``child_seed(seed, i)``); then
+the request forks: sequence i > 0 shares the prompt's full blocks (a reference
+each) and gets its own copy of the partial last block, and decodes on its own
+(preempted and recomputed alone). A prefill-only request does not fork: each
+sequence's first token goes out with the prompt's blocks, and the decode side's
+``adopt`` forks. ``requests[request_id]`` is sequence 0 until every sequence ended.
 """
 from __future__ import annotations
 
@@ -16,11 +25,13 @@ import torch
 from engine import attention_compiled
 from engine.block_manager import BlockManager, prompt_block_hashes
 from engine.config import ModelConfig
+from engine.generation_config import GenerationConfig
 from engine.loader import fingerprint, load_model
 from engine.model_runner import ModelRunner
 from engine.output import OutputProcessor
 from engine.presets import resolve_model
 from engine.request import Completion, Request, RequestOutput, RequestStatus
+from engine.sampler import child_seed, sample, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
@@ -79,7 +90,10 @@ class Engine:
         self.config = ModelConfig.from_dir(self.model_dir)
         cfg = self.config
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.tokenizer = Tokenizer(self.model_dir, cfg.eos_token_ids, cfg.bos_token_id)
+        self.generation_config = GenerationConfig.from_dir(self.model_dir)
+        # EOS ids: config.json's, then any more that generation_config.json lists.
+        self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + self.generation_config.eos_token_ids))
+        self.tokenizer = Tokenizer(self.model_dir, self.eos_token_ids, cfg.bos_token_id)
         self.vocab_size = cfg.vocab_size
         self.model = load_model(self.model_dir, cfg, self.device, self.dtype, self.max_model_len)
         self.fingerprint = fingerprint(self.model_dir, cfg)
@@ -100,7 +114,7 @@ class Engine:
                                "(see the log); use attention='eager'")
         self.attention = "compiled" if kernel is not None else "eager"
         self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device, kernel)
-        self.output = OutputProcessor(self.tokenizer, cfg.eos_token_ids)
+        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
 
     # ---- requests in ----------------------------------------------------
@@ -127,6 +141,8 @@ class Engine:
         self.validate(ids, params)
         if len(resume_output_ids) >= params.max_tokens:
             raise ValueError(f"resume_output_ids: {len(resume_output_ids)} tokens already reach max_tokens")
+        if resume_output_ids and params.num_sequences > 1:
+            raise ValueError("resume_output_ids: a request with n > 1 (or best_of) cannot resume mid-stream")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
@@ -163,16 +179,31 @@ class Engine:
         self.requests[req.request_id] = req
         return req
 
-    def adopt(self, request_id: str, first_token_id: int, block_ids: list[int],
-              num_cached_tokens: int = 0) -> RequestOutput:
+    def adopt(self, request_id: str, first_token_ids: list[int], block_ids: list[int],
+              num_cached_tokens: int = 0, first_logprobs: list | None = None) -> list[RequestOutput]:
         """Continue a WAITING_FOR_KV request whose prompt KV now sits in `block_ids` (from this pool).
 
-        The blocks become the request's (freed when it ends). Returns the output for
-        `first_token_id`, which may already finish the request (EOS, max_tokens == 1).
-        Raises ValueError (and takes no blocks) when the blocks cannot hold the prompt.
+        Args:
+            first_token_ids: each sequence's first token as the prefill side drew it, in index
+                order (params.num_sequences of them).
+            block_ids: the prompt's blocks; they become sequence 0's (freed when it ends). With
+                n > 1 every other sequence shares the full ones and gets a copy of the partial one.
+            first_logprobs: per sequence, the first token's `TokenLogprob` (or None), attached
+                to its output as given (not recomputed).
+        Returns one output per sequence, in index order; a sequence may finish at its first
+        token (EOS, max_tokens == 1). Raises ValueError (and takes no blocks) when the blocks
+        cannot hold the prompt or the first tokens do not fit the request.
         """
         req = self.requests[request_id]
         assert req.status is RequestStatus.WAITING_FOR_KV, req.status
+        k = req.params.num_sequences
+        if len(first_token_ids) != k:
+            raise ValueError(f"first_token_ids: {len(first_token_ids)} tokens for {k} sequences")
+        bad = next((t for t in first_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"first_token_ids: token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if first_logprobs is not None and len(first_logprobs) != k:
+            raise ValueError(f"first_logprobs: {len(first_logprobs)} entries for {k} sequences")
         need = (len(req.prompt_token_ids) + self.block_size - 1) // self.block_size
         if len(block_ids) < need:
             raise ValueError(f"block_ids: {len(block_ids)} blocks cannot hold {req.num_prompt_tokens} tokens")
@@ -183,71 +214,200 @@ class Engine:
         req.block_hashes = hashes
         for block_id, h in zip(block_ids, hashes):
             self.block_manager.register(block_id, h)
-        out = self.output.process(req, first_token_id)     # counts the first token; may finish at once
-        if req.status.finished:
-            self._finish(req)
-        else:
+        seqs = [req] + self._spawn(req)
+        logprobs = first_logprobs or [None] * k
+        outs = [self.output.process(s, t, lp) for s, t, lp in zip(seqs, first_token_ids, logprobs)]
+        if not req.status.finished:
             self.scheduler.add_running(req)
-        return out
+        self._fork(req, [s for s in seqs[1:] if not s.status.finished])
+        for s in seqs:
+            if s.status.finished:
+                self._finish(s)
+        return outs
 
     # ---- the step -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        sampled, tokens = self.runner.run(batch)
+        run = self.runner.run(batch)
         self.scheduler.commit(batch)
+        for req, start, logits in run.prompt_logits:
+            self._score_prompt(req, start, logits)
+        # Sequences to sample: each one due a token, and a forking request's new sequences on its row.
+        seqs, rows, forking = [], [], []
+        for row, req in enumerate(run.sampled):
+            seqs.append(req)
+            rows.append(row)
+            if req.params.num_sequences > 1 and req.parent is None and not req.sequences:
+                children = self._spawn(req)
+                forking.append(req)
+                seqs.extend(children)
+                rows.extend([row] * len(children))
+        logits = run.logits if len(rows) == len(run.sampled) else run.logits[rows]
+        tokens = sample(logits, seqs, self.output.eos)
         outputs = []
-        for req, token in zip(sampled, tokens):
-            out = self.output.process(req, token)
-            if req.prefill_only and not req.status.finished:
-                req.status = RequestStatus.PREFILLED
-                self.scheduler.remove(req)
-                out.prefilled = True
-                out.block_ids = list(req.block_table)
+        for seq, token, logprob in zip(seqs, tokens, self._logprobs(logits, seqs, tokens)):
+            owed = seq.owes_prompt_logprobs
+            out = self.output.process(seq, token, logprob)
+            if owed:
+                out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, []
+            outputs.append(out)
+        for req in run.sampled:
+            if req.prefill_only:
+                self._prefilled(req, outputs)
+            elif req in forking:
+                self._fork(req, [s for s in req.sequences[1:] if not s.status.finished])
+                for s in req.sequences:
+                    if s.status.finished:
+                        self._finish(s)
             elif req.status.finished:
                 self._finish(req)
-            outputs.append(out)
         return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    # ---- requests out ---------------------------------------------------
-    def _finish(self, req: Request) -> None:
+    def _score_prompt(self, req: Request, start: int, logits) -> None:
+        """Prompt logprobs of a chunk: logits [n, V] of positions start.. score prompt[start + 1..]."""
+        del req.prompt_logprobs[start:]          # a recomputed prompt (preemption) starts over
+        end = min(start + logits.shape[0], req.num_prompt_tokens - 1)
+        if end > start:
+            targets = req.prompt_token_ids[start + 1:end + 1]
+            k = req.params.prompt_logprobs
+            req.prompt_logprobs.extend(token_logprobs(logits[:end - start], targets, [k] * len(targets)))
+
+    @staticmethod
+    def _logprobs(logits, seqs: list[Request], tokens: list[int]) -> list:
+        """The sampled tokens' TokenLogprobs, computed in one batch for the sequences that need them."""
+        rows = [i for i, s in enumerate(seqs) if s.params.needs_logprobs]
+        out = [None] * len(seqs)
+        if rows:
+            lps = token_logprobs(logits[rows], [tokens[i] for i in rows], [seqs[i].params.logprobs or 0 for i in rows])
+            for i, lp in zip(rows, lps):
+                out[i] = lp
+        return out
+
+    def _prefilled(self, req: Request, outputs: list[RequestOutput]) -> None:
+        """Prefill side: sequences that go on hold the prompt's blocks until `release`."""
+        live = [s for s in (req.sequences or [req]) if not s.status.finished]
+        if not live:
+            self._finish(req)
+            return
+        req.status = RequestStatus.PREFILLED
         self.scheduler.remove(req)
-        if req.block_table:
-            self.block_manager.free(req.block_table)
-            req.block_table = []
-        self.requests.pop(req.request_id, None)
+        for out in outputs:
+            if out.request_id == req.request_id and out.finish_reason is None:
+                out.prefilled = True
+                out.block_ids = list(req.block_table)
+
+    # ---- n sequences ------------------------------------------------------
+    def _spawn(self, root: Request) -> list[Request]:
+        """Sequences 1.. of `root` (no blocks yet), each with its own seed and detokenizer."""
+        k = root.params.num_sequences
+        if k == 1:
+            return []
+        children = []
+        for i in range(1, k):
+            child = Request(root.request_id, root.prompt_token_ids, root.params, child_seed(root.seed, i),
+                            prefill_only=root.prefill_only, arrival_time=root.arrival_time,
+                            num_cached_tokens=root.num_cached_tokens, first_scheduled_time=root.first_scheduled_time,
+                            index=i, parent=root)
+            self.output.attach(child)
+            children.append(child)
+        root.sequences = [root] + children
+        return children
+
+    def _fork(self, root: Request, children: list[Request]) -> None:
+        """Give each child the prompt's KV: root's full prompt blocks shared (a reference each) and
+        a fresh copy of its partial last block (every layer). A child that finds no free block
+        for its copy waits to recompute its prompt, like a preempted sequence."""
+        bm, num_prompt = self.block_manager, root.num_prompt_tokens
+        num_full = num_prompt // self.block_size
+        shared = root.block_table[:num_full]
+        partial = root.block_table[num_full] if num_prompt % self.block_size else None
+        for child in children:
+            copy = [] if partial is None else bm.allocate(1)
+            if copy is None:
+                self.scheduler.add(child)
+                continue
+            if copy:
+                self.kv_cache[:, copy[0]].copy_(self.kv_cache[:, partial])    # [L, 2, Hkv, bs, D]
+            bm.share(shared)
+            child.block_table = shared + copy
+            child.block_hashes = root.block_hashes[:num_full]
+            child.num_computed_tokens = num_prompt
+            self.scheduler.add_running(child)
+
+    # ---- requests out ---------------------------------------------------
+    def _finish(self, seq: Request) -> None:
+        """A sequence ended: its blocks go back; the request leaves once all its sequences ended."""
+        self.scheduler.remove(seq)
+        if seq.block_table:
+            self.block_manager.free(seq.block_table)
+            seq.block_table = []
+        root = seq.root
+        if all(s.status.finished for s in (root.sequences or [root])):
+            self.requests.pop(root.request_id, None)
+
+    def _drop(self, root: Request) -> None:
+        """Every sequence of the request out of the queues, its blocks back, the request gone."""
+        for seq in root.sequences or [root]:
+            self.scheduler.remove(seq)
+            if seq.block_table:
+                self.block_manager.free(seq.block_table)
+                seq.block_table = []
+        self.requests.pop(root.request_id, None)
 
     def release(self, request_id: str) -> None:
         """Prefill side: the KV was shipped (or the transfer failed); free the blocks (kept cached)."""
         req = self.requests.get(request_id)
         if req is not None:
-            self._finish(req)
+            self._drop(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """End every sequence of the request; the output counts the tokens all of them produced."""
         req = self.requests.get(request_id)
         if req is None:
             return None
-        req.status = RequestStatus.FINISHED_ABORTED
-        self._finish(req)
+        seqs = req.sequences or [req]
+        for seq in seqs:
+            if not seq.status.finished:
+                seq.status = RequestStatus.FINISHED_ABORTED
+        self._drop(req)
         return RequestOutput(request_id, [], "", "abort", req.num_prompt_tokens, req.num_cached_tokens,
-                             len(req.output_token_ids))
+                             sum(len(s.output_token_ids) for s in seqs))
 
     def generate(self, inputs: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[Completion]:
-        """Run every input to completion; results in input order."""
+        """Run every input to completion. Returns, in input order, each input's num_sequences
+        completions in index order (one per input when n == 1 and best_of is unset); best_of
+        sequences are not ranked here."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(inputs)
         ids = [self.add_request(inp, p) for inp, p in zip(inputs, params_list)]
-        reqs = {i: self.requests[i] for i in ids}
-        texts = {i: [] for i in ids}
-        reasons: dict[str, str] = {}
-        while len(reasons) < len(ids):
+        roots = {i: self.requests[i] for i in ids}
+        num_sequences = sum(r.params.num_sequences for r in roots.values())
+        texts: dict[tuple[str, int], list[str]] = {}
+        logprobs: dict[tuple[str, int], list] = {}
+        prompt_logprobs: dict[str, list] = {}
+        ends: dict[tuple[str, int], RequestOutput] = {}
+        while len(ends) < num_sequences:
             for out in self.step():
-                texts[out.request_id].append(out.text_delta)
+                key = (out.request_id, out.index)
+                texts.setdefault(key, []).append(out.text_delta)
+                if out.logprobs is not None:
+                    logprobs.setdefault(key, []).extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finish_reason:
-                    reasons[out.request_id] = out.finish_reason
-        return [Completion(i, reqs[i].prompt_token_ids, reqs[i].output_token_ids, "".join(texts[i]),
-                           reasons[i], reqs[i].num_cached_tokens) for i in ids]
+                    ends[key] = out
+        completions = []
+        for i in ids:
+            for seq in roots[i].sequences or [roots[i]]:
+                key = (i, seq.index)
+                completions.append(Completion(
+                    i, seq.prompt_token_ids, seq.output_token_ids, "".join(texts[key]), ends[key].finish_reason,
+                    seq.num_cached_tokens, index=seq.index, logprobs=logprobs.get(key),
+                    prompt_logprobs=prompt_logprobs.get(i) if seq.index == 0 else None,
+                    matched_stop=ends[key].matched_stop, cumulative_logprob=seq.cumulative_logprob))
+        return completions

@@ -1,13 +1,23 @@
-"""Turns a scheduled batch into one model call and samples the requests that are due a token."""
+"""Turns a scheduled batch into one model call; returns the logits of the sequences that are due a token."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import build_metadata
 from engine.model import LlamaModel
 from engine.request import Request
-from engine.sampler import sample
 from engine.scheduler import ScheduledRequest
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    sampled: list[Request]              # sequences due a token this step, in batch order
+    logits: torch.Tensor                # [len(sampled), V] float32, raw
+    # Sequences computing prompt positions whose logprobs they owe: (sequence, first position,
+    # logits [num_new_tokens, V] of positions first .. first + num_new_tokens - 1).
+    prompt_logits: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -20,24 +30,32 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
 
-    def run(self, batch: list[ScheduledRequest]) -> tuple[list[Request], list[int]]:
-        """Run the model over the batch; return the requests that sampled and their tokens.
+    def run(self, batch: list[ScheduledRequest]) -> ModelOutput:
+        """Run the model over the batch; return the logits of the sequences that sample.
 
-        A request samples when this step computes its last pending token (the
-        end of its prompt, or the token it generated last step).
+        A sequence samples when this step computes its last pending token (the
+        end of its prompt, or the token it generated last step). A sequence that owes
+        prompt logprobs also gets the logits of every prompt position of its chunk.
         """
         input_ids: list[int] = []
         positions: list[int] = []
         seqs = []
         logit_rows: list[int] = []
+        sample_rows: list[int] = []
         sampling: list[Request] = []
+        prompt_parts: list[tuple[Request, int, int, int]] = []    # (sequence, first position, first row, rows)
         for s in batch:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             input_ids.extend(req.token_ids(start, start + n))
             positions.extend(range(start, start + n))
             seqs.append((start, n, req.block_table))
-            if start + n == req.num_tokens:
+            if req.owes_prompt_logprobs:
+                prompt_parts.append((req, start, len(logit_rows), n))
+                logit_rows.extend(range(len(input_ids) - n, len(input_ids)))
+            elif start + n == req.num_tokens:
                 logit_rows.append(len(input_ids) - 1)
+            if start + n == req.num_tokens:
+                sample_rows.append(len(logit_rows) - 1)
                 sampling.append(req)
         dev = self.device
         meta = build_metadata(seqs, self.block_size, dev, self.decode_kernel)
@@ -45,7 +63,10 @@ class ModelRunner:
                             torch.tensor(positions, dtype=torch.long, device=dev),
                             self.kv_cache, meta,
                             torch.tensor(logit_rows, dtype=torch.long, device=dev))
-        return sampling, sample(logits, sampling) if sampling else []
+        if not prompt_parts:
+            return ModelOutput(sampling, logits)
+        prompt_logits = [(req, start, logits[row:row + n]) for req, start, row, n in prompt_parts]
+        return ModelOutput(sampling, logits[sample_rows], prompt_logits)
 
     def score(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Logits at every position of one fresh sequence (for exactness checks). [S, V] float32."""

@@ -110,7 +110,7 @@ def measure_decode(engine, batch: int, context: int, repeats: int = 3, seed: int
             blocks = engine.block_manager.allocate(-(-context // bs))
             rid = f"profile-decode-{i}"
             engine.expect_kv(rid, _random_ids(engine, context, gen), params, rid, float("inf"))
-            engine.adopt(rid, 2, blocks)
+            engine.adopt(rid, [2], blocks)
             ids.append(rid)
         for i in range(steps):
             _sync(engine.device)

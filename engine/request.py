@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
+from proto.pdserve.v1 import generation_pb2 as pb
 
 
 class RequestStatus(enum.Enum):
@@ -24,8 +25,13 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Request:
+    """One sequence. A request with n > 1 is sequence 0 (the one `Engine.requests` holds, which
+    prefills the prompt) plus, once the prompt is computed, its forks: `sequences` on sequence 0
+    lists them all in index order; each fork has the same request_id, its own `index`, `seed`,
+    output and block table, and `parent` pointing at sequence 0."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -48,6 +54,23 @@ class Request:
     # until when it may wait for the transfer to begin (time.monotonic()).
     kv_transfer_id: str | None = None
     kv_deadline: float | None = None
+    index: int = 0                             # which of the request's sequences this is
+    parent: Request | None = None              # sequence i > 0: sequence 0 of its request
+    sequences: list[Request] = field(default_factory=list)   # sequence 0, once forked: all, index order
+    cumulative_logprob: float = 0.0            # of the sampled tokens (when params.needs_logprobs)
+    matched_stop: str | int | None = None      # the stop string or token id that ended the sequence
+    # While the prompt is prefilled with params.prompt_logprobs: entry p scores prompt[p + 1].
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+
+    @property
+    def root(self) -> Request:
+        """Sequence 0: the request as `Engine.requests` knows it."""
+        return self.parent if self.parent is not None else self
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """Its prompt is being computed and its first output must carry prompt logprobs."""
+        return self.params.prompt_logprobs is not None and self.parent is None and not self.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,11 +108,15 @@ class RequestOutput:
     prefilled: bool = False            # prefill-only request: KV ready to ship in `block_ids`
     block_ids: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
+    index: int = 0                     # which of the request's sequences (n > 1)
+    logprobs: list[pb.TokenLogprob] | None = None          # one per new token (params.needs_logprobs)
+    prompt_logprobs: list[pb.TokenLogprob] | None = None   # first output of sequence 0 (params.prompt_logprobs)
+    matched_stop: str | int | None = None                  # finish "stop": the stop string, EOS or stop token id
 
 
 @dataclass(slots=True)
 class Completion:
-    """The whole result of one prompt from `Engine.generate`."""
+    """The whole result of one sequence from `Engine.generate` (a prompt gives num_sequences of them)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -97,3 +124,8 @@ class Completion:
     text: str
     finish_reason: str
     num_cached_tokens: int = 0
+    index: int = 0
+    logprobs: list[pb.TokenLogprob] | None = None
+    prompt_logprobs: list[pb.TokenLogprob] | None = None
+    matched_stop: str | int | None = None
+    cumulative_logprob: float = 0.0

@@ -121,6 +121,8 @@ class Scheduler:
         bm = self.block_manager
         hashes = prompt_block_hashes(req.all_token_ids, self.block_size)
         max_hit_blocks = (req.num_tokens - 1) // self.block_size   # leave >= 1 token to compute
+        if req.owes_prompt_logprobs:       # every prompt position's logits are needed: no cache hits
+            max_hit_blocks = 0
         hits = bm.match_prefix(hashes[:max_hit_blocks])
         num_computed = len(hits) * self.block_size
         num_new = self._size_chunk(req.num_tokens - num_computed, budget, first)

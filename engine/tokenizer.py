@@ -49,8 +49,9 @@ class IncrementalDetokenizer:
 
     CONTEXT = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[-self.CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -63,9 +64,9 @@ class IncrementalDetokenizer:
         return self._delta(final=True)
 
     def _delta(self, final: bool) -> str:
-        dec = self.tokenizer.decode
-        prefix = dec(self.ids[self.prefix_offset:self.read_offset])
-        full = dec(self.ids[self.prefix_offset:])
+        dec, skip = self.tokenizer.decode, self.skip_special_tokens
+        prefix = dec(self.ids[self.prefix_offset:self.read_offset], skip)
+        full = dec(self.ids[self.prefix_offset:], skip)
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return full[len(prefix):]

@@ -86,7 +86,7 @@ def test_prefill_only_then_adopt_equals_colocated(tiny_model_dir):
         decode.kv_cache[:, dst] = prefill.kv_cache[:, out.block_ids]
         prefill.release(rid)
         decode.expect_kv(rid, prompts[i], params[i], transfer_id=rid, deadline=float("inf"))
-        decode.adopt(rid, out.new_token_ids[0], dst)
+        decode.adopt(rid, [out.new_token_ids[0]], dst)
     got = {rid: list(handoffs[rid].new_token_ids) for rid in handoffs}
     while decode.has_unfinished():
         for out in decode.step():
