@@ -1,7 +1,8 @@
 """Bearer-token authentication, TLS credentials and the loopback-bind rule.
 
 - A configured token is required on every RPC except the standard health
-  check (load balancers and probes call it without credentials):
+  check (load balancers and probes call it without credentials), and on every
+  HTTP request except ``GET /health`` (`check_http_bearer`):
   metadata ``authorization: Bearer <token>``, compared in constant time by the
   check every pdserve server shares (`kv_transfer.internal_auth`), before the
   request body is read. Internal endpoints take a secret derived from the
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from kv_transfer.internal_auth import AsyncTokenInterceptor, TokenGate
+from kv_transfer.internal_auth import AsyncTokenInterceptor, TokenGate, token_matches
 from router.log import log_event
 
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
@@ -88,6 +89,19 @@ class BearerTokenInterceptor(AsyncTokenInterceptor):
     @property
     def num_rejected(self) -> int:
         return self.gate.num_rejected
+
+
+def check_http_bearer(authorization: str | None, token: str, path: str) -> str | None:
+    """The HTTP front door's check of ``Authorization: Bearer <token>`` (constant time).
+
+    Returns:
+        None when it matches; else "missing" or "invalid" (logged as ``auth_rejected``).
+    """
+    if token_matches(authorization, f"Bearer {token}"):
+        return None
+    reason = "missing" if not authorization else "invalid"
+    _log_rejected(path, reason)
+    return reason
 
 
 def _log_rejected(method: str, reason: str) -> None:

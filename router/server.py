@@ -1,7 +1,10 @@
-"""Start, drain and stop the router's gRPC server.
+"""Start, drain and stop the router's gRPC server and its OpenAI-compatible HTTP server.
 
-The server hosts pdserve.v1.GenerationService, grpc.health.v1.Health and
-server reflection. Health follows ``await backend.ready()``, polled for as
+The gRPC server hosts pdserve.v1.GenerationService, grpc.health.v1.Health and
+server reflection. With ``http_port`` set, the OpenAI-compatible HTTP API
+(`router.openai_api`) runs beside it on the same host and event loop, with the
+same token, TLS files and `RequestCore` (one in-flight limit for both; draining
+closes both; its ``GET /health`` follows the same readiness). Health follows ``await backend.ready()``, polled for as
 long as the server runs: NOT_SERVING until it first returns True, then
 SERVING ⇄ NOT_SERVING as readiness comes and goes (e.g. every decode actor
 gone; each transition logged once), and NOT_SERVING for good from
@@ -11,8 +14,8 @@ its actors come back).
 
 Example::
 
-    server = await start_server(backend, "127.0.0.1", 50051, token=None)
-    await server.wait_ready()
+    server = await start_server(backend, "127.0.0.1", 50051, token=None, http_port=8000, model_name="small")
+    await server.wait_ready()          # server.http_port: the bound HTTP port (port 0 → a free one)
     ...
     await server.drain(timeout=30.0)   # NOT_SERVING; new requests get UNAVAILABLE
     await server.stop(grace=5.0)
@@ -33,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 from proto.pdserve.v1 import generation_pb2 as pb
 from router.backend import Backend
 from router.log import log_event
+from router.openai_api import ChatTemplate, HTTPServer, create_app
 from router.security import BearerTokenInterceptor, TLSConfig, check_bind, is_loopback
 from router.servicer import SERVICE_NAME, GenerationServicer, RequestCore, parse_generate_request
 
@@ -49,11 +53,15 @@ class RouterServer:
         host: the bound host.
         port: the bound port (the real one when started with port 0).
         servicer: the `GenerationServicer` (for in-flight counts).
+        core: the `RequestCore` both front doors share.
+        http: the OpenAI-compatible `HTTPServer`, or None when not started.
     """
 
     def __init__(self, server: grpc.aio.Server, servicer: GenerationServicer, health: health_aio.HealthServicer,
                  host: str, port: int) -> None:
         self._server = server
+        self.core = servicer.core
+        self.http: HTTPServer | None = None
         self._health = health
         self._ready = asyncio.Event()
         self._ready_task: asyncio.Task[None] | None = None
@@ -66,6 +74,16 @@ class RouterServer:
     def address(self) -> str:
         """``host:port`` for clients (IPv6 hosts bracketed)."""
         return f"{_bracket(self.host)}:{self.port}"
+
+    @property
+    def http_port(self) -> int | None:
+        """The bound HTTP port (the real one when started with ``http_port=0``); None without HTTP."""
+        return self.http.port if self.http is not None else None
+
+    @property
+    def http_url(self) -> str | None:
+        """``http(s)://host:port`` of the OpenAI-compatible API; None without HTTP."""
+        return self.http.base_url if self.http is not None else None
 
     @property
     def is_ready(self) -> bool:
@@ -102,7 +120,10 @@ class RouterServer:
         self.servicer.draining = True
         self._cancel_ready_task()
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        if self.http is not None:
+            await asyncio.gather(self._server.stop(grace), self.http.stop(grace))
+        else:
+            await self._server.stop(grace)
         log_event("stopped", address=self.address)
 
     async def wait_for_termination(self) -> None:
@@ -159,6 +180,10 @@ async def start_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ready_poll_s: float = 0.5,
     metrics=None,
+    http_port: int | None = None,
+    model_name: str = "pdserve",
+    model_dir: str | None = None,
+    chat_template: ChatTemplate | None = None,
 ) -> RouterServer:
     """Start the router's gRPC server on the running event loop.
 
@@ -173,17 +198,24 @@ async def start_server(
         max_message_bytes: largest request/response message accepted.
         ready_poll_s: how often to poll ``backend.ready()`` (health follows it while the server runs).
         metrics: optional `router.metrics.Metrics` that every finished request is reported to.
+        http_port: also serve the OpenAI-compatible HTTP API on ``host:http_port`` (0 picks a free
+            port: ``RouterServer.http_port``); None = no HTTP.
+        model_name: the served model's name in the HTTP API (``router.openai_api.served_model_name``).
+        model_dir: the model directory whose tokenizer_config.json holds the chat template.
+        chat_template: the chat template (default: from ``model_dir``, else ChatML).
 
     Returns:
         The running `RouterServer`; health is SERVING while the backend is ready.
 
     Raises:
-        ValueError: non-loopback host without a token, or a bad limit.
-        OSError: the address could not be bound.
+        ValueError: non-loopback host without a token, a bad limit, an unreadable chat template.
+        OSError: an address could not be bound.
     """
     check_bind(host, token)
     if max_message_bytes < 1024:
         raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
+    if http_port is not None and chat_template is None:
+        chat_template = ChatTemplate.from_model_dir(model_dir)
     core = RequestCore(backend, max_queue, metrics)
     servicer = GenerationServicer(core)
     interceptors = [BearerTokenInterceptor(token)] if token else []
@@ -213,11 +245,23 @@ async def start_server(
         raise OSError(f"could not bind {bind}")
     await server.start()
     router = RouterServer(server, servicer, health, host, bound)
+    if http_port is not None:
+        app = create_app(core, model_name=model_name, chat_template=chat_template, token=token,
+                         max_body_bytes=max_message_bytes, is_serving=lambda: router.is_ready)
+        router.http = HTTPServer(app, host, http_port, tls)
+        try:
+            await router.http.start()
+        except BaseException:
+            router.http = None
+            await server.stop(None)
+            raise
     if not tls and not is_loopback(host):
         log_event("insecure_bind", logging.WARNING, address=router.address,
                   note="the bearer token travels in cleartext; configure TLS")
+    http_fields = {"http": router.http_url, "model": model_name,
+                   "chat_template": "default" if chat_template.is_default else "model"} if router.http else {}
     log_event("started", address=router.address, tls=tls is not None, auth=token is not None,
-              max_queue=max_queue)
+              max_queue=max_queue, **http_fields)
     router._start_ready_watch(backend, ready_poll_s)
     return router
 

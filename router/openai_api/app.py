@@ -1,0 +1,363 @@
+"""The OpenAI-compatible HTTP app (Starlette) over the router's `RequestCore`.
+
+Endpoints:
+
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: JSON, or server-sent events with
+  ``"stream": true`` (ending ``data: [DONE]``). Admission is the gRPC front door's (same
+  in-flight limit, draining, readiness); a stream's response starts with its first token, so a
+  failure before it gets a proper status; a failure after it is sent as a ``data: {"error": ...}``
+  event, then ``[DONE]``.
+- ``GET /v1/models``, ``GET /v1/models/{model}``: the served model.
+- ``GET /health``: 200 when ready, 503 when not ready or draining (no token needed).
+- ``POST /tokenize`` (``{"prompt"}`` or ``{"messages"}`` → ``{"count", "max_model_len",
+  "tokens"}``), ``POST /detokenize`` (``{"tokens"}`` → ``{"prompt"}``), as vLLM shapes them.
+
+Every other request needs ``Authorization: Bearer <token>`` when the server has a token (else
+401). Bodies over ``max_body_bytes`` get 413. ``X-Request-Id`` sets the request id (as gRPC's
+``request_id``; echoed in the response header); errors are `router.openai_api.errors.APIError` bodies.
+A client that disconnects cancels its request (the backend frees it).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router.backend import GenerationChunk
+from router.best_of import needs_selection
+from router.openai_api.chat import ChatView
+from router.openai_api.chat_template import ChatTemplate
+from router.openai_api.completions import CompletionView
+from router.openai_api.errors import APIError
+from router.openai_api.inputs import api_error, chat_input, chat_prompt_ids, completion_input
+from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
+    TokenizeRequest, parse_body
+from router.security import check_http_bearer
+from router.servicer import THREAD_TOKENIZE_CHARS, AdmittedRequest, RequestCore
+from router.validation import THREAD_TOKEN_IDS, RequestError
+
+log = logging.getLogger("pdserve.router")
+T = TypeVar("T")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+PUBLIC_PATHS = ("/health",)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class OpenAIApp:
+    """The endpoints' shared state.
+
+    Args:
+        core: admission and the in-flight registry (shared with gRPC).
+        model_name: the served model's name (requests must name it).
+        chat_template: renders chat messages to a prompt.
+        max_body_bytes: largest request body accepted (413 beyond).
+        is_serving: whether /health answers 200 (default: the core is ready and not draining).
+    """
+
+    def __init__(self, core: RequestCore, model_name: str, chat_template: ChatTemplate,
+                 max_body_bytes: int, is_serving: Callable[[], bool] | None = None) -> None:
+        self.core = core
+        self.is_serving = is_serving or (lambda: core.ready and not core.draining)
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+
+    @property
+    def backend(self):
+        return self.core.backend
+
+    # ---- endpoints ------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        ok = self.is_serving() and not self.core.draining
+        return Response(status_code=200 if ok else 503)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def completions(self, request: Request) -> Response:
+        body: CompletionRequest = parse_body(CompletionRequest, await self._read_body(request))
+        self._check_model(body.model)
+        self._check_stream_options(body)
+        if body.stream and needs_selection(body.n or 1, body.best_of):
+            raise APIError(400, "best_of > n cannot be streamed; set stream to false or best_of to n", "best_of")
+        prompt = body.prompt
+        long = isinstance(prompt, str) and len(prompt) >= THREAD_TOKENIZE_CHARS or \
+            isinstance(prompt, list) and len(prompt) >= THREAD_TOKEN_IDS
+        backend = self.backend
+        admitted = await self._admit(request, body, long, lambda rid, in_flight: completion_input(
+            body, backend.tokenizer, backend.max_model_len, backend.generation_defaults, rid, in_flight))
+        view = CompletionView(admitted.inp, body, backend.tokenizer, self.model_name, int(time.time()))
+        return await self._respond(request, admitted, body, view.whole, view.events)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await self._read_body(request))
+        self._check_model(body.model)
+        self._check_stream_options(body)
+        chars = sum(len(m.content) if isinstance(m.content, str) else 0 for m in body.messages)
+        backend = self.backend
+        admitted = await self._admit(request, body, chars >= THREAD_TOKENIZE_CHARS, lambda rid, in_flight: chat_input(
+            body, self.chat_template, backend.tokenizer, backend.max_model_len, backend.generation_defaults, rid,
+            in_flight))
+        view = ChatView(admitted.inp, body, backend.tokenizer, self.model_name, int(time.time()))
+        return await self._respond(request, admitted, body, view.whole, view.events)
+
+    async def tokenize(self, request: Request) -> Response:
+        body: TokenizeRequest = parse_body(TokenizeRequest, await self._read_body(request))
+        if body.model is not None:
+            self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        tokenizer = self.backend.tokenizer
+        try:
+            if body.prompt is not None:
+                add = True if body.add_special_tokens is None else body.add_special_tokens
+                tokens = list(await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=add))
+            else:
+                tokens = await asyncio.to_thread(chat_prompt_ids, body.messages, self.chat_template, tokenizer,
+                                                 body.add_generation_prompt)
+        except RequestError as e:
+            raise api_error(e, body) from None
+        return JSONResponse({"count": len(tokens), "max_model_len": self.backend.max_model_len, "tokens": tokens})
+
+    async def detokenize(self, request: Request) -> Response:
+        body: DetokenizeRequest = parse_body(DetokenizeRequest, await self._read_body(request))
+        if body.model is not None:
+            self._check_model(body.model)
+        tokenizer = self.backend.tokenizer
+        bad = next((t for t in body.tokens if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: {bad} is out of range: vocab_size is {tokenizer.vocab_size}", "tokens")
+        return JSONResponse({"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)})
+
+    # ---- plumbing -------------------------------------------------------------
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
+                "root": self.model_name, "parent": None, "max_model_len": self.backend.max_model_len}
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           "model", "model_not_found")
+
+    @staticmethod
+    def _check_stream_options(body) -> None:
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+
+    async def _read_body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes}")
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > self.max_body_bytes:
+                raise APIError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+            parts.append(part)
+        return b"".join(parts)
+
+    async def _admit(self, request: Request, body, offload: bool,
+                     build: Callable[[str, Any], Any]) -> AdmittedRequest:
+        request_id = request.headers.get("x-request-id", "")
+        try:
+            return await self.core.admit(lambda in_flight: build(request_id, in_flight), api="http",
+                                         user=body.user or "", peek_id=request_id[:64] or "-", offload=offload)
+        except RequestError as e:
+            raise api_error(e, body) from None
+
+    async def _respond(self, request: Request, admitted: AdmittedRequest, body,
+                       whole: Callable[[AsyncIterator[GenerationChunk]], Awaitable[dict]],
+                       events: Callable[[AsyncIterator[GenerationChunk]], AsyncIterator[dict]]) -> Response:
+        headers = {"X-Request-Id": admitted.inp.request_id}
+        if not body.stream:
+            try:
+                result = await until_disconnected(request.receive, whole(admitted.chunks()))
+            except RequestError as e:
+                raise APIError.from_status(e.code, e.message) from None
+            except ClientGone:
+                return Response(status_code=499)
+            finally:
+                admitted.finish()
+            return JSONResponse(result, headers=headers)
+        chunks = admitted.chunks()
+        try:        # the first chunk before the headers: a failure before any token gets its own status
+            first = await until_disconnected(request.receive, anext(chunks))
+        except BaseException as e:
+            await chunks.aclose()
+            admitted.finish()
+            if isinstance(e, RequestError):
+                raise APIError.from_status(e.code, e.message) from None
+            if isinstance(e, ClientGone):
+                return Response(status_code=499)
+            raise
+        return EventStream(_sse(events(_prepend(first, chunks))), admitted.finish, headers)
+
+
+async def _prepend(first: GenerationChunk, rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[GenerationChunk]:
+    async with contextlib.aclosing(rest) as chunks:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+
+
+async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    """Events as ``data: {json}`` lines; a failure becomes an error event; always ``data: [DONE]`` last."""
+    async with contextlib.aclosing(events) as stream:
+        try:
+            async for event in stream:
+                yield b"data: " + _json(event) + b"\n\n"
+        except RequestError as e:
+            yield b"data: " + _json(APIError.from_status(e.code, e.message).body()) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(receive: Receive, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable``, cancelling it if the client disconnects first (then raise `ClientGone`)."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        raise ClientGone()
+    finally:
+        for task in (work, watch):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, ClientGone, RequestError, StopAsyncIteration):
+                    await task
+
+
+class EventStream:
+    """A ``text/event-stream`` response that stops (closing its source) when the client goes away.
+
+    ``on_close`` runs exactly once, however the stream ends (finished, client gone, server stop).
+    """
+
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict[str, str]) -> None:
+        self._body = body
+        self._on_close = on_close
+        self._headers = [(b"content-type", b"text/event-stream; charset=utf-8")] + [
+            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in {**SSE_HEADERS, **headers}.items()]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
+            if pump.done() and not pump.cancelled() and pump.exception() is not None:
+                exc = pump.exception()
+                if not isinstance(exc, OSError):     # a send to a closed connection is a client gone
+                    raise exc
+        finally:
+            for task in (pump, watch):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, OSError):
+                        await task
+            with contextlib.suppress(Exception):
+                await self._body.aclose()
+            self._on_close()
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self._headers})
+        async for data in self._body:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class BearerAuth:
+    """ASGI middleware: ``Authorization: Bearer <token>`` on every path but `PUBLIC_PATHS` (else 401)."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            presented = header.decode("latin-1") if header is not None else None
+            reason = check_http_bearer(presented, self.token, scope["path"])
+            if reason is not None:
+                error = APIError(401, f"{reason} bearer token: send header 'Authorization: Bearer <token>'",
+                                 code="invalid_api_key")
+                response = JSONResponse(error.body(), status_code=401,
+                                        headers={"WWW-Authenticate": 'Bearer realm="pdserve"'})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("HTTP %s %s failed", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(APIError(500, "internal error; see the router log").body(), status_code=500)
+
+
+def create_app(core: RequestCore, *, model_name: str, chat_template: ChatTemplate | None = None,
+               token: str | None = None, max_body_bytes: int = 4 * 1024 * 1024,
+               is_serving: Callable[[], bool] | None = None) -> ASGIApp:
+    """The ASGI app of the OpenAI-compatible API.
+
+    Args:
+        core: the router's `RequestCore` (shared with the gRPC servicer).
+        model_name: the served model's name (``model`` in requests must equal it).
+        chat_template: default: `ChatTemplate.from_model_dir(None)` (ChatML).
+        token: when set, every path but /health needs ``Authorization: Bearer <token>``.
+        max_body_bytes: largest request body (413 beyond).
+        is_serving: /health answers 200 while this is True (and the core is not draining).
+    """
+    api = OpenAIApp(core, model_name, chat_template or ChatTemplate.from_model_dir(None), max_body_bytes,
+                    is_serving)
+    routes = [
+        Route("/health", api.health, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={
+        APIError: _api_error, HTTPException: _http_error, Exception: _internal_error,
+    })
+    app.state.api = api
+    return BearerAuth(app, token) if token else app

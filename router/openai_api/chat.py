@@ -1,0 +1,112 @@
+"""POST /v1/chat/completions: one admitted request → a ``chat.completion`` body, or its chunk stream.
+
+Whole::
+
+    {"id": "chatcmpl-<request id>", "object": "chat.completion", "created", "model",
+     "choices": [{"index", "message": {"role": "assistant", "content"}, "logprobs",
+                  "finish_reason", "stop_reason"}],
+     "usage": {...}}
+
+Streamed (SSE): ``chat.completion.chunk`` objects — first one per choice with ``delta: {"role":
+"assistant", "content": ""}``, then one per backend chunk with ``delta: {"content"}`` (``{}``
+when the chunk has no text) and, on a sequence's last, its ``finish_reason`` and
+``stop_reason``; with ``stream_options.include_usage`` every chunk has ``"usage": null`` and a
+last one has ``"choices": []`` and the usage; then ``[DONE]``.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from router.backend import GenerationChunk, GenerationInput, Tokenizer
+from router.openai_api.protocol import ChatCompletionRequest
+from router.openai_api.responses import TokenTexts, chat_logprobs, stop_reason, usage_json
+
+
+class ChatView:
+    """Shapes one request's chunks as chat completion JSON.
+
+    Args:
+        inp: the admitted input.
+        body: the client's request (stream_options).
+        tokenizer: for token texts in logprobs.
+        model: the served model name.
+        created: the response's Unix time.
+    """
+
+    def __init__(self, inp: GenerationInput, body: ChatCompletionRequest, tokenizer: Tokenizer, model: str,
+                 created: int) -> None:
+        self.inp = inp
+        self.body = body
+        self.model = model
+        self.created = created
+        self.id = f"chatcmpl-{inp.request_id}"
+        self.texts = TokenTexts(tokenizer)
+        self.want_logprobs = inp.params.logprobs is not None
+
+    def _logprobs(self, chunk: GenerationChunk) -> list[dict[str, Any]] | None:
+        if not self.want_logprobs or chunk.logprobs is None:
+            return None
+        return chat_logprobs(chunk.token_ids, chunk.logprobs, self.texts)
+
+    def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    async def whole(self, chunks: AsyncIterator[GenerationChunk]) -> dict[str, Any]:
+        """Collect every chunk into one chat completion."""
+        n = self.inp.params.n
+        texts: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        ends: list[GenerationChunk | None] = [None] * n
+        usage = None
+        async for chunk in chunks:
+            texts[chunk.index].append(chunk.text)
+            logprobs[chunk.index].extend(self._logprobs(chunk) or [])
+            if chunk.finish_reason is not None:
+                ends[chunk.index] = chunk
+            usage = chunk.usage or usage
+        choices = []
+        for index in range(n):
+            end = ends[index]
+            choices.append({
+                "index": index, "message": {"role": "assistant", "content": "".join(texts[index])},
+                "logprobs": {"content": logprobs[index]} if self.want_logprobs else None,
+                "finish_reason": end.finish_reason if end else None,
+                "stop_reason": stop_reason(end, self.inp) if end else None,
+            })
+        body = self._object("chat.completion", choices)
+        body["usage"] = usage_json(usage)
+        return body
+
+    async def events(self, chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[dict[str, Any]]:
+        """The role delta per choice, one chunk object per backend chunk, then the usage when asked for."""
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        usage = None
+        first = True
+        async for chunk in chunks:
+            if first:
+                first = False
+                for index in range(self.inp.params.n):
+                    role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}
+                    yield self._with_usage(self._object("chat.completion.chunk", [role]), include_usage)
+            if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
+                continue
+            logprobs = self._logprobs(chunk)
+            choice = {"index": chunk.index, "delta": {"content": chunk.text} if chunk.text else {},
+                      "logprobs": {"content": logprobs} if logprobs is not None else None,
+                      "finish_reason": chunk.finish_reason}
+            if chunk.finish_reason is not None:
+                choice["stop_reason"] = stop_reason(chunk, self.inp)
+            yield self._with_usage(self._object("chat.completion.chunk", [choice]), include_usage)
+            usage = chunk.usage or usage
+        if include_usage and usage is not None:
+            body = self._object("chat.completion.chunk", [])
+            body["usage"] = usage_json(usage)
+            yield body
+
+    @staticmethod
+    def _with_usage(body: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+        if include_usage:
+            body["usage"] = None
+        return body

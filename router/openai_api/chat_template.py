@@ -1,0 +1,141 @@
+"""Chat templates: a model directory's jinja template, rendered as transformers renders it.
+
+`ChatTemplate.from_model_dir` reads ``tokenizer_config.json``: ``chat_template`` (a string, or a
+list of ``{"name", "template"}`` of which "default" is used), and the special tokens the template
+may name (``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``, ... as strings or as
+``{"content": ...}`` added-token objects). A ``chat_template.jinja`` file beside it wins, as in
+transformers. `ChatTemplate.render` is ``apply_chat_template(messages, tokenize=False,
+add_generation_prompt=True)``: an immutable sandboxed jinja environment with ``trim_blocks`` and
+``lstrip_blocks``, the loop-control extension, ``raise_exception``, ``strftime_now``, and a
+``tojson`` that does not HTML-escape (``json.dumps(..., ensure_ascii=False)``).
+
+Models without a template get `DEFAULT_CHAT_TEMPLATE`, ChatML (``<|im_start|>role\\ncontent
+<|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n``), prefixed with the BOS token when
+the tokenizer config defines one. The rendered text is tokenized without adding special tokens
+(the template holds the BOS).
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{{ bos_token if bos_token else '' }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the messages (``raise_exception``) or failed to render them."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    # jinja's own tojson HTML-escapes (<, >, &, '); chat templates expect plain JSON.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _token_text(value: object) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it is rendered with.
+
+    Args:
+        source: the jinja template text.
+        special_tokens: ``bos_token`` etc. → their text (what the template sees).
+        is_default: True when the model had no template of its own.
+    """
+
+    def __init__(self, source: str, special_tokens: dict[str, object] | None = None,
+                 is_default: bool = False) -> None:
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        self.is_default = is_default
+        self._template = _environment().from_string(source)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | None) -> ChatTemplate:
+        """The template of ``model_dir`` (`DEFAULT_CHAT_TEMPLATE` without one, or without a directory).
+
+        Raises:
+            ValueError: ``tokenizer_config.json`` is not JSON, or its template does not compile.
+        """
+        config: dict[str, Any] = {}
+        path = os.path.join(model_dir, "tokenizer_config.json") if model_dir else None
+        if path and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        special: dict[str, object] = {}
+        for key in SPECIAL_TOKEN_KEYS:
+            text = _token_text(config.get(key))
+            if text is not None:
+                special[key] = text
+        extra = config.get("additional_special_tokens")
+        if isinstance(extra, list):
+            special["additional_special_tokens"] = [t for t in map(_token_text, extra) if t is not None]
+        source = _template_source(config.get("chat_template"))
+        jinja_path = os.path.join(model_dir, "chat_template.jinja") if model_dir else None
+        if jinja_path and os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                source = f.read()
+        try:
+            if source is None:
+                return cls(DEFAULT_CHAT_TEMPLATE, special, is_default=True)
+            return cls(source, special)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{path}: chat_template does not compile: {e}") from None
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages`` (dicts with ``role`` and ``content``, as the template reads them).
+
+        Raises:
+            ChatTemplateError: the template raised (``raise_exception``) or failed on these messages.
+        """
+        try:
+            return self._template.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except jinja2.TemplateError as e:       # raise_exception, undefined names, sandbox refusals
+            raise ChatTemplateError(str(e) or type(e).__name__) from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            raise ChatTemplateError(f"chat template failed on these messages: {e}") from None
+
+
+def _template_source(value: object) -> str | None:
+    """``chat_template`` as tokenizer_config.json holds it: a string, or named templates ("default")."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        default = named.get("default")
+        return default if isinstance(default, str) else None
+    return None

@@ -1,0 +1,179 @@
+"""OpenAI request bodies → the router's `GenerateRequest` → `GenerationInput` (the gRPC path's validation).
+
+Both endpoints build a `pdserve.v1.GenerateRequest` and pass it through
+`router.validation.validate_request`, so every range check, the context budget and the sampling
+defaults (`Backend.generation_defaults`) are the gRPC front door's. What is HTTP's own:
+
+- /v1/completions: ``prompt`` is a string (tokenized with the tokenizer's special tokens, e.g.
+  BOS), token ids, or a one-element list of either; ``max_tokens`` defaults to 16 (OpenAI's
+  documented default); ``echo`` with ``logprobs`` asks for prompt logprobs too.
+- /v1/chat/completions: the messages go through the chat template, and the text is tokenized
+  without special tokens (the template holds the BOS); ``max_completion_tokens`` (else
+  ``max_tokens``) defaults to the context left after the prompt; ``logprobs: true`` +
+  ``top_logprobs`` k become ``sampling.logprobs`` k.
+- ``top_k: -1`` (vLLM's old "off") is 0; ``logit_bias`` keys are token ids as strings.
+
+Errors name the OpenAI parameter (`api_error`).
+"""
+from __future__ import annotations
+
+from collections.abc import Container
+
+from proto.pdserve.v1 import generation_pb2 as pb
+from router.backend import GenerationInput, Tokenizer
+from router.openai_api.chat_template import ChatTemplate, ChatTemplateError
+from router.openai_api.errors import APIError
+from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from router.validation import RequestError, invalid, validate_request
+
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+_UINT32_FIELDS = ("max_tokens", "top_k", "min_tokens", "logprobs", "prompt_logprobs", "n", "best_of")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def completion_input(body: CompletionRequest, tokenizer: Tokenizer, max_model_len: int, defaults: dict,
+                     request_id: str, in_flight: Container[str]) -> GenerationInput:
+    """Validate a /v1/completions body into a `GenerationInput` (raises `RequestError`)."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    request = _request(body, request_id, _sampling(body, logprobs=body.logprobs, max_tokens=body.max_tokens,
+                                                   best_of=body.best_of, echo=bool(body.echo)))
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if min(prompt) < 0 or max(prompt) > UINT32_MAX:
+            raise invalid("prompt: token ids must be non-negative integers", "prompt")
+        request.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise invalid("prompt: batched prompts are not supported; send one prompt per request", "prompt")
+    else:
+        raise invalid("prompt must be a string or a list of token ids", "prompt")
+    return validate_request(request, tokenizer, max_model_len, in_flight, None, defaults)
+
+
+def chat_input(body: ChatCompletionRequest, template: ChatTemplate, tokenizer: Tokenizer, max_model_len: int,
+               defaults: dict, request_id: str, in_flight: Container[str]) -> GenerationInput:
+    """Render, tokenize and validate a /v1/chat/completions body (raises `RequestError`)."""
+    prompt_ids = chat_prompt_ids(body.messages, template, tokenizer)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        max_tokens = max_model_len - len(prompt_ids)
+        if max_tokens < 1:
+            raise invalid(f"messages: the prompt is {len(prompt_ids)} tokens, which leaves no room for "
+                                f"output within max_model_len ({max_model_len})", "messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs: set logprobs to true to use top_logprobs", "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    request = _request(body, request_id, _sampling(body, logprobs=logprobs, max_tokens=max_tokens))
+    request.token_ids.ids.extend(prompt_ids)
+    return validate_request(request, tokenizer, max_model_len, in_flight, None, defaults)
+
+
+def chat_prompt_ids(messages: list[ChatMessage], template: ChatTemplate, tokenizer: Tokenizer,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of the rendered conversation (no special tokens added: the template holds them)."""
+    if not messages:
+        raise invalid("messages must not be empty", "messages")
+    try:
+        text = template.render(template_messages(messages), add_generation_prompt)
+    except ChatTemplateError as e:
+        raise invalid(f"messages: {e}", "messages") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the template reads them: content as one string (text parts joined by newlines)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type")
+                if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                    what = f"type {kind!r} is not supported (only text parts)" if kind != "text" else \
+                        "a text part holds exactly 'type' and a string 'text'"
+                    raise invalid(f"messages[{i}].content[{j}]: {what}", "messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        message = {"role": m.role, "content": content if content is not None else ""}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def _request(body, request_id: str, sampling: pb.SamplingParams) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, sampling=sampling, user=body.user or "")
+
+
+def _sampling(body, *, logprobs: int | None, max_tokens: int | None, best_of: int | None = None,
+              echo: bool = False) -> pb.SamplingParams:
+    """The proto's sampling fields from the body (unset stays unset, so the defaults apply)."""
+    values = {
+        "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "n": body.n,
+        "best_of": best_of, "seed": body.seed, "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty, "top_k": 0 if body.top_k == -1 else body.top_k,
+        "min_p": body.min_p, "repetition_penalty": body.repetition_penalty, "min_tokens": body.min_tokens,
+        "logprobs": logprobs, "skip_special_tokens": body.skip_special_tokens,
+        "prompt_logprobs": body.prompt_logprobs if body.prompt_logprobs is not None or not echo else logprobs,
+    }
+    msg = pb.SamplingParams()
+    for name, value in values.items():
+        if value is None:
+            continue
+        if name in _UINT32_FIELDS and not 0 <= value <= UINT32_MAX:
+            raise invalid(f"sampling.{name} must be a non-negative integer, got {value}", f"sampling.{name}")
+        if name == "seed" and not 0 <= value <= UINT64_MAX:
+            raise invalid(f"sampling.seed must be in [0, {UINT64_MAX}], got {value}", "sampling.seed")
+        setattr(msg, name, float(value) if name in _FLOAT_FIELDS else value)
+    if body.stop is not None:
+        msg.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    for token_id in body.stop_token_ids or ():
+        if not 0 <= token_id <= UINT32_MAX:
+            raise invalid(f"sampling.stop_token_ids: {token_id} is not a token id", "sampling.stop_token_ids")
+        msg.stop_token_ids.append(token_id)
+    for key, bias in (body.logit_bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            token_id = -1
+        if not 0 <= token_id <= UINT32_MAX:
+            raise invalid(f"sampling.logit_bias: key {key!r} is not a token id", "sampling.logit_bias")
+        msg.logit_bias[token_id] = float(bias)
+    msg.ignore_eos = bool(body.ignore_eos)
+    msg.include_stop_str_in_output = bool(body.include_stop_str_in_output)
+    return msg
+
+
+def api_error(error: RequestError, body) -> APIError:
+    """A `RequestError` as the HTTP answer, its field and message in the OpenAI parameter's name."""
+    field = error.field or ""
+    message = error.message
+    param = field or None
+    if field.startswith("sampling."):
+        name = field.removeprefix("sampling.")
+        param = _openai_name(name, body)
+        message = message.replace(f"sampling.{name}", param, 1).replace("sampling.", "")
+    elif field in ("prompt", "token_ids"):
+        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        message = message.replace("token_ids.ids", param, 1)
+    elif field == "request_id":
+        param = "X-Request-Id"
+        message = message.replace("request_id", "X-Request-Id header", 1)
+    return APIError.from_status(error.code, message, param)
+
+
+def _openai_name(name: str, body) -> str:
+    chat = isinstance(body, ChatCompletionRequest)
+    if name == "max_tokens" and chat and body.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    if name == "logprobs" and chat:
+        return "top_logprobs"
+    if name == "prompt_logprobs" and not chat and body.prompt_logprobs is None and body.echo:
+        return "logprobs"
+    return name

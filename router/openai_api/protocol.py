@@ -1,0 +1,125 @@
+"""Request bodies of the OpenAI-compatible API (pydantic; unknown fields are refused).
+
+OpenAI's fields, plus the vLLM extensions clients send (top_k, min_p, repetition_penalty,
+min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens, ignore_eos,
+prompt_logprobs). `parse_body` turns a validation failure into an `APIError` (400) naming the field.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from router.openai_api.errors import APIError
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+class _Sampling(_Body):
+    """Fields both generation endpoints take."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    ignore_eos: bool | None = None
+    prompt_logprobs: int | None = None
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions. ``prompt``: a string, token ids, or a one-element list of either."""
+
+    prompt: Any
+    best_of: int | None = None
+    logprobs: int | None = None
+    echo: bool | None = False
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize: ``prompt`` or ``messages`` (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> Any:
+    """``raw`` JSON as ``model``.
+
+    Raises:
+        APIError: 400 naming the first offending field (an unknown one: "Unrecognized request
+            argument supplied: <name>", as OpenAI words it).
+    """
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = err["loc"]
+        if err["type"] == "json_invalid":
+            raise APIError(400, f"request body is not valid JSON: {err['msg']}") from None
+        if not loc:
+            raise APIError(400, "request body must be a JSON object") from None
+        if err["type"] == "extra_forbidden":
+            path = _path(loc[:-1], model) + ("." if len(loc) > 1 else "") + str(loc[-1])
+            raise APIError(400, f"Unrecognized request argument supplied: {path}", param=path) from None
+        raise APIError(400, f"{_path(loc, model)}: {err['msg']}", param=str(loc[0])) from None
+
+
+def _path(loc: tuple, model: type[BaseModel]) -> str:
+    """``messages[0].content``: field names and list positions, without pydantic's union labels."""
+    known = set(model.model_fields) | set(ChatMessage.model_fields) | set(StreamOptions.model_fields)
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in known:
+            out += f".{part}" if out else str(part)
+    return out
