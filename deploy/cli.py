@@ -15,6 +15,7 @@ SERVE_FLAGS = {  # flag dest -> config key
     "prefill_actors": "pools.prefill.count", "decode_actors": "pools.decode.count",
     "transport": "kv_transfer.transport", "kv_compression": "kv_transfer.compression",
     "address": "ray.address", "metrics_port": "server.metrics_port", "log_format": "server.log_format",
+    "http_port": "server.http_port",
     "dtype": "model.dtype",
 }
 
@@ -114,6 +115,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return run_profile(args.cfg, args.out, local=args.local)
 
 
+def _http_port(value: str) -> int | str:
+    """``--http-port``: a port number, or "none" (passed on as "none": server.http_port reads it as null)."""
+    if value.lower() in ("none", "null", "off"):
+        return "none"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number or 'none', got {value!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-compression", choices=["fp8", "none"])
     p.add_argument("--address", help="Ray address to join (e.g. auto); default: a local Ray on 127.0.0.1")
     p.add_argument("--metrics-port", type=int)
+    p.add_argument("--http-port", type=_http_port, metavar="PORT|none",
+                   help="OpenAI-compatible HTTP port (default 8000; 'none' = no HTTP server)")
     p.add_argument("--log-format", choices=["text", "json"])
     p.set_defaults(fn=cmd_serve)
 

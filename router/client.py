@@ -13,7 +13,11 @@ Async::
 
 Sampling keyword arguments are the `SamplingParams` proto fields
 (max_tokens, temperature, top_p, top_k, repetition_penalty,
-frequency_penalty, presence_penalty, seed, stop, ignore_eos); None means unset.
+frequency_penalty, presence_penalty, seed, stop, ignore_eos, min_p, min_tokens,
+stop_token_ids, logit_bias, include_stop_str_in_output, skip_special_tokens,
+logprobs, prompt_logprobs, n, best_of); None means unset. With n > 1 the
+responses of the sequences interleave (``response.index``); the last one
+carries usage and timing.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ def build_request(
     *,
     token_ids: Sequence[int] | None = None,
     request_id: str = "",
+    user: str = "",
     **sampling: object,
 ) -> pb.GenerateRequest:
     """Build a `GenerateRequest` from a prompt or token ids and sampling keywords.
@@ -53,7 +58,7 @@ def build_request(
     if (prompt is None) == (token_ids is None):
         raise ValueError("give exactly one of prompt or token_ids")
     fields = {k: v for k, v in sampling.items() if v is not None}
-    request = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**fields))
+    request = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**fields), user=user)
     if prompt is not None:
         request.prompt = prompt
     else:
@@ -88,11 +93,12 @@ class AsyncGenerationClient:
         *,
         token_ids: Sequence[int] | None = None,
         request_id: str = "",
+        user: str = "",
         timeout: float | None = None,
         **sampling: object,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream the responses of one request; leaving the loop early cancels it."""
-        request = build_request(prompt, token_ids=token_ids, request_id=request_id, **sampling)
+        request = build_request(prompt, token_ids=token_ids, request_id=request_id, user=user, **sampling)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for response in call:
@@ -120,6 +126,7 @@ def generate(
     *,
     token_ids: Sequence[int] | None = None,
     request_id: str = "",
+    user: str = "",
     token: str | None = None,
     tls: ClientTLS | None = None,
     timeout: float | None = None,
@@ -130,7 +137,7 @@ def generate(
     Raises:
         grpc.RpcError: the server refused or failed the request (``.code()``, ``.details()``).
     """
-    request = build_request(prompt, token_ids=token_ids, request_id=request_id, **sampling)
+    request = build_request(prompt, token_ids=token_ids, request_id=request_id, user=user, **sampling)
     channel = grpc.secure_channel(address, tls.credentials()) if tls else grpc.insecure_channel(address)
     call = pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=timeout, metadata=auth_metadata(token))
     try:

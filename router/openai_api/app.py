@@ -189,8 +189,11 @@ class OpenAIApp:
                        events: Callable[[AsyncIterator[GenerationChunk]], AsyncIterator[dict]]) -> Response:
         headers = {"X-Request-Id": admitted.inp.request_id}
         if not body.stream:
+            async def collect() -> dict:
+                async with contextlib.aclosing(admitted.chunks()) as chunks:
+                    return await whole(chunks)
             try:
-                result = await until_disconnected(request.receive, whole(admitted.chunks()))
+                result = await until_disconnected(request.receive, collect())
             except RequestError as e:
                 raise APIError.from_status(e.code, e.message) from None
             except ClientGone:

@@ -66,7 +66,7 @@ class HTTPServer:
             kwargs = dict(ssl_certfile=str(self.tls.cert_path), ssl_keyfile=str(self.tls.key_path))
             if self.tls.client_ca_path:
                 kwargs.update(ssl_ca_certs=str(self.tls.client_ca_path), ssl_cert_reqs=ssl.CERT_REQUIRED)
-        config = uvicorn.Config(self.app, lifespan="off", access_log=False, log_level="warning",
+        config = uvicorn.Config(self.app, lifespan="off", access_log=False, log_level="warning", log_config=None,
                                 timeout_graceful_shutdown=5, server_header=False, **kwargs)
         try:
             config.load()       # reads the TLS files now, so that a bad one fails the start

@@ -17,8 +17,7 @@ from router.best_of import select_best
 
 def _generate(running, **sampling) -> list[pb.GenerateResponse]:
     with grpc.insecure_channel(running.address) as channel:
-        request = build_request("Hi", **sampling)
-        request.user = "carol"
+        request = build_request("Hi", user="carol", **sampling)
         return list(pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=10))
 
 
