@@ -451,3 +451,36 @@ def test_bad_json_and_unknown_route(api):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.get(url + "/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
+
+
+def test_duplicate_request_id_in_flight_is_409(http, wait_until):
+    backend = ScriptedBackend()
+    backend.release.clear()
+    running, client = http(backend)
+    held = threading.Thread(target=lambda: client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=2, extra_headers={"X-Request-Id": "dup"}))
+    held.start()
+    wait_until(lambda: "dup" in backend.active)
+    with pytest.raises(openai.ConflictError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_headers={"X-Request-Id": "dup"})
+    assert e.value.status_code == 409 and "already in flight" in e.value.message
+    backend.release.set()
+    held.join(10)
+
+
+def test_body_over_the_limit_is_413(http):
+    running, _ = http(max_message_bytes=2048)
+    r = httpx.post(running.server.http_url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 4096})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+def test_http_requests_feed_the_same_metrics(http):
+    from router.metrics import Metrics
+    metrics = Metrics()
+    _, client = http(metrics=metrics)
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=40)
+    text = metrics.exposition().decode()
+    assert 'pdserve_requests_total{finish_reason="length"} 1.0' in text
+    assert 'pdserve_requests_total{finish_reason="stop"} 1.0' in text
+    assert "pdserve_ttft_seconds_count 2.0" in text
