@@ -105,8 +105,8 @@ class OpenAIApp:
         backend = self.backend
         admitted = await self._admit(request, body, long, lambda rid, in_flight: completion_input(
             body, backend.tokenizer, backend.max_model_len, backend.generation_defaults, rid, in_flight))
-        view = CompletionView(admitted.inp, body, backend.tokenizer, self.model_name, int(time.time()))
-        return await self._respond(request, admitted, body, view.whole, view.events)
+        return await self._respond(request, admitted, body, lambda: CompletionView(
+            admitted.inp, body, backend.tokenizer, self.model_name, int(time.time())))
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await self._read_body(request))
@@ -117,8 +117,8 @@ class OpenAIApp:
         admitted = await self._admit(request, body, chars >= THREAD_TOKENIZE_CHARS, lambda rid, in_flight: chat_input(
             body, self.chat_template, backend.tokenizer, backend.max_model_len, backend.generation_defaults, rid,
             in_flight))
-        view = ChatView(admitted.inp, body, backend.tokenizer, self.model_name, int(time.time()))
-        return await self._respond(request, admitted, body, view.whole, view.events)
+        return await self._respond(request, admitted, body, lambda: ChatView(
+            admitted.inp, body, backend.tokenizer, self.model_name, int(time.time())))
 
     async def tokenize(self, request: Request) -> Response:
         body: TokenizeRequest = parse_body(TokenizeRequest, await self._read_body(request))
@@ -185,13 +185,18 @@ class OpenAIApp:
             raise api_error(e, body) from None
 
     async def _respond(self, request: Request, admitted: AdmittedRequest, body,
-                       whole: Callable[[AsyncIterator[GenerationChunk]], Awaitable[dict]],
-                       events: Callable[[AsyncIterator[GenerationChunk]], AsyncIterator[dict]]) -> Response:
+                       make_view: Callable[[], CompletionView | ChatView]) -> Response:
+        """The whole answer, or the event stream; ``admitted.finish()`` runs once however it ends."""
         headers = {"X-Request-Id": admitted.inp.request_id}
+        try:
+            view = make_view()
+        except BaseException:
+            admitted.finish()
+            raise
         if not body.stream:
             async def collect() -> dict:
                 async with contextlib.aclosing(admitted.chunks()) as chunks:
-                    return await whole(chunks)
+                    return await view.whole(chunks)
             try:
                 result = await until_disconnected(request.receive, collect())
             except RequestError as e:
@@ -212,7 +217,7 @@ class OpenAIApp:
             if isinstance(e, ClientGone):
                 return Response(status_code=499)
             raise
-        return EventStream(_sse(events(_prepend(first, chunks))), admitted.finish, headers)
+        return EventStream(_sse(view.events(_prepend(first, chunks))), admitted.finish, headers)
 
 
 async def _prepend(first: GenerationChunk, rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[GenerationChunk]:
