@@ -19,15 +19,13 @@ from dataclasses import dataclass
 import grpc
 
 from engine import Engine, RequestOutput, SamplingParams
+from engine.events import output_event
 from engine.loop import EngineLoop
 from proto.pdserve.v1 import generation_pb2, worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
 IDLE_WAIT_S = 0.05      # no batch: sleep until a command (or a finished transfer) wakes the loop
-
-FINISH_REASON = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation_pb2.FINISH_REASON_LENGTH,
-                 "abort": generation_pb2.FINISH_REASON_ABORT}
 
 
 def error_event(code: grpc.StatusCode, message: str, retryable: bool = False) -> wpb.DecodeEvent:
@@ -44,6 +42,10 @@ class Stream:
     registered: float
     adopted: float | None = None         # when it joined the batch (KV adopted, or queued for local prefill)
     stepped: bool = False                # its first decode step has run
+    remaining: int = 1                   # sequences not finished yet (n, or best_of)
+
+    def __post_init__(self) -> None:
+        self.remaining = self.job.params.best_of or self.job.params.n or 1
 
 
 class ColocatedWorker:
@@ -119,18 +121,18 @@ class ColocatedWorker:
         return 0.0 if self.engine.has_unfinished() else IDLE_WAIT_S
 
     def _stream(self, out: RequestOutput, step_start: float | None = None) -> None:
-        """Send one step's output of a request to its stream (the last one ends it)."""
+        """Send one step's output of one sequence to its request's stream (the last sequence's finish ends it)."""
         s = self._streams.get(out.request_id)
         if s is None:
             return
-        event = wpb.DecodeEvent(token_ids=out.new_token_ids, text=out.text_delta)
+        event = output_event(out)
         if step_start is not None and not s.stepped:
             s.stepped = True
             event.decode_queue_s = max(step_start - (s.adopted or step_start), 0.0)
         if out.finish_reason:
-            del self._streams[out.request_id]
-            event.finish_reason = FINISH_REASON[out.finish_reason]
-            event.num_cached_tokens = out.num_cached_tokens
+            s.remaining -= 1
+            if s.remaining == 0:             # every sequence has finished: the stream ends here
+                del self._streams[out.request_id]
         s.emit(event)
 
     # ---- load report ----------------------------------------------------

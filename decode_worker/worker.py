@@ -3,7 +3,8 @@
 Lifecycle of one request on this worker (each loop step: receive KV → schedule → run → stream):
 
     submit(DecodeJob with transfer_id) ─► engine request WAITING_FOR_KV (validated now)
-        receiver DONE  ─► engine.adopt(blocks, first token) ─► joins the running batch
+        receiver DONE  ─► engine.adopt(blocks, each sequence's first token from the handoff) ─► n sequences
+        share the prompt's blocks and join the running batch
         receiver FAILED/EXPIRED (the transfer's own deadline runs from its first chunk), or no
         transfer begun by the request's kv_deadline ─► retryable error event (the router prefills again)
     running ─► one event per step with new tokens ─► finish (stop/length) or abort
@@ -21,10 +22,12 @@ import time
 from collections.abc import Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from decode_worker.colocated import ColocatedWorker, Stream, error_event
 from engine import Engine, SamplingParams
 from kv_transfer import KVReceiver, TransferResult, TransferStatus
+from proto.pdserve.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
@@ -101,7 +104,9 @@ class DecodeWorker(ColocatedWorker):
             req = self.engine.requests[rid]
             if result.num_tokens != req.num_prompt_tokens:
                 raise ValueError(f"KV for {result.num_tokens} tokens, prompt has {req.num_prompt_tokens}")
-            out = self.engine.adopt(rid, result.first_token_id, list(result.dst_block_ids))
+            firsts = _first_tokens(result, req.params.num_sequences)
+            outs = self.engine.adopt(rid, [ev.token_ids[0] for ev in firsts], list(result.dst_block_ids),
+                                     first_logprobs=[ev.logprobs[0] if ev.logprobs else None for ev in firsts])
         except Exception as e:               # whatever went wrong, the blocks go back and the request ends
             if not isinstance(e, ValueError):
                 log.exception("adopting the KV of %s failed", rid)
@@ -111,7 +116,8 @@ class DecodeWorker(ColocatedWorker):
             self._fail(rid, error_event(grpc.StatusCode.INTERNAL, f"cannot adopt KV: {e}"))
             return
         self._streams[rid].adopted = time.monotonic()
-        self._stream(out)
+        for out in outs:
+            self._stream(out)
 
     def _expire(self, now: float) -> None:
         for tid, rid in list(self._waiting_kv.items()):
@@ -128,3 +134,18 @@ class DecodeWorker(ColocatedWorker):
 
     def num_queued(self) -> int:
         return len(self._waiting_kv) + super().num_queued()
+
+
+def _first_tokens(result: TransferResult, num_sequences: int) -> list[wpb.DecodeEvent]:
+    """Each sequence's first token, as the prefill actor sampled it (the transfer's handoff);
+    raises ValueError when the handoff does not hold one token per sequence."""
+    if not result.handoff:
+        firsts = [wpb.DecodeEvent(token_ids=[result.first_token_id])]
+    else:
+        try:
+            firsts = list(wpb.Handoff.FromString(result.handoff).first_tokens)
+        except DecodeError as e:
+            raise ValueError(f"unreadable handoff: {e}") from None
+    if len(firsts) != num_sequences or any(len(ev.token_ids) != 1 for ev in firsts):
+        raise ValueError(f"handoff holds {len(firsts)} first tokens for {num_sequences} sequences")
+    return sorted(firsts, key=lambda ev: ev.index)

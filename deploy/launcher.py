@@ -22,6 +22,7 @@ from deploy.placement import cpu_scale, scaled_cpus, wait_placed
 from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.engine import pick_dtype
+from engine.generation_config import GenerationConfig
 from engine.presets import resolve_model
 from engine.tokenizer import Tokenizer
 from kv_transfer import HandshakeError, TransferSettings, check_compatible
@@ -252,7 +253,14 @@ def cluster_token(cfg: PDServeConfig) -> str:
 
 
 def load_tokenizer(cfg: PDServeConfig) -> tuple[Tokenizer, int]:
+    """The router's tokenizer (EOS ids of config.json and generation_config.json) and context length."""
     model_dir = resolve_model(cfg.model.name)
     mcfg = ModelConfig.from_dir(model_dir)
     max_len = min(cfg.model.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-    return Tokenizer(model_dir, mcfg.eos_token_ids, mcfg.bos_token_id), max_len
+    eos = dict.fromkeys((*mcfg.eos_token_ids, *GenerationConfig.from_dir(model_dir).eos_token_ids))
+    return Tokenizer(model_dir, tuple(eos), mcfg.bos_token_id), max_len
+
+
+def load_generation_defaults(cfg: PDServeConfig) -> dict[str, object]:
+    """The model's generation_config.json sampling defaults, for requests that leave those fields unset."""
+    return dict(GenerationConfig.from_dir(resolve_model(cfg.model.name)).sampling_defaults)

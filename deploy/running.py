@@ -6,7 +6,8 @@ import logging
 from dataclasses import dataclass
 
 from deploy.config import PDServeConfig
-from deploy.launcher import ActorFactory, cluster_token, init_ray, load_tokenizer, start_pools
+from deploy.launcher import (ActorFactory, cluster_token, init_ray, load_generation_defaults, load_tokenizer,
+                             start_pools)
 from deploy.pool_manager import PoolManager
 from router.dispatcher import Dispatcher, RoutingSettings
 from router.metrics import Metrics, poll_stats
@@ -73,7 +74,8 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
                               max_prefill_backlog_tokens=r.max_prefill_backlog_tokens)
     metrics = Metrics() if cfg.server.metrics_port else None
     backend = Dispatcher(pools, tokenizer, max_len, cfg.kv_cache.block_size, routing,
-                         codec=cfg.kv_transfer.compression, metrics=metrics)
+                         codec=cfg.kv_transfer.compression, metrics=metrics,
+                         generation_defaults=load_generation_defaults(cfg))
     token = cfg.security.token.get_secret_value() if cfg.security.token else None
     # In flight at the router = running on decode actors + waiting for KV room (routing.max_queue).
     max_in_flight = r.max_queue + cfg.pools.decode.max_batch_size * max(len(pools.decode), 1) + \

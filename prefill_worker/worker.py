@@ -2,13 +2,17 @@
 
 Lifecycle of one request on this worker (each loop step: schedule → run → send KV):
 
-    submit(PrefillJob) ──► engine queue (WAITING) ──schedule/run──► first token sampled (PREFILLED,
-    blocks held) ──► sender.send(kv_cache[:, blocks] → job.kv_endpoint) ──► handle DONE/FAILED
-    ──► engine.release (blocks stay in the prefix cache) ──► on_done(PrefillResult)
+    submit(PrefillJob) ──► engine queue (WAITING) ──schedule/run──► each sequence's first token sampled
+    (PREFILLED, blocks held) ──► sender.send(kv_cache[:, blocks] + Handoff → job.kv_endpoint)
+    ──► handle DONE/FAILED ──► engine.release (blocks stay in the prefix cache) ──► on_done(PrefillResult)
 
-A request that finishes at its first token (EOS, max_tokens == 1) is reported
-without a transfer. abort() drops the request wherever it is; a transfer in
-flight completes or fails on its own and its blocks are released then.
+With n > 1 (best_of) the prompt is prefilled once and its KV shipped once; the
+handoff carries every sequence's first token (with its logprobs), and the
+decode actor forks the sequences over the blocks it received. Prompt logprobs
+go back to the router in the PrefillResult. A request whose every sequence
+finishes at its first token (EOS, max_tokens == 1) is reported without a
+transfer. abort() drops the request wherever it is; a transfer in flight
+completes or fails on its own and its blocks are released then.
 """
 from __future__ import annotations
 
@@ -18,18 +22,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine import Engine, SamplingParams
+from engine.events import output_event
 from engine.loop import EngineLoop
 from engine.request import RequestOutput
 from kv_transfer import FailedSide, KVSender, SendHandle, TransferStatus
-from proto.pdserve.v1 import generation_pb2, worker_pb2 as wpb
+from proto.pdserve.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
 IDLE_WAIT_S = 0.05      # nothing to do: sleep until a command arrives (or this long)
 SEND_POLL_S = 0.002     # only transfers in flight: check their handles this often
 
-FINISH_REASON = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation_pb2.FINISH_REASON_LENGTH,
-                 "abort": generation_pb2.FINISH_REASON_ABORT}
 TRANSFER_SIDE = {FailedSide.SENDER: wpb.TRANSFER_SIDE_SENDER, FailedSide.RECEIVER: wpb.TRANSFER_SIDE_RECEIVER,
                  FailedSide.TRANSPORT: wpb.TRANSFER_SIDE_TRANSPORT}
 
@@ -93,37 +96,46 @@ class PrefillWorker:
                                     status=wpb.PREFILL_STATUS_ABORTED))
 
     def _step(self) -> float:
+        firsts: dict[str, list[RequestOutput]] = {}      # request_id -> its sequences' first tokens
         for out in self.engine.step():           # schedule → run
-            p = self._pending.get(out.request_id)
-            if p is not None:
-                self._send_kv(p, out)
+            if out.request_id in self._pending:
+                firsts.setdefault(out.request_id, []).append(out)
+        for rid, outs in firsts.items():
+            self._send_kv(self._pending[rid], sorted(outs, key=lambda o: o.index))
         self._reap_sends()
         if self.engine.has_unfinished():
             return 0.0
         return SEND_POLL_S if self._sending else IDLE_WAIT_S
 
-    def _send_kv(self, p: _Pending, out: RequestOutput) -> None:
-        """The first token is sampled: ship the prompt's KV (or report a request that ended here)."""
+    def _send_kv(self, p: _Pending, outs: list[RequestOutput]) -> None:
+        """Every sequence's first token is sampled: ship the prompt's KV with them (the handoff), or
+        report a request whose every sequence ended at its first token."""
         done = time.monotonic()
-        scheduled = out.first_scheduled_time or done
-        first = wpb.DecodeEvent(token_ids=out.new_token_ids, text=out.text_delta)
-        result = wpb.PrefillResult(request_id=out.request_id, transfer_id=p.job.transfer_id,
-                                   status=wpb.PREFILL_STATUS_SENT, first_tokens=[first],
-                                   num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+        head = outs[0]
+        scheduled = head.first_scheduled_time or done
+        firsts = [output_event(out) for out in outs]
+        result = wpb.PrefillResult(request_id=head.request_id, transfer_id=p.job.transfer_id,
+                                   status=wpb.PREFILL_STATUS_SENT, first_tokens=firsts,
+                                   num_prompt_tokens=head.num_prompt_tokens, num_cached_tokens=head.num_cached_tokens,
                                    queue_s=scheduled - p.submitted, prefill_s=done - scheduled)
-        if out.finish_reason:                    # ended at the first token: nothing to ship
+        if head.prompt_logprobs:
+            result.prompt_logprobs.extend(head.prompt_logprobs)
+            del firsts[0].prompt_logprobs[:]     # the router has them from the result
+        if all(out.finish_reason for out in outs):      # nothing to ship
             result.status = wpb.PREFILL_STATUS_FINISHED
-            result.first_tokens[0].finish_reason = FINISH_REASON[out.finish_reason]
-            del self._pending[out.request_id]
+            del self._pending[head.request_id]
             p.on_done(result)
             return
+        block_ids = next(out.block_ids for out in outs if out.prefilled)
         cache = self.engine.kv_cache
-        result.kv_bytes = len(out.block_ids) * cache[:, 0].numel() * cache.element_size()
+        result.kv_bytes = len(block_ids) * cache[:, 0].numel() * cache.element_size()
         p.result = result
-        p.handle = self.sender.send(out.request_id, cache, out.block_ids, p.job.kv_endpoint,
+        handoff = wpb.Handoff(first_tokens=firsts).SerializeToString()
+        p.handle = self.sender.send(head.request_id, cache, block_ids, p.job.kv_endpoint,
                                     transfer_id=p.job.transfer_id, deadline_s=p.job.transfer_deadline_s,
-                                    num_tokens=out.num_prompt_tokens, first_token_id=out.new_token_ids[0])
-        self._sending[out.request_id] = p
+                                    num_tokens=head.num_prompt_tokens, first_token_id=head.new_token_ids[0],
+                                    handoff=handoff)
+        self._sending[head.request_id] = p
 
     def _reap_sends(self) -> None:
         for rid, p in list(self._sending.items()):
