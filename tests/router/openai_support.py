@@ -61,8 +61,9 @@ def _logprob(token_id: int, logprob: float, k: int) -> pb.TokenLogprob:
 
 
 class ScriptedBackend(Backend):
-    """See the module docstring. ``release`` (cleared) holds requests in flight; ``fail_with`` fails them
-    (``fail_after`` chunks in); ``inputs`` records each request's `GenerationInput`."""
+    """See the module docstring. ``release`` (cleared) holds requests in flight before their first chunk;
+    with ``pause_after`` set, each request stops after that many chunks until ``resume`` is set;
+    ``fail_with`` fails them (``fail_after`` chunks in); ``inputs`` records each request's `GenerationInput`."""
 
     def __init__(self, max_model_len: int = 256) -> None:
         self.tokenizer = SpecialByteTokenizer()
@@ -73,6 +74,8 @@ class ScriptedBackend(Backend):
         self.release.set()
         self.fail_with: BackendError | None = None
         self.fail_after = 0
+        self.pause_after: int | None = None
+        self.resume = threading.Event()
         self.inputs: dict[str, GenerationInput] = {}
         self.active: set[str] = set()
         self.cancelled: list[str] = []
@@ -110,6 +113,8 @@ class ScriptedBackend(Backend):
                     continue
                 if self.fail_with is not None and sent >= self.fail_after:
                     raise self.fail_with
+                while sent == self.pause_after and not self.resume.is_set():
+                    await asyncio.sleep(0.002)
                 await asyncio.sleep(0)
                 token_id = scripts[i][pos[i]] if pos[i] < len(scripts[i]) else ord(".")
                 pos[i] += 1

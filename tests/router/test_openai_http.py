@@ -484,3 +484,50 @@ def test_http_requests_feed_the_same_metrics(http):
     assert 'pdserve_requests_total{finish_reason="length"} 1.0' in text
     assert 'pdserve_requests_total{finish_reason="stop"} 1.0' in text
     assert "pdserve_ttft_seconds_count 2.0" in text
+
+
+def _stream_in_thread(url: str, lines: list[str]) -> threading.Thread:
+    def read():
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=10,
+                              json={"model": MODEL, "prompt": "Hi", "max_tokens": 10, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+        except httpx.HTTPError as e:
+            lines.append(f"error: {type(e).__name__}")
+    thread = threading.Thread(target=read)
+    thread.start()
+    return thread
+
+
+def test_drain_lets_an_open_stream_finish(http, wait_until):
+    backend = ScriptedBackend()
+    backend.pause_after = 2
+    running, _ = http(backend)
+    lines: list[str] = []
+    reader = _stream_in_thread(running.server.http_url, lines)
+    wait_until(lambda: len(lines) == 2)
+    drained = running.loop.submit(running.server.drain(10))
+    wait_until(lambda: httpx.get(running.server.http_url + "/health").status_code == 503)
+    backend.resume.set()
+    assert drained.result(10) is True
+    reader.join(10)
+    assert lines[-1] == "data: [DONE]"
+    assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]) == REPLIES[0][:10]
+
+
+def test_stop_cancels_an_open_stream_and_frees_it(http, wait_until, caplog):
+    backend = ScriptedBackend()
+    backend.pause_after = 2
+    running, _ = http(backend)
+    lines: list[str] = []
+    reader = _stream_in_thread(running.server.http_url, lines)
+    wait_until(lambda: len(lines) == 2)
+    with caplog.at_level(logging.INFO, logger="pdserve.router"):
+        running.loop.run(running.server.stop(0.2))
+    reader.join(10)
+    assert "data: [DONE]" not in lines
+    assert len(backend.cancelled) == 1 and not backend.active and running.server.core.num_in_flight == 0
+    [line] = [r for r in caplog.records if getattr(r, "event", None) == "request_finished"]
+    assert line.fields["status"] == "CANCELLED" and line.fields["api"] == "http"
