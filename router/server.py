@@ -4,10 +4,12 @@ The gRPC server hosts pdserve.v1.GenerationService, grpc.health.v1.Health and
 server reflection. With ``http_port`` set, the OpenAI-compatible HTTP API
 (`router.openai_api`) runs beside it on the same host and event loop, with the
 same token, TLS files and `RequestCore` (one in-flight limit for both; draining
-closes both; its ``GET /health`` follows the same readiness). Health follows ``await backend.ready()``, polled for as
-long as the server runs: NOT_SERVING until it first returns True, then
-SERVING ⇄ NOT_SERVING as readiness comes and goes (e.g. every decode actor
-gone; each transition logged once), and NOT_SERVING for good from
+closes both; its ``GET /health`` follows the same readiness).
+
+Health follows ``await backend.ready()``, polled for as long as the server
+runs: NOT_SERVING until it first returns True, then SERVING ⇄ NOT_SERVING as
+readiness comes and goes (e.g. every decode actor gone; each transition logged
+once), and NOT_SERVING for good from
 `RouterServer.drain` on. Requests are refused (UNAVAILABLE) until the backend
 is first ready; after that the backend decides (it queues them, bounded, while
 its actors come back).
