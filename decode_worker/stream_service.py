@@ -22,7 +22,7 @@ from decode_worker.colocated import ColocatedWorker
 from engine.loop import on_event_loop
 from kv_transfer import TOKEN_KEY
 from kv_transfer.internal_auth import AsyncTokenInterceptor, InternalTLS, TokenGate, add_port, open_channel
-from proto.pdserve.v1 import worker_pb2 as wpb, worker_pb2_grpc
+from proto.pdserve.v1 import generation_pb2, worker_pb2 as wpb, worker_pb2_grpc
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
@@ -83,12 +83,16 @@ class DecodeStreamServer(worker_pb2_grpc.DecodeStreamServiceServicer):
         queue: asyncio.Queue[wpb.DecodeEvent] = asyncio.Queue()
         self.worker.submit(job, on_event_loop(asyncio.get_running_loop(), queue.put_nowait))
         finished = False
+        open_sequences = job.params.best_of or job.params.n or 1     # the stream ends after each one's finish
         try:
             while not finished:
                 response = wpb.DecodeResponse(events=[await queue.get()])
                 while not queue.empty():
                     response.events.append(queue.get_nowait())
-                finished = any(ev.finish_reason or ev.error.code for ev in response.events)
+                for ev in response.events:
+                    open_sequences -= bool(ev.finish_reason)
+                    ended = ev.error.code or ev.finish_reason == generation_pb2.FINISH_REASON_ABORT
+                    finished = finished or bool(ended) or open_sequences <= 0
                 yield response
         finally:
             if not finished:            # the router went away or cancelled: free the request here

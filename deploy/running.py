@@ -9,8 +9,10 @@ from deploy.config import PDServeConfig
 from deploy.launcher import (ActorFactory, cluster_token, init_ray, load_generation_defaults, load_tokenizer,
                              start_pools)
 from deploy.pool_manager import PoolManager
+from engine.presets import resolve_model
 from router.dispatcher import Dispatcher, RoutingSettings
 from router.metrics import Metrics, poll_stats
+from router.openai_api import served_model_name
 from router.security import TLSConfig
 from router.server import RouterServer, start_server
 
@@ -33,6 +35,13 @@ class RunningCluster:
     @property
     def address(self) -> str:
         return f"{self.cfg.server.host}:{self.server.port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the OpenAI-compatible API (``…/v1``), or None when HTTP is off."""
+        port = self.server.http_port
+        scheme = "https" if self.cfg.security.tls_cert else "http"
+        return None if port is None else f"{scheme}://{self.cfg.server.host}:{port}/v1"
 
     async def stop(self, grace: float = 1.0) -> None:
         import ray
@@ -80,8 +89,12 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     # In flight at the router = running on decode actors + waiting for KV room (routing.max_queue).
     max_in_flight = r.max_queue + cfg.pools.decode.max_batch_size * max(len(pools.decode), 1) + \
         cfg.pools.decode.max_batch_size * len(pools.long_context)
+    # port=0 (tests, embedded benchmarks) puts HTTP on a free port too, when it is on at all
+    http_port = cfg.server.http_port if port is None or cfg.server.http_port is None else 0
     server = await start_server(backend, cfg.server.host, cfg.server.port if port is None else port,
-                                token=token, tls=tls_of(cfg), max_queue=max_in_flight, metrics=metrics)
+                                token=token, tls=tls_of(cfg), max_queue=max_in_flight, metrics=metrics,
+                                http_port=http_port, model_name=served_model_name(cfg.model.name),
+                                model_dir=resolve_model(cfg.model.name))
     metrics_task = None
     if metrics is not None:
         metrics.serve(cfg.server.host, cfg.server.metrics_port, token)   # with a token, scrapes need it
