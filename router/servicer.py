@@ -300,6 +300,8 @@ class AdmittedRequest:
         if self._finished:
             return
         self._finished = True
+        if self.record.usage is None and self.record.status == "OK":
+            self.record.status = "CANCELLED"     # it never ran to its end (e.g. another prompt of its batch failed)
         self.core._release(self.inp.request_id)
         _log_finished(self.record)
         if self.core.metrics is not None:

@@ -34,13 +34,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.backend import GenerationChunk
+from router.backend import GenerationChunk, Usage
 from router.best_of import needs_selection
 from router.openai_api.chat import ChatView
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.completions import CompletionView
 from router.openai_api.errors import APIError
-from router.openai_api.inputs import api_error, chat_input, chat_prompt_ids, completion_input
+from router.openai_api.inputs import api_error, chat_input, chat_prompt_ids, completion_input, split_prompts
+from router.openai_api.responses import usage_json
 from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
     TokenizeRequest, parse_body
 from router.security import check_http_bearer
@@ -99,14 +100,37 @@ class OpenAIApp:
         self._check_stream_options(body)
         if body.stream and needs_selection(body.n or 1, body.best_of):
             raise APIError(400, "best_of > n cannot be streamed; set stream to false or best_of to n", "best_of")
-        prompt = body.prompt
-        long = isinstance(prompt, str) and len(prompt) >= THREAD_TOKENIZE_CHARS or \
-            isinstance(prompt, list) and len(prompt) >= THREAD_TOKEN_IDS
+        try:
+            prompts = split_prompts(body.prompt)
+        except RequestError as e:
+            raise api_error(e, body) from None
+        if len(prompts) > self.core.max_queue:
+            raise APIError(400, f"prompt: a batch of {len(prompts)} prompts exceeds the router's limit of "
+                                f"{self.core.max_queue} requests in flight", "prompt")
+        batch = len(prompts) > 1       # the batch's usage object is the merged one, not each prompt's
+        bodies = [body.model_copy(update={"prompt": p, **({"stream_options": None} if batch else {})})
+                  for p in prompts]
+        header_id = request.headers.get("x-request-id", "")
         backend = self.backend
-        admitted = await self._admit(request, body, long, lambda rid, in_flight: completion_input(
-            body, backend.tokenizer, backend.max_model_len, backend.generation_defaults, rid, in_flight))
-        return await self._respond(request, admitted, body, lambda: CompletionView(
-            admitted.inp, body, backend.tokenizer, self.model_name, int(time.time())))
+        admitted: list[AdmittedRequest] = []
+        try:
+            for i, sub in enumerate(bodies):
+                long = len(sub.prompt) >= (THREAD_TOKENIZE_CHARS if isinstance(sub.prompt, str) else THREAD_TOKEN_IDS)
+                request_id = f"{header_id}-{i}" if batch and header_id else header_id
+                admitted.append(await self._admit(request_id, sub, long, lambda rid, in_flight, sub=sub: (
+                    completion_input(sub, backend.tokenizer, backend.max_model_len, backend.generation_defaults,
+                                     rid, in_flight))))
+        except BaseException:
+            for a in admitted:
+                a.finish()
+            raise
+
+        def view(a: AdmittedRequest, sub: CompletionRequest) -> CompletionView:
+            return CompletionView(a.inp, sub, backend.tokenizer, self.model_name, int(time.time()))
+        if not batch:
+            return await self._respond(request, admitted[0], body, lambda: view(admitted[0], bodies[0]))
+        return await self._respond_batch(request, admitted, body,
+                                         lambda: [view(a, sub) for a, sub in zip(admitted, bodies)])
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await self._read_body(request))
@@ -114,7 +138,8 @@ class OpenAIApp:
         self._check_stream_options(body)
         chars = sum(len(m.content) if isinstance(m.content, str) else 0 for m in body.messages)
         backend = self.backend
-        admitted = await self._admit(request, body, chars >= THREAD_TOKENIZE_CHARS, lambda rid, in_flight: chat_input(
+        admitted = await self._admit(request.headers.get("x-request-id", ""), body, chars >= THREAD_TOKENIZE_CHARS,
+                                     lambda rid, in_flight: chat_input(
             body, self.chat_template, backend.tokenizer, backend.max_model_len, backend.generation_defaults, rid,
             in_flight))
         return await self._respond(request, admitted, body, lambda: ChatView(
@@ -175,9 +200,8 @@ class OpenAIApp:
             parts.append(part)
         return b"".join(parts)
 
-    async def _admit(self, request: Request, body, offload: bool,
+    async def _admit(self, request_id: str, body, offload: bool,
                      build: Callable[[str, Any], Any]) -> AdmittedRequest:
-        request_id = request.headers.get("x-request-id", "")
         try:
             return await self.core.admit(lambda in_flight: build(request_id, in_flight), api="http",
                                          user=body.user or "", peek_id=request_id[:64] or "-", offload=offload)
@@ -218,6 +242,115 @@ class OpenAIApp:
                 return Response(status_code=499)
             raise
         return EventStream(_sse(view.events(_prepend(first, chunks))), admitted.finish, headers)
+
+
+    async def _respond_batch(self, request: Request, admitted: list[AdmittedRequest], body: CompletionRequest,
+                             make_views: Callable[[], list[CompletionView]]) -> Response:
+        """A batch of prompts: prompt i's choice j is choice ``i * n + j``; usage is summed."""
+        n = admitted[0].inp.params.n
+
+        def finish_all() -> None:
+            for a in admitted:
+                a.finish()
+        try:
+            views = make_views()
+        except BaseException:
+            finish_all()
+            raise
+        if not body.stream:
+            async def collect(a: AdmittedRequest, view: CompletionView) -> dict:
+                async with contextlib.aclosing(a.chunks()) as chunks:
+                    return await view.whole(chunks)
+            try:
+                results = await until_disconnected(request.receive, _all_or_none(
+                    [collect(a, v) for a, v in zip(admitted, views)]))
+            except RequestError as e:
+                raise APIError.from_status(e.code, e.message) from None
+            except ClientGone:
+                return Response(status_code=499)
+            finally:
+                finish_all()
+            merged = results[0]
+            merged["choices"] = [{**c, "index": i * n + c["index"]}
+                                 for i, result in enumerate(results) for c in result["choices"]]
+            merged["usage"] = usage_json(_sum_usage([a.record.usage for a in admitted]))
+            return JSONResponse(merged, headers={"X-Request-Id": admitted[0].inp.request_id})
+        streams = [a.chunks() for a in admitted]
+        try:
+            firsts = await until_disconnected(request.receive, _all_or_none([anext(c) for c in streams]))
+        except BaseException as e:
+            for c in streams:
+                await c.aclose()
+            finish_all()
+            if isinstance(e, RequestError):
+                raise APIError.from_status(e.code, e.message) from None
+            if isinstance(e, ClientGone):
+                return Response(status_code=499)
+            raise
+        events = [v.events(_prepend(f, c)) for v, f, c in zip(views, firsts, streams)]
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStream(_sse(_merge_batch(events, admitted, n, include_usage)), finish_all,
+                           {"X-Request-Id": admitted[0].inp.request_id})
+
+
+async def _all_or_none(awaitables: list[Awaitable[T]]) -> list[T]:
+    """Await all; on the first failure cancel the rest and raise it."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+
+
+async def _merge_batch(events: list[AsyncIterator[dict]], admitted: list[AdmittedRequest], n: int,
+                       include_usage: bool) -> AsyncIterator[dict]:
+    """The prompts' stream objects as they come, choices renumbered; then the summed usage if asked for."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[dict]) -> None:
+        try:
+            async with contextlib.aclosing(stream) as s:
+                async for event in s:
+                    for choice in event["choices"]:
+                        choice["index"] += i * n
+                    if include_usage:
+                        event["usage"] = None
+                    await queue.put(event)
+            await queue.put(None)
+        except Exception as e:  # noqa: BLE001 — handed to the consumer, which raises it
+            await queue.put(e)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(events)]
+    head: dict = {}
+    try:
+        for _ in range(len(tasks)):
+            while (item := await queue.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                head = head or {k: item[k] for k in ("id", "object", "created", "model")}
+                yield item
+        if include_usage:
+            yield {**head, "choices": [], "usage": usage_json(_sum_usage([a.record.usage for a in admitted]))}
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+
+
+def _sum_usage(usages: list) -> Usage:
+    return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+                 sum(u.cached_prompt_tokens for u in usages))
 
 
 async def _prepend(first: GenerationChunk, rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[GenerationChunk]:

@@ -45,9 +45,8 @@ class CompletionView:
         self.want_prompt_logprobs = body.prompt_logprobs is not None
         self.prompt_logprobs = None
         self._logprobs = [CompletionLogprobs(self.texts) for _ in range(inp.params.n)]
-        prompt = body.prompt[0] if isinstance(body.prompt, list) and len(body.prompt) == 1 else body.prompt
         self._tokenizer = tokenizer
-        self._prompt_text = prompt if isinstance(prompt, str) else None
+        self._prompt_text = body.prompt if isinstance(body.prompt, str) else None
 
     @property
     def prompt_text(self) -> str:

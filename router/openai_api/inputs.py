@@ -5,8 +5,8 @@ Both endpoints build a `pdserve.v1.GenerateRequest` and pass it through
 defaults (`Backend.generation_defaults`) are the gRPC front door's. What is HTTP's own:
 
 - /v1/completions: ``prompt`` is a string (tokenized with the tokenizer's special tokens, e.g.
-  BOS), token ids, or a one-element list of either; ``max_tokens`` defaults to 16 (OpenAI's
-  documented default); ``echo`` with ``logprobs`` asks for prompt logprobs too.
+  BOS), token ids, or a list of either (a batch: one request per prompt, `split_prompts`);
+  ``max_tokens`` defaults to 16 (OpenAI's documented default); ``echo`` with ``logprobs`` asks for prompt logprobs too.
 - /v1/chat/completions: the messages go through the chat template, and the text is tokenized
   without special tokens (the template holds the BOS); ``max_completion_tokens`` (else
   ``max_tokens``) defaults to the context left after the prompt; ``logprobs: true`` +
@@ -32,24 +32,40 @@ _UINT32_FIELDS = ("max_tokens", "top_k", "min_tokens", "logprobs", "prompt_logpr
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
+def split_prompts(prompt: object) -> list[str | list[int]]:
+    """The prompts of a /v1/completions ``prompt``: a string, token ids, or a list of either (a batch).
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming ``prompt``.
+    """
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        return list(prompt)
+    raise invalid("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and \
+        all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 def completion_input(body: CompletionRequest, tokenizer: Tokenizer, max_model_len: int, defaults: dict,
                      request_id: str, in_flight: Container[str]) -> GenerationInput:
-    """Validate a /v1/completions body into a `GenerationInput` (raises `RequestError`)."""
-    prompt = body.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    """Validate a /v1/completions body with one prompt (`split_prompts`) into a `GenerationInput`.
+
+    Raises:
+        RequestError: naming the field.
+    """
+    [prompt] = split_prompts(body.prompt)
     request = _request(body, request_id, _sampling(body, logprobs=body.logprobs, max_tokens=body.max_tokens,
                                                    best_of=body.best_of, echo=bool(body.echo)))
     if isinstance(prompt, str):
         request.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    else:
         if min(prompt) < 0 or max(prompt) > UINT32_MAX:
             raise invalid("prompt: token ids must be non-negative integers", "prompt")
         request.token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise invalid("prompt: batched prompts are not supported; send one prompt per request", "prompt")
-    else:
-        raise invalid("prompt must be a string or a list of token ids", "prompt")
     return validate_request(request, tokenizer, max_model_len, in_flight, None, defaults)
 
 

@@ -531,3 +531,44 @@ def test_stop_cancels_an_open_stream_and_frees_it(http, wait_until, caplog):
     assert len(backend.cancelled) == 1 and not backend.active and running.server.core.num_in_flight == 0
     [line] = [r for r in caplog.records if getattr(r, "event", None) == "request_finished"]
     assert line.fields["status"] == "CANCELLED" and line.fields["api"] == "http"
+
+
+def test_batched_prompts_number_choices_prompt_major(api):
+    running, client = api
+    out = client.completions.create(model=MODEL, prompt=["Hi", [72, 105, 33]], n=2, max_tokens=40, echo=True,
+                                    extra_headers={"X-Request-Id": "batch"})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == ["Hi" + REPLIES[0], "Hi" + REPLIES[1], "Hi!" + REPLIES[0],
+                                             "Hi!" + REPLIES[1]]
+    assert sorted(running.backend.inputs) == ["batch-0", "batch-1"]
+    assert out.usage.prompt_tokens == 3 + 3
+    assert out.usage.completion_tokens == 2 * (len(REPLIES[0]) + len(REPLIES[1]) + 2)
+
+
+def test_batched_prompts_stream(api):
+    _, client = api
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(model=MODEL, prompt=["Hi", "Yo"], max_tokens=3, stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {0: "Hel", 1: "Hel"}
+    assert (usage.prompt_tokens, usage.completion_tokens) == (6, 6)
+
+
+def test_batch_failure_fails_the_whole_request_and_frees_every_prompt(http, wait_until):
+    backend = ScriptedBackend()
+    running, client = http(backend)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=["Hi", [999]], max_tokens=3)
+    assert e.value.body["param"] == "prompt" and "out of range" in e.value.message
+    assert running.server.core.num_in_flight == 0 and not backend.inputs
+    backend.fail_with = BackendError("UNAVAILABLE", "no decode actor")
+    backend.fail_after = 5
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model=MODEL, prompt=["Hi", "Yo"], max_tokens=10)
+    assert e.value.status_code == 503
+    wait_until(lambda: not backend.active and running.server.core.num_in_flight == 0)
