@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--address", help="host:port of a running router")
     t.add_argument("--token", help="bearer token of that router")
     t.add_argument("--metrics-url", help="its Prometheus endpoint, for KV bytes (e.g. http://127.0.0.1:9090/metrics)")
+    t.add_argument("--http-url", help="the router's OpenAI API for --api openai, e.g. http://127.0.0.1:8000/v1")
+    t.add_argument("--api", default="grpc", help="front door(s) to load: grpc, openai, or grpc,openai (both, "
+                   "same target, side by side: the HTTP overhead)")
     t.add_argument("--embedded", action="store_true", help="start the cluster in this process")
     t.add_argument("--mode", choices=["disaggregated", "colocated", "colocated-chunked"], default="disaggregated")
     t.add_argument("--compare", help="variants to run side by side, e.g. colocated,disaggregated (embedded)")

@@ -31,6 +31,7 @@ class Target:
     metrics_url: str | None = None
     token: str | None = None
     num_actors: int = 0
+    http_url: str | None = None     # the OpenAI-compatible API (``http://host:port/v1``), when served
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -91,6 +92,6 @@ async def embedded(cfg, variant: str):
             raise RuntimeError(f"{variant} cluster did not become ready")
         token = cfg.security.token.get_secret_value() if cfg.security.token else None
         url = f"http://{cfg.server.host}:{cfg.server.metrics_port}/metrics"
-        yield Target(variant, cluster.address, url, token, n)
+        yield Target(variant, cluster.address, url, token, n, cluster.http_url)
     finally:
         await cluster.stop()

@@ -91,37 +91,35 @@ def arrival_gaps(n: int, request_rate: float, burstiness: float, seed: int) -> l
 
 
 async def one_request(client, spec: RequestSpec, record: RequestRecord, t0: float, timeout: float) -> None:
-    """Send ``spec`` and fill ``record`` with the client's timings (never raises)."""
+    """Send ``spec`` through ``client`` (`bench.serving.clients`) and fill ``record`` with the client's
+    timings (never raises)."""
     sent = time.monotonic()
     record.sent_at = sent - t0
     last_token_at = None
-    kwargs = dict(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True,
-                  request_id=record.request_id, timeout=timeout)
     try:
         last = None
-        if spec.prompt_token_ids is not None:
-            stream = client.generate(token_ids=spec.prompt_token_ids, **kwargs)
-        else:
-            stream = client.generate(spec.prompt, **kwargs)
-        async for msg in stream:
+        async for piece in client.stream(spec, record.request_id, timeout):
             now = time.monotonic()
-            if msg.token_ids:
+            if piece.num_tokens:
                 if last_token_at is None:
                     record.ttft_s = now - sent
                 else:
                     record.itl_s.append(now - last_token_at)
                 last_token_at = now
-                record.num_output_tokens += len(msg.token_ids)
-            last = msg
+                record.num_output_tokens += piece.num_tokens
+            last = piece
         record.e2e_s = time.monotonic() - sent
         if last is None or not last.finish_reason:
             raise RuntimeError("stream ended without a finish reason")
         record.ok = True
-        record.finish_reason = {1: "stop", 2: "length", 3: "abort"}.get(last.finish_reason, str(last.finish_reason))
-        record.cached_prompt_tokens = last.usage.cached_prompt_tokens
-        t = last.timing
-        record.queue_s, record.prefill_s, record.kv_transfer_s = t.queue_s, t.prefill_s, t.kv_transfer_s
-        record.decode_queue_s, record.server_ttft_s = t.decode_queue_s, t.ttft_s
+        record.finish_reason = last.finish_reason
+        if last.completion_tokens is not None:          # the server's count (an SSE chunk may hold several)
+            record.num_output_tokens = last.completion_tokens
+        record.cached_prompt_tokens = last.cached_prompt_tokens
+        if last.timing is not None:
+            t = last.timing
+            record.queue_s, record.prefill_s, record.kv_transfer_s = t.queue_s, t.prefill_s, t.kv_transfer_s
+            record.decode_queue_s, record.server_ttft_s = t.decode_queue_s, t.ttft_s
     except Exception as e:  # noqa: BLE001 — a failed request is a data point, not a crash
         record.ok = False
         code = getattr(e, "code", None)

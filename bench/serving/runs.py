@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from bench.serving.clients import GrpcLoadClient, OpenAILoadClient
 from bench.serving.cluster import Target, bench_config, embedded, variants_of
 from bench.serving.load import run_load
 from bench.serving.metrics import counter_delta, scrape, summarize
@@ -18,41 +19,77 @@ def workload_kwargs(args: argparse.Namespace) -> dict:
     return dict(scale=args.scale, prompt_len=args.prompt_len, output_len=args.output_len)
 
 
+def apis_of(value: str) -> list[str]:
+    """``--api grpc,openai`` → ["grpc", "openai"] (each front door measured against the same target)."""
+    apis = [a.strip() for a in value.split(",") if a.strip()]
+    bad = [a for a in apis if a not in ("grpc", "openai")]
+    if bad or not apis:
+        raise ValueError(f"--api: expected grpc, openai or grpc,openai; got {value!r}")
+    return apis
+
+
+async def open_client(target: Target, api: str):
+    """The load client of one front door of ``target``."""
+    if api == "grpc":
+        return GrpcLoadClient(target.address, target.token)
+    if not target.http_url:
+        raise ValueError("--api openai needs the router's HTTP API (--http-url, or an embedded cluster)")
+    import httpx
+    headers = {"Authorization": f"Bearer {target.token}"} if target.token else {}
+    async with httpx.AsyncClient(base_url=target.http_url, headers=headers) as http:
+        models = (await http.get("/models")).raise_for_status().json()["data"]
+    return OpenAILoadClient(target.http_url, models[0]["id"], target.token)
+
+
 async def measure(target: Target, args: argparse.Namespace, specs: list, *, seed: int, label: str,
                   request_rate: float | None = None, concurrency: int | None = None) -> dict[str, dict]:
-    """Warm up, then run ``specs`` once per ``--cache`` state against ``target``."""
-    from router.client import AsyncGenerationClient
+    """For each ``--api``: warm up, then run ``specs`` once per ``--cache`` state against ``target``
+    (the OpenAI runs are labelled ``<label>-openai``)."""
+    out: dict[str, dict] = {}
+    for api in apis_of(getattr(args, "api", "grpc")):
+        client = await open_client(target, api)
+        try:
+            out.update(await _measure_with(client, target, args, specs, seed=seed,
+                                           label=label if api == "grpc" else f"{label}-openai",
+                                           request_rate=request_rate, concurrency=concurrency))
+        finally:
+            await client.close()
+    return out
+
+
+async def _measure_with(client, target: Target, args: argparse.Namespace, specs: list, *, seed: int, label: str,
+                        request_rate: float | None, concurrency: int | None) -> dict[str, dict]:
     rate = args.request_rate if request_rate is None else request_rate
     conc = args.concurrency if concurrency is None else concurrency
     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     states = [c.strip() for c in args.cache.split(",") if c.strip()]
     out: dict[str, dict] = {}
-    async with AsyncGenerationClient(target.address, token=target.token) as client:
-        if args.num_warmup:
-            warm = make_workload(args.workload, args.num_warmup, seed + 10_000, **workload_kwargs(args))
-            await run_load(client, warm, concurrency=args.num_warmup, seed=seed, tag="warmup", progress=False,
+    if args.num_warmup:
+        warm = make_workload(args.workload, args.num_warmup, seed + 10_000, **workload_kwargs(args))
+        await run_load(client, warm, concurrency=args.num_warmup, seed=seed, tag="warmup", progress=False,
+                       timeout=args.timeout)
+    for i, state in enumerate(states):
+        if state == "warm" and i == 0:   # warm alone: one unmeasured pass fills the cache
+            await run_load(client, specs, concurrency=4, seed=seed, tag="fill", progress=False,
                            timeout=args.timeout)
-        for i, state in enumerate(states):
-            if state == "warm" and i == 0:   # warm alone: one unmeasured pass fills the cache
-                await run_load(client, specs, concurrency=4, seed=seed, tag="fill", progress=False,
-                               timeout=args.timeout)
-            before = scrape(target.metrics_url, target.token)
-            records, duration = await run_load(
-                client, specs, request_rate=rate, burstiness=args.burstiness, concurrency=conc, seed=seed,
-                label=f"{label} ({state})", tag=f"{label}-{state}", progress=not args.no_progress,
-                timeout=args.timeout)
-            summary = summarize(records, duration, *slo)
-            summary.update(counter_delta(before, scrape(target.metrics_url, target.token)))
-            summary.update(cache=state, request_rate=rate, concurrency=conc, variant=target.label)
-            summary["records"] = [r.to_dict() for r in records]
-            out[label if state == states[0] else f"{label}-{state}"] = summary
+        before = scrape(target.metrics_url, target.token)
+        records, duration = await run_load(
+            client, specs, request_rate=rate, burstiness=args.burstiness, concurrency=conc, seed=seed,
+            label=f"{label} ({state})", tag=f"{label}-{state}", progress=not args.no_progress,
+            timeout=args.timeout)
+        summary = summarize(records, duration, *slo)
+        summary.update(counter_delta(before, scrape(target.metrics_url, target.token)))
+        summary.update(cache=state, request_rate=rate, concurrency=conc, variant=target.label, api=client.api)
+        summary["records"] = [r.to_dict() for r in records]
+        out[label if state == states[0] else f"{label}-{state}"] = summary
     return out
 
 
 async def run_variants(args: argparse.Namespace, fn) -> dict[str, dict]:
     """``await fn(target)`` against each variant (embedded) or the given address; merged results."""
     if args.address:
-        return await fn(Target("server", args.address, args.metrics_url, args.token))
+        return await fn(Target("server", args.address, args.metrics_url, args.token,
+                               http_url=getattr(args, "http_url", None)))
     results: dict[str, dict] = {}
     for variant in variants_of(args.compare, args.mode):
         cfg = bench_config(args.config, args.model, args.dtype, args.set, variant, args.colocated_chunk_tokens)

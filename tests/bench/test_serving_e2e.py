@@ -55,3 +55,22 @@ def test_compare_cold_and_warm_writes_every_run(tiny_model_dir, ray_session, tmp
     assert result["lengths"]["input_len"]["max"] >= result["lengths"]["input_len"]["min"]
     text = capsys.readouterr().out
     assert "disaggregated / colocated" in text and "goodput" in text
+
+
+def test_both_front_doors_against_one_cluster(tiny_model_dir, ray_session, tmp_path):
+    """`--api grpc,openai`: the same workload through gRPC and the OpenAI HTTP API of one cluster; every
+    request completes with the requested tokens on both (the HTTP overhead is read off the two runs)."""
+    from bench.serving import main
+    out = tmp_path / "apis.json"
+    rc = main([*small_cluster_flags(tiny_model_dir), "--api", "grpc,openai", "--workload", "chat", "--scale", "0.05",
+               "--num-requests", "4", "--num-warmup", "1", "--request-rate", "20", "--json", str(out)])
+    assert rc == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == {"disaggregated", "disaggregated-openai"}
+    assert runs["disaggregated-openai"]["api"] == "openai" and runs["disaggregated"]["api"] == "grpc"
+    for name, run in runs.items():
+        assert (run["completed"], run["failed"]) == (4, 0), name
+        for key in REQUIRED:
+            assert run[key] is not None, (name, key)
+        for record in run["records"]:
+            assert record["num_output_tokens"] == record["output_len"] and record["ttft_s"] > 0, (name, record)
