@@ -39,11 +39,12 @@ from router.best_of import needs_selection
 from router.openai_api.chat import ChatView
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.completions import CompletionView
-from router.openai_api.errors import APIError
+from router.openai_api.errors import STATUS_TO_HTTP, APIError
 from router.openai_api.inputs import api_error, chat_input, chat_prompt_ids, completion_input, split_prompts
 from router.openai_api.responses import usage_json
 from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
     TokenizeRequest, parse_body
+from router.log import log_event
 from router.security import check_http_bearer
 from router.servicer import THREAD_TOKENIZE_CHARS, AdmittedRequest, RequestCore
 from router.validation import THREAD_TOKEN_IDS, RequestError
@@ -52,6 +53,7 @@ log = logging.getLogger("pdserve.router")
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PUBLIC_PATHS = ("/health",)
+HTTP_TO_STATUS = {http: name for name, http in STATUS_TO_HTTP.items()}
 
 
 class ClientGone(Exception):
@@ -206,7 +208,9 @@ class OpenAIApp:
             return await self.core.admit(lambda in_flight: build(request_id, in_flight), api="http",
                                          user=body.user or "", peek_id=request_id[:64] or "-", offload=offload)
         except RequestError as e:
-            raise api_error(e, body) from None
+            error = api_error(e, body)
+            error.logged = True             # the core logged the rejection
+            raise error from None
 
     async def _respond(self, request: Request, admitted: AdmittedRequest, body,
                        make_view: Callable[[], CompletionView | ChatView]) -> Response:
@@ -224,7 +228,7 @@ class OpenAIApp:
             try:
                 result = await until_disconnected(request.receive, collect())
             except RequestError as e:
-                raise APIError.from_status(e.code, e.message) from None
+                raise _failed(e) from None
             except ClientGone:
                 return Response(status_code=499)
             finally:
@@ -237,7 +241,7 @@ class OpenAIApp:
             await chunks.aclose()
             admitted.finish()
             if isinstance(e, RequestError):
-                raise APIError.from_status(e.code, e.message) from None
+                raise _failed(e) from None
             if isinstance(e, ClientGone):
                 return Response(status_code=499)
             raise
@@ -265,7 +269,7 @@ class OpenAIApp:
                 results = await until_disconnected(request.receive, _all_or_none(
                     [collect(a, v) for a, v in zip(admitted, views)]))
             except RequestError as e:
-                raise APIError.from_status(e.code, e.message) from None
+                raise _failed(e) from None
             except ClientGone:
                 return Response(status_code=499)
             finally:
@@ -283,7 +287,7 @@ class OpenAIApp:
                 await c.aclose()
             finish_all()
             if isinstance(e, RequestError):
-                raise APIError.from_status(e.code, e.message) from None
+                raise _failed(e) from None
             if isinstance(e, ClientGone):
                 return Response(status_code=499)
             raise
@@ -351,6 +355,13 @@ async def _merge_batch(events: list[AsyncIterator[dict]], admitted: list[Admitte
 def _sum_usage(usages: list) -> Usage:
     return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
                  sum(u.cached_prompt_tokens for u in usages))
+
+
+def _failed(error: RequestError) -> APIError:
+    """A generation failure as the HTTP answer (its request_finished line already reports it)."""
+    answer = APIError.from_status(error.code, error.message)
+    answer.logged = True
+    return answer
 
 
 async def _prepend(first: GenerationChunk, rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[GenerationChunk]:
@@ -459,6 +470,10 @@ class BearerAuth:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
+    if not exc.logged and request.method == "POST":     # as gRPC: every refused request gets a line
+        log_event("request_rejected", logging.INFO, request_id=request.headers.get("x-request-id", "-")[:64],
+                  api="http", status=HTTP_TO_STATUS.get(exc.status, "INVALID_ARGUMENT"), http_status=exc.status,
+                  path=request.url.path, reason=exc.message)
     return JSONResponse(exc.body(), status_code=exc.status)
 
 

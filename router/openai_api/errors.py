@@ -52,6 +52,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code or HTTP_TO_CODE.get(status, "internal")
+        self.logged = False     # already logged as request_rejected (by the RequestCore)
 
     @classmethod
     def from_status(cls, status_name: str, message: str, param: str | None = None) -> APIError:

@@ -572,3 +572,14 @@ def test_batch_failure_fails_the_whole_request_and_frees_every_prompt(http, wait
         client.completions.create(model=MODEL, prompt=["Hi", "Yo"], max_tokens=10)
     assert e.value.status_code == 503
     wait_until(lambda: not backend.active and running.server.core.num_in_flight == 0)
+
+
+def test_every_refusal_is_logged_once(api, caplog):
+    _, client = api
+    with caplog.at_level(logging.INFO, logger="pdserve.router"):
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="gpt-4", prompt="Hi")
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, prompt="Hi", temperature=-1)
+    lines = [r.fields for r in caplog.records if getattr(r, "event", None) == "request_rejected"]
+    assert [(f["api"], f["status"]) for f in lines] == [("http", "NOT_FOUND"), ("http", "INVALID_ARGUMENT")]
