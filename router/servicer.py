@@ -353,8 +353,9 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode[e.code], e.message)
         error: RequestError | None = None
         try:
-            async for chunk in admitted.chunks():
-                await context.write(_response(admitted.inp.request_id, chunk))
+            async with contextlib.aclosing(admitted.chunks()) as chunks:
+                async for chunk in chunks:
+                    await context.write(_response(admitted.inp.request_id, chunk))
         except RequestError as e:
             error = e
         finally:

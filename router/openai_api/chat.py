@@ -15,6 +15,7 @@ last one has ``"choices": []`` and the usage; then ``[DONE]``.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -83,23 +84,24 @@ class ChatView:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         usage = None
         first = True
-        async for chunk in chunks:
-            if first:
-                first = False
-                for index in range(self.inp.params.n):
-                    role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None}
-                    yield self._with_usage(self._object("chat.completion.chunk", [role]), include_usage)
-            if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
-                continue
-            logprobs = self._logprobs(chunk)
-            choice = {"index": chunk.index, "delta": {"content": chunk.text} if chunk.text else {},
-                      "logprobs": {"content": logprobs} if logprobs is not None else None,
-                      "finish_reason": chunk.finish_reason}
-            if chunk.finish_reason is not None:
-                choice["stop_reason"] = stop_reason(chunk, self.inp)
-            yield self._with_usage(self._object("chat.completion.chunk", [choice]), include_usage)
-            usage = chunk.usage or usage
+        async with contextlib.aclosing(chunks):      # closing the events closes the request's chunks
+            async for chunk in chunks:
+                if first:
+                    first = False
+                    for index in range(self.inp.params.n):
+                        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}
+                        yield self._with_usage(self._object("chat.completion.chunk", [role]), include_usage)
+                if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
+                    continue
+                logprobs = self._logprobs(chunk)
+                choice = {"index": chunk.index, "delta": {"content": chunk.text} if chunk.text else {},
+                          "logprobs": {"content": logprobs} if logprobs is not None else None,
+                          "finish_reason": chunk.finish_reason}
+                if chunk.finish_reason is not None:
+                    choice["stop_reason"] = stop_reason(chunk, self.inp)
+                yield self._with_usage(self._object("chat.completion.chunk", [choice]), include_usage)
+                usage = chunk.usage or usage
         if include_usage and usage is not None:
             body = self._object("chat.completion.chunk", [])
             body["usage"] = usage_json(usage)

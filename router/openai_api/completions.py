@@ -12,6 +12,7 @@ with ``"choices": []`` and the usage (every other chunk has ``"usage": null``), 
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -103,21 +104,22 @@ class CompletionView:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         usage = None
         first = True
-        async for chunk in chunks:
-            prompt_logprobs = None
-            if first:
-                first = False
-                self.prompt_logprobs = chunk.prompt_logprobs
-                if self.echo:
-                    for index in range(self.inp.params.n):
-                        yield self._with_usage(self._object([self._echo_choice(index)]), include_usage)
-                if self.want_prompt_logprobs:
-                    prompt_logprobs = vllm_prompt_logprobs(chunk.prompt_logprobs or [], self.texts)
-            choice = self._choice(chunk)
-            if prompt_logprobs is not None:
-                choice["prompt_logprobs"] = prompt_logprobs
-            yield self._with_usage(self._object([choice]), include_usage)
-            usage = chunk.usage or usage
+        async with contextlib.aclosing(chunks):      # closing the events closes the request's chunks
+            async for chunk in chunks:
+                prompt_logprobs = None
+                if first:
+                    first = False
+                    self.prompt_logprobs = chunk.prompt_logprobs
+                    if self.echo:
+                        for index in range(self.inp.params.n):
+                            yield self._with_usage(self._object([self._echo_choice(index)]), include_usage)
+                    if self.want_prompt_logprobs:
+                        prompt_logprobs = vllm_prompt_logprobs(chunk.prompt_logprobs or [], self.texts)
+                choice = self._choice(chunk)
+                if prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs
+                yield self._with_usage(self._object([choice]), include_usage)
+                usage = chunk.usage or usage
         if include_usage and usage is not None:
             body = self._object([])
             body["usage"] = usage_json(usage)
