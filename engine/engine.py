@@ -239,7 +239,7 @@ class Engine:
         for row, req in enumerate(run.sampled):
             seqs.append(req)
             rows.append(row)
-            if req.params.num_sequences > 1 and req.parent is None and not req.sequences:
+            if not req.sequences and req.parent is None and (req.params.n > 1 or req.params.best_of):
                 children = self._spawn(req)
                 forking.append(req)
                 seqs.extend(children)
@@ -248,7 +248,7 @@ class Engine:
         tokens = sample(logits, seqs, self.output.eos)
         outputs = []
         for seq, token, logprob in zip(seqs, tokens, self._logprobs(logits, seqs, tokens)):
-            owed = seq.owes_prompt_logprobs
+            owed = seq.params.prompt_logprobs is not None and seq.owes_prompt_logprobs
             out = self.output.process(seq, token, logprob)
             if owed:
                 out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, []
@@ -280,7 +280,9 @@ class Engine:
     @staticmethod
     def _logprobs(logits, seqs: list[Request], tokens: list[int]) -> list:
         """The sampled tokens' TokenLogprobs, computed in one batch for the sequences that need them."""
-        rows = [i for i, s in enumerate(seqs) if s.params.needs_logprobs]
+        # = params.needs_logprobs, spelled out: this runs for every sequence every step.
+        rows = [i for i, s in enumerate(seqs)
+                if s.params.logprobs is not None or (s.params.best_of is not None and s.params.best_of > s.params.n)]
         out = [None] * len(seqs)
         if rows:
             lps = token_logprobs(logits[rows], [tokens[i] for i in rows], [seqs[i].params.logprobs or 0 for i in rows])

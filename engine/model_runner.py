@@ -49,12 +49,13 @@ class ModelRunner:
             input_ids.extend(req.token_ids(start, start + n))
             positions.extend(range(start, start + n))
             seqs.append((start, n, req.block_table))
-            if req.owes_prompt_logprobs:
+            due = start + n == req.num_tokens
+            if req.params.prompt_logprobs is not None and req.owes_prompt_logprobs:
                 prompt_parts.append((req, start, len(logit_rows), n))
                 logit_rows.extend(range(len(input_ids) - n, len(input_ids)))
-            elif start + n == req.num_tokens:
+            elif due:
                 logit_rows.append(len(input_ids) - 1)
-            if start + n == req.num_tokens:
+            if due:
                 sample_rows.append(len(logit_rows) - 1)
                 sampling.append(req)
         dev = self.device
