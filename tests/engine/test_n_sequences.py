@@ -215,3 +215,22 @@ def test_n_greater_than_one_cannot_resume_mid_stream(engine):
     with pytest.raises(ValueError, match="resume_output_ids"):
         engine.add_request(PROMPT, _params(n=2), resume_output_ids=[5])
     assert not engine.requests
+
+
+def test_only_sequence_zero_carries_prompt_logprobs(engine):
+    rid = engine.add_request(PROMPT, _params(n=3, max_tokens=3, prompt_logprobs=2))
+    outs = _drain(engine)
+    with_prompt = [(o.index, len(o.prompt_logprobs)) for o in outs if o.prompt_logprobs is not None]
+    assert with_prompt == [(0, len(PROMPT) - 1)] and outs[0].index == 0
+    assert outs[0].num_cached_tokens == 0 and rid not in engine.requests
+    engine.block_manager.check_no_leaks()
+
+
+def test_abort_before_the_prompt_completes(tiny_model_dir):
+    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=64, chunk_size=8, attention="eager")
+    rid = engine.add_request(PROMPT, _params(n=4))
+    assert engine.step() == []                      # 8 of 21 prompt tokens: nothing sampled, nothing forked
+    assert engine.requests[rid].sequences == []
+    assert engine.abort(rid).num_output_tokens == 0
+    assert not engine.has_unfinished()
+    engine.block_manager.check_no_leaks()
