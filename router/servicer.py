@@ -213,6 +213,10 @@ class AdmittedRequest:
         self.inp = inp
         self.record = record
         self._finished = False
+        params = inp.params
+        self.keep_logprobs = params.logprobs is not None   # what the client asked for
+        if needs_selection(params.n, params.best_of) and params.logprobs is None:
+            params.logprobs = 0     # best_of ranks by the sampled tokens' logprobs: every hop must carry them
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """The backend's chunks, best_of-selected when ``best_of > n``; stops after every sequence finished.
@@ -232,7 +236,7 @@ class AdmittedRequest:
             async with contextlib.aclosing(self.core.backend.generate(self.inp)) as raw:
                 stream = self._recorded(raw)
                 if selecting:
-                    stream = select_best(stream, n, keep_logprobs=params.logprobs is not None)
+                    stream = select_best(stream, n, keep_logprobs=self.keep_logprobs)
                 async with contextlib.aclosing(stream) as out:
                     async for chunk in out:
                         chunk.usage = chunk.timing = None

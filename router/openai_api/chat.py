@@ -43,7 +43,7 @@ class ChatView:
         self.created = created
         self.id = f"chatcmpl-{inp.request_id}"
         self.texts = TokenTexts(tokenizer)
-        self.want_logprobs = inp.params.logprobs is not None
+        self.want_logprobs = bool(body.logprobs)
 
     def _logprobs(self, chunk: GenerationChunk) -> list[dict[str, Any]] | None:
         if not self.want_logprobs or chunk.logprobs is None:

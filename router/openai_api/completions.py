@@ -42,7 +42,7 @@ class CompletionView:
         self.id = f"cmpl-{inp.request_id}"
         self.texts = TokenTexts(tokenizer)
         self.echo = bool(body.echo)
-        self.want_logprobs = inp.params.logprobs is not None
+        self.want_logprobs = body.logprobs is not None
         self.want_prompt_logprobs = body.prompt_logprobs is not None
         self.prompt_logprobs = None
         self._logprobs = [CompletionLogprobs(self.texts) for _ in range(inp.params.n)]
