@@ -138,6 +138,8 @@ class OpenAIApp:
         body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await self._read_body(request))
         self._check_model(body.model)
         self._check_stream_options(body)
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs: not available when stream is true", "prompt_logprobs")
         chars = sum(len(m.content) if isinstance(m.content, str) else 0 for m in body.messages)
         backend = self.backend
         admitted = await self._admit(request.headers.get("x-request-id", ""), body, chars >= THREAD_TOKENIZE_CHARS,

@@ -5,7 +5,7 @@ Whole::
     {"id": "chatcmpl-<request id>", "object": "chat.completion", "created", "model",
      "choices": [{"index", "message": {"role": "assistant", "content"}, "logprobs",
                   "finish_reason", "stop_reason"}],
-     "usage": {...}}
+     "usage": {...}[, "prompt_logprobs": [...] (vLLM's field, when asked for; not streamed)]}
 
 Streamed (SSE): ``chat.completion.chunk`` objects — first one per choice with ``delta: {"role":
 "assistant", "content": ""}``, then one per backend chunk with ``delta: {"content"}`` (``{}``
@@ -21,7 +21,7 @@ from typing import Any
 
 from router.backend import GenerationChunk, GenerationInput, Tokenizer
 from router.openai_api.protocol import ChatCompletionRequest
-from router.openai_api.responses import TokenTexts, chat_logprobs, stop_reason, usage_json
+from router.openai_api.responses import TokenTexts, chat_logprobs, stop_reason, usage_json, vllm_prompt_logprobs
 
 
 class ChatView:
@@ -59,8 +59,9 @@ class ChatView:
         texts: list[list[str]] = [[] for _ in range(n)]
         logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         ends: list[GenerationChunk | None] = [None] * n
-        usage = None
+        usage = prompt_logprobs = None
         async for chunk in chunks:
+            prompt_logprobs = chunk.prompt_logprobs or prompt_logprobs
             texts[chunk.index].append(chunk.text)
             logprobs[chunk.index].extend(self._logprobs(chunk) or [])
             if chunk.finish_reason is not None:
@@ -77,6 +78,8 @@ class ChatView:
             })
         body = self._object("chat.completion", choices)
         body["usage"] = usage_json(usage)
+        if self.body.prompt_logprobs is not None:      # vLLM's field, beside the choices
+            body["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs or [], self.texts)
         return body
 
     async def events(self, chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[dict[str, Any]]:

@@ -583,3 +583,16 @@ def test_every_refusal_is_logged_once(api, caplog):
             client.completions.create(model=MODEL, prompt="Hi", temperature=-1)
     lines = [r.fields for r in caplog.records if getattr(r, "event", None) == "request_rejected"]
     assert [(f["api"], f["status"]) for f in lines] == [("http", "NOT_FOUND"), ("http", "INVALID_ARGUMENT")]
+
+
+def test_chat_prompt_logprobs_whole_not_streamed(api):
+    running, client = api
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                         extra_body={"prompt_logprobs": 0})
+    inp = next(iter(running.backend.inputs.values()))
+    prompt_lps = out.model_extra["prompt_logprobs"]
+    assert prompt_lps[0] is None and len(prompt_lps) == len(inp.prompt_token_ids)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,
+                                       extra_body={"prompt_logprobs": 0})
+    assert e.value.body["param"] == "prompt_logprobs"
