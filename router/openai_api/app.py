@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -36,28 +35,23 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.backend import GenerationChunk, Usage
 from router.best_of import needs_selection
+from router.log import log_event
 from router.openai_api.chat import ChatView
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.completions import CompletionView
 from router.openai_api.errors import STATUS_TO_HTTP, APIError
 from router.openai_api.inputs import api_error, chat_input, chat_prompt_ids, completion_input, split_prompts
-from router.openai_api.responses import usage_json
 from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
     TokenizeRequest, parse_body
-from router.log import log_event
+from router.openai_api.responses import usage_json
+from router.openai_api.sse import ClientGone, EventStream, all_or_none, sse_events, until_disconnected
 from router.security import check_http_bearer
 from router.servicer import THREAD_TOKENIZE_CHARS, AdmittedRequest, RequestCore
 from router.validation import THREAD_TOKEN_IDS, RequestError
 
 log = logging.getLogger("pdserve.router")
-T = TypeVar("T")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PUBLIC_PATHS = ("/health",)
 HTTP_TO_STATUS = {http: name for name, http in STATUS_TO_HTTP.items()}
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
 
 
 class OpenAIApp:
@@ -247,7 +241,7 @@ class OpenAIApp:
             if isinstance(e, ClientGone):
                 return Response(status_code=499)
             raise
-        return EventStream(_sse(view.events(_prepend(first, chunks))), admitted.finish, headers)
+        return EventStream(sse_events(view.events(_prepend(first, chunks))), admitted.finish, headers)
 
 
     async def _respond_batch(self, request: Request, admitted: list[AdmittedRequest], body: CompletionRequest,
@@ -268,7 +262,7 @@ class OpenAIApp:
                 async with contextlib.aclosing(a.chunks()) as chunks:
                     return await view.whole(chunks)
             try:
-                results = await until_disconnected(request.receive, _all_or_none(
+                results = await until_disconnected(request.receive, all_or_none(
                     [collect(a, v) for a, v in zip(admitted, views)]))
             except RequestError as e:
                 raise _failed(e) from None
@@ -283,7 +277,7 @@ class OpenAIApp:
             return JSONResponse(merged, headers={"X-Request-Id": admitted[0].inp.request_id})
         streams = [a.chunks() for a in admitted]
         try:
-            firsts = await until_disconnected(request.receive, _all_or_none([anext(c) for c in streams]))
+            firsts = await until_disconnected(request.receive, all_or_none([anext(c) for c in streams]))
         except BaseException as e:
             for c in streams:
                 await c.aclose()
@@ -295,26 +289,8 @@ class OpenAIApp:
             raise
         events = [v.events(_prepend(f, c)) for v, f, c in zip(views, firsts, streams)]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStream(_sse(_merge_batch(events, admitted, n, include_usage)), finish_all,
+        return EventStream(sse_events(_merge_batch(events, admitted, n, include_usage)), finish_all,
                            {"X-Request-Id": admitted[0].inp.request_id})
-
-
-async def _all_or_none(awaitables: list[Awaitable[T]]) -> list[T]:
-    """Await all; on the first failure cancel the rest and raise it."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
-        if failed is not None:
-            raise failed.exception()
-        return [t.result() for t in tasks]
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
 
 
 async def _merge_batch(events: list[AsyncIterator[dict]], admitted: list[AdmittedRequest], n: int,
@@ -371,81 +347,6 @@ async def _prepend(first: GenerationChunk, rest: AsyncIterator[GenerationChunk])
         yield first
         async for chunk in chunks:
             yield chunk
-
-
-async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-    """Events as ``data: {json}`` lines; a failure becomes an error event; always ``data: [DONE]`` last."""
-    async with contextlib.aclosing(events) as stream:
-        try:
-            async for event in stream:
-                yield b"data: " + _json(event) + b"\n\n"
-        except RequestError as e:
-            yield b"data: " + _json(APIError.from_status(e.code, e.message).body()) + b"\n\n"
-    yield b"data: [DONE]\n\n"
-
-
-def _json(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_disconnected(receive: Receive, awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable``, cancelling it if the client disconnects first (then raise `ClientGone`)."""
-    work = asyncio.ensure_future(awaitable)
-    watch = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-        if work.done():
-            return work.result()
-        raise ClientGone()
-    finally:
-        for task in (work, watch):
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, ClientGone, RequestError, StopAsyncIteration):
-                    await task
-
-
-class EventStream:
-    """A ``text/event-stream`` response that stops (closing its source) when the client goes away.
-
-    ``on_close`` runs exactly once, however the stream ends (finished, client gone, server stop).
-    """
-
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict[str, str]) -> None:
-        self._body = body
-        self._on_close = on_close
-        self._headers = [(b"content-type", b"text/event-stream; charset=utf-8")] + [
-            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in {**SSE_HEADERS, **headers}.items()]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        pump = asyncio.ensure_future(self._pump(send))
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
-            if pump.done() and not pump.cancelled() and pump.exception() is not None:
-                exc = pump.exception()
-                if not isinstance(exc, OSError):     # a send to a closed connection is a client gone
-                    raise exc
-        finally:
-            for task in (pump, watch):
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, OSError):
-                        await task
-            with contextlib.suppress(Exception):
-                await self._body.aclose()
-            self._on_close()
-
-    async def _pump(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self._headers})
-        async for data in self._body:
-            await send({"type": "http.response.body", "body": data, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class BearerAuth:
