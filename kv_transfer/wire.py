@@ -97,7 +97,9 @@ def unpack_header(data: bytes | memoryview) -> ChunkHeader:
     if len(data) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        raw = msgpack.unpackb(data, raw=False, max_str_len=4096, max_bin_len=MAX_HEADER_BYTES, max_array_len=0, max_map_len=64)
+        raw = msgpack.unpackb(
+            data, raw=False, max_str_len=4096, max_bin_len=MAX_HEADER_BYTES, max_array_len=0, max_map_len=64
+        )
     except Exception as exc:  # msgpack raises several types on garbage
         raise WireError(f"undecodable header: {exc}") from None
     if not isinstance(raw, dict):
