@@ -32,6 +32,7 @@ class Target:
     token: str | None = None
     num_actors: int = 0
     http_url: str | None = None     # the OpenAI-compatible API (``http://host:port/v1``), when served
+    apis: tuple[str, ...] = ()      # front doors to load here; empty: every one ``--api`` names
 
 
 def free_port(host: str = "127.0.0.1") -> int:

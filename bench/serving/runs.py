@@ -1,8 +1,8 @@
 """One measured run of the serving benchmark against a target, and the same run over every variant.
 
 ``measure`` warms the target up, then sends the workload once per ``--cache`` state and
-summarizes each pass; ``run_variants`` starts one embedded cluster per variant (or uses the
-given address) and merges what a function measured on each.
+summarizes each pass; ``run_variants`` starts one embedded cluster per variant and front door
+(or uses the given address) and merges what a function measured on each.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ async def measure(target: Target, args: argparse.Namespace, specs: list, *, seed
     """For each ``--api``: warm up, then run ``specs`` once per ``--cache`` state against ``target``
     (the OpenAI runs are labelled ``<label>-openai``)."""
     out: dict[str, dict] = {}
-    for api in apis_of(getattr(args, "api", "grpc")):
+    for api in target.apis or apis_of(getattr(args, "api", "grpc")):
         client = await open_client(target, api)
         try:
             out.update(await _measure_with(client, target, args, specs, seed=seed,
@@ -86,13 +86,19 @@ async def _measure_with(client, target: Target, args: argparse.Namespace, specs:
 
 
 async def run_variants(args: argparse.Namespace, fn) -> dict[str, dict]:
-    """``await fn(target)`` against each variant (embedded) or the given address; merged results."""
+    """``await fn(target)`` against each variant (embedded) or the given address; merged results.
+
+    Embedded, each front door of ``--api`` gets a fresh cluster of its own, so every one starts
+    from the same cold prefix cache (against one address they share the server and its cache:
+    the second front door would find the first one's prompts cached)."""
     if args.address:
         return await fn(Target("server", args.address, args.metrics_url, args.token,
                                http_url=getattr(args, "http_url", None)))
     results: dict[str, dict] = {}
     for variant in variants_of(args.compare, args.mode):
-        cfg = bench_config(args.config, args.model, args.dtype, args.set, variant, args.colocated_chunk_tokens)
-        async with embedded(cfg, variant) as target:
-            results.update(await fn(target))
+        for api in apis_of(getattr(args, "api", "grpc")):
+            cfg = bench_config(args.config, args.model, args.dtype, args.set, variant, args.colocated_chunk_tokens)
+            async with embedded(cfg, variant) as target:
+                target.apis = (api,)
+                results.update(await fn(target))
     return results
