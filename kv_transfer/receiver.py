@@ -58,6 +58,8 @@ class _Transfer:
     error: str = ""
     nbytes: int = 0
     writers: int = 0  # chunks writing into the blocks right now, outside the lock
+    started: float = 0.0  # time.monotonic(): its first chunk arrived (timelines)
+    last_chunk_at: float = 0.0  # ... its latest chunk arrived
     lock: threading.Condition = field(default_factory=threading.Condition)
 
     def refuse_if_ended(self) -> None:
@@ -143,40 +145,66 @@ class BaseReceiver(KVReceiver):
                 blocks freed (side RECEIVER).
         """
         pin_transfer_thread()
+        self.check_header(header)
+        try:
+            payload = checked_payload(header, payload)
+        except WireError as exc:
+            self._fail_unknown(header, str(exc))
+            raise TransferError(str(exc), FailedSide.RECEIVER) from None
+        transfer = self.begin_write(header)
+        if payload.device != self.kv_cache.device:  # decode where the cache lives (GPU)
+            payload = payload.to(self.kv_cache.device)
+        layers, block_slice = (header.layer_start, header.layer_end), slice(header.block_start, header.block_end)
+        try:  # decode into kv_cache[l0:l1, dst_ids[b0:b1]] unlocked: chunks (disjoint cells) decode in
+            # parallel on the transport's threads; a failure frees blocks once writes drain (_finish)
+            with scratch_pool.lease() as scratch:
+                get_codec(header.codec).decode_into(payload, header.shape, self.kv_cache, layers,
+                                                    transfer.dst_index[block_slice], scratch)
+        except BaseException:
+            self.end_write(header, transfer, written=False)
+            raise
+        self.end_write(header, transfer)
+
+    def check_header(self, header: ChunkHeader) -> None:
+        """Check a chunk header against the local layout and bounds; TransferError (side RECEIVER) when refused."""
         try:
             validate_header(header, self.describe(), self.max_payload)
-            payload = checked_payload(header, payload)
         except (HandshakeError, WireError, ValueError) as exc:
             if isinstance(exc, HandshakeError):
                 with self._cond:
                     self._stats.handshake_failures += 1
             self._fail_unknown(header, str(exc))
             raise TransferError(str(exc), FailedSide.RECEIVER) from None
+
+    def begin_write(self, header: ChunkHeader) -> _Transfer:
+        """Reserve the transfer's blocks on its first chunk and count a writer into them.
+
+        For a header ``check_header`` passed. The caller writes the chunk's cells
+        (``kv_cache[l0:l1, transfer.dst_block_ids[b0:b1]]``) itself, then calls
+        ``end_write``: until then the blocks are not freed, whatever ends the transfer.
+        """
         transfer = self._get_or_reserve(header)
         if header.num_blocks != transfer.covered.shape[1]:
             error = (f"chunk {header.chunk_index} claims {header.num_blocks} blocks; its transfer has "
                      f"{transfer.covered.shape[1]}")
             self.fail(header.transfer_id, error)
             raise TransferError(error, FailedSide.RECEIVER)
-        if payload.device != self.kv_cache.device:  # decode where the cache lives (GPU)
-            payload = payload.to(self.kv_cache.device)
-        layers, block_slice = (header.layer_start, header.layer_end), slice(header.block_start, header.block_end)
         with transfer.lock:
             transfer.refuse_if_ended()
             transfer.status = TransferStatus.TRANSFERRING
             transfer.writers += 1
-        try:  # decode into kv_cache[l0:l1, dst_ids[b0:b1]] unlocked: chunks (disjoint cells) decode in
-            # parallel on the transport's threads; a failure frees blocks once writes drain (_finish)
-            with scratch_pool.lease() as scratch:
-                get_codec(header.codec).decode_into(payload, header.shape, self.kv_cache, layers,
-                                                    transfer.dst_index[block_slice], scratch)
-        finally:
-            with transfer.lock:
-                transfer.writers -= 1
-                transfer.lock.notify_all()
+        return transfer
+
+    def end_write(self, header: ChunkHeader, transfer: _Transfer, written: bool = True) -> None:
+        """The chunk's cells are written (``written``), or the write broke off: then the caller fails it."""
+        with transfer.lock:
+            transfer.writers -= 1
+            transfer.lock.notify_all()
+        if not written:
+            return
         with transfer.lock:
             transfer.refuse_if_ended()
-            cells = transfer.covered[slice(*layers), block_slice]
+            cells = transfer.covered[header.layer_start : header.layer_end, header.block_start : header.block_end]
             transfer.num_missing -= int((~cells).sum())
             cells.fill_(True)
             transfer.nbytes += header.payload_len
@@ -188,6 +216,7 @@ class BaseReceiver(KVReceiver):
         with self._cond:
             transfer = self._active.get(header.transfer_id)
             if transfer is not None:
+                transfer.last_chunk_at = time.monotonic()
                 return transfer
             done = self._finished.get(header.transfer_id)
             if done is not None:
@@ -220,6 +249,7 @@ class BaseReceiver(KVReceiver):
                     handoff=header.handoff,
                     num_missing=num_layers * num_blocks,
                 )
+                transfer.started = transfer.last_chunk_at = time.monotonic()
                 self._active[header.transfer_id] = transfer
                 return transfer
         self._publish_only(result)
@@ -234,10 +264,12 @@ class BaseReceiver(KVReceiver):
             transfer.lock.wait_for(lambda: transfer.writers == 0)  # the terminal status stops new ones
             self.allocator.free(transfer.dst_block_ids)
         transfer.dst_block_ids = []
+        now = time.monotonic()
         return TransferResult(transfer.transfer_id, transfer.request_id, status, dst_block_ids=dst_block_ids,
                               num_tokens=transfer.num_tokens, first_token_id=transfer.first_token_id,
                               handoff=transfer.handoff,
-                              codec=transfer.codec, error=error, nbytes=transfer.nbytes)
+                              codec=transfer.codec, error=error, nbytes=transfer.nbytes, done_at=now,
+                              receive_s=now - transfer.started, receive_tail_s=now - transfer.last_chunk_at)
 
     def _remember(self, result: TransferResult) -> None:
         """Caller holds ``self._cond``."""

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 
 from kv_transfer.buffers import tune_malloc
-from kv_transfer.chunker import EncodedChunk, encode_jobs, pipeline
+from kv_transfer.chunker import ChunkJob, EncodedChunk, encode_jobs, pipeline
 from kv_transfer.codec import CodecError, get_codec
 from kv_transfer.interface import FailedSide, KVSender, SendHandle, TransferError, TransferStatus
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
@@ -124,9 +124,9 @@ class BaseSender(KVSender):
         try:
             self.handshake(dest)
             handle.status = TransferStatus.TRANSFERRING
-            jobs = encode_jobs(**job)
+            jobs = self._jobs(job)
             job.clear()  # the jobs hold the cache until they end; we do not
-            chunks = pipeline(jobs, self._encoders, self._prepare, self.prefetch_depth)
+            chunks = _timed(handle, pipeline(jobs, self._encoders, self._prepare, self.prefetch_depth))
             handle.wire_bytes = self._ship(dest, chunks, deadline_at, handle.transfer_id, [job.nbytes for job in jobs])
             handle._finish(TransferStatus.DONE)
         except HandshakeError as exc:
@@ -139,6 +139,11 @@ class BaseSender(KVSender):
             handle._finish(TransferStatus.FAILED, f"{type(exc).__name__}: {exc}", FailedSide.TRANSPORT)
         finally:
             job.clear()
+
+    def _jobs(self, job: dict) -> list[ChunkJob]:
+        """The piece's chunk jobs (``encode_jobs``'s keywords in ``job``); a transport that sends some chunks
+        another way (straight from the cache's rows) builds its own."""
+        return encode_jobs(**job)
 
     def _prepare(self, chunk: EncodedChunk):
         """Per-chunk work a transport wants done on the encode thread (e.g. framing)."""
@@ -154,3 +159,11 @@ class BaseSender(KVSender):
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._encoders.shutdown(wait=True, cancel_futures=True)
+
+
+def _timed(handle: SendHandle, chunks: Iterator) -> Iterator:
+    """``chunks``, stamping on ``handle`` when each goes to the transport and when it asks past the last."""
+    for chunk in chunks:
+        handle.chunk_at.append(time.monotonic())
+        yield chunk
+    handle.last_chunk_at = time.monotonic()

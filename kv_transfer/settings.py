@@ -5,7 +5,7 @@
     sender = make_sender("fake", layout, codec="none", hub=hub)                      # tests, benchmarks
 
 The first argument is either the ``TransferSettings`` (codec, token, chunk size,
-deadline, bind host and, for grpc, the internal TLS come from them) or just a transport name from
+deadline, bind host and, for grpc and tcp, the internal TLS come from them) or just a transport name from
 ``kv_transfer.transports.TRANSPORTS`` (then only the keywords given are passed
 on, over the transport classes' own defaults).
 """
@@ -25,13 +25,13 @@ from kv_transfer.wire import DEFAULT_CHUNK_BYTES
 
 @dataclass(slots=True)
 class TransferSettings:
-    transport: str = "grpc"           # grpc | torch | ray | fake
+    transport: str = "grpc"           # grpc | tcp | torch | ray | fake
     codec: str = "fp8"                # fp8 | none
     token: str = ""                   # internal secret (internal_auth.internal_secret), never the public token
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     deadline_s: float = 30.0
     bind_host: str = "127.0.0.1"      # where a decode actor's receiver listens
-    tls: InternalTLS | None = None    # mutual TLS of the grpc transport (and of the decode token stream)
+    tls: InternalTLS | None = None    # mutual TLS of the grpc and tcp transports (and of the decode token stream)
 
 
 def layout_of(kv_cache: torch.Tensor, model_fingerprint: str) -> KVLayout:
@@ -49,12 +49,13 @@ def make_sender(
     """Build the prefill side of a transport.
 
     Args:
-        transport: the transfer settings, or a transport name (``grpc | torch | ray | fake``).
+        transport: the transfer settings, or a transport name (``grpc | tcp | torch | ray | fake``).
         layout: the local cache's layout (``layout_of``); the receiver must agree on it.
         device: where the torch transport stages its tensors (the prefill engine's device; default
             CPU). The other transports read the cache where it lives and ignore it.
         options: transport keywords, over what the settings give: codec, token, chunk_bytes,
-            max_workers, prefetch_depth, encode_workers; grpc: num_streams, tls; torch: max_groups,
+            max_workers, prefetch_depth, encode_workers; grpc: num_streams, tls; tcp: tls, connect_timeout_s;
+            torch: max_groups,
             connect_timeout_s, interface; fake: hub.
     Returns:
         A ``KVSender``. Raises ValueError for an unknown transport.
@@ -78,20 +79,21 @@ def make_receiver(
     """Build the decode side of a transport, listening at once (see ``receiver.endpoint``).
 
     Args:
-        transport: the transfer settings, or a transport name (``grpc | torch | ray | fake``).
+        transport: the transfer settings, or a transport name (``grpc | tcp | torch | ray | fake``).
         layout: the local cache's layout (``layout_of``).
         kv_cache: the decode engine's cache tensor, written in place.
         allocator: the decode actor's block pool (reserve on a first chunk, free on failure).
         on_complete: called once per terminal ``TransferResult``, from a transport thread.
         options: transport keywords, over what the settings give: codec, token, default_timeout_s;
-            grpc and torch: host, port; grpc: max_streams, max_calls, tls; torch: max_groups, interface;
+            grpc, tcp and torch: host, port; grpc: max_streams, max_calls, tls; tcp: max_connections, tls;
+            torch: max_groups, interface;
             ray: name; fake: hub.
     Returns:
         A ``KVReceiver``. Raises ValueError for an unknown transport.
     """
     if isinstance(transport, TransferSettings):
         side = {"default_timeout_s": transport.deadline_s}
-        if transport.transport in ("grpc", "torch"):
+        if transport.transport in ("grpc", "tcp", "torch"):
             side["host"] = transport.bind_host
         transport, options = transport.transport, {**_options(transport, **side), **options}
     _, receiver_class = load(transport)
@@ -99,8 +101,8 @@ def make_receiver(
 
 
 def _options(settings: TransferSettings, **side) -> dict:
-    """What the settings give both sides of their transport (codec, token, TLS for grpc), plus `side`'s own."""
+    """What the settings give both sides of their transport (codec, token, TLS for grpc and tcp), plus `side`'s own."""
     options = {"codec": settings.codec, "token": settings.token, **side}
-    if settings.transport == "grpc" and settings.tls is not None:
+    if settings.transport in ("grpc", "tcp") and settings.tls is not None:
         options["tls"] = settings.tls
     return options

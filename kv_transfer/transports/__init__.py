@@ -1,6 +1,7 @@
 """The transports, one module (or package) each, behind ``KVSender`` / ``KVReceiver``:
 
     grpc    client-streaming KV service on each decode actor (raw-bytes frames)
+    tcp     plain TCP connections; sends from and receives into the cache's rows (sendmsg / recvmsg_into)
     torch   lazy 2-rank torch.distributed groups per prefill–decode pair: NCCL on CUDA, gloo on CPU
     ray     payloads through the Ray object store (same node); ray is imported on first use
     fake    in-process hub for tests and warm-up: the real wire format, no socket
@@ -16,6 +17,7 @@ import importlib
 
 TRANSPORTS = {
     "grpc": ("kv_transfer.transports.grpc", "GrpcSender", "GrpcReceiver"),
+    "tcp": ("kv_transfer.transports.tcp", "TcpSender", "TcpReceiver"),
     "torch": ("kv_transfer.transports.torch", "TorchSender", "TorchReceiver"),
     "ray": ("kv_transfer.transports.ray", "RaySender", "RayReceiver"),
     "fake": ("kv_transfer.transports.fake", "FakeSender", "FakeReceiver"),

@@ -1,6 +1,6 @@
 """Helper process for the fault tests: start a transfer, then hang until killed.
 
-    python kv_killed_sender.py grpc|torch DEST TOKEN [TRANSFER_ID]
+    python kv_killed_sender.py grpc|tcp|torch DEST TOKEN [TRANSFER_ID]
 
 Sends the first chunk of transfer TRANSFER_ID (default "killed", request "victim"), prints SENT,
 and blocks with the stream / process group still open.
@@ -50,6 +50,15 @@ def main() -> None:
 
         channel = grpc.insecure_channel(dest)
         channel.stream_unary(f"/{SERVICE}/PushKV")(frames(), metadata=((TOKEN_KEY, token),))
+    elif kind == "tcp":
+        from kv_transfer.transports.tcp import TcpSender
+        from kv_transfer.transports.tcp.protocol import FRAME, KIND_CHUNK, send_buffers
+
+        sock, _ = TcpSender(LAYOUT, token=token)._connect(dest)
+        send_buffers(sock, [FRAME.pack(KIND_CHUNK, len(chunk.header_bytes), chunk.payload.numel()),
+                            chunk.header_bytes, chunk.payload.numpy()])
+        print("SENT", flush=True)
+        threading.Event().wait()  # the connection stays open until we are killed
     else:
         from kv_transfer.transports.torch import TorchSender
 

@@ -13,7 +13,7 @@ from kv_transfer import TransferStatus, make_sender
 NUM_TRANSFERS = 16
 
 
-@pytest.mark.parametrize("kind", ["fake", "grpc", "torch"])
+@pytest.mark.parametrize("kind", ["fake", "grpc", "tcp", "torch"])
 def test_sixteen_concurrent_transfers(make_pair, layout, kind):
     # One sender per "prefill actor" on threads, so chunks of different requests interleave.
     pair = make_pair(kind, layout, num_dst_blocks=NUM_TRANSFERS * 3 + 5, chunk_bytes=200, max_workers=NUM_TRANSFERS)
@@ -22,14 +22,14 @@ def test_sixteen_concurrent_transfers(make_pair, layout, kind):
     block_ids = [[(i + k) % 5 for k in range(3)][:: 1 if i % 2 else -1] for i in range(NUM_TRANSFERS)]
     arrivals = []
     lock = threading.Lock()
-    original_accept = pair.receiver.accept
+    original_begin_write = pair.receiver.begin_write
 
-    def recording_accept(header, payload):
+    def recording_begin_write(header):  # every transport writes each chunk between begin_write and end_write
         with lock:
             arrivals.append(header.request_id)
-        original_accept(header, payload)
+        return original_begin_write(header)
 
-    pair.receiver.accept = recording_accept
+    pair.receiver.begin_write = recording_begin_write
     # four prefill actors (four torch pairs), four transfers each
     extra = {"hub": pair.receiver.hub} if kind == "fake" else {}
     senders = [pair.sender] + [make_sender(kind, layout, token=TOKEN, chunk_bytes=200, max_workers=4, **extra)

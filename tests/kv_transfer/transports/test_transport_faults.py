@@ -12,13 +12,14 @@ import pytest
 from kv_helpers import TOKEN, assert_no_leak, random_cache, wait_for
 
 import kv_transfer.sender as sender_module
+import kv_transfer.transports.tcp.sender as tcp_sender
 from kv_transfer import FailedSide, KVLayout, TransferStatus
 from kv_transfer.chunker import ChunkJob
 
 HELPER = os.path.join(os.path.dirname(__file__), "kv_killed_sender.py")
 
 
-@pytest.mark.parametrize("kind", ["fake", "grpc", "torch"])
+@pytest.mark.parametrize("kind", ["fake", "grpc", "tcp", "torch"])
 def test_deadline_expiry_frees_blocks(make_pair, layout, kind):
     pair = make_pair(kind, layout)
     pair.sender.handshake(pair.dest)  # pair set-up must not eat the short deadline on a busy machine
@@ -36,7 +37,7 @@ def test_deadline_expiry_frees_blocks(make_pair, layout, kind):
     assert_no_leak(pair.pool)
 
 
-@pytest.mark.parametrize("kind", ["grpc", "torch"])
+@pytest.mark.parametrize("kind", ["grpc", "tcp", "torch"])
 def test_sender_killed_mid_transfer(make_pair, layout, kind):
     pair = make_pair(kind, layout)
     process = subprocess.Popen([sys.executable, HELPER, kind, pair.dest, TOKEN], stdout=subprocess.PIPE, text=True)
@@ -66,9 +67,26 @@ def corrupt_second_chunk(monkeypatch):
         return [ChunkJob(functools.partial(corrupt, job), job.nbytes) for job in real(**kwargs)]
 
     monkeypatch.setattr(sender_module, "encode_jobs", tampered)
+    corrupt_second_frame_on_the_tcp_wire(monkeypatch)
 
 
-@pytest.mark.parametrize("kind", ["fake", "grpc", "torch", "ray"])
+def corrupt_second_frame_on_the_tcp_wire(monkeypatch):
+    """The tcp transport sends codec-none chunks straight from the cache: flip a byte of chunk 1 in flight."""
+    real, frames = tcp_sender.send_buffers, []
+
+    def tampered(sock, buffers):
+        if len(buffers) > 2:  # a chunk: prefix, header, payload buffers
+            frames.append(True)
+            if len(frames) == 2:
+                last = bytearray(buffers[-1])
+                last[-1] ^= 0xFF
+                buffers = [*buffers[:-1], last]
+        return real(sock, buffers)
+
+    monkeypatch.setattr(tcp_sender, "send_buffers", tampered)
+
+
+@pytest.mark.parametrize("kind", ["fake", "grpc", "tcp", "torch", "ray"])
 def test_corrupted_chunk_fails_on_checksum(make_pair, layout, kind, monkeypatch):
     pair = make_pair(kind, layout, chunk_bytes=200)
     corrupt_second_chunk(monkeypatch)
@@ -80,7 +98,7 @@ def test_corrupted_chunk_fails_on_checksum(make_pair, layout, kind, monkeypatch)
     assert_no_leak(pair.pool)
 
 
-@pytest.mark.parametrize("kind", ["fake", "grpc", "torch", "ray"])
+@pytest.mark.parametrize("kind", ["fake", "grpc", "tcp", "torch", "ray"])
 def test_wrong_token_is_rejected_and_counted(make_pair, layout, kind):
     pair = make_pair(kind, layout, sender_token="not-the-token")
     handle = pair.sender.send("r", random_cache(layout, 3), [0, 1], pair.dest)
@@ -91,7 +109,7 @@ def test_wrong_token_is_rejected_and_counted(make_pair, layout, kind):
     assert_no_leak(pair.pool)
 
 
-@pytest.mark.parametrize("kind", ["fake", "grpc", "torch", "ray"])
+@pytest.mark.parametrize("kind", ["fake", "grpc", "tcp", "torch", "ray"])
 def test_mismatched_handshake_names_both_values(make_pair, layout, kind):
     other = KVLayout(layout.num_layers, layout.num_kv_heads, layout.block_size * 2, layout.head_dim, layout.dtype,
                      layout.model_fingerprint)
@@ -111,7 +129,7 @@ def test_codec_mismatch_is_refused(make_pair, layout):
     assert "codec: sender='fp8' receiver='none'" in handle.error
 
 
-@pytest.mark.parametrize("kind", ["fake", "grpc", "torch"])
+@pytest.mark.parametrize("kind", ["fake", "grpc", "tcp", "torch"])
 def test_receiver_out_of_blocks(make_pair, layout, kind):
     pair = make_pair(kind, layout, num_dst_blocks=4)
     pair.pool.take([1, 3])
@@ -121,7 +139,7 @@ def test_receiver_out_of_blocks(make_pair, layout, kind):
     assert_no_leak(pair.pool, [1, 3])
 
 
-@pytest.mark.parametrize("kind", ["fake", "grpc", "torch", "ray"])
+@pytest.mark.parametrize("kind", ["fake", "grpc", "tcp", "torch", "ray"])
 def test_nan_in_kv_fails_on_the_sender_side(make_pair, layout, kind):
     pair = make_pair(kind, layout, codec="fp8", chunk_bytes=200)
     src = random_cache(layout, 4)

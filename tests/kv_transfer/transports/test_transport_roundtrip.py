@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kv_transfer import KVLayout, TransferStatus
 
-EXAMPLES = {"fake": 25, "grpc": 10, "torch": 4, "ray": 3}
+EXAMPLES = {"fake": 25, "grpc": 10, "tcp": 10, "torch": 4, "ray": 3}
 
 
 @st.composite
@@ -53,7 +53,7 @@ def _roundtrip(make_pair, kind, case):
     pair.close()
 
 
-@pytest.mark.parametrize("kind", ["fake", "grpc", "torch", "ray"])
+@pytest.mark.parametrize("kind", ["fake", "grpc", "tcp", "torch", "ray"])
 def test_none_codec_round_trip_is_bit_exact(make_pair, kind):
     @settings(max_examples=EXAMPLES[kind], deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(case=cases())
@@ -63,7 +63,7 @@ def test_none_codec_round_trip_is_bit_exact(make_pair, kind):
     run()
 
 
-@pytest.mark.parametrize("kind", ["fake", "grpc", "torch"])
+@pytest.mark.parametrize("kind", ["fake", "grpc", "tcp", "torch"])
 @pytest.mark.parametrize("codec", ["none", "fp8"])
 def test_layer_by_layer_equals_one_shot(make_pair, kind, codec, layout):
     src = random_cache(layout, 8, seed=3)
@@ -84,9 +84,10 @@ def test_layer_by_layer_equals_one_shot(make_pair, kind, codec, layout):
     assert torch.equal(one_shot.dst_cache.view(torch.uint8), layered.dst_cache.view(torch.uint8))
 
 
-def test_fp8_round_trip_over_grpc_is_close(make_pair):
+@pytest.mark.parametrize("kind", ["grpc", "tcp"])
+def test_fp8_round_trip_is_close(make_pair, kind):
     layout = KVLayout(2, 2, 16, 64, torch.bfloat16, "m")
-    pair = make_pair("grpc", layout, codec="fp8")
+    pair = make_pair(kind, layout, codec="fp8")
     src = random_cache(layout, 6)
     handle = pair.sender.send("r", src, [4, 1], pair.dest)
     assert handle.wait(10) == TransferStatus.DONE
