@@ -5,7 +5,11 @@ import json
 import os
 from dataclasses import dataclass, field
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# Architectures whose config.json `sliding_window` always applies (Qwen2/3 ask with use_sliding_window).
+_WINDOWED_BY_DEFAULT = ("mistral", "phi3")
+# Quantization methods named in config.json's quantization_config, for the error message.
+_QUANT_KEYS = ("quant_method", "quant_type", "load_in_4bit", "load_in_8bit", "bits")
 
 
 @dataclass(slots=True, frozen=True)
@@ -25,8 +29,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False            # q/k/v bias (qwen2 always, llama optional)
-    mlp_bias: bool = False
+    attention_bias: bool = False            # q/k/v bias (qwen2 always, llama and qwen3 optional)
+    o_proj_bias: bool = False               # llama and qwen3: attention_bias covers o_proj too
+    mlp_bias: bool = False                  # llama only
+    qk_norm: bool = False                   # qwen3: RMSNorm over each head of q and k before RoPE
+    partial_rotary_factor: float = 1.0      # phi3: RoPE rotates the first factor * head_dim dims
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str = "float32"
@@ -35,6 +42,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
         model_type = raw.get("model_type")
+        _refuse_quantized(raw, source)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"{source}: model_type {model_type!r} is not supported "
@@ -59,8 +67,17 @@ class ModelConfig:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind not in ("default", "linear", "llama3"):
                 raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported "
-                                 "(supported: linear, llama3)")
-        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", model_type == "mistral") else None
+                                 "(supported: linear, llama3; not longrope/su/yarn/dynamic)")
+        act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+        if act != "silu":
+            raise ValueError(f"{source}: hidden_act {act!r} is not supported (supported: silu)")
+        partial = 1.0
+        if model_type == "phi3":
+            partial = float(raw.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0)))
+            if not 0.0 < partial <= 1.0:
+                raise ValueError(f"{source}: partial_rotary_factor must be in (0, 1], got {partial}")
+        sliding = _sliding_window(raw, model_type, source)
+        attention_bias = bool(raw.get("attention_bias", False)) and model_type in ("llama", "qwen3")
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -75,8 +92,11 @@ class ModelConfig:
             rope_theta=raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
             rope_scaling=scaling,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=model_type == "qwen2" or raw.get("attention_bias", False),
-            mlp_bias=raw.get("mlp_bias", False),
+            attention_bias=model_type == "qwen2" or attention_bias,
+            o_proj_bias=attention_bias,
+            mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            partial_rotary_factor=partial,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
@@ -96,6 +116,11 @@ class ModelConfig:
         return cls.from_dict(raw, source=path)
 
     @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_attention_heads * self.head_dim
@@ -106,3 +131,37 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+def _refuse_quantized(raw: dict, source: str) -> None:
+    """Quantized checkpoints (GPTQ, AWQ, bitsandbytes, fp8, ...) need kernels pdserve does not have."""
+    quant = raw.get("quantization_config") or raw.get("compression_config")
+    if quant is None:
+        return
+    found = {k: quant[k] for k in _QUANT_KEYS if isinstance(quant, dict) and k in quant} or quant
+    raise ValueError(f"{source}: quantized checkpoint (quantization_config {found!r}) is not supported; "
+                     "pdserve serves bf16/fp16/fp32 safetensors weights")
+
+
+def _sliding_window(raw: dict, model_type: str, source: str) -> int | None:
+    """The attention window every layer uses, or None for full attention.
+
+    Mistral and Phi-3 apply config.json's `sliding_window` to every layer; Qwen2/3 only with
+    `use_sliding_window`, and then to layers from `max_window_layers` on (or as `layer_types`
+    says). One window for some layers and none for others is refused: the engine has one.
+    """
+    window = raw.get("sliding_window")
+    if window is None or not raw.get("use_sliding_window", model_type in _WINDOWED_BY_DEFAULT):
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ValueError(f"{source}: field 'sliding_window' must be a positive integer or null, got {window!r}")
+    if model_type in ("qwen2", "qwen3"):
+        n = raw["num_hidden_layers"]
+        types = raw.get("layer_types") or ["sliding_attention" if i >= raw.get("max_window_layers", n)
+                                           else "full_attention" for i in range(n)]
+        if all(t == "full_attention" for t in types):
+            return None
+        if any(t != "sliding_attention" for t in types):
+            raise ValueError(f"{source}: sliding_window on some layers only (layer_types / max_window_layers) "
+                             "is not supported; the engine applies one window to every layer")
+    return window

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) in plain torch, reading K/V through a paged cache."""
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3) in plain torch, reading K/V through a paged cache."""
 from __future__ import annotations
 
 import torch
@@ -33,11 +33,14 @@ class DecoderLayer(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Qwen3: each head of q and k is RMS-normalised (weights over head_dim) before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
@@ -48,6 +51,8 @@ class DecoderLayer(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)        # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)     # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k, positions)
         attn = paged_attention(q, k, v, layer_cache, meta, self.scale)
         h = h + self.o_proj(attn.reshape(h.shape[0], -1))
