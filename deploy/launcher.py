@@ -31,7 +31,9 @@ from router.pools import DecodeView, Pools, PrefillView
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
-CPU_KV_DEFAULT_BYTES = 1 << 30       # budget base per actor on CPU when only memory_fraction is set
+# Budget base per actor on CPU when only memory_fraction is set. GPU actors size their cache from the
+# device instead (EngineArgs.kv_memory_fraction); for them this only gives the planner an estimate.
+CPU_KV_DEFAULT_BYTES = 1 << 30
 
 
 def init_ray(address: str | None = None, namespace: str = "pdserve", num_cpus: float | None = None,
@@ -63,6 +65,8 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str) -> EngineArgs:
     args = EngineArgs(model=model_dir, dtype=dtype, block_size=kv.block_size, num_blocks=max(num_blocks, 1),
                       max_model_len=cfg.model.max_model_len, torch_threads=p.resources.threads(),
                       attention=cfg.model.attention)
+    if device.type == "cuda":
+        args.kv_memory_fraction = kv.device_fraction()
     if pool == "prefill":
         args.max_num_batched_tokens = p.max_batch_tokens
         args.chunk_size = p.chunk_tokens

@@ -12,6 +12,7 @@ class EngineArgs:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_gib: float = 1.0
+    kv_memory_fraction: float | None = None     # CUDA: KV sized from the device (Engine)
     max_num_batched_tokens: int = 2048
     chunk_size: int | None = 512
     max_num_seqs: int = 64

@@ -22,7 +22,7 @@ import uuid
 
 import torch
 
-from engine import attention_compiled
+from engine import attention_compiled, memory_budget
 from engine.block_manager import BlockManager, prompt_block_hashes
 from engine.config import ModelConfig
 from engine.generation_config import GenerationConfig
@@ -67,6 +67,9 @@ class Engine:
         dtype: `auto` (bf16 on CUDA, float32 on CPU), `float32` or `bfloat16`.
         block_size: tokens per KV block.
         num_blocks: KV blocks in the pool (default: from `kv_cache_gib`).
+        kv_memory_fraction: on a CUDA device, size the KV cache from the device instead of
+            `num_blocks`/`kv_cache_gib`: this share of its memory less the weights, a profiled
+            largest step's activations and a reserve (engine/memory_budget.py); ignored on CPU.
         max_num_batched_tokens: per-step token budget shared by prefill chunks and decodes.
         chunk_size: most prompt tokens one request computes per step; None disables chunking.
         max_num_seqs: most requests in the running batch.
@@ -81,7 +84,8 @@ class Engine:
     def __init__(self, model: str = "tiny", *, dtype: str | torch.dtype = "auto", device: str | None = None,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_gib: float = 1.0,
                  max_num_batched_tokens: int = 2048, chunk_size: int | None = 512, max_num_seqs: int = 64,
-                 enable_prefix_cache: bool = True, max_model_len: int | None = None, attention: str = "auto"):
+                 enable_prefix_cache: bool = True, max_model_len: int | None = None, attention: str = "auto",
+                 kv_memory_fraction: float | None = None):
         requested = attention
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = pick_dtype(dtype, self.device)
@@ -98,7 +102,14 @@ class Engine:
         self.model = load_model(self.model_dir, cfg, self.device, self.dtype, self.max_model_len)
         self.fingerprint = fingerprint(self.model_dir, cfg)
         self.block_size = block_size
-        if num_blocks is None:
+        self.kv_budget: memory_budget.KVBudget | None = None    # the device's budget table (CUDA only)
+        if kv_memory_fraction is not None and self.device.type == "cuda":
+            self.kv_budget = memory_budget.measure_kv_budget(
+                self.model, cfg, device=self.device, dtype=self.dtype, block_size=block_size,
+                fraction=kv_memory_fraction, max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs, chunk_size=chunk_size, max_model_len=self.max_model_len)
+            num_blocks = self.kv_budget.num_blocks
+        elif num_blocks is None:
             per_block = cfg.kv_bytes_per_token(self.dtype.itemsize) * block_size
             num_blocks = max(int(kv_cache_gib * (1 << 30)) // per_block, 1)
         # kv_cache: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]

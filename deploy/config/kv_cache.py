@@ -18,8 +18,9 @@ class KVCacheSection(Section):
     block_size: Int = Field(16, description="Tokens per KV block; a power of 2 in 1..256. "
                             "Prefill and decode must agree (it fixes the transfer layout).")
     memory_fraction: Optional[Float] = Field(
-        None, gt=0, le=1, description="Fraction of the memory left free after the weights "
-        "load (GPU: the actor's device; CPU: the RAM share the worker is given) used for blocks.")
+        None, gt=0, le=1, description="GPU: the actor's share of its device's total memory; the KV "
+        "cache gets it less the weights, a profiled largest step's activations and a reserve "
+        "(engine/memory_budget.py), as vLLM's gpu_memory_utilization. CPU: this fraction of a 1 GiB base.")
     num_blocks: Optional[Int] = Field(None, ge=1,
                                       description="Exact number of KV blocks per actor.")
     memory_gib: Optional[Float] = Field(None, gt=0, description="KV block memory per actor, GiB.")
@@ -43,6 +44,13 @@ class KVCacheSection(Section):
         """Names of the budget fields that are set, in declaration order."""
         names = ("memory_fraction", "num_blocks", "memory_gib")
         return [name for name in names if getattr(self, name) is not None]
+
+    def device_fraction(self) -> float | None:
+        """memory_fraction (0.9 when no budget key is set) when the budget is a fraction, else None:
+        GPU actors then size their cache from the device."""
+        if self.num_blocks is not None or self.memory_gib is not None:
+            return None
+        return 0.9 if self.memory_fraction is None else self.memory_fraction
 
     def resolve_num_blocks(self, bytes_per_block: int, free_bytes: int = 0) -> int:
         """Blocks one actor allocates.
