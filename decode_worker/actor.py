@@ -15,10 +15,12 @@ from decode_worker.colocated import ColocatedWorker
 from decode_worker.stream_service import DecodeStreamServer
 from decode_worker.worker import DecodeWorker
 from engine.args import EngineArgs
-from kv_transfer import TransferSettings, layout_of, make_receiver, release_gil_in_compiled_kernels
+from kv_transfer import TransferSettings, codec_compiled, layout_of, make_receiver, release_gil_in_compiled_kernels
 from kv_transfer.internal_auth import InternalTLS
 
 log = logging.getLogger(f"pdserve.{__name__}")
+
+CODEC_BUILD_TIMEOUT_S = 300.0   # longest wait at start for the KV codec's compiled kernels
 
 
 class ColocatedActor:
@@ -89,5 +91,11 @@ class DecodeActor(ColocatedActor):
         self.codec = transfer.codec
 
     def _make_worker(self, engine, actor_id: str) -> DecodeWorker:
-        return DecodeWorker(engine, lambda on_complete: make_receiver(
+        worker = DecodeWorker(engine, lambda on_complete: make_receiver(
             self.transfer, self.layout, engine.kv_cache, engine.block_manager, on_complete), actor_id)
+        # The receiver started building the codec's compiled kernels: finish before serving (a build left
+        # to run under the first requests takes a core from them for seconds).
+        if not codec_compiled.wait_ready(CODEC_BUILD_TIMEOUT_S):
+            log.warning("fp8 codec kernels not built within %.0fs; decoding with the eager codec meanwhile",
+                        CODEC_BUILD_TIMEOUT_S)
+        return worker

@@ -43,6 +43,8 @@ class Stream:
     adopted: float | None = None         # when it joined the batch (KV adopted, or queued for local prefill)
     stepped: bool = False                # its first decode step has run
     remaining: int = 1                   # sequences not finished yet (n, or best_of)
+    timed: bool = False                  # its first event (which carries this actor's stages) is out
+    stages: wpb.ActorStages | None = None    # the KV handoff's stages, for the first event (decode actor)
 
     def __post_init__(self) -> None:
         self.remaining = self.job.params.best_of or self.job.params.n or 1
@@ -68,7 +70,8 @@ class ColocatedWorker:
         self.loop.stop()
 
     def submit(self, job: wpb.DecodeJob, emit: Callable[[wpb.DecodeEvent], None]) -> None:
-        self.loop.call(lambda: self._register(Stream(job, emit, time.monotonic())))
+        stream = Stream(job, emit, time.monotonic())      # received: the timeline's queue starts
+        self.loop.call(lambda: self._register(stream))
 
     def abort(self, request_id: str) -> None:
         self.loop.call(lambda: self._abort(request_id))
@@ -116,16 +119,21 @@ class ColocatedWorker:
 
     def _step(self) -> float:
         step_start = time.monotonic()
-        for out in self.engine.step():           # schedule → run
-            self._stream(out, step_start)
+        outs = self.engine.step()                # schedule → run
+        step_done = time.monotonic()
+        for out in outs:
+            self._stream(out, step_start, step_done)
         return 0.0 if self.engine.has_unfinished() else IDLE_WAIT_S
 
-    def _stream(self, out: RequestOutput, step_start: float | None = None) -> None:
+    def _stream(self, out: RequestOutput, step_start: float | None = None, step_done: float | None = None) -> None:
         """Send one step's output of one sequence to its request's stream (the last sequence's finish ends it)."""
         s = self._streams.get(out.request_id)
         if s is None:
             return
         event = output_event(out)
+        if not s.timed:                          # the request's first event: this actor's stages up to it
+            s.timed = True
+            event.stages.CopyFrom(s.stages or self._prefill_stages(s, out, step_done or time.monotonic()))
         if step_start is not None and not s.stepped:
             s.stepped = True
             event.decode_queue_s = max(step_start - (s.adopted or step_start), 0.0)
@@ -134,6 +142,13 @@ class ColocatedWorker:
             if s.remaining == 0:             # every sequence has finished: the stream ends here
                 del self._streams[out.request_id]
         s.emit(event)
+
+    def _prefill_stages(self, s: Stream, out: RequestOutput, step_done: float) -> wpb.ActorStages:
+        """Queue, compute and sampling of a prompt prefilled here, up to its first token."""
+        scheduled = min(out.first_scheduled_time or s.registered, step_done)
+        run_done = min(max(self.engine.last_run_done, scheduled), step_done)
+        return wpb.ActorStages(queue_s=max(scheduled - s.registered, 0.0), compute_s=run_done - scheduled,
+                               sampling_s=step_done - run_done)
 
     # ---- load report ----------------------------------------------------
     def stats(self) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -80,15 +81,16 @@ class DecodeStreamServer(worker_pb2_grpc.DecodeStreamServiceServicer):
     async def Decode(self, request: wpb.DecodeRequest,  # noqa: N802 — the proto's method name
                      context: grpc.aio.ServicerContext) -> AsyncIterator[wpb.DecodeResponse]:
         job = request.job
-        queue: asyncio.Queue[wpb.DecodeEvent] = asyncio.Queue()
-        self.worker.submit(job, on_event_loop(asyncio.get_running_loop(), queue.put_nowait))
+        queue: asyncio.Queue[tuple[float, wpb.DecodeEvent]] = asyncio.Queue()
+        put = on_event_loop(asyncio.get_running_loop(), queue.put_nowait)
+        self.worker.submit(job, lambda ev: put((time.monotonic(), ev)))      # stamped as made (timeline)
         finished = False
         open_sequences = job.params.best_of or job.params.n or 1     # the stream ends after each one's finish
         try:
             while not finished:
-                response = wpb.DecodeResponse(events=[await queue.get()])
+                response = wpb.DecodeResponse(events=[_stamped(await queue.get())])
                 while not queue.empty():
-                    response.events.append(queue.get_nowait())
+                    response.events.append(_stamped(queue.get_nowait()))
                 for ev in response.events:
                     open_sequences -= bool(ev.finish_reason)
                     ended = ev.error.code or ev.finish_reason == generation_pb2.FINISH_REASON_ABORT
@@ -97,6 +99,14 @@ class DecodeStreamServer(worker_pb2_grpc.DecodeStreamServiceServicer):
         finally:
             if not finished:            # the router went away or cancelled: free the request here
                 self.worker.abort(job.request_id)
+
+
+def _stamped(item: tuple[float, wpb.DecodeEvent]) -> wpb.DecodeEvent:
+    """The event; the request's first (the one with stages) learns how long it took to reach the stream."""
+    made, ev = item
+    if ev.HasField("stages"):
+        ev.stages.first_event_s = time.monotonic() - made
+    return ev
 
 
 class DecodeStreamClient:

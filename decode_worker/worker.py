@@ -115,7 +115,10 @@ class DecodeWorker(ColocatedWorker):
                 self.engine.block_manager.free(result.dst_block_ids)
             self._fail(rid, error_event(grpc.StatusCode.INTERNAL, f"cannot adopt KV: {e}"))
             return
-        self._streams[rid].adopted = time.monotonic()
+        s = self._streams[rid]
+        s.adopted = time.monotonic()
+        s.stages = wpb.ActorStages(kv_receive_s=result.receive_tail_s, kv_receive_total_s=result.receive_s,
+                                   adopt_s=max(s.adopted - result.done_at, 0.0) if result.done_at else 0.0)
         for out in outs:
             self._stream(out)
 

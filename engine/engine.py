@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 import uuid
 
 import torch
@@ -237,11 +238,14 @@ class Engine:
         return outs
 
     # ---- the step -------------------------------------------------------
+    last_run_done: float = 0.0      # time.monotonic() when the last step's forward pass ended (request timelines)
+
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch:
             return []
         run = self.runner.run(batch)
+        self.last_run_done = time.monotonic()
         self.scheduler.commit(batch)
         for req, start, logits in run.prompt_logits:
             self._score_prompt(req, start, logits)

@@ -110,6 +110,10 @@ class TransferResult:
     codec: str = ""
     error: str = ""
     nbytes: int = 0  # wire bytes received
+    # Timeline (the receiver's monotonic clock): when it was done; first and last chunk received → done.
+    done_at: float = 0.0
+    receive_s: float = 0.0
+    receive_tail_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -135,7 +139,10 @@ class SendHandle:
         self.wire_bytes = 0
         self.started_at = time.perf_counter()
         self.elapsed_s = 0.0
+        self.chunk_at: list[float] = []  # time.monotonic() as each chunk went to the transport (timelines)
         self._event = threading.Event()
+        self._callbacks: list = []
+        self._callbacks_lock = threading.Lock()
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -144,10 +151,23 @@ class SendHandle:
         self._event.wait(timeout)
         return self.status
 
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(handle)`` once the send ends (at once if it has), on the thread that ends it: a
+        worker's loop is woken instead of polling its handles."""
+        with self._callbacks_lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
     def _finish(self, status: TransferStatus, error: str = "", side: FailedSide = FailedSide.NONE) -> None:
         self.status, self.error, self.failed_side = status, error, side
         self.elapsed_s = time.perf_counter() - self.started_at
-        self._event.set()
+        with self._callbacks_lock:
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
 
     def __repr__(self) -> str:
         return (f"SendHandle({self.transfer_id}, {self.status.value}, side={self.failed_side.value}, "

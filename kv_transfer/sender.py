@@ -162,8 +162,7 @@ class BaseSender(KVSender):
 
 
 def _timed(handle: SendHandle, chunks: Iterator) -> Iterator:
-    """``chunks``, stamping on ``handle`` when each goes to the transport and when it asks past the last."""
+    """``chunks``, stamping on ``handle`` when each is ready and goes to the transport."""
     for chunk in chunks:
         handle.chunk_at.append(time.monotonic())
         yield chunk
-    handle.last_chunk_at = time.monotonic()

@@ -30,8 +30,7 @@ from proto.pdserve.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
-IDLE_WAIT_S = 0.05      # nothing to do: sleep until a command arrives (or this long)
-SEND_POLL_S = 0.002     # only transfers in flight: check their handles this often
+IDLE_WAIT_S = 0.05      # nothing to do: sleep until a command or a finished send wakes the loop (or this long)
 
 TRANSFER_SIDE = {FailedSide.SENDER: wpb.TRANSFER_SIDE_SENDER, FailedSide.RECEIVER: wpb.TRANSFER_SIDE_RECEIVER,
                  FailedSide.TRANSPORT: wpb.TRANSFER_SIDE_TRANSPORT}
@@ -44,6 +43,7 @@ class _Pending:
     submitted: float
     handle: SendHandle | None = None
     result: wpb.PrefillResult | None = None
+    sampled: float = 0.0                 # its first tokens were sampled (the KV send starts)
 
 
 class PrefillWorker:
@@ -66,7 +66,8 @@ class PrefillWorker:
         self.sender.close()
 
     def submit(self, job: wpb.PrefillJob, on_done: Callable[[wpb.PrefillResult], None]) -> None:
-        self.loop.call(lambda: self._admit(_Pending(job, on_done, time.monotonic())))
+        pending = _Pending(job, on_done, time.monotonic())     # received: the timeline's prefill queue starts
+        self.loop.call(lambda: self._admit(pending))
 
     def abort(self, request_id: str) -> None:
         self.loop.call(lambda: self._abort(request_id))
@@ -103,9 +104,7 @@ class PrefillWorker:
         for rid, outs in firsts.items():
             self._send_kv(self._pending[rid], sorted(outs, key=lambda o: o.index))
         self._reap_sends()
-        if self.engine.has_unfinished():
-            return 0.0
-        return SEND_POLL_S if self._sending else IDLE_WAIT_S
+        return 0.0 if self.engine.has_unfinished() else IDLE_WAIT_S
 
     def _send_kv(self, p: _Pending, outs: list[RequestOutput]) -> None:
         """Every sequence's first token is sampled: ship the prompt's KV with them (the handoff), or
@@ -113,11 +112,14 @@ class PrefillWorker:
         done = time.monotonic()
         head = outs[0]
         scheduled = head.first_scheduled_time or done
+        run_done = min(max(self.engine.last_run_done, scheduled), done)
         firsts = [output_event(out) for out in outs]
+        stages = wpb.ActorStages(queue_s=scheduled - p.submitted, compute_s=run_done - scheduled,
+                                 sampling_s=done - run_done)
         result = wpb.PrefillResult(request_id=head.request_id, transfer_id=p.job.transfer_id,
                                    status=wpb.PREFILL_STATUS_SENT, first_tokens=firsts,
                                    num_prompt_tokens=head.num_prompt_tokens, num_cached_tokens=head.num_cached_tokens,
-                                   queue_s=scheduled - p.submitted, prefill_s=done - scheduled)
+                                   queue_s=scheduled - p.submitted, prefill_s=done - scheduled, stages=stages)
         if head.prompt_logprobs:
             result.prompt_logprobs.extend(head.prompt_logprobs)
             del firsts[0].prompt_logprobs[:]     # the router has them from the result
@@ -129,13 +131,14 @@ class PrefillWorker:
         block_ids = next(out.block_ids for out in outs if out.prefilled)
         cache = self.engine.kv_cache
         result.kv_bytes = len(block_ids) * cache[:, 0].numel() * cache.element_size()
-        p.result = result
+        p.result, p.sampled = result, done
         handoff = wpb.Handoff(first_tokens=firsts).SerializeToString()
         p.handle = self.sender.send(head.request_id, cache, block_ids, p.job.kv_endpoint,
                                     transfer_id=p.job.transfer_id, deadline_s=p.job.transfer_deadline_s,
                                     num_tokens=head.num_prompt_tokens, first_token_id=head.new_token_ids[0],
                                     handoff=handoff)
         self._sending[head.request_id] = p
+        p.handle.add_done_callback(lambda _handle: self.loop.wake())     # reaped at once, never polled
 
     def _reap_sends(self) -> None:
         for rid, p in list(self._sending.items()):
@@ -146,6 +149,7 @@ class PrefillWorker:
             result = p.result
             result.transfer_s = p.handle.elapsed_s
             result.wire_bytes = p.handle.wire_bytes
+            _send_stages(result.stages, p.handle, p.sampled)
             if p.handle.status is not TransferStatus.DONE:
                 result.status = wpb.PREFILL_STATUS_FAILED
                 result.error = p.handle.error or p.handle.status.value
@@ -164,3 +168,15 @@ class PrefillWorker:
         return {"actor_id": self.actor_id, "role": "prefill", "kv_blocks_total": bm.num_blocks,
                 "kv_blocks_used": bm.num_used_blocks, "queued_requests": len(sched.waiting),
                 "running_requests": len(sched.running) + len(self._sending)}
+
+
+def _send_stages(stages: wpb.ActorStages, handle: SendHandle, sampled: float) -> None:
+    """The KV send's stages from the handle's stamps (`sampled`: when the first token was)."""
+    if not handle.chunk_at:              # failed before a chunk was ready
+        return
+    first, last = handle.chunk_at[0], handle.chunk_at[-1]
+    stages.kv_encode_s = first - sampled
+    stages.kv_send_s = last - first
+    stages.kv_chunks = len(handle.chunk_at)
+    stages.kv_chunk_s.extend(t - sampled for t in handle.chunk_at)
+    stages.kv_send_total_s = handle.elapsed_s

@@ -37,6 +37,7 @@ from typing import Protocol
 
 from engine.sampling_params import SamplingParams
 from proto.pdserve.v1 import generation_pb2 as pb
+from router.timeline import Timeline
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -92,6 +93,7 @@ class Timing:
     decode_queue_s: float = 0.0
     ttft_s: float = 0.0
     e2e_s: float = 0.0
+    timeline: Timeline | None = None   # every stage up to the first token (router.timeline)
 
 
 @dataclass(slots=True)

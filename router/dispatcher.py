@@ -42,6 +42,7 @@ from router.admission import AdmissionQueue
 from router.backend import ActorStats, Backend, BackendError, GenerationChunk, GenerationInput, Timing, Usage
 from router.dispatch import pick_prefill
 from router.pools import DecodeView, Pools, PrefillView
+from router.timeline import Timeline
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
@@ -92,6 +93,10 @@ class _Dispatch:
     emitted_chars: int = 0                             # ... and how many characters of their text
     num_failures: int = 0
     first_token_at: float | None = None
+    admitted: float = 0.0                # timeline: the admission wait ended
+    sent_at: float | None = None         # ... this attempt's jobs went to the actors
+    prefill_stages: wpb.ActorStages | None = None   # ... the actors' own stages (this attempt)
+    decode_stages: wpb.ActorStages | None = None
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:16])   # this dispatch, among all of its id
 
     @property
@@ -150,7 +155,8 @@ class Dispatcher(Backend):
             inp.params.seed = random.getrandbits(63)
         d = _Dispatch(inp, pool, need, prompt_block_hashes(prompt, self.block_size), time.monotonic())
         d.view = await self._admit(d)
-        d.timing.queue_s = time.monotonic() - d.started
+        d.admitted = time.monotonic()
+        d.timing.queue_s = d.admitted - d.started
         try:
             while True:
                 try:
@@ -161,6 +167,8 @@ class Dispatcher(Backend):
                                 d.first_token_at = time.monotonic()
                             d.emitted.extend(chunk.token_ids)
                             d.emitted_chars += len(chunk.text)
+                            if chunk.timing is not None:
+                                chunk.timing.timeline = self._timeline(d)
                             yield chunk
                     d.view.succeeded()
                     self._record(d)
@@ -253,6 +261,19 @@ class Dispatcher(Backend):
         except Exception:
             return False
 
+    @staticmethod
+    def _timeline(d: _Dispatch) -> Timeline:
+        """The path to the first token: the router's own stages, the actors' stages of the last attempt,
+        and the transit between them (the router's window less the actors' stages). Earlier failed
+        attempts count in ``dispatch_s``; the servicer adds intake and closes it on its TTFT."""
+        first = d.first_token_at or time.monotonic()
+        sent = d.sent_at or first
+        tl = Timeline(router_queue_s=d.admitted - d.started, dispatch_s=sent - d.admitted)
+        tl.add_actor(d.prefill_stages)
+        tl.add_actor(d.decode_stages)
+        tl.fit_window(first - sent)
+        return tl
+
     def _record(self, d: _Dispatch) -> None:
         now = time.monotonic()
         ttft = (d.first_token_at or now) - d.started
@@ -269,6 +290,7 @@ class Dispatcher(Backend):
         uncached = len(prompt) - cached * self.block_size
         local = bool(d.emitted) or pview is None or uncached < self.routing.local_prefill_tokens
         transfer_id = "" if local else uuid.uuid4().hex
+        d.sent_at = d.prefill_stages = d.decode_stages = None
         # The transfer's deadline runs from when the send starts (prefill queueing does not eat it); the
         # decode actor waits for the transfer to begin as long as the router waits for the prefill.
         deadline_s, kv_wait_s = self.routing.transfer_deadline_s, self.routing.stream_idle_s
@@ -295,6 +317,7 @@ class Dispatcher(Backend):
         held: list[wpb.DecodeEvent] = []
         prompt_logprobs = None
         read_task = asyncio.ensure_future(stream.read())
+        d.sent_at = time.monotonic()
         try:
             while True:
                 waiting = {task for task in (read_task, prefill_task) if task is not None}
@@ -329,6 +352,8 @@ class Dispatcher(Backend):
                     elif not hold:               # (held events may still finish it: checked once they are out)
                         raise BackendError("INTERNAL", f"decode stream of {rid} ended without a finish")
                 for ev in events:
+                    if d.decode_stages is None and ev.HasField("stages"):
+                        d.decode_stages = ev.stages
                     last = bool(ev.finish_reason) and num_open == 1
                     chunk = self._on_event(ev, d.timing, usage, last)
                     if prompt_logprobs is not None:
@@ -380,6 +405,8 @@ class Dispatcher(Backend):
             raise _Retry(f"prefill actor {pview.actor_id}: {result.error or 'aborted'}",
                          receiver_suspect=result.failed_side in SUSPECT_SIDES)
         pview.remember(d.hashes)
+        if result.HasField("stages"):
+            d.prefill_stages = result.stages
         if self.metrics:
             self.metrics.prefix_hit_tokens(result.num_cached_tokens)
             if result.status == wpb.PREFILL_STATUS_SENT:

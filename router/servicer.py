@@ -74,6 +74,7 @@ class RequestRecord:
     user: str
     received: float
     num_prompt_tokens: int
+    backend_started: float | None = None     # the backend got the request (end of intake)
     num_sequences: int = 1
     num_completion_tokens: int = 0
     first_token_at: float | None = None
@@ -233,6 +234,7 @@ class AdmittedRequest:
         num_out = n if selecting else record.num_sequences
         num_done = 0
         try:
+            record.backend_started = time.monotonic()
             async with contextlib.aclosing(self.core.backend.generate(self.inp)) as raw:
                 stream = self._recorded(raw)
                 if selecting:
@@ -296,7 +298,12 @@ class AdmittedRequest:
         t = record.backend_timing or Timing()
         ttft = (record.first_token_at or now) - record.received
         record.usage = usage
-        record.timing = Timing(t.queue_s, t.prefill_s, t.kv_transfer_s, t.decode_queue_s, ttft, now - record.received)
+        timeline = t.timeline
+        if timeline is not None:     # the backend's stages, after this router's intake; they sum to ttft
+            timeline.intake_s = (record.backend_started or record.received) - record.received
+            timeline.close(ttft)
+        record.timing = Timing(t.queue_s, t.prefill_s, t.kv_transfer_s, t.decode_queue_s, ttft, now - record.received,
+                               timeline)
         return usage, record.timing
 
     def finish(self) -> None:
@@ -455,6 +462,8 @@ def _response(request_id: str, chunk: GenerationChunk) -> pb.GenerateResponse:
         t = chunk.timing
         response.timing.CopyFrom(pb.Timing(queue_s=t.queue_s, prefill_s=t.prefill_s, kv_transfer_s=t.kv_transfer_s,
                                            decode_queue_s=t.decode_queue_s, ttft_s=t.ttft_s, e2e_s=t.e2e_s))
+        if t.timeline is not None:
+            response.timing.timeline.CopyFrom(t.timeline.to_proto())
     return response
 
 

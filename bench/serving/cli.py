@@ -23,6 +23,7 @@ from bench.serving.cluster import bench_config
 from bench.serving.runs import measure, run_variants, workload_kwargs
 from bench.serving.sweep import run_sweep
 from bench.serving.tables import lengths_line, table
+from bench.serving.timeline_view import median_request, render
 from bench.serving.workloads import describe, make_workload
 
 
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hf-baseline", action="store_true", help="also time HF transformers generate (static batching)")
     s.add_argument("--hf-batch-size", type=int, default=8)
     s.add_argument("--json", help="write every figure and per-request record here")
+    s.add_argument("--timeline", action="store_true", help="draw one request's path to its first token, "
+                   "stage by stage (the median-TTFT request of each run)")
     s.add_argument("--no-progress", action="store_true")
     return p
 
@@ -85,7 +88,7 @@ async def bench_runs(args: argparse.Namespace) -> dict:
             "runs": runs}
 
 
-def print_runs(result: dict) -> None:
+def print_runs(result: dict, timeline: bool = False) -> None:
     runs = {k: v for k, v in result["runs"].items()}
     ref = "disaggregated" if "disaggregated" in runs and len(runs) > 1 else None
     print(f"\nworkload {result['workload']}, {result['num_requests']} requests, rate {result['request_rate']} req/s, "
@@ -95,6 +98,10 @@ def print_runs(result: dict) -> None:
     for name, run in runs.items():
         for err in run.get("errors", []):
             print(f"  {name} error: {err}")
+    if timeline:
+        for name, run in runs.items():
+            record = median_request(run.get("records", []))
+            print(f"\n{name}, median-TTFT request:\n{render(record) if record else '  no timeline (OpenAI API?)'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             result = asyncio.run(run_sweep(args))
         else:
             result = asyncio.run(bench_runs(args))
-            print_runs(result)
+            print_runs(result, timeline=args.timeline)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from bench.serving.workloads import RequestSpec
 from engine.latency import time_per_output_token
+from router.timeline import Timeline
 
 
 @dataclass(slots=True)
@@ -41,6 +42,12 @@ class RequestRecord:
     kv_transfer_s: float = 0.0
     decode_queue_s: float = 0.0
     server_ttft_s: float = 0.0
+    timeline: dict | None = None     # the server's stages up to the first token (router.timeline), seconds
+
+    @property
+    def client_s(self) -> float:
+        """TTFT at the client less the router's: the request and the first token between client and router."""
+        return self.ttft_s - self.server_ttft_s
 
     @property
     def tpot_s(self) -> float:
@@ -50,6 +57,7 @@ class RequestRecord:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["tpot_s"] = self.tpot_s
+        out["client_s"] = self.client_s
         return out
 
 
@@ -120,6 +128,8 @@ async def one_request(client, spec: RequestSpec, record: RequestRecord, t0: floa
             t = last.timing
             record.queue_s, record.prefill_s, record.kv_transfer_s = t.queue_s, t.prefill_s, t.kv_transfer_s
             record.decode_queue_s, record.server_ttft_s = t.decode_queue_s, t.ttft_s
+            if t.HasField("timeline"):
+                record.timeline = Timeline.from_proto(t.timeline).as_dict()
     except Exception as e:  # noqa: BLE001 — a failed request is a data point, not a crash
         record.ok = False
         code = getattr(e, "code", None)

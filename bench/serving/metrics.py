@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterable, Sequence
 
 from bench.serving.load import RequestRecord
+from bench.serving.timeline_view import stage_means
 
 PERCENTILES = (50, 90, 99)
 KV_COUNTERS = {
@@ -73,6 +74,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo_ttft_s: float
         values = [getattr(r, f"{part}_s") for r in done]
         out[f"{part}_mean_s"] = statistics.fmean(values) if values else math.nan
         out[f"{part}_p99_s"] = percentile(values, 99)
+    out.update(stage_means(records))
     out["goodput_rps"] = goodput(records, duration_s, slo_ttft_s, slo_tpot_s)
     out["slo_attainment"] = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in records) / max(len(records), 1)
     prompt = sum(r.prompt_len for r in done)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+from bench.serving.timeline_view import table_rows
+
 # (label, key, unit scale, format)
 ROWS = [
     ("completed", "completed", 1, "{:.0f}"),
@@ -19,6 +21,7 @@ ROWS = [
     ("  prefill mean (ms)", "prefill_mean_s", 1e3, "{:.0f}"),
     ("  KV transfer mean (ms)", "kv_transfer_mean_s", 1e3, "{:.1f}"),
     ("  decode queue mean (ms)", "decode_queue_mean_s", 1e3, "{:.1f}"),
+    *table_rows(),
     ("TPOT mean (ms)", "tpot_mean_s", 1e3, "{:.1f}"),
     ("TPOT p50 (ms)", "tpot_p50_s", 1e3, "{:.1f}"),
     ("TPOT p90 (ms)", "tpot_p90_s", 1e3, "{:.1f}"),
@@ -31,7 +34,8 @@ ROWS = [
     ("KV bytes moved (MiB)", "kv_bytes", 1 / 2**20, "{:.2f}"),
     ("KV wire bytes (MiB)", "kv_wire_bytes", 1 / 2**20, "{:.2f}"),
 ]
-LOWER_IS_BETTER = ("ttft", "tpot", "itl", "e2e", "queue", "prefill", "kv_transfer", "decode_queue", "failed")
+LOWER_IS_BETTER = ("ttft", "tpot", "itl", "e2e", "queue", "prefill", "kv_transfer", "decode_queue", "failed",
+                   "timeline")
 
 
 def cell(run: dict, key: str, scale: float, fmt: str) -> str:

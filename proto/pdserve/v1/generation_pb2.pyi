@@ -155,20 +155,60 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s", "ttft_s", "e2e_s")
+    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s", "ttft_s", "e2e_s", "timeline")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     kv_transfer_s: float
     decode_queue_s: float
     ttft_s: float
     e2e_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+    timeline: Timeline
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., timeline: _Optional[_Union[Timeline, _Mapping]] = ...) -> None: ...
+
+class Timeline(_message.Message):
+    __slots__ = ("intake_s", "router_queue_s", "dispatch_s", "prefill_queue_s", "prefill_compute_s", "sampling_s", "kv_encode_s", "kv_send_s", "kv_receive_s", "adopt_s", "first_event_s", "transit_s", "unaccounted_s", "kv_chunks", "kv_chunk_s", "kv_send_total_s", "kv_receive_total_s")
+    INTAKE_S_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_S_FIELD_NUMBER: _ClassVar[int]
+    KV_ENCODE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_SEND_S_FIELD_NUMBER: _ClassVar[int]
+    KV_RECEIVE_S_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_EVENT_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSIT_S_FIELD_NUMBER: _ClassVar[int]
+    UNACCOUNTED_S_FIELD_NUMBER: _ClassVar[int]
+    KV_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    KV_CHUNK_S_FIELD_NUMBER: _ClassVar[int]
+    KV_SEND_TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    KV_RECEIVE_TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    intake_s: float
+    router_queue_s: float
+    dispatch_s: float
+    prefill_queue_s: float
+    prefill_compute_s: float
+    sampling_s: float
+    kv_encode_s: float
+    kv_send_s: float
+    kv_receive_s: float
+    adopt_s: float
+    first_event_s: float
+    transit_s: float
+    unaccounted_s: float
+    kv_chunks: int
+    kv_chunk_s: _containers.RepeatedScalarFieldContainer[float]
+    kv_send_total_s: float
+    kv_receive_total_s: float
+    def __init__(self, intake_s: _Optional[float] = ..., router_queue_s: _Optional[float] = ..., dispatch_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., sampling_s: _Optional[float] = ..., kv_encode_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_receive_s: _Optional[float] = ..., adopt_s: _Optional[float] = ..., first_event_s: _Optional[float] = ..., transit_s: _Optional[float] = ..., unaccounted_s: _Optional[float] = ..., kv_chunks: _Optional[int] = ..., kv_chunk_s: _Optional[_Iterable[float]] = ..., kv_send_total_s: _Optional[float] = ..., kv_receive_total_s: _Optional[float] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -61,7 +61,7 @@ class PrefillJob(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_deadline_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "status", "num_prompt_tokens", "num_cached_tokens", "error", "failed_side", "retryable", "queue_s", "prefill_s", "transfer_s", "kv_bytes", "wire_bytes", "first_tokens", "prompt_logprobs")
+    __slots__ = ("request_id", "transfer_id", "status", "num_prompt_tokens", "num_cached_tokens", "error", "failed_side", "retryable", "queue_s", "prefill_s", "transfer_s", "kv_bytes", "wire_bytes", "first_tokens", "prompt_logprobs", "stages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class PrefillResult(_message.Message):
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     status: PrefillStatus
@@ -92,7 +93,36 @@ class PrefillResult(_message.Message):
     wire_bytes: int
     first_tokens: _containers.RepeatedCompositeFieldContainer[DecodeEvent]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., status: _Optional[_Union[PrefillStatus, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., failed_side: _Optional[_Union[TransferSide, str]] = ..., retryable: _Optional[bool] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., first_tokens: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    stages: ActorStages
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., status: _Optional[_Union[PrefillStatus, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., failed_side: _Optional[_Union[TransferSide, str]] = ..., retryable: _Optional[bool] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., first_tokens: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., stages: _Optional[_Union[ActorStages, _Mapping]] = ...) -> None: ...
+
+class ActorStages(_message.Message):
+    __slots__ = ("queue_s", "compute_s", "sampling_s", "kv_encode_s", "kv_send_s", "kv_receive_s", "adopt_s", "first_event_s", "kv_chunks", "kv_chunk_s", "kv_send_total_s", "kv_receive_total_s")
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_S_FIELD_NUMBER: _ClassVar[int]
+    KV_ENCODE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_SEND_S_FIELD_NUMBER: _ClassVar[int]
+    KV_RECEIVE_S_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_EVENT_S_FIELD_NUMBER: _ClassVar[int]
+    KV_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    KV_CHUNK_S_FIELD_NUMBER: _ClassVar[int]
+    KV_SEND_TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    KV_RECEIVE_TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    queue_s: float
+    compute_s: float
+    sampling_s: float
+    kv_encode_s: float
+    kv_send_s: float
+    kv_receive_s: float
+    adopt_s: float
+    first_event_s: float
+    kv_chunks: int
+    kv_chunk_s: _containers.RepeatedScalarFieldContainer[float]
+    kv_send_total_s: float
+    kv_receive_total_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., sampling_s: _Optional[float] = ..., kv_encode_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_receive_s: _Optional[float] = ..., adopt_s: _Optional[float] = ..., first_event_s: _Optional[float] = ..., kv_chunks: _Optional[int] = ..., kv_chunk_s: _Optional[_Iterable[float]] = ..., kv_send_total_s: _Optional[float] = ..., kv_receive_total_s: _Optional[float] = ...) -> None: ...
 
 class Handoff(_message.Message):
     __slots__ = ("first_tokens",)
@@ -129,7 +159,7 @@ class DecodeError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "error", "decode_queue_s", "num_cached_tokens", "index", "logprobs", "stop_str", "stop_token_id", "prompt_logprobs")
+    __slots__ = ("token_ids", "text", "finish_reason", "error", "decode_queue_s", "num_cached_tokens", "index", "logprobs", "stop_str", "stop_token_id", "prompt_logprobs", "stages")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +171,7 @@ class DecodeEvent(_message.Message):
     STOP_STR_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _generation_pb2.FinishReason
@@ -152,4 +183,5 @@ class DecodeEvent(_message.Message):
     stop_str: str
     stop_token_id: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., error: _Optional[_Union[DecodeError, _Mapping]] = ..., decode_queue_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    stages: ActorStages
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., error: _Optional[_Union[DecodeError, _Mapping]] = ..., decode_queue_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., stages: _Optional[_Union[ActorStages, _Mapping]] = ...) -> None: ...
