@@ -54,7 +54,7 @@ def measure(model: str = "tiny", num_requests: int = 32, max_tokens: int = 32, d
             decode.kv_cache[:, blocks[:len(out.block_ids)]] = _roundtrip(codec, src)
             logits = _first_step_logits(decode, prompt, out.new_token_ids[0], blocks)
             decode.expect_kv(f"{rid}-{codec}", prompt, params, f"{rid}-{codec}", float("inf"))
-            decode.adopt(f"{rid}-{codec}", out.new_token_ids[0], blocks)
+            decode.adopt(f"{rid}-{codec}", [out.new_token_ids[0]], blocks)
             tokens = out.new_token_ids + [t for o in _drain(decode) for t in o.new_token_ids]
             runs[codec] = (logits, tokens)
         prefill.release(rid)

@@ -1,0 +1,283 @@
+"""Quality gates of the trained `pydoc` model: held-out bits per byte (engine vs HF) and FP8 KV.
+
+1. Held-out bits per byte of the committed weights, scored by our engine's model and by HF
+   transformers on the same directory (every held-out token, fresh context per 512-token
+   window); they must agree to 1e-3. Needs the corpus (`apt-get download`, see engine.train);
+   `--no-bpb` skips it.
+2. FP8 KV on the fixed held-out passages (`heldout_passages.json`): each passage's first
+   `prompt_len` tokens are prefilled on a prefill engine; the prompt KV goes through each
+   codec's encode → decode (the bytes the wire carries) into a decode engine, which
+   (a) greedy-decodes 64 tokens after adopting it (prefix agreement and identical-sequence
+       rate vs codec `none`), and
+   (b) scores the passage's true continuation teacher-forced on top of that received KV
+       (perplexity of 64 tokens; only the prompt KV differs between codecs).
+   `fp8` (one scale per block × layer × K/V × kv-head) and `fp8_tensor` (one scale per
+   shipped tensor) are compared on the same measures.
+
+    python -m bench.trained_quality [--model pydoc] [--passages 64] [--no-bpb] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import secrets
+import sys
+import time
+
+import torch
+
+from bench.kv_quality import _drain
+from engine import Engine, SamplingParams
+from engine.attention import build_metadata
+from engine.presets import resolve_model
+from engine.train.passages import load_passages
+from kv_transfer import codec_compiled
+from kv_transfer import FakeHub, TransferResult, TransferStatus, layout_of, make_receiver, make_sender
+
+PROMPT_TOKENS = 128
+CONTINUATION_TOKENS = 64
+TARGETS = {"ppl_rel_diff": 0.01, "identical_sequences": 0.90}
+
+
+def engine_nll(engine: Engine, windows: list[list[int]]) -> tuple[float, int]:
+    """Summed next-token NLL (nats) and token count of `windows`, each a fresh context, by the
+    engine's own model (paged KV, prefill attention)."""
+    total, count = 0.0, 0
+    bs = engine.block_size
+    for w in windows:
+        n = len(w) - 1
+        blocks = engine.block_manager.allocate((n + bs - 1) // bs)
+        meta = build_metadata([(0, n, blocks)], bs, engine.device)
+        logits = engine.model(torch.tensor(w[:-1]), torch.arange(n), engine.kv_cache, meta, None)
+        total += torch.nn.functional.cross_entropy(logits.float(), torch.tensor(w[1:]), reduction="sum").item()
+        count += n
+        engine.block_manager.free(blocks)
+    return total, count
+
+
+def hf_nll(model_dir: str, windows: list[list[int]]) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
+
+    from engine.train.trainer import nll_sum
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return nll_sum(model, windows), sum(len(w) - 1 for w in windows)
+
+
+def heldout_bits_per_byte(model_dir: str, engine: Engine, cache: str | None = None) -> dict:
+    """Bits per byte over the whole held-out split, engine vs HF (same windows, same weights)."""
+    import os
+
+    from tokenizers import Tokenizer
+
+    from engine.train.corpus import load_corpus
+    from engine.train.trainer import Recipe, encode_documents, heldout_windows
+    corpus = load_corpus(cache or os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "corpus"))
+    with open(os.path.join(model_dir, "training.json"), encoding="utf-8") as f:
+        record = json.load(f)
+    if corpus.sha256 != record["corpus"]["sha256"]:
+        print(f"warning: corpus sha256 {corpus.sha256[:16]}… differs from the recorded "
+              f"{record['corpus']['sha256'][:16]}…", file=sys.stderr)
+    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    seq_len = record["recipe"].get("seq_len", Recipe.seq_len)
+    windows = heldout_windows(encode_documents(tok, corpus.heldout), seq_len)
+    nbytes = corpus.num_heldout_bytes
+    t0 = time.perf_counter()
+    e_nll, n = engine_nll(engine, windows)
+    t1 = time.perf_counter()
+    h_nll, _ = hf_nll(model_dir, windows)
+    t2 = time.perf_counter()
+    e_bpb, h_bpb = e_nll / math.log(2) / nbytes, h_nll / math.log(2) / nbytes
+    return {"tokens": n, "bytes": nbytes, "engine_bits_per_byte": e_bpb, "hf_bits_per_byte": h_bpb,
+            "abs_diff": abs(e_bpb - h_bpb), "engine_s": t1 - t0, "hf_s": t2 - t1}
+
+
+class KVLink:
+    """The prefill engine's cache → a real KV transport → the decode engine's cache, for one codec.
+
+    The sender encodes the prompt's blocks into wire chunks (header, payload, checksum); the
+    receiver authenticates them, reserves blocks from the decode engine's block manager and
+    decodes into its cache: the path a decode actor's KV takes in the cluster, both ends in
+    this process so the decode engine's model can score what arrived.
+    """
+
+    def __init__(self, prefill: Engine, decode: Engine, codec: str, transport: str = "grpc") -> None:
+        token = secrets.token_hex(16)
+        hub = {"hub": FakeHub()} if transport == "fake" else {}
+        self.prefill, self.codec = prefill, codec
+        self.receiver = make_receiver(transport, layout_of(decode.kv_cache, decode.fingerprint), decode.kv_cache,
+                                      decode.block_manager, codec=codec, token=token, **hub)
+        self.sender = make_sender(transport, layout_of(prefill.kv_cache, prefill.fingerprint), codec=codec,
+                                  token=token, **hub)
+
+    def ship(self, request_id: str, block_ids: list[int], num_tokens: int, first_token_id: int) -> TransferResult:
+        """Send the prompt's blocks; returns the DONE result (its dst_block_ids now belong to the caller)."""
+        handle = self.sender.send(request_id, self.prefill.kv_cache, block_ids, self.receiver.endpoint,
+                                  num_tokens=num_tokens, first_token_id=first_token_id, deadline_s=120.0)
+        if handle.wait(120.0) is not TransferStatus.DONE:
+            raise RuntimeError(f"{self.codec} transfer of {request_id} did not finish: {handle}")
+        result = self.receiver.wait(handle.transfer_id, 120.0)
+        if result is None or result.status is not TransferStatus.DONE:
+            raise RuntimeError(f"{self.codec} transfer of {request_id} was not received: {result}")
+        return result
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+
+
+def _continuation_nll(decode: Engine, prompt_blocks: list[int], prompt_len: int, continuation: list[int]) -> float:
+    """Teacher-forced NLL of continuation[1:] given the received prompt KV + continuation[:-1].
+
+    The forward writes only positions >= prompt_len (fresh blocks, or the unused tail of the
+    last prompt block, which the greedy run overwrites before it reads it)."""
+    bs = decode.block_size
+    m = len(continuation) - 1
+    need = (prompt_len + m + bs - 1) // bs - (prompt_len + bs - 1) // bs
+    extra = decode.block_manager.allocate(need)
+    blocks = prompt_blocks[:(prompt_len + bs - 1) // bs] + extra
+    meta = build_metadata([(prompt_len, m, blocks)], bs, decode.device)
+    positions = torch.arange(prompt_len, prompt_len + m)
+    logits = decode.model(torch.tensor(continuation[:-1]), positions, decode.kv_cache, meta, None)
+    nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(continuation[1:]), reduction="sum").item()
+    decode.block_manager.free(extra)
+    return nll
+
+
+def _greedy_after_adopt(decode: Engine, rid: str, prompt: list[int], result: TransferResult,
+                        params: SamplingParams) -> tuple[list[int], list[float]]:
+    """Adopt the received blocks as a decode actor does; greedy tokens and each step's top-1 - top-2
+    logprob margin (the first token was drawn on the prefill side: margin inf)."""
+    decode.expect_kv(rid, prompt, params, rid, float("inf"))
+    outs = decode.adopt(rid, [result.first_token_id], list(result.dst_block_ids))
+    outs += _drain(decode)
+    tokens = [t for o in outs for t in o.new_token_ids]
+    margins = [math.inf] + [lp.top[0].logprob - lp.top[1].logprob for o in outs[1:] for lp in o.logprobs]
+    return tokens, margins
+
+
+def kv_codec_quality(model: str = "pydoc", num_passages: int = 64, codecs: tuple[str, ...] = ("fp8", "fp8_tensor"),
+                     dtype: str = "float32", attention: str = "auto", prompt_len: int = PROMPT_TOKENS,
+                     max_tokens: int = CONTINUATION_TOKENS, transport: str = "grpc",
+                     bf16_reference: bool = True) -> dict:
+    """Greedy agreement and teacher-forced continuation perplexity, each codec vs `none`, every
+    prompt's KV shipped prefill engine → `transport` → decode engine.
+
+    `bf16_reference` adds a row that is no codec: the `none` KV rounded to bfloat16 in the decode
+    cache (what a bf16 deployment holds), to show how often a harmless rounding flips greedy paths."""
+    model_dir = resolve_model(model)
+    passages = load_passages(model_dir)[:num_passages]
+    prefill = Engine(model_dir, dtype=dtype, num_blocks=256, enable_prefix_cache=False, attention=attention)
+    decode = Engine(model_dir, dtype=dtype, num_blocks=256, enable_prefix_cache=False, attention=attention)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    names = ("none", *codecs, *(("bf16_ref",) if bf16_reference else ()))
+    links = {c: KVLink(prefill, decode, c, transport) for c in ("none", *codecs)}
+    # The receivers start compiling fp8 kernels on a background thread; torch.compile's tracing
+    # patches torch.nn.Module.__call__ process-wide, so no model may run until it is done.
+    codec_compiled.wait_ready()
+    nll = {c: [] for c in names}
+    greedy = {c: [] for c in names}
+    wire_bytes = dict.fromkeys(names, 0)
+    margins: list[list[float]] = []
+    try:
+        for i, passage in enumerate(passages):
+            prompt, continuation = passage[:prompt_len], passage[prompt_len:]
+            rid = f"p{i}"
+            prefill.add_request(prompt, params, request_id=rid, prefill_only=True)
+            out = next(o for o in _drain(prefill) if o.request_id == rid)
+            for name in names:
+                result = links["none" if name == "bf16_ref" else name].ship(f"{rid}-{name}", out.block_ids,
+                                                                              len(prompt), out.new_token_ids[0])
+                wire_bytes[name] += result.nbytes
+                if name == "bf16_ref":
+                    ids = torch.tensor(result.dst_block_ids)
+                    decode.kv_cache[:, ids] = decode.kv_cache[:, ids].to(torch.bfloat16).to(decode.kv_cache.dtype)
+                nll[name].append(_continuation_nll(decode, result.dst_block_ids, prompt_len, continuation))
+                tokens, step_margins = _greedy_after_adopt(decode, f"{rid}-{name}", prompt, result, params)
+                greedy[name].append(tokens)
+                if name == "none":
+                    margins.append(step_margins)
+            prefill.release(rid)
+    finally:
+        for link in links.values():
+            link.close()
+    prefill.block_manager.check_no_leaks()
+    decode.block_manager.check_no_leaks()
+    scored = sum(len(p) - prompt_len - 1 for p in passages)
+    ref_ppl = math.exp(sum(nll["none"]) / scored)
+    result = {"passages": len(passages), "prompt_tokens": prompt_len, "scored_tokens_per_passage":
+              scored // max(1, len(passages)), "greedy_tokens": max_tokens, "transport": transport,
+              "none": {"ppl": ref_ppl, "wire_bytes": wire_bytes["none"]}}
+    for name in names[1:]:
+        ppl = math.exp(sum(nll[name]) / scored)
+        per_passage = [abs(math.exp((a - b) / (len(p) - prompt_len - 1)) - 1)
+                       for a, b, p in zip(nll[name], nll["none"], passages)]
+        prefix = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), len(y))
+                  for x, y in zip(greedy[name], greedy["none"])]
+        # where a sequence first differs, how sure was codec `none` of its token (top-1 - top-2, nats)
+        forks = [m[k] for k, m, y in zip(prefix, margins, greedy["none"]) if k < len(y)]
+        result[name] = {
+            "ppl": ppl, "ppl_rel_diff": abs(ppl / ref_ppl - 1), "ppl_rel_diff_max_passage": max(per_passage),
+            "greedy_prefix_agreement": sum(prefix) / sum(len(y) for y in greedy["none"]),
+            "identical_sequences": sum(x == y for x, y in zip(greedy[name], greedy["none"])) / len(passages),
+            "max_margin_at_fork": max(forks, default=0.0), "wire_bytes": wire_bytes[name],
+        }
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.trained_quality", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="pydoc")
+    ap.add_argument("--passages", type=int, default=64)
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--transport", default="grpc", choices=("grpc", "fake"),
+                    help="KV transport between the prefill and the decode engine (default grpc on loopback)")
+    ap.add_argument("--no-bpb", action="store_true", help="skip held-out bits per byte (needs the corpus)")
+    ap.add_argument("--no-kv", action="store_true", help="skip the FP8 KV measures")
+    ap.add_argument("--cache", help="corpus cache directory (default ~/.cache/pdserve/corpus)")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    result: dict = {}
+    ok = True
+    model_dir = resolve_model(args.model)
+    if not args.no_bpb:
+        engine = Engine(model_dir, dtype="float32", num_blocks=64, enable_prefix_cache=False, attention="eager")
+        bpb = result["bits_per_byte"] = heldout_bits_per_byte(model_dir, engine, args.cache)
+        ok = bpb["abs_diff"] < 1e-3
+        print(f"held-out bits/byte over {bpb['tokens']} tokens / {bpb['bytes']} bytes: engine "
+              f"{bpb['engine_bits_per_byte']:.5f}, HF transformers {bpb['hf_bits_per_byte']:.5f}, "
+              f"|diff| {bpb['abs_diff']:.1e} ({'ok' if ok else 'FAIL'} at 1e-3)\n")
+    if not args.no_kv:
+        q = result["kv"] = kv_codec_quality(args.model, args.passages, attention=args.attention,
+                                            transport=args.transport)
+        print(f"{q['passages']} held-out passages, KV shipped prefill engine -> {q['transport']} -> decode engine: "
+              f"{q['prompt_tokens']}-token prompt, continuation of {q['scored_tokens_per_passage']} tokens scored "
+              f"teacher-forced on the received KV, {q['greedy_tokens']} greedy tokens")
+        print(f"{'KV':<11} {'payload MB':>10} {'ppl':>8} {'ppl vs none':>12} {'max/passage':>12} {'greedy prefix':>14} "
+              f"{'identical':>10} {'max margin at fork':>19}")
+        print(f"{'none':<11} {q['none']['wire_bytes'] / 1e6:>10.2f} {q['none']['ppl']:>8.4f} {'':>12} {'':>12} "
+              f"{1.0:>14.3f} {1.0:>10.3f} {'':>19}")
+        for name in ("fp8", "fp8_tensor", "bf16_ref"):
+            r = q[name]
+            wire = f"{r['wire_bytes'] / 1e6:.2f}" if name != "bf16_ref" else "(none)"
+            print(f"{name:<11} {wire:>10} {r['ppl']:>8.4f} {r['ppl_rel_diff']:>11.3%} "
+                  f"{r['ppl_rel_diff_max_passage']:>11.3%} {r['greedy_prefix_agreement']:>14.3f} "
+                  f"{r['identical_sequences']:>10.3f} {r['max_margin_at_fork']:>19.4f}")
+        print("(bf16_ref: the none KV rounded to bfloat16 in the decode cache, no codec; margin at fork: codec none's "
+              "top-1 - top-2 logprob, nats, where a greedy sequence first differs)")
+        r = q["fp8"]
+        met = {"ppl": r["ppl_rel_diff"] <= TARGETS["ppl_rel_diff"],
+               "identical": r["identical_sequences"] >= TARGETS["identical_sequences"]}
+        print(f"\nfp8 targets: perplexity within {TARGETS['ppl_rel_diff']:.0%}: {'met' if met['ppl'] else 'NOT met'}; "
+              f"identical greedy sequences >= {TARGETS['identical_sequences']:.0%}: "
+              f"{'met' if met['identical'] else 'NOT met'}")
+        ok = ok and all(met.values())
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
