@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int)
     p.add_argument("--prefill-actors", type=int)
     p.add_argument("--decode-actors", type=int)
-    p.add_argument("--transport", choices=["grpc", "torch", "ray"])
+    p.add_argument("--transport", choices=["grpc", "tcp", "torch", "ray"])
     p.add_argument("--kv-compression", choices=["fp8", "none"])
     p.add_argument("--address", help="Ray address to join (e.g. auto); default: a local Ray on 127.0.0.1")
     p.add_argument("--metrics-port", type=int)

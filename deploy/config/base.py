@@ -5,7 +5,7 @@ one-line messages.
 Every message has the shape ``<dotted.key.path>: <what is wrong>``, e.g.::
 
     pools.decode.max: must be >= pools.decode.min (4 > 2)
-    kv_transfer.transport: unknown value 'tcp' (allowed: grpc, torch, ray)
+    kv_transfer.transport: unknown value 'udp' (allowed: grpc, tcp, torch, ray)
     pools.prefill.cuont: unknown key (allowed: count, min, max, ...)
     slo.ttft_p99_ms: expected a number, got 'fast'
 

@@ -25,9 +25,10 @@ def _parse_bytes(value: object) -> object:
 class KVTransferSection(Section):
     """How prefill actors ship KV blocks to decode actors."""
 
-    transport: Literal["grpc", "torch", "ray"] = Field(
-        "grpc", description="grpc (streaming service on the decode actor), torch "
-        "(torch.distributed: NCCL on CUDA, gloo on CPU) or ray (object store, same node).")
+    transport: Literal["grpc", "tcp", "torch", "ray"] = Field(
+        "grpc", description="grpc (streaming service on the decode actor), tcp (plain TCP straight from and into "
+        "the cache rows: the fastest on CPU), torch (torch.distributed: NCCL on CUDA, gloo on CPU) or ray "
+        "(object store, same node).")
     compression: Literal["fp8", "none"] = Field(
         "fp8", description="fp8 (float8_e4m3fn + per-block scales) or none (bit-exact).")
     chunk_bytes: Annotated[Int, BeforeValidator(_parse_bytes)] = Field(

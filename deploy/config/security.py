@@ -2,8 +2,8 @@
 
 The router's public port takes the token; internal endpoints (KV service, decode token stream)
 take a secret derived from it (`kv_transfer.internal_auth.internal_secret`). ``tls_*`` secure the
-public port; ``internal_tls_*`` put every internal gRPC channel under mutual TLS: each node
-presents ``internal_tls_cert`` as server and as client certificate, and accepts only peers whose
+public port; ``internal_tls_*`` put every internal gRPC channel (and the tcp KV transport) under
+mutual TLS: each node presents ``internal_tls_cert`` as server and as client certificate, and accepts only peers whose
 certificate chains to ``internal_tls_ca``. The files must exist at the same path on every node.
 """
 from __future__ import annotations

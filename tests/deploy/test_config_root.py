@@ -73,8 +73,9 @@ def test_overrides_are_validated(write_yaml):
     with pytest.raises(ConfigError, match=r"^pools\.decode\.max: must be >= pools\.decode\.min "
                        r"\(6 > 2\)$"):
         load_config(path, {"pools.decode.min": 6, "pools.decode.max": 2})
-    with pytest.raises(ConfigError, match=r"^kv_transfer\.transport: unknown value 'tcp'"):
-        load_config(None, {"kv_transfer.transport": "tcp"})
+    with pytest.raises(ConfigError, match=r"^kv_transfer\.transport: unknown value 'udp'"):
+        load_config(None, {"kv_transfer.transport": "udp"})
+    assert load_config(None, {"kv_transfer.transport": "tcp"}).kv_transfer.transport == "tcp"
     with pytest.raises(ConfigError, match=r"^pools\.prefill\.cuont: unknown key"):
         load_config(None, {"pools.prefill.cuont": 2})
     with pytest.raises(ConfigError, match=r"^pools\.decode\.count\.x: cannot set a key under "

@@ -1,0 +1,144 @@
+"""What only the tcp transport does: codec none straight from and into the cache rows, mutual TLS, a connection
+that breaks mid-piece, silent and surplus connections. (The generic transport tests run on tcp too.)"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from kv_helpers import TOKEN, assert_no_leak, random_cache, wait_for
+from tls_support import make_certs
+
+from kv_transfer import FailedSide, KVLayout, SimpleBlockPool, TransferSettings, TransferStatus, make_receiver
+from kv_transfer import make_sender
+from kv_transfer.codec import NoneCodec
+from kv_transfer.internal_auth import InternalTLS
+from kv_transfer.transports.tcp import receiver as tcp_receiver
+from kv_transfer.transports.tcp.rows import cell_runs
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def node_tls(certs, name: str = "node") -> InternalTLS:
+    return InternalTLS(str(certs / f"{name}.pem"), str(certs / f"{name}.key"), str(certs / "ca.pem"))
+
+
+def test_cell_runs_merge_adjacent_cells_in_payload_order():
+    # cache of 10 blocks, cells of 100 bytes: layer 1, blocks 4, 5, 6 then 2 -> one run of three cells, one of one
+    assert cell_runs(10, 100, (1, 2), [4, 5, 6, 2]) == [(1400, 1700), (1200, 1300)]
+    # every block of two layers in order is one run
+    assert cell_runs(3, 8, (0, 2), [0, 1, 2]) == [(0, 48)]
+    assert cell_runs(3, 8, (0, 2), [2, 0]) == [(16, 24), (0, 8), (40, 48), (24, 32)]
+
+
+def test_codec_none_never_gathers_nor_scatters_a_copy(make_pair, layout, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the codec ran: a gathered or staged copy was made")
+
+    monkeypatch.setattr(NoneCodec, "encode_from", refuse)
+    monkeypatch.setattr(NoneCodec, "decode_into", refuse)
+    pair = make_pair("tcp", layout, chunk_bytes=200)
+    pair.pool.take([1, 4])
+    src = random_cache(layout, 8, seed=5)
+    handle = pair.sender.send("r", src, [7, 2, 3, 0, 6], pair.dest, num_tokens=20, handoff=b"h")
+    assert handle.wait(30) == TransferStatus.DONE, handle
+    result = pair.receiver.wait(handle.transfer_id, 10)
+    assert result.dst_block_ids == [0, 2, 3, 5, 6] and result.handoff == b"h"
+    expected = src[:, [7, 2, 3, 0, 6]]
+    assert torch.equal(pair.dst_cache[:, result.dst_block_ids].view(torch.uint8), expected.view(torch.uint8))
+    assert handle.wire_bytes > src[:, :5].numel() * 4  # the payload plus frames
+    assert_no_leak(pair.pool, [1, 4] + result.dst_block_ids)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp8"])
+def test_mutual_tls_refuses_plaintext_and_transfers(layout, certs, codec):
+    settings = TransferSettings(transport="tcp", codec=codec, token=TOKEN, tls=node_tls(certs))
+    pool = SimpleBlockPool(16)
+    dst = torch.zeros(layout.cache_shape(16), dtype=layout.dtype)
+    receiver = make_receiver(settings, layout, dst, pool, hello_timeout_s=1.0)  # (plaintext hangs until then)
+    senders = [make_sender("tcp", layout, codec=codec, token=TOKEN),
+               make_sender("tcp", layout, codec=codec, token=TOKEN, tls=node_tls(certs, "rogue")),
+               make_sender(settings, layout)]
+    try:
+        assert receiver.endpoint.startswith("127.0.0.1:")
+        src = random_cache(layout, 4)
+        for refused in senders[:2]:  # plaintext; a certificate of another CA
+            handle = refused.send("r", src, [0, 1], receiver.endpoint)
+            assert handle.wait(30) == TransferStatus.FAILED and handle.failed_side == FailedSide.TRANSPORT, handle
+        handle = senders[2].send("tls", src, [2, 0, 3], receiver.endpoint, num_tokens=9, handoff=b"x")
+        assert handle.wait(30) == TransferStatus.DONE, handle
+        result = receiver.wait(handle.transfer_id, 10)
+        assert result.status == TransferStatus.DONE and (result.num_tokens, result.handoff) == (9, b"x")
+        got, expected = dst[:, result.dst_block_ids].float(), src[:, [2, 0, 3]].float()
+        if codec == "none":
+            assert torch.equal(got, expected)
+        else:
+            assert float((got - expected).norm() / expected.norm()) < 0.04
+        assert receiver.stats.auth_failures == 0
+        assert_no_leak(pool, result.dst_block_ids)
+    finally:
+        for sender in senders:
+            sender.close()
+        receiver.close()
+
+
+def test_connection_broken_mid_piece_frees_blocks_and_the_next_send_reconnects(make_pair, layout, monkeypatch):
+    pair = make_pair("tcp", layout, chunk_bytes=200)
+    real, calls, cell_bytes = tcp_receiver.recv_buffers, [], layout.block_numel * 4
+
+    def breaks_on_the_third_chunk(conn, buffers):
+        if sum(len(b) for b in buffers) == cell_bytes:  # a chunk's payload (one cell here)
+            calls.append(True)
+            if len(calls) == 3:
+                conn.shutdown(socket.SHUT_RDWR)  # as if the link dropped
+        return real(conn, buffers)
+
+    monkeypatch.setattr(tcp_receiver, "recv_buffers", breaks_on_the_third_chunk)
+    src = random_cache(layout, 6)
+    handle = pair.sender.send("r", src, [1, 2, 3, 4], pair.dest)
+    assert handle.wait(30) == TransferStatus.FAILED and handle.failed_side == FailedSide.TRANSPORT, handle
+    result = pair.receiver.wait(handle.transfer_id, 10)
+    assert result.status == TransferStatus.FAILED and "disconnected" in result.error
+    assert_no_leak(pair.pool)
+    monkeypatch.undo()
+    ok = pair.sender.send("r2", src, [5, 0], pair.dest)
+    assert ok.wait(30) == TransferStatus.DONE, ok
+    done = pair.receiver.wait(ok.transfer_id, 10)
+    assert torch.equal(pair.dst_cache[:, done.dst_block_ids], src[:, [5, 0]])
+    assert_no_leak(pair.pool, done.dst_block_ids)
+
+
+def test_silent_and_surplus_connections_are_dropped(layout):
+    pool = SimpleBlockPool(8)
+    dst = torch.zeros(layout.cache_shape(8), dtype=layout.dtype)
+    receiver = make_receiver("tcp", layout, dst, pool, token=TOKEN, hello_timeout_s=0.5, max_connections=2)
+    sender = make_sender("tcp", layout, token=TOKEN)
+    host, port = receiver.endpoint.rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port))) for _ in range(3)]
+    try:
+        assert silent[2].recv(64) == b""  # over max_connections: closed at once, not even challenged
+        assert wait_for(lambda: receiver.num_connections == 0, timeout=10)  # the silent ones, after 0.5 s
+        handle = sender.send("r", random_cache(layout, 3), [0, 2], receiver.endpoint)
+        assert handle.wait(30) == TransferStatus.DONE, handle
+        assert_no_leak(pool, receiver.wait(handle.transfer_id, 5).dst_block_ids)
+        assert receiver.num_connections == 1  # the sender keeps its connection for the next piece
+    finally:
+        for conn in silent:
+            conn.close()
+        sender.close()
+        receiver.close()
+
+
+def test_bfloat16_cache_round_trip_through_the_rows(make_pair):
+    layout = KVLayout(2, 2, 16, 64, torch.bfloat16, "m")
+    pair = make_pair("tcp", layout)
+    src = random_cache(layout, 40, seed=9)
+    ids = list(range(3, 35))  # 32 blocks x 2 layers x 8 KiB: several 1 MiB chunks, contiguous runs
+    handle = pair.sender.send("r", src, ids, pair.dest)
+    assert handle.wait(30) == TransferStatus.DONE, handle
+    result = pair.receiver.wait(handle.transfer_id, 10)
+    assert torch.equal(pair.dst_cache[:, result.dst_block_ids].view(torch.uint8), src[:, ids].view(torch.uint8))
