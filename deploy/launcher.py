@@ -116,9 +116,9 @@ class ActorFactory:
         if multi_node and self.tls is None:
             log.warning("internal endpoints (KV, token streams) listen on node addresses in plaintext; "
                         "set security.internal_tls_cert/_key/_ca to encrypt them")
-        if self.tls is not None and cfg.kv_transfer.transport != "grpc":
+        if self.tls is not None and cfg.kv_transfer.transport not in ("grpc", "tcp"):
             log.warning("security.internal_tls_* encrypts the token streams, not kv_transfer.transport %s "
-                        "(only the grpc transport runs over TLS)", cfg.kv_transfer.transport)
+                        "(only the grpc and tcp transports run over TLS)", cfg.kv_transfer.transport)
 
     def most_actors(self, counts: dict[str, int] | None = None) -> dict[str, int]:
         """The most actors each pool can run (its count, or its max when auto), by the pool whose

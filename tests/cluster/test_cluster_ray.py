@@ -43,7 +43,8 @@ def _run(cfg, prompts, params):
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("transport,n", [("grpc", 1), ("grpc", 2), ("torch", 1), ("torch", 2), ("ray", 1), ("ray", 2)])
+@pytest.mark.parametrize("transport,n", [("grpc", 1), ("grpc", 2), ("tcp", 1), ("torch", 1), ("torch", 2), ("ray", 1),
+                                         ("ray", 2)])
 def test_disaggregated_equals_colocated(ray_local, tiny_model_dir, reference, transport, n):
     prompts, params = prompts_and_params(32, seed=11)
     replies, stats = _run(cluster_config(tiny_model_dir, transport, "none", n, n), prompts, params)
