@@ -15,9 +15,10 @@ import sys
 
 from deploy.config import PDServeConfig
 from deploy.launcher import engine_args
-from deploy.planner import Plan, inputs_from_config, plan
+from deploy.planner import Network, Plan, inputs_from_config, link_kv_bytes_per_s, plan
 from deploy.profiler import (Profile, default_profile_path, load_profile, profile_cluster, profile_local,
                              save_profile)
+from engine.config import ModelConfig
 from engine.presets import resolve_model
 
 
@@ -36,8 +37,36 @@ def run_profile(cfg: PDServeConfig, out: str | None = None, local: bool = False)
 
 
 def plan_for(cfg: PDServeConfig, profile: dict) -> Plan:
-    kv_blocks = engine_args(cfg, "decode", resolve_model(cfg.model.name)).num_blocks
-    return plan(Profile(profile), *inputs_from_config(cfg, kv_blocks))
+    model_dir = resolve_model(cfg.model.name)
+    args = engine_args(cfg, "decode", model_dir)
+    measured = Profile(profile)
+    values_per_scale = args.block_size * ModelConfig.from_dir(model_dir).head_dim
+    return plan(measured, *inputs_from_config(cfg, args.num_blocks),
+                network=network_for(cfg, measured, values_per_scale))
+
+
+def network_for(cfg: PDServeConfig, profile: Profile, values_per_scale: int) -> Network | None:
+    """The link figure: ``kv_transfer.link_gbps`` when set, else the profile's measurement of this
+    transport and codec; None when neither is there (the plan then says the term is missing).
+    ``values_per_scale``: block_size · head_dim, the values one fp8 scale covers."""
+    t = cfg.kv_transfer
+    if t.link_gbps is not None:
+        ratio = wire_bytes_per_kv_byte(t.compression, profile.costs.dtype_bytes, values_per_scale)
+        return Network(link_kv_bytes_per_s(t.link_gbps, ratio),
+                       f"kv_transfer.link_gbps {t.link_gbps:g} Gbit/s, {ratio:.2f} wire bytes per KV byte "
+                       f"({t.compression})")
+    measured = profile.transfer
+    if (measured.get("transport"), measured.get("codec")) != (t.transport, t.compression) \
+            or not measured.get("kv_bytes_per_s"):
+        return None
+    return Network(measured["kv_bytes_per_s"], f"measured by pdserve profile: {t.transport}, {t.compression}, "
+                   f"{measured.get('where', 'loopback')}")
+
+
+def wire_bytes_per_kv_byte(codec: str, dtype_bytes: int, values_per_scale: int) -> float:
+    """Wire bytes per model-dtype KV byte: 1 for none; for fp8 one byte per value plus a float32 scale per
+    ``values_per_scale`` values, against ``dtype_bytes`` per value (0.502 for bf16 with 16 × 64 per scale)."""
+    return 1.0 if codec == "none" else (1.0 + 4.0 / values_per_scale) / dtype_bytes
 
 
 def obtain_profile(cfg: PDServeConfig, profile_path: str | None, local: bool = False) -> tuple[dict, str]:
@@ -121,6 +150,20 @@ def format_plan(p: Plan, model: str, source: str) -> str:
         ("decode actors (needed → planned)", f"{p.needed_decode:.2f} → {p.n_decode}"),
         ("prefill : decode (needed)", f"{p.ratio:.2f}"),
     ])
+    if p.network:
+        n = p.network
+        lines += _table("Network (prompt KV from prefill to decode)", [
+            ("KV bytes per request (prompt)", _si(n["kv_bytes_per_request"], "B")),
+            ("link, KV bytes/s", _si(n["kv_bytes_per_s"], "B/s")),
+            ("  from", n["source"]),
+            ("handoff time per request", f"{n['seconds_per_request'] * 1e3:.1f} ms"),
+        ])
+    if p.rate_bounds:
+        binding = min(p.rate_bounds, key=p.rate_bounds.get)
+        lines += _table("Request rate the plan carries", [
+            *((f"{name} at most", f"{rate:.2f} req/s" + (" ← binds" if name == binding else ""))
+              for name, rate in p.rate_bounds.items()),
+        ])
     lines.append("Reasoning")
     lines += [f"  - {r}" for r in p.reasons]
     return "\n".join(lines)

@@ -9,6 +9,11 @@
              as the token budget takes); the TTFT SLO caps the utilization ρ so that
              t_p + p99 queueing wait (M/M/1: ln(100ρ)·t_p/(1−ρ)) ≤ TTFT;
              n_prefill = rate · S / (ρ · capacity).
+    network: the prompt's KV crosses from prefill to decode: bytes = S · KV bytes per token;
+             the link (measured by `pdserve profile` with the configured transport and codec, or
+             `kv_transfer.link_gbps`) carries at most link KV bytes/s ÷ bytes requests per second.
+             The planned pools serve min(prefill, decode, link) req/s; the plan says which binds,
+             and when it is the link, that more actors will not help.
 Counts follow from the measurements and the workload; no ratio is assumed. The
 autoscaler calls `plan` with observed lengths and rate and correction factors
 (measured / predicted TTFT and TPOT) that scale the predicted times.
@@ -51,6 +56,23 @@ class Corrections:
     tpot: float = 1.0
 
 
+@dataclass(slots=True, frozen=True)
+class Network:
+    """The KV link between the pools: what the network term divides by.
+
+    kv_bytes_per_s: model-dtype KV bytes the transfers move per second, codec included (a measured
+        transfer's KV bytes ÷ its time, or a link's bytes/s × the codec's KV bytes per wire byte).
+    source: where the figure comes from, for the plan's reasoning.
+    """
+    kv_bytes_per_s: float
+    source: str
+
+
+def link_kv_bytes_per_s(link_gbps: float, wire_bytes_per_kv_byte: float) -> float:
+    """KV bytes/s through a link of ``link_gbps`` Gbit/s when each KV byte costs that many wire bytes."""
+    return link_gbps * 1e9 / 8 / wire_bytes_per_kv_byte
+
+
 @dataclass(slots=True)
 class Plan:
     workload: dict
@@ -63,6 +85,8 @@ class Plan:
     needed_prefill: float
     needed_decode: float
     reasons: list[str] = field(default_factory=list)
+    network: dict = field(default_factory=dict)      # the network term, empty without a link figure
+    rate_bounds: dict = field(default_factory=dict)  # req/s the planned pools (and the link) can carry
 
     @property
     def ratio(self) -> float:
@@ -113,11 +137,13 @@ def _clamp(n: int, bounds: tuple[int, int]) -> int:
 
 
 def plan(profile: Profile, workload: Workload, slo: SLO, limits: Limits, corrections: Corrections = Corrections(),
-         decode_utilization: float = 0.9, min_prefill_utilization: float = 0.5) -> Plan:
+         decode_utilization: float = 0.9, min_prefill_utilization: float = 0.5,
+         network: Network | None = None) -> Plan:
     """Size the pools. Args:
         decode_utilization: share of a decode actor's token rate the plan may use (headroom for bursts).
         min_prefill_utilization: the plan never runs prefill actors below this utilization; when the
             TTFT SLO would need less (or one prompt alone misses it) the SLO is reported as not met.
+        network: the KV link's figure; None leaves the network term out (and says so).
     """
     s_in, s_out, rate = workload.input_tokens, workload.output_tokens, workload.arrival_rate_rps
     costs = profile.costs
@@ -173,6 +199,10 @@ def plan(profile: Profile, workload: Workload, slo: SLO, limits: Limits, correct
         if math.ceil(need - 1e-9) > bounds[1]:
             reasons.append(f"{name}: needs {math.ceil(need)} actors but max is {bounds[1]}")
 
+    bounds = {"prefill": n_prefill * prefill_tps / s_in,
+              "decode": n_decode * decode_utilization * decode_tps / s_out}
+    net = _network_term(network, s_in * costs.kv_bytes_per_token, rate, bounds, reasons)
+
     flops_prefill = profile.prefill_costs.prefill_flops(round(s_in))
     prefill_bytes = costs.weight_bytes + s_in * costs.kv_bytes_per_token
     step_bytes = costs.decode_bytes(batch, context)
@@ -203,7 +233,34 @@ def plan(profile: Profile, workload: Workload, slo: SLO, limits: Limits, correct
                "ttft_slo_met": ttft_ok}
     return Plan({"input_tokens": s_in, "output_tokens": s_out, "arrival_rate_rps": rate},
                 {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, ledger, decode, prefill,
-                n_prefill, n_decode, needed_prefill, needed_decode, reasons)
+                n_prefill, n_decode, needed_prefill, needed_decode, reasons, net, bounds)
+
+
+def _network_term(network: Network | None, kv_bytes: float, rate: float, bounds: dict, reasons: list[str]) -> dict:
+    """KV bytes per request ÷ the link's KV bytes/s; adds the link to ``bounds`` and says which bound binds."""
+    if network is None or network.kv_bytes_per_s <= 0:
+        reasons.append("network term left out: the profile has no transfer measurement for this transport and "
+                       "codec, and kv_transfer.link_gbps is not set")
+        binding = min(bounds, key=bounds.get)
+        reasons.append(f"the planned pools carry at most {bounds[binding]:.2f} req/s, bound by {binding}")
+        return {}
+    seconds = kv_bytes / network.kv_bytes_per_s
+    bounds["link"] = network.kv_bytes_per_s / kv_bytes
+    binding = min(bounds, key=bounds.get)
+    reasons.append(f"network: {kv_bytes / 1e6:.2f} MB of prompt KV per request ÷ {network.kv_bytes_per_s / 1e9:.3f} "
+                   f"GB/s ({network.source}) = {seconds * 1e3:.1f} ms per handoff → the link carries at most "
+                   f"{bounds['link']:.2f} req/s")
+    if binding == "link":
+        reasons.append(f"the link, not prefill or decode, bounds the request rate: {bounds['link']:.2f} req/s "
+                       f"(the planned pools: prefill {bounds['prefill']:.2f}, decode {bounds['decode']:.2f} req/s); "
+                       "more actors will not raise it — a faster link or transport, or codec fp8, will")
+    else:
+        reasons.append(f"the planned pools carry at most {bounds[binding]:.2f} req/s, bound by {binding} "
+                       f"(link {bounds['link']:.2f} req/s)")
+    if bounds["link"] < rate:
+        reasons.append(f"the workload's {rate:g} req/s exceeds what the link carries ({bounds['link']:.2f} req/s)")
+    return {"source": network.source, "kv_bytes_per_request": kv_bytes, "kv_bytes_per_s": network.kv_bytes_per_s,
+            "seconds_per_request": seconds, "max_rate_rps": bounds["link"], "binding": binding}
 
 
 def inputs_from_config(cfg, decode_kv_blocks: int) -> tuple[Workload, SLO, Limits]:

@@ -1,8 +1,10 @@
 """Profile the pools on this hardware, and read a profile the way the planner does.
 
 Measuring: prefill FLOP/s vs prompt length, decode step time vs batch size and context length
-(→ bytes/s). The measurements run on the actual pool actors (`PrefillActor.profile`,
-`DecodeActor.profile`, one point per call so progress shows) or, with `local=True`, on
+(→ bytes/s), and the KV link: one prompt's KV through the configured transport and codec
+(`deploy.link_profiler`, on this host's loopback). The engine measurements run on the actual
+pool actors (`PrefillActor.profile`, `DecodeActor.profile`, one point per call so progress shows) or, with
+`local=True`, on
 in-process engines built from the same `EngineArgs`; `engine.profile` takes each point and
 `engine.cost_model` counts its FLOPs and bytes.
 
@@ -15,6 +17,7 @@ A profile is a JSON file:
      "prefill": {"engine": {...costs, threads, chunk_size...},
                  "points": [{prompt_len, batch, seconds, flops, flops_per_s}]},
      "decode":  {"engine": {...}, "points": [{batch, context, seconds, bytes, bytes_per_s, flops}]},
+     "transfer": {transport, codec, kv_bytes, wire_bytes, seconds, kv_bytes_per_s} (or {..., error}),
      "calibration": {"prefill": factor, "decode": factor}}      (optional, bench.serving.plan_check)
 
 `default_profile_path(cfg)` names the cached profile of a config (model, dtype, threads,
@@ -91,6 +94,11 @@ class Profile:
                 grid[c][b] = min(grid[c][b], longer.get(b, grid[c][b]))
         self._decode = {c: (sorted(grid[c]), _monotone([grid[c][b] for b in sorted(grid[c])]))
                         for c in self._contexts}
+
+    @property
+    def transfer(self) -> dict:
+        """The KV link measurement (`deploy.link_profiler`), {} in profiles made before it existed."""
+        return dict(self.data.get("transfer") or {})
 
     @property
     def peak_flops_per_s(self) -> float:
@@ -227,7 +235,15 @@ def profile_local(cfg: PDServeConfig, points: dict | None = None, progress: bool
             del engine
     finally:
         bar.close()
-    return _assemble("local", engines, results)
+    return {**_assemble("local", engines, results), "transfer": _link(cfg, model_dir, progress)}
+
+
+def _link(cfg: PDServeConfig, model_dir: str, progress: bool) -> dict:
+    from deploy.link_profiler import measure_link
+    if progress:
+        print(f"profiling the KV link ({cfg.kv_transfer.transport}, {cfg.kv_transfer.compression}, loopback)",
+              file=sys.stderr)
+    return measure_link(cfg, model_dir)
 
 
 async def profile_actors(handles: dict, points: dict, progress: bool = True,
@@ -264,7 +280,8 @@ def profile_cluster(cfg: PDServeConfig, points: dict | None = None, progress: bo
         handles = {pool: factory.spawn(pool) for pool in ("prefill", "decode")}
         try:
             await factory.views(list(handles.items()))
-            return await profile_actors(handles, pts, progress)
+            profile = await profile_actors(handles, pts, progress)
+            return {**profile, "transfer": _link(cfg, factory.model_dir, progress)}
         finally:
             for h in handles.values():
                 ray.kill(h, no_restart=True)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Optional
 
 from pydantic import BeforeValidator, Field
 
@@ -36,3 +36,6 @@ class KVTransferSection(Section):
         description="Largest message on the wire, bytes (also '4MiB'); at most 64 MiB.")
     deadline_s: Float = Field(30.0, gt=0, description="Seconds before a transfer fails and "
                               "the router re-dispatches the request.")
+    link_gbps: Optional[Float] = Field(
+        None, gt=0, description="Bandwidth between the prefill and decode pools, Gbit/s, for the planner's "
+        "network term; unset: what `pdserve profile` measured with this transport and compression.")
