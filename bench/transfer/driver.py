@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--quick", action="store_true", help="1 and 16 MiB, fewer reps, no ray")
     parser.add_argument("--reps", type=int, help="timed sends per figure, best taken (default 8; 5 with --quick)")
-    parser.add_argument("--transports", default="grpc,torch,ray")
+    parser.add_argument("--transports", default="grpc,tcp,torch,ray")
     parser.add_argument("--codecs", default="none,fp8")
     parser.add_argument("--links", default="loopback,10gbit,1gbit")
     args = parser.parse_args(argv)

@@ -39,7 +39,7 @@ class RecvPeer:
         num_blocks = num_blocks_for(max_mib) + 8
         self.pool = SimpleBlockPool(num_blocks)
         self.cache = torch.zeros(LAYOUT.cache_shape(num_blocks), dtype=LAYOUT.dtype)
-        kwargs = {"host": host} if transport in ("grpc", "torch") else {}
+        kwargs = {"host": host} if transport in ("grpc", "tcp", "torch") else {}
         self.receiver = make_receiver(transport, LAYOUT, self.cache, self.pool, self._done, codec=codec, token=token,
                                       **kwargs)
         codec_compiled.wait_ready()  # the receiver started its kernel build: measure the warm codec

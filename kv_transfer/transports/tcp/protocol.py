@@ -34,7 +34,7 @@ NONCE_BYTES = 16
 HELLO_TIMEOUT_S = 5.0         # a connection that has not said hello by then is dropped
 HELLO_CONTEXT = b"pdserve-kv-tcp-v1"
 IOV_MAX = 1024                # buffers one sendmsg / recvmsg_into takes (Linux UIO_MAXIOV)
-SOCKET_BUFFER_BYTES = 4 << 20  # SO_SNDBUF / SO_RCVBUF: a few chunks in flight on a fast link
+SOCKET_BUFFER_BYTES = 0  # SO_SNDBUF / SO_RCVBUF; 0 leaves the kernel's autotuning on
 
 
 def hello_key(token: str) -> bytes:
@@ -54,8 +54,9 @@ def new_nonce() -> bytes:
 def tune(sock: socket.socket) -> None:
     """No Nagle (END and ACK are tiny and must not wait for a delayed ack); room for chunks in flight."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+    if SOCKET_BUFFER_BYTES:
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
 
 
 def server_context(tls: InternalTLS) -> ssl.SSLContext:
