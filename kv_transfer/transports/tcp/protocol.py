@@ -84,10 +84,37 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 # --- socket I/O ---------------------------------------------------------------
+_TIMEVAL = struct.Struct("@ll")
+
+
+def set_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """Bound each send and receive call by ``seconds`` (None: wait as long as it takes).
+
+    A plain socket stays blocking and the kernel keeps the bound (SO_RCVTIMEO / SO_SNDTIMEO): a
+    MSG_WAITALL read or a whole sendmsg is then one system call. Python's own timeouts would poll
+    before every call and read only what has arrived, several times per chunk. TLS sockets keep
+    Python's timeout.
+    """
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds)
+        return
+    seconds = 0.0 if seconds is None else max(seconds, 0.001)
+    timeval = _TIMEVAL.pack(int(seconds), int(seconds % 1 * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def blocking(sock: socket.socket) -> None:
+    """Hand a connection's timeouts to ``set_timeout`` (plain sockets: blocking, no bound yet)."""
+    sock.settimeout(None)
+    set_timeout(sock, None)
+
+
 def send_buffers(sock: socket.socket, buffers: Sequence) -> int:
     """Send every buffer in order with gathered writes (no joined copy); returns the bytes sent.
 
-    TLS sockets cannot ``sendmsg``: each buffer then goes through ``sendall``.
+    TLS sockets cannot ``sendmsg``: each buffer then goes through ``sendall``. TimeoutError when
+    the bound of ``set_timeout`` passes.
     """
     views = [view for view in (memoryview(b).cast("B") for b in buffers) if len(view)]
     total = sum(len(view) for view in views)
@@ -97,7 +124,10 @@ def send_buffers(sock: socket.socket, buffers: Sequence) -> int:
         return total
     index = 0
     while index < len(views):
-        sent = sock.sendmsg(views[index : index + IOV_MAX])
+        try:
+            sent = sock.sendmsg(views[index : index + IOV_MAX])
+        except BlockingIOError:  # SO_SNDTIMEO passed with nothing sent
+            raise TimeoutError("send timed out") from None
         while sent:
             head = len(views[index])
             if sent >= head:
@@ -110,7 +140,8 @@ def send_buffers(sock: socket.socket, buffers: Sequence) -> int:
 
 
 def recv_buffers(sock: socket.socket, buffers: Sequence) -> int:
-    """Fill every (writable) buffer in order with scattered reads; ConnectionError on EOF."""
+    """Fill every (writable) buffer in order with scattered reads; ConnectionError on EOF, TimeoutError when
+    the bound of ``set_timeout`` passes."""
     views = [view for view in (memoryview(b).cast("B") for b in buffers) if len(view)]
     total = sum(len(view) for view in views)
     tls = isinstance(sock, ssl.SSLSocket)
@@ -119,7 +150,10 @@ def recv_buffers(sock: socket.socket, buffers: Sequence) -> int:
         if tls:
             got = sock.recv_into(views[index])
         else:
-            got = sock.recvmsg_into(views[index : index + IOV_MAX])[0]
+            try:
+                got = sock.recvmsg_into(views[index : index + IOV_MAX], 0, socket.MSG_WAITALL)[0]
+            except BlockingIOError:  # SO_RCVTIMEO passed with nothing received
+                raise TimeoutError("receive timed out") from None
         if got == 0:
             raise ConnectionError("peer closed the connection")
         while got:

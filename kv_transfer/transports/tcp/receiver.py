@@ -18,6 +18,10 @@ connection reads the next one. After a refused chunk the connection reads and
 drops the rest of the piece, so its ACK carries the error and the connection
 stays in step. A connection that breaks mid-piece (sender killed, deadline on
 the wire) fails the piece's transfers; every failure frees their blocks.
+Reads and writes block in the kernel (SO_RCVTIMEO / SO_SNDTIMEO bound them by
+the transfer's deadline): a chunk arrives in one MSG_WAITALL read. A sender
+that gave up after its chunks were already in this socket may still see its
+transfer DONE here; the decode worker parks such a transfer and frees it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from kv_transfer.transports.tcp.protocol import (
     KIND_CHUNK,
     KIND_END,
     MAX_ERROR_BYTES,
+    blocking,
     hello_key,
     hello_proof,
     new_nonce,
@@ -54,6 +59,7 @@ from kv_transfer.transports.tcp.protocol import (
     send_ack,
     send_small,
     server_context,
+    set_timeout,
     tune,
 )
 from kv_transfer.transports.tcp.rows import cache_bytes, cell_nbytes, cell_runs, checksum_of, views
@@ -154,7 +160,7 @@ class TcpReceiver(BaseReceiver):
             send_small(conn, {"ok": False, "error": str(exc)})
             return False
         send_small(conn, {"ok": True, "layout": self.describe()})
-        conn.settimeout(None)  # idle between pieces: close() or the peer's end wakes the read
+        blocking(conn)  # idle between pieces: close() or the peer's end wakes the read
         return True
 
     # --- pieces ------------------------------------------------------------------
@@ -162,7 +168,7 @@ class TcpReceiver(BaseReceiver):
         piece = _Piece()
         try:
             while True:
-                conn.settimeout(_left(piece.deadline))
+                set_timeout(conn, _left(piece.deadline))
                 kind, header_len, payload_len = FRAME.unpack(recv_exact(conn, FRAME.size))
                 if kind == KIND_CHUNK:
                     self._chunk(conn, piece, header_len, payload_len)
@@ -200,7 +206,7 @@ class TcpReceiver(BaseReceiver):
         piece.transfer_ids.add(header.transfer_id)
         deadline_s = header.deadline_ms / 1000 if header.deadline_ms > 0 else self.default_timeout_s
         piece.deadline = time.monotonic() + min(deadline_s, self.max_deadline_s)
-        conn.settimeout(_left(piece.deadline))
+        set_timeout(conn, _left(piece.deadline))
         try:
             if header.codec == "none" and self._rows is not None:
                 self._receive_into_rows(conn, piece, header)

@@ -35,6 +35,7 @@ from kv_transfer.transports.tcp.protocol import (
     KIND_END,
     MAX_ERROR_BYTES,
     NONCE_BYTES,
+    blocking,
     client_context,
     hello_key,
     hello_proof,
@@ -43,6 +44,7 @@ from kv_transfer.transports.tcp.protocol import (
     recv_small,
     send_buffers,
     send_small,
+    set_timeout,
     split_endpoint,
     tune,
 )
@@ -94,6 +96,7 @@ class TcpSender(BaseSender):
             nonce = bytes(recv_exact(sock, NONCE_BYTES))
             send_small(sock, {"proof": hello_proof(self._key, nonce), "layout": self.describe()})
             reply = recv_small(sock)
+            blocking(sock)
         except (OSError, ConnectionError, WireError) as exc:
             sock.close()
             raise TransferError(f"tcp KV hello with {dest} failed: {exc}", FailedSide.TRANSPORT) from None
@@ -193,7 +196,7 @@ class TcpSender(BaseSender):
                 except Exception as exc:  # encode failed: tell the receiver to free what the piece reserved
                     encode_error = exc
                     break
-                sock.settimeout(_left(deadline_at))
+                set_timeout(sock, _left(deadline_at))
                 prefix = FRAME.pack(KIND_CHUNK, len(frame.header_bytes), frame.nbytes)
                 wire_bytes += send_buffers(sock, [prefix, frame.header_bytes, *frame.buffers])
                 frame.release()
@@ -202,8 +205,8 @@ class TcpSender(BaseSender):
             else:
                 reason = f"{type(encode_error).__name__}: {encode_error}".encode()[:MAX_ERROR_BYTES]
                 ending = FRAME.pack(KIND_ABORT, len(reason), 0) + reason
-            sock.settimeout(_left(deadline_at))
-            sock.sendall(ending)
+            set_timeout(sock, _left(deadline_at))
+            send_buffers(sock, [ending])
             error = recv_ack(sock)
             in_step = True
         except TimeoutError:

@@ -4,6 +4,8 @@ that breaks mid-piece, silent and surplus connections. (The generic transport te
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -142,3 +144,26 @@ def test_bfloat16_cache_round_trip_through_the_rows(make_pair):
     assert handle.wait(30) == TransferStatus.DONE, handle
     result = pair.receiver.wait(handle.transfer_id, 10)
     assert torch.equal(pair.dst_cache[:, result.dst_block_ids].view(torch.uint8), src[:, ids].view(torch.uint8))
+
+
+def test_a_stalled_receiver_expires_the_send_at_its_deadline(make_pair, layout, monkeypatch):
+    pair = make_pair("tcp", layout)
+    pair.sender.handshake(pair.dest)
+    stall, real = threading.Event(), tcp_receiver.TcpReceiver._receive_into_rows
+
+    def stalled(self, conn, piece, header):
+        stall.wait(30)  # the receiver stops reading: the sender's wait for the ACK is bounded by the deadline
+        return real(self, conn, piece, header)
+
+    monkeypatch.setattr(tcp_receiver.TcpReceiver, "_receive_into_rows", stalled)
+    start = time.monotonic()
+    handle = pair.sender.send("r", random_cache(layout, 3), [0, 1], pair.dest, deadline_s=1.0)
+    assert handle.wait(30) == TransferStatus.EXPIRED and handle.failed_side == FailedSide.TRANSPORT, handle
+    assert 0.9 < time.monotonic() - start < 10 and "deadline" in handle.error
+    stall.set()
+    # the chunks were in the receiver's socket before the sender gave up: the receiver may still complete
+    # the transfer (the decode worker parks such a DONE and frees it after its lease), or fail it; either
+    # way it ends, and nothing but a DONE transfer's blocks stays reserved
+    result = pair.receiver.wait(handle.transfer_id, 10)
+    assert result is not None and result.status in (TransferStatus.DONE, TransferStatus.FAILED)
+    assert_no_leak(pair.pool, result.dst_block_ids)
