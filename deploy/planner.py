@@ -253,7 +253,7 @@ def _network_term(network: Network | None, kv_bytes: float, rate: float, bounds:
     if binding == "link":
         reasons.append(f"the link, not prefill or decode, bounds the request rate: {bounds['link']:.2f} req/s "
                        f"(the planned pools: prefill {bounds['prefill']:.2f}, decode {bounds['decode']:.2f} req/s); "
-                       "more actors will not raise it — a faster link or transport, or codec fp8, will")
+                       "more actors will not raise it; a faster link or transport (or codec fp8 over none) will")
     else:
         reasons.append(f"the planned pools carry at most {bounds[binding]:.2f} req/s, bound by {binding} "
                        f"(link {bounds['link']:.2f} req/s)")
