@@ -53,7 +53,7 @@ def test_codec_on_cuda_matches_cpu(name):
     assert torch.equal(codec.decode(out_gpu, shape, x.dtype).cpu(), codec.decode(out_cpu, shape, x.dtype))
 
 
-@pytest.mark.parametrize("kind", ["fake", "grpc"])
+@pytest.mark.parametrize("kind", ["fake", "grpc", "tcp"])
 @pytest.mark.parametrize("codec", ["none", "fp8"])
 def test_device_caches_round_trip(kind, codec):
     pool = SimpleBlockPool(32)

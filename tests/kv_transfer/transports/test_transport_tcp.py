@@ -167,3 +167,24 @@ def test_a_stalled_receiver_expires_the_send_at_its_deadline(make_pair, layout, 
     result = pair.receiver.wait(handle.transfer_id, 10)
     assert result is not None and result.status in (TransferStatus.DONE, TransferStatus.FAILED)
     assert_no_leak(pair.pool, result.dst_block_ids)
+
+
+def test_caches_without_addressable_rows_take_the_staged_path(layout):
+    """A strided cache (as a device cache) is sent from encoded chunks and received into a staging buffer."""
+    pool = SimpleBlockPool(8)
+    dst_storage = torch.zeros(layout.cache_shape(16), dtype=layout.dtype)
+    dst = dst_storage[:, ::2]  # [L, 8, 2, H, B, D], not contiguous
+    receiver = make_receiver("tcp", layout, dst, pool, token=TOKEN)
+    sender = make_sender("tcp", layout, token=TOKEN, chunk_bytes=200)
+    try:
+        assert receiver._rows is None
+        src = random_cache(layout, 12, seed=4)[:, ::2]  # 6 blocks, strided
+        handle = sender.send("r", src, [5, 0, 2], receiver.endpoint)
+        assert handle.wait(30) == TransferStatus.DONE, handle
+        result = receiver.wait(handle.transfer_id, 10)
+        assert torch.equal(dst[:, result.dst_block_ids], src[:, [5, 0, 2]])
+        assert bool((dst_storage[:, 1::2] == 0).all())  # the rows between were not touched
+        assert_no_leak(pool, result.dst_block_ids)
+    finally:
+        sender.close()
+        receiver.close()
