@@ -66,7 +66,7 @@ from kv_transfer.transports.tcp.rows import cache_bytes, cell_nbytes, cell_runs,
 from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header
 
 log = logging.getLogger(__name__)
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = 256  # a sender keeps at most one connection per send() in flight (max_workers, 4 by default)
 MAX_PENDING_DECODES = 2  # staged chunks of one connection waiting for decode (bounds memory)
 DRAIN_BYTES = 1 << 20
 

@@ -82,10 +82,16 @@ class TcpSender(BaseSender):
             host, port = split_endpoint(dest)
         except ValueError as exc:
             raise TransferError(str(exc), FailedSide.SENDER) from None
-        timeout = self.connect_timeout_s if deadline_at is None else min(self.connect_timeout_s,
-                                                                            _left(deadline_at))
         try:
+            timeout = self.connect_timeout_s if deadline_at is None else min(self.connect_timeout_s,
+                                                                                _left(deadline_at))
             sock = socket.create_connection((host, port), timeout=timeout)
+        except TimeoutError:
+            if deadline_at is not None and deadline_at - time.monotonic() < 0.01:
+                raise TransferError(f"no connection to the tcp KV receiver at {dest} before the deadline",
+                                    FailedSide.TRANSPORT, TransferStatus.EXPIRED) from None
+            raise TransferError(f"connecting to the tcp KV receiver at {dest} timed out after "
+                                f"{self.connect_timeout_s:g} s", FailedSide.TRANSPORT) from None
         except OSError as exc:
             raise TransferError(f"cannot connect to the tcp KV receiver at {dest}: {exc}", FailedSide.TRANSPORT) \
                 from None
