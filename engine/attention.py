@@ -8,6 +8,10 @@ Token `t` of a sequence lives in block `block_table[t // block_size]` at offset
 `t % block_size`. Each step writes the new tokens' K/V through a slot mapping,
 then attends: prefill chunks one sequence at a time (causal over cached prefix +
 new tokens), decode tokens all together through padded block tables.
+
+Sliding window (Mistral): a query at position p reads keys in (p - window, p].
+Every read starts at the block holding the first key of the window, so block-table
+entries before it may be FREED (released by the scheduler) and are never touched.
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ class PrefillSeq:
     token_offset: int          # first row of this sequence in the flattened batch
     num_new: int               # tokens computed this step
     start: int                 # tokens already in the cache before this step
-    block_table: torch.Tensor  # [num_blocks_needed] int64
+    block_table: torch.Tensor  # [num_blocks_read] int64: from block `first_block` to the last new token's
+    first_block: int = 0       # logical index of block_table[0] (> 0 only with a sliding window)
 
 
 @dataclass(slots=True)
@@ -37,35 +42,46 @@ class AttentionMetadata:
                                          # None when every decode sequence fills the padded width
     decode_only: bool = False            # every row of the batch is a decode token, in order
     decode_kernel: Callable | None = None  # reads K/V through the tables (attention_compiled); None = gather
+    sliding_window: int | None = None    # keys a query reads: (p - window, p]; None = all of (0, p]
+
+
+def window_start(position: int, sliding_window: int | None) -> int:
+    """First key position a query at `position` reads."""
+    return 0 if sliding_window is None else max(position - sliding_window + 1, 0)
 
 
 def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
-                   device: torch.device, decode_kernel: Callable | None = None) -> AttentionMetadata:
+                   device: torch.device, decode_kernel: Callable | None = None,
+                   sliding_window: int | None = None) -> AttentionMetadata:
     """seqs: (start, num_new, block_table) per sequence, in batch order.
 
     With a `decode_kernel` the decode tables are padded to at least 2 blocks and
     always carry a bias (the compiled kernel keeps one graph for every shape).
+    With a `sliding_window` each table is read from the block of its first query's
+    window start; the decode bias masks the keys before the window.
     """
     blocks, offsets, prefills = [], [], []
-    decode_rows, decode_tables, decode_lens = [], [], []
+    decode_rows, decode_tables, decode_spans = [], [], []
     row = 0
     for start, num_new, table in seqs:
         positions = range(start, start + num_new)
         blocks.extend(table[p // block_size] for p in positions)
         offsets.extend(p % block_size for p in positions)
+        first_block = window_start(start, sliding_window) // block_size
         if num_new == 1 and start > 0:
             decode_rows.append(row)
-            decode_tables.append(table[: start // block_size + 1])
-            decode_lens.append(start + 1)
+            decode_tables.append(table[first_block: start // block_size + 1])
+            base = first_block * block_size   # decode_spans: [lo, hi) of the keys read, in table columns
+            decode_spans.append((window_start(start, sliding_window) - base, start + 1 - base))
         else:
             needed = (start + num_new + block_size - 1) // block_size
-            prefills.append(PrefillSeq(row, num_new, start,
-                                       torch.tensor(table[:needed], dtype=torch.long, device=device)))
+            prefills.append(PrefillSeq(row, num_new, start, torch.tensor(
+                table[first_block:needed], dtype=torch.long, device=device), first_block))
         row += num_new
     meta = AttentionMetadata(
         torch.tensor(blocks, dtype=torch.long, device=device),
         torch.tensor(offsets, dtype=torch.long, device=device),
-        prefills, None, None, None, decode_kernel=decode_kernel)
+        prefills, None, None, None, decode_kernel=decode_kernel, sliding_window=sliding_window)
     if decode_rows:
         width = max(len(t) for t in decode_tables)
         if decode_kernel is not None:
@@ -74,12 +90,25 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
         meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
         meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
         meta.decode_only = not prefills
-        if decode_kernel is not None or min(decode_lens) < width * block_size:
-            lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
-            cols = torch.arange(width * block_size, device=device)
-            meta.decode_bias = torch.zeros(len(decode_lens), width * block_size, device=device).masked_fill_(
-                cols[None, :] >= lens[:, None], float("-inf"))
+        if decode_kernel is not None or any(lo > 0 or hi < width * block_size for lo, hi in decode_spans):
+            meta.decode_bias = decode_bias(decode_spans, width * block_size, device)
     return meta
+
+
+def decode_bias(spans: list[tuple[int, int]], width: int, device: torch.device) -> torch.Tensor:
+    """[B, width] float32: 0 for the columns in each span [lo, hi), -inf elsewhere."""
+    lo, hi = torch.tensor(spans, dtype=torch.long, device=device).reshape(-1, 2).unbind(1)
+    cols = torch.arange(width, device=device)
+    outside = (cols[None, :] < lo[:, None]) | (cols[None, :] >= hi[:, None])
+    return torch.zeros(len(spans), width, device=device).masked_fill_(outside, float("-inf"))
+
+
+def window_mask(qpos: torch.Tensor, kpos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """[n, m] bool: key position kpos[j] is visible to the query at qpos[i] (causal, inside the window)."""
+    mask = kpos[None, :] <= qpos[:, None]
+    if sliding_window is not None:
+        mask &= kpos[None, :] > qpos[:, None] - sliding_window
+    return mask
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -151,18 +180,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     for p in meta.prefills:
         rows = slice(p.token_offset, p.token_offset + p.num_new)
+        window = meta.sliding_window
         if p.start == 0:      # fresh prompt: attend over the new K/V directly, no gather
             num_kv_heads = k.shape[1]
             group = q.shape[1] // num_kv_heads
             qs = q[rows].reshape(-1, num_kv_heads, group, q.shape[-1]).permute(1, 2, 0, 3)   # [Hkv, g, n, D]
             ks, vs = (expand_heads(x[rows].transpose(0, 1), group) for x in (k, v))     # [Hkv, g, n, D]
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            if window is None or p.num_new <= window:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            else:
+                pos = torch.arange(p.num_new, device=q.device)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=window_mask(pos, pos, window), scale=scale)
             out[rows].view(p.num_new, num_kv_heads, group, -1).copy_(o.permute(2, 0, 1, 3))
         else:                 # continuing a cached prefix: causal with an offset
-            total = p.start + p.num_new
-            kv = gather_kv(layer_cache, p.block_table[None])[:, :, :, :total]   # [2, Hkv, 1, total, D]
+            base, total = p.first_block * layer_cache.shape[3], p.start + p.num_new
+            kv = gather_kv(layer_cache, p.block_table[None])[:, :, :, :total - base]   # [2, Hkv, 1, total - base, D]
             qpos = torch.arange(p.start, total, device=q.device)
-            mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]  # [n, total]
+            mask = window_mask(qpos, torch.arange(base, total, device=q.device), window)  # [n, total - base]
             out[rows] = grouped_attention(q[rows][None], kv, mask[None], scale)[0]
     if meta.decode_rows is not None:
         qd = q if meta.decode_only else q[meta.decode_rows]   # pure-decode step: no row gather/scatter

@@ -14,6 +14,8 @@ import hashlib
 import struct
 import threading
 
+FREED = -1   # a block-table entry whose block was released (wholly outside the sliding window)
+
 
 @dataclass(slots=True)
 class Block:
@@ -133,17 +135,23 @@ class BlockManager:
             return ids
 
     def share(self, block_ids: list[int]) -> None:
-        """One more reference on blocks already in use (a forked sequence shares its prompt's full blocks)."""
+        """One more reference on blocks already in use (a forked sequence shares its prompt's full blocks).
+        FREED entries are skipped."""
         with self.lock:
             for block_id in block_ids:
+                if block_id == FREED:
+                    continue
                 block = self.blocks[block_id]
                 assert block.ref_count > 0, f"sharing unreferenced block {block_id}"
                 block.ref_count += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference on each block, in reverse so a request's tail is evicted first."""
+        """Drop one reference on each block, in reverse so a request's tail is evicted first.
+        FREED entries (released earlier, outside a sliding window) are skipped."""
         with self.lock:
             for block_id in reversed(block_ids):
+                if block_id == FREED:
+                    continue
                 block = self.blocks[block_id]
                 assert block.ref_count > 0, f"double free of block {block_id}"
                 block.ref_count -= 1

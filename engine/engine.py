@@ -117,7 +117,8 @@ class Engine:
         self.kv_cache = torch.zeros(cfg.num_hidden_layers, num_blocks, 2, cfg.num_key_value_heads,
                                     block_size, cfg.head_dim, dtype=self.dtype, device=self.device)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache)
-        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, chunk_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, chunk_size,
+                                   cfg.sliding_window)
         kernel = None
         if attention == "compiled":
             kernel = attention_compiled.build(self.kv_cache[0], cfg.num_attention_heads)

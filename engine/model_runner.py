@@ -29,6 +29,7 @@ class ModelRunner:
         self.kv_cache = kv_cache          # [L, NB, 2, Hkv, bs, D]
         self.block_size = block_size
         self.device = device
+        self.sliding_window = model.cfg.sliding_window    # None: full causal attention
 
     def run(self, batch: list[ScheduledRequest]) -> ModelOutput:
         """Run the model over the batch; return the logits of the sequences that sample.
@@ -59,7 +60,7 @@ class ModelRunner:
                 sample_rows.append(len(logit_rows) - 1)
                 sampling.append(req)
         dev = self.device
-        meta = build_metadata(seqs, self.block_size, dev, self.decode_kernel)
+        meta = build_metadata(seqs, self.block_size, dev, self.decode_kernel, self.sliding_window)
         logits = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev),
                             self.kv_cache, meta,
@@ -72,6 +73,7 @@ class ModelRunner:
     def score(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Logits at every position of one fresh sequence (for exactness checks). [S, V] float32."""
         dev = self.device
-        meta = build_metadata([(0, len(token_ids), block_table)], self.block_size, dev)
+        meta = build_metadata([(0, len(token_ids), block_table)], self.block_size, dev,
+                              sliding_window=self.sliding_window)
         return self.model(torch.tensor(token_ids, dtype=torch.long, device=dev),
                           torch.arange(len(token_ids), device=dev), self.kv_cache, meta, None)

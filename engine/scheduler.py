@@ -6,6 +6,14 @@ prefilling takes its next chunk. Waiting requests then join while budget, batch
 slots and KV blocks allow. When a running request cannot get a block, the most
 recently arrived running request is preempted: its blocks are freed and it goes
 back to the front of the queue, to be recomputed from prompt + output so far.
+
+With a sliding window (Mistral), a query at position p reads only keys in
+(p - window, p]. After each step, a running sequence drops its reference on the
+blocks wholly before its next query's window (their table entries become
+FREED). Ref counts decide what returns to the pool: a block another sequence
+still holds stays, and a hashed block stays findable in the prefix cache until
+it is reused. Prefill-only sequences keep every block: they are shipped whole
+and the decode side releases what lies outside the window after adoption.
 """
 from __future__ import annotations
 
@@ -13,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager, hash_block, prompt_block_hashes
+from engine.block_manager import FREED, BlockManager, hash_block, prompt_block_hashes
 from engine.request import Request, RequestStatus
 
 
@@ -25,12 +33,15 @@ class ScheduledRequest:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int,
-                 max_num_seqs: int, chunk_size: int | None):
+                 max_num_seqs: int, chunk_size: int | None, sliding_window: int | None = None):
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.chunk_size = chunk_size            # None: prompts are never split
+        self.sliding_window = sliding_window    # None: every query reads its whole context
         self.waiting: deque[Request] = deque()
         self.adopted: deque[Request] = deque()  # KV already in their blocks, waiting for a batch slot
         self.running: list[Request] = []
@@ -168,3 +179,18 @@ class Scheduler:
                 parent = hash_block(parent, req.token_ids(b * self.block_size, (b + 1) * self.block_size))
                 req.block_hashes.append(parent)
                 bm.register(req.block_table[b], parent)
+            if self.sliding_window is not None and not req.prefill_only:
+                self._release_outside_window(req)
+
+    def _release_outside_window(self, req: Request) -> None:
+        """Free the blocks no later query of `req` reads: its next query sits at position
+        num_computed_tokens and reads keys from num_computed_tokens - window + 1 on."""
+        num_outside = max(req.num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+        table = req.block_table
+        first = num_outside
+        while first > 0 and table[first - 1] != FREED:   # the released entries are a prefix of the table
+            first -= 1
+        if first == num_outside:
+            return
+        self.block_manager.free(table[first:num_outside])
+        table[first:num_outside] = [FREED] * (num_outside - first)
