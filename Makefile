@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo lint test bench clean
+.PHONY: install demo lint test bench wheel clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The trained `pydoc` model (engine/weights/pydoc, rebuilt by `python -m engine.train`).
 demo: $(STAMP)
-	$(BIN)/pdserve demo
+	$(BIN)/pdserve demo --model engine/weights/pydoc
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -34,6 +35,11 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.transfer --json docs/transfer-bench.json
 	$(BIN)/python -m bench.kv_quality --model small
 	$(BIN)/python -m bench.report --preset small
+
+# A wheel of this checkout for `ray up`: deploy/cluster*.yaml sync build/dist to every node (docs/multinode.md).
+wheel: $(STAMP)
+	rm -rf build/dist build/lib
+	$(BIN)/python -m pip wheel -q --no-deps -w build/dist .
 
 clean:
 	rm -rf $(VENV) build *.egg-info
