@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo lint test bench wheel clean
+.PHONY: install demo lint test bench wheel gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +40,10 @@ bench: $(STAMP)
 wheel: $(STAMP)
 	rm -rf build/dist build/lib
 	$(BIN)/python -m pip wheel -q --no-deps -w build/dist .
+
+# One CUDA GPU, <= 8 minutes, one summary table (bench/gpu_check.py); prints "skipped" without CUDA.
+gpu-check: $(STAMP)
+	$(BIN)/python -m bench.gpu_check --json build/gpu-check.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

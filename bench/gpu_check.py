@@ -1,0 +1,425 @@
+"""`make gpu-check` (``python -m bench.gpu_check``): one prepared run on one CUDA GPU, one summary table.
+
+Run it whenever a GPU is lent, and copy the table into the README. It checks, each figure beside
+its peer:
+
+- engine vs HF transformers on the GPU in bfloat16: logits at every prompt position within the
+  bf16 tolerance, and greedy tokens equal wherever HF's own top-2 logit gap is clear (a random-weight
+  model has many near-ties, where bf16 rounding may pick either token: those steps are not compared);
+- a 1P+1D cluster on this one GPU (half a GPU per actor, KV budget from the device) over grpc with
+  codec none (tokens equal to a colocated cluster's, exactly) and fp8 (agreement reported);
+  float32, so the comparison tests the KV path, not bf16's batch-shape rounding;
+- KV transfer GPU→GPU through the grpc transport vs a device-to-device copy of the same bytes;
+- the engine's decode step bytes/s vs the device's memory bandwidth, and its prefill FLOP/s vs the
+  device's bf16 matmul peak (both measured here; the datasheet figure too for GPUs it knows);
+- the CUDA tests (tests/gpu) through pytest.
+
+Without CUDA it prints ``gpu-check skipped: no CUDA device`` and exits 0. ``--json PATH`` also
+writes every figure as JSON. Each check runs under what is left of ``--budget-s`` (default 480 s)
+and a failing check is a row, not the end of the run; the exit status is 1 when any check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 1 << 30
+MIB = 1 << 20
+SKIP_LINE = "gpu-check skipped: no CUDA device"
+LOGIT_RTOL = 0.03            # bf16: max |engine − HF| over max |HF logit|
+DEVICE = "cuda"              # the checks' device; tests/bench runs them on "cpu" at toy sizes
+GAP_MARGIN = 0.25            # a greedy step is compared when HF's top-2 gap is above this (logits)
+
+# bf16 dense tensor-core FLOP/s and memory bytes/s from the vendors' datasheets (SXM parts).
+DATASHEET = {
+    "H200": (989e12, 4.8e12),
+    "H100 80GB HBM3": (989e12, 3.35e12),
+    "A100-SXM4-80GB": (312e12, 2.039e12),
+    "A100-SXM4-40GB": (312e12, 1.555e12),
+    "L40S": (362e12, 0.864e12),
+}
+
+DECODE_POINT = (64, 1024)    # (batch, context) of the decode figure
+PREFILL_POINT = (4, 2048)    # (prompts, tokens each) of the prefill figure
+TRANSFER_MIB = 256           # KV bytes per transfer
+
+# A Llama-style model of about 1B parameters (random weights) for the speed figures: big enough that
+# decode reads weights rather than waiting on kernel launches.
+PERF_ARCH = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+@dataclass
+class Row:
+    check: str
+    status: str                  # ok | FAIL | info | skipped | error
+    figure: str
+    peer: str = ""
+    data: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ pure helpers (unit-tested on CPU)
+
+def clear_prefix(gaps: list[float], margin: float = GAP_MARGIN) -> int:
+    """How many leading greedy steps have a top-2 gap above `margin` (compared token for token)."""
+    for i, gap in enumerate(gaps):
+        if not gap > margin:
+            return i
+    return len(gaps)
+
+
+def greedy_agreement(ours: list[list[int]], theirs: list[list[int]], gaps: list[list[float]],
+                     margin: float = GAP_MARGIN) -> dict:
+    """Compare two greedy runs on each sequence's clear prefix (see clear_prefix)."""
+    compared = mismatched = 0
+    first_mismatch = None
+    for i, (a, b, g) in enumerate(zip(ours, theirs, gaps)):
+        n = clear_prefix(g, margin)
+        compared += n
+        bad = next((k for k in range(n) if a[k] != b[k]), None)
+        if bad is not None:
+            mismatched += 1
+            first_mismatch = first_mismatch or {"prompt": i, "step": bad, "ours": a[bad], "hf": b[bad]}
+    return {"prompts": len(ours), "clear_tokens": compared, "total_tokens": sum(map(len, theirs)),
+            "mismatched_prompts": mismatched, "first_mismatch": first_mismatch}
+
+
+def prefix_agreement(got: list[list[int]], expected: list[list[int]]) -> float:
+    """Share of expected tokens before each sequence's first difference."""
+    agree = sum(next((k for k, (a, b) in enumerate(zip(g, e)) if a != b), min(len(g), len(e)))
+                for g, e in zip(got, expected))
+    return agree / max(sum(map(len, expected)), 1)
+
+
+def datasheet(device_name: str) -> tuple[float, float] | None:
+    """(bf16 FLOP/s, bytes/s) for a GPU this file knows by its torch device name, else None."""
+    for key, figures in DATASHEET.items():
+        if key in device_name:
+            return figures
+    return None
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ("check", "status", "figure", "peer")
+    cells = [head] + [(r.check, r.status, r.figure, r.peer) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(4)]
+    lines = ["  ".join(c[i].ljust(widths[i]) for i in range(4)).rstrip() for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+# ------------------------------------------------------------------ the checks (CUDA)
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _release() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+
+
+def _best_time(fn, reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def copy_seconds(src: torch.Tensor) -> float:
+    """Best time of a device-to-device copy of `src` (cudaMemcpy through torch)."""
+    dst = torch.empty_like(src)
+    return _best_time(lambda: dst.copy_(src))
+
+
+def device_peaks() -> dict:
+    """Measured on this GPU: device-to-device copy bytes/s (read + write) and a bf16 GEMM's FLOP/s."""
+    copy_s = copy_seconds(torch.empty(1 * GIB, dtype=torch.uint8, device=DEVICE))
+    n = 8192
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    mm_s = _best_time(lambda: a @ b, reps=10)
+    return {"copy_bytes_per_s": 2 * GIB / copy_s, "memcpy_gb_per_s": gbps(GIB, copy_s),
+            "matmul_flops_per_s": 2 * n ** 3 / mm_s}
+
+
+def check_engine_vs_hf(model_dir: str, prompts: int, new_tokens: int) -> list[Row]:
+    import transformers
+
+    from engine import Engine, SamplingParams
+    engine = Engine(model_dir, dtype="bfloat16", device=DEVICE, num_blocks=1024, block_size=16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+    g = torch.Generator().manual_seed(5)
+    batch = [torch.randint(2, engine.vocab_size, (int(n),), generator=g).tolist()
+             for n in torch.randint(8, 400, (prompts,), generator=g)]
+    worst = 0.0
+    for ids in batch[:8]:                                  # logits at every position
+        blocks = engine.block_manager.allocate(-(-len(ids) // 16))
+        ours = engine.runner.score(ids, blocks).float()
+        engine.block_manager.free(blocks)
+        with torch.no_grad():
+            theirs = hf(torch.tensor([ids], device=DEVICE)).logits[0].float()
+        worst = max(worst, float((ours - theirs).abs().max() / theirs.abs().max()))
+    hf_tokens, hf_gaps = [], []
+    for ids in batch:                                      # HF greedy, with its top-2 gap at each step
+        seq, gaps = list(ids), []
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                logits = hf(torch.tensor([seq], device=DEVICE)).logits[0, -1].float()
+                top = torch.topk(logits, 2)
+                gaps.append(float(top.values[0] - top.values[1]))
+                seq.append(int(top.indices[0]))
+        hf_tokens.append(seq[len(ids):])
+        hf_gaps.append(gaps)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    ours = [c.token_ids for c in engine.generate(batch, params)]
+    agreement = greedy_agreement(ours, hf_tokens, hf_gaps)
+    del engine, hf
+    _release()
+    logits_ok = worst <= LOGIT_RTOL
+    greedy_ok = agreement["mismatched_prompts"] == 0 and agreement["clear_tokens"] > 0
+    return [
+        Row("engine vs HF logits (bf16)", "ok" if logits_ok else "FAIL", f"max |diff| / max |logit| = {worst:.4f}",
+            f"tolerance {LOGIT_RTOL}", {"max_rel_diff": worst}),
+        Row("engine vs HF greedy (bf16)", "ok" if greedy_ok else "FAIL",
+            f"{agreement['clear_tokens']} clear tokens, {agreement['mismatched_prompts']} prompts differ",
+            f"of {agreement['total_tokens']} tokens; gap > {GAP_MARGIN}", agreement),
+    ]
+
+
+def _cluster_tokens(model_dir: str, mode: str, codec: str, prompts, params) -> tuple[list[list[int]], dict]:
+    import grpc
+
+    from deploy.config import load_config
+    from deploy.running import start_cluster
+    from proto.pdserve.v1 import generation_pb2 as pb
+    from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
+    cfg = load_config(None, {
+        "model.name": model_dir, "model.dtype": "float32",
+        "pools.prefill.count": 1, "pools.decode.count": 1,
+        "pools.prefill.resources.num_gpus": 0.5, "pools.decode.resources.num_gpus": 0.5,
+        "kv_cache.memory_fraction": 0.3, "kv_transfer.transport": "grpc", "kv_transfer.compression": codec})
+
+    async def main():
+        cluster = await start_cluster(cfg, port=0, mode=mode)
+        try:
+            await cluster.server.wait_ready(120)
+            async with grpc.aio.insecure_channel(cluster.address) as channel:
+                stub = pb_grpc.GenerationServiceStub(channel)
+
+                async def one(i, p, prm):
+                    sampling = pb.SamplingParams(max_tokens=prm.max_tokens, temperature=0.0, ignore_eos=True)
+                    req = pb.GenerateRequest(request_id=f"r{i}", token_ids=pb.TokenIds(ids=p), sampling=sampling)
+                    return [t async for m in stub.Generate(req) for t in m.token_ids]
+                tokens = await asyncio.gather(*(one(i, p, prm) for i, (p, prm) in enumerate(zip(prompts, params))))
+                stats = await stub.GetStats(pb.GetStatsRequest())
+            return tokens, {"kv_blocks_total": [a.kv_blocks_total for a in stats.actors]}
+        finally:
+            await cluster.stop()
+    return asyncio.run(main())
+
+
+def check_cluster(model_dir: str, n: int) -> list[Row]:
+    from deploy.launcher import init_ray
+    from engine import SamplingParams
+    init_ray(num_cpus=8)
+    g = torch.Generator().manual_seed(11)
+    lengths = torch.randint(1, 500, (n,), generator=g).tolist()
+    prompts = [torch.randint(2, 1000, (k,), generator=g).tolist() for k in lengths]
+    params = [SamplingParams(max_tokens=4 + (i * 5) % 24, temperature=0.0, ignore_eos=True) for i in range(n)]
+    reference, ref_info = _cluster_tokens(model_dir, "colocated", "none", prompts, params)
+    rows = []
+    for codec in ("none", "fp8"):
+        got, info = _cluster_tokens(model_dir, "disaggregated", codec, prompts, params)
+        agree = prefix_agreement(got, reference)
+        if codec == "none":
+            status = "ok" if got == reference else "FAIL"
+        else:
+            status = "info" if [len(t) for t in got] == [len(t) for t in reference] else "FAIL"
+        rows.append(Row(f"1P+1D grpc {codec} vs colocated (fp32)", status, f"{agree:.3f} of tokens agree",
+                        f"{n} requests; KV blocks per actor {info['kv_blocks_total']}",
+                        {"agreement": agree, "exact": got == reference, **info, "colocated": ref_info}))
+    return rows
+
+
+def check_transfer(payload_mib: int) -> list[Row]:
+    from kv_transfer import KVLayout, SimpleBlockPool, TransferStatus, make_receiver, make_sender
+    layout = KVLayout(num_layers=16, num_kv_heads=8, block_size=16, head_dim=128, dtype=torch.bfloat16,
+                      model_fingerprint="gpu-check")
+    blocks = max(1, payload_mib * MIB // layout.block_nbytes)
+    src = torch.randn(layout.cache_shape(blocks + 1), device=DEVICE).to(torch.bfloat16)
+    ids = list(range(1, blocks + 1))
+    nbytes = blocks * layout.block_nbytes
+    copy_rate = gbps(src.numel() * src.element_size(), copy_seconds(src))   # the whole cache, contiguous
+    rows = []
+    for codec in ("none", "fp8"):
+        pool = SimpleBlockPool(blocks + 1)
+        dst = torch.zeros_like(src)
+        receiver = make_receiver("grpc", layout, dst, pool, lambda r, pool=pool: pool.free(r.dst_block_ids)
+                                 if r.status == TransferStatus.DONE else None, codec=codec, token="gpu-check")
+        sender = make_sender("grpc", layout, codec=codec, token="gpu-check")
+        try:
+            times = []
+            for rep in range(4):                                    # the first one warms up
+                handle = sender.send(f"r{rep}", src, ids, receiver.endpoint, deadline_s=120)
+                if handle.wait(120) != TransferStatus.DONE:
+                    raise RuntimeError(f"transfer failed: {handle}")
+                times.append(handle.elapsed_s)
+            seconds = min(times[1:])
+        finally:
+            sender.close()
+            receiver.close()
+        rate = gbps(nbytes, seconds)
+        rows.append(Row(f"KV transfer GPU→GPU grpc {codec}", "info", f"{rate:.2f} GB/s ({nbytes / MIB:.0f} MiB)",
+                        f"device copy {copy_rate:.1f} GB/s",
+                        {"gb_per_s": rate, "copy_gb_per_s": copy_rate, "bytes": nbytes}))
+    return rows
+
+
+def check_speed(model_dir: str, peaks: dict) -> list[Row]:
+    from engine import Engine
+    from engine.profile import measure_decode, measure_prefill
+    (batch, context), (prompts, prompt_len) = DECODE_POINT, PREFILL_POINT
+    engine = Engine(model_dir, dtype="bfloat16", device=DEVICE, kv_memory_fraction=0.5, block_size=16,
+                    max_num_batched_tokens=prompts * prompt_len, max_num_seqs=max(batch, prompts), attention="eager")
+    sheet = datasheet(_device_name())
+    rows = [Row("KV budget from the device", "info", f"{engine.block_manager.num_blocks} blocks",
+                "memory_fraction 0.5", asdict(engine.kv_budget) if engine.kv_budget else {})]
+    decode = measure_decode(engine, batch=batch, context=context, repeats=5)
+    if decode is None:
+        raise RuntimeError(f"decode point {DECODE_POINT} does not fit the KV cache "
+                           f"({engine.block_manager.num_blocks} blocks)")
+    bandwidth = peaks["copy_bytes_per_s"]
+    peer = f"device copy {bandwidth / 1e9:.0f} GB/s" + (f", datasheet {sheet[1] / 1e9:.0f} GB/s" if sheet else "")
+    rows.append(Row(f"decode step bytes/s ({batch} × {context} ctx)", "info", f"{decode['bytes_per_s'] / 1e9:.0f} GB/s "
+                    f"({decode['bytes_per_s'] / bandwidth:.0%} of copy)", peer, decode))
+    prefill = measure_prefill(engine, prompt_len, batch=prompts, repeats=2)
+    if prefill is None:
+        raise RuntimeError(f"prefill point {PREFILL_POINT} does not fit the KV cache or the context")
+    flops = peaks["matmul_flops_per_s"]
+    peer = f"bf16 GEMM {flops / 1e12:.0f} TFLOP/s" + (f", datasheet {sheet[0] / 1e12:.0f}" if sheet else "")
+    rate = prefill["flops_per_s"]
+    rows.append(Row(f"prefill FLOP/s ({prompts} × {prompt_len})", "info",
+                    f"{rate / 1e12:.1f} TFLOP/s ({rate / flops:.0%} of GEMM)", peer, prefill))
+    del engine
+    _release()
+    return rows
+
+
+def check_gpu_tests(timeout_s: float) -> list[Row]:
+    if not os.path.isdir(os.path.join(ROOT, "tests", "gpu")):
+        return [Row("tests/gpu", "skipped", "no tests/gpu folder")]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=max(timeout_s, 1))
+    last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    return [Row("tests/gpu (pytest)", "ok" if proc.returncode == 0 else "FAIL", last, "",
+                {"returncode": proc.returncode, "tail": proc.stdout[-4000:] + proc.stderr[-2000:]})]
+
+
+def perf_model_dir() -> str:
+    from engine.presets import cache_root, hf_config, write_model_dir
+    path = os.path.join(cache_root(), "models", "gpu-check-1b")
+    if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        write_model_dir(path, hf_config(PERF_ARCH, torch_dtype="bfloat16"), seed=3, tokenizer_vocab=300)
+    return path
+
+
+# ------------------------------------------------------------------ driver
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="small", help="model for the exactness checks (preset or HF directory)")
+    p.add_argument("--perf-model", default=None,
+                   help="model for the speed figures (default: a random ~1B Llama written to the cache)")
+    p.add_argument("--json", metavar="PATH", help="also write every figure as JSON ('-' for stdout)")
+    p.add_argument("--budget-s", type=float, default=480.0, help="skip the checks left after this many seconds")
+    p.add_argument("--prompts", type=int, default=24, help="prompts for engine vs HF")
+    return p
+
+
+def run_checks(args) -> tuple[list[Row], dict]:
+    from engine.presets import resolve_model
+    start = time.monotonic()
+    model_dir = resolve_model(args.model)
+    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "model": model_dir}
+    rows: list[Row] = []
+    peaks: dict = {}
+
+    def left() -> float:
+        return args.budget_s - (time.monotonic() - start)
+
+    steps = [
+        ("device peaks", lambda: peaks.update(device_peaks()) or []),
+        ("engine vs HF", lambda: check_engine_vs_hf(model_dir, args.prompts, 16)),
+        ("speed", lambda: check_speed(args.perf_model or perf_model_dir(), peaks)),
+        ("KV transfer", lambda: check_transfer(TRANSFER_MIB)),
+        ("1P+1D cluster", lambda: check_cluster(model_dir, 16)),
+        ("tests/gpu", lambda: check_gpu_tests(left())),
+    ]
+    for name, step in steps:
+        if left() <= 0:
+            rows.append(Row(name, "skipped", f"time budget {args.budget_s:.0f} s spent"))
+            continue
+        t0 = time.monotonic()
+        try:
+            new = step()
+        except Exception as e:               # one failed check is a row; the others still run
+            new = [Row(name, "error", f"{type(e).__name__}: {e}"[:200])]
+        for row in new:
+            row.data.setdefault("seconds", round(time.monotonic() - t0, 1))
+        rows.extend(new)
+    info.update(peaks)
+    info["seconds"] = round(time.monotonic() - start, 1)
+    return rows, info
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print(SKIP_LINE)
+        if args.json:
+            _write_json(args.json, {"skipped": "no CUDA device"})
+        return 0
+    rows, info = run_checks(args)
+    print(f"gpu-check on {info['device']} (torch {info['torch']}, CUDA {info['cuda']}), {info['seconds']} s")
+    print(format_table(rows))
+    if args.json:
+        _write_json(args.json, {"info": info, "rows": [asdict(r) for r in rows]})
+    return 1 if any(r.status in ("FAIL", "error") for r in rows) else 0
+
+
+def _write_json(path: str, payload: dict) -> None:
+    text = json.dumps(payload, indent=2, default=str)
+    if path == "-":
+        print(text)
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
