@@ -1,10 +1,27 @@
-"""Tokenizer (a `tokenizer.json` via `tokenizers`) and the incremental detokenizer."""
+"""Tokenizer (a `tokenizer.json` via `tokenizers`) and the incremental detokenizer.
+
+Prompts are encoded as `AutoTokenizer.from_pretrained(dir)(prompt)` does. A directory whose
+tokenizer_config.json names the generic class (PreTrainedTokenizerFast, TokenizersBackend, or
+none) is served from tokenizer.json as it stands, as transformers does: the special tokens
+added are those of its post-processor (Llama-3's TemplateProcessing prepends
+<|begin_of_text|>, Qwen's and GPT-2's ByteLevel one adds none). A named class (LlamaTokenizerFast,
+Qwen2Tokenizer, ...) may rebuild parts of the pipeline in transformers (transformers 5's Llama
+class swaps the normaliser for a Metaspace pre-tokenizer; transformers 4's rebuilt the
+post-processor from `add_bos_token`), so for those the pipeline is taken from the installed
+transformers' AutoTokenizer when it can be, else from tokenizer.json with a warning.
+"""
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+log = logging.getLogger(f"pdserve.{__name__}")
+
+# tokenizer_config.json classes transformers loads from tokenizer.json unchanged.
+GENERIC_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 class Tokenizer:
@@ -14,30 +31,60 @@ class Tokenizer:
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: model directory has no tokenizer.json")
-        self._tok = _HFTokenizer.from_file(path)
+        cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+        tok_cfg = {}
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                try:
+                    tok_cfg = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+            if not isinstance(tok_cfg, dict):
+                raise ValueError(f"{cfg_path}: expected a JSON object")
+        self._tok = _pipeline(model_dir, path, tok_cfg.get("tokenizer_class"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
-        cfg_path = os.path.join(model_dir, "tokenizer_config.json")
-        self.add_bos = False
-        if os.path.isfile(cfg_path):
-            with open(cfg_path, encoding="utf-8") as f:
-                self.add_bos = bool(json.load(f).get("add_bos_token", False))
+        # Whether encode() prepends the BOS: what the post-processor does to a short text.
+        special, plain = (self._tok.encode("a", add_special_tokens=flag).ids for flag in (True, False))
+        self.add_bos = bos_token_id is not None and len(special) > len(plain) and special[0] == bos_token_id
+        wanted = tok_cfg.get("add_bos_token")
+        if wanted is not None and bool(wanted) != self.add_bos:
+            log.warning("%s: add_bos_token is %s but the tokenizer's post-processor %s the BOS; prompts get "
+                        "what AutoTokenizer gives them (transformers >= 5 reads the BOS from tokenizer.json)",
+                        cfg_path, wanted, "adds" if self.add_bos else "does not add")
 
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens=False` adds no BOS (a chat template already has it)."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
-            ids = [self.bos_token_id] + ids
-        return ids
+        """Token ids of `text`, with the special tokens tokenizer.json's post-processor adds;
+        `add_special_tokens=False` adds none (a chat template already has its BOS)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; `skip_special_tokens=False` keeps special tokens (e.g. `</s>`) in it."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _pipeline(model_dir: str, path: str, tokenizer_class: str | None) -> _HFTokenizer:
+    """The `tokenizers` pipeline AutoTokenizer runs for this directory (see the module docstring)."""
+    if tokenizer_class in GENERIC_CLASSES:
+        return _HFTokenizer.from_file(path)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        log.warning("%s: tokenizer_class %s may encode differently in transformers (not installed here); "
+                    "using tokenizer.json as it stands", model_dir, tokenizer_class)
+        return _HFTokenizer.from_file(path)
+    try:
+        backend = AutoTokenizer.from_pretrained(model_dir).backend_tokenizer
+    except Exception as e:       # custom code, a slow-only class, a missing extra: fall back, loudly
+        log.warning("%s: AutoTokenizer could not load tokenizer_class %s (%s); using tokenizer.json as it stands",
+                    model_dir, tokenizer_class, e)
+        return _HFTokenizer.from_file(path)
+    return _HFTokenizer.from_str(backend.to_str())
 
 
 class IncrementalDetokenizer:

@@ -5,6 +5,8 @@ import json
 import os
 import shutil
 
+import pytest
+
 from engine.tokenizer import Tokenizer
 
 
@@ -17,7 +19,10 @@ def test_decode_keeps_special_tokens_only_when_asked(tiny_model_dir):
     assert tok.decode([a, 1, b], skip_special_tokens=False) == tok.decode([a]) + "</s>" + tok.decode([b])
 
 
-def test_encode_adds_bos_unless_told_not_to(tiny_model_dir, tmp_path):
+def test_encode_adds_the_bos_auto_tokenizer_adds(tiny_model_dir, tmp_path):
+    """add_bos_token in tokenizer_config.json: the engine adds a BOS exactly when AutoTokenizer does
+    (transformers >= 5: when tokenizer.json's post-processor does; test_tokenizer_parity.py has the styles)."""
+    transformers = pytest.importorskip("transformers")
     model_dir = str(tmp_path / "bos")
     shutil.copytree(tiny_model_dir, model_dir)
     cfg_path = os.path.join(model_dir, "tokenizer_config.json")
@@ -26,6 +31,8 @@ def test_encode_adds_bos_unless_told_not_to(tiny_model_dir, tmp_path):
     with open(cfg_path, "w", encoding="utf-8") as f:
         json.dump({**cfg, "add_bos_token": True}, f)
     tok = Tokenizer(model_dir, (1,), 0)
-    bare = Tokenizer(tiny_model_dir, (1,), 0).encode("hello world")
-    assert tok.encode("hello world") == [0] + bare
-    assert tok.encode("hello world", add_special_tokens=False) == bare
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    bare = Tokenizer(tiny_model_dir, (1,), 0).encode("hello world", add_special_tokens=False)
+    assert tok.encode("hello world") == hf("hello world")["input_ids"]
+    assert tok.encode("hello world", add_special_tokens=False) == bare == hf("hello world",
+                                                                            add_special_tokens=False)["input_ids"]

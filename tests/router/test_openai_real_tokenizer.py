@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 from openai_support import ScriptedBackend
+from tokenizers import processors
 
 from engine.presets import build_tokenizer
 from engine.tokenizer import Tokenizer
@@ -28,7 +29,10 @@ MESSAGES = [{"role": "system", "content": "You answer in one word."}, {"role": "
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("bpe-model")
-    build_tokenizer(400).save(str(path / "tokenizer.json"))
+    tok = build_tokenizer(400)        # Llama-3 style: tokenizer.json's post-processor prepends the BOS
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True, "bos_token": "<s>",
         "eos_token": "</s>", "chat_template": LLAMA3_STYLE}))
@@ -62,7 +66,7 @@ def test_completion_prompt_gets_the_bos_and_logprob_texts_are_token_texts(runnin
         out = client.completions.create(model="bpe", prompt="snow is white", max_tokens=3, logprobs=1, echo=True)
     inp = next(iter(run.backend.inputs.values()))
     plain = hf("snow is white", add_special_tokens=False)["input_ids"]
-    assert inp.prompt_token_ids == [hf.bos_token_id] + plain          # add_bos_token: the engine adds the BOS
+    assert inp.prompt_token_ids == [hf.bos_token_id] + plain == hf("snow is white")["input_ids"]
     tokens = out.choices[0].logprobs.tokens
     assert tokens[0] == "<s>"
     assert tokens[:len(inp.prompt_token_ids)] == [hf.decode([t]) for t in inp.prompt_token_ids]
