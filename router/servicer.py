@@ -195,7 +195,7 @@ class RequestCore:
             self._num_admitting -= 1
         params = inp.params
         record = RequestRecord(inp.request_id, api, user[:MAX_LOGGED_USER_CHARS], received,
-                               len(inp.prompt_token_ids), params.num_sequences)
+                               len(inp.prompt_token_ids), num_sequences=params.num_sequences)
         self._in_flight[inp.request_id] = received
         self._idle.clear()
         return AdmittedRequest(self, inp, record)

@@ -63,30 +63,52 @@ class GrpcLoadClient:
 
 
 class OpenAILoadClient:
-    """`POST /v1/completions` with SSE streaming over one HTTP connection pool (httpx)."""
+    """`POST /v1/completions` with SSE streaming over one aiohttp connection pool (the client
+    vLLM's and SGLang's serving benchmarks use, so figures compare with theirs)."""
 
     api = "openai"
 
     def __init__(self, base_url: str, model: str, token: str | None = None, max_connections: int = 1024):
-        import httpx
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http = httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=None)
+        import aiohttp
+        self._base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._connector = aiohttp.TCPConnector(limit=max_connections)
+        self._session: aiohttp.ClientSession | None = None
         self.model = model
 
+    @classmethod
+    async def for_server(cls, base_url: str, token: str | None = None) -> OpenAILoadClient:
+        """A client of the first model the server lists at ``GET /models``."""
+        client = cls(base_url, "", token)
+        async with client._http().get(f"{client._base_url}/models") as response:
+            if response.status != 200:
+                await client.close()
+                raise RequestFailed(f"GET /models: HTTP {response.status}: {(await response.text())[:300]}")
+            client.model = (await response.json())["data"][0]["id"]
+        return client
+
+    def _http(self):
+        import aiohttp
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=self._connector, headers=self._headers,
+                                                  timeout=aiohttp.ClientTimeout(total=None))
+        return self._session
+
     async def stream(self, spec: RequestSpec, request_id: str, timeout: float) -> AsyncIterator[Piece]:
+        import aiohttp
         body = {"model": self.model, "max_tokens": spec.output_len, "temperature": 0.0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}, "user": request_id,
                 "prompt": spec.prompt_token_ids if spec.prompt_token_ids is not None else spec.prompt}
         finish = ""
-        async with self._http.stream("POST", "/completions", json=body, timeout=timeout) as response:
-            if response.status_code != 200:
-                raise RequestFailed(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
+        async with self._http().post(f"{self._base_url}/completions", json=body,
+                                     timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            if response.status != 200:
+                raise RequestFailed(f"HTTP {response.status}: {(await response.text())[:300]}")
+            async for line in response.content:          # one SSE line at a time
+                if not line.startswith(b"data: "):
                     continue
-                data = line[6:]
-                if data == "[DONE]":
+                data = line[6:].strip()
+                if data == b"[DONE]":
                     return
                 event = json.loads(data)
                 if "error" in event:
@@ -100,4 +122,7 @@ class OpenAILoadClient:
                     yield Piece(0, finish or "?", usage["completion_tokens"], details.get("cached_tokens") or 0)
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
+        else:
+            await self._connector.close()

@@ -34,11 +34,7 @@ async def open_client(target: Target, api: str):
         return GrpcLoadClient(target.address, target.token)
     if not target.http_url:
         raise ValueError("--api openai needs the router's HTTP API (--http-url, or an embedded cluster)")
-    import httpx
-    headers = {"Authorization": f"Bearer {target.token}"} if target.token else {}
-    async with httpx.AsyncClient(base_url=target.http_url, headers=headers) as http:
-        models = (await http.get("/models")).raise_for_status().json()["data"]
-    return OpenAILoadClient(target.http_url, models[0]["id"], target.token)
+    return await OpenAILoadClient.for_server(target.http_url, target.token)
 
 
 async def measure(target: Target, args: argparse.Namespace, specs: list, *, seed: int, label: str,

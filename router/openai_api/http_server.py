@@ -66,14 +66,17 @@ class HTTPServer:
             kwargs = dict(ssl_certfile=str(self.tls.cert_path), ssl_keyfile=str(self.tls.key_path))
             if self.tls.client_ca_path:
                 kwargs.update(ssl_ca_certs=str(self.tls.client_ca_path), ssl_cert_reqs=ssl.CERT_REQUIRED)
-        config = uvicorn.Config(self.app, lifespan="off", access_log=False, log_level="warning", log_config=None,
+        config = uvicorn.Config(self.app, http="httptools", lifespan="off", access_log=False, log_level="warning",
+                                log_config=None,
                                 timeout_graceful_shutdown=5, server_header=False, **kwargs)
         try:
             config.load()       # reads the TLS files now, so that a bad one fails the start
         except (OSError, ssl.SSLError) as e:
             raise ValueError(f"HTTP server TLS: {e}") from None
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that name it, and without it
+        # Nagle holds an SSE event behind the unacknowledged headers for the peer's delayed ACK (~40 ms).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self.host, self.port))

@@ -134,7 +134,8 @@ def test_missing_and_misshapen_weights_are_refused_naming_the_weight(plain_dir, 
     save_file(weights, path, metadata={"format": "pt"})
     with pytest.raises(KeyError, match="'model.layers.1.mlp.down_proj.weight' is missing"):
         _engine(model_dir)
-    save_file({**weights, "model.layers.1.mlp.down_proj.weight": down[:, :100].contiguous()}, path, metadata={"format": "pt"})
+    save_file({**weights, "model.layers.1.mlp.down_proj.weight": down[:, :100].contiguous()}, path,
+              metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"'model.layers.1.mlp.down_proj.weight' has shape \(64, 100\), "
                                          r"config.json implies \(64, 128\)"):
         _engine(model_dir)
