@@ -20,9 +20,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The trained `pydoc` model (engine/weights/pydoc, rebuilt by `python -m engine.train`).
+# The default model: the trained `pydoc` (engine/weights/pydoc, rebuilt by `python -m engine.train`).
 demo: $(STAMP)
-	$(BIN)/pdserve demo --model engine/weights/pydoc
+	$(BIN)/pdserve demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

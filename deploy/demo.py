@@ -8,13 +8,14 @@ import time
 from deploy.config import PDServeConfig
 from engine.latency import time_per_output_token
 
+# The default model (`pydoc`) was trained on the Python 3.11 documentation: prompts in its register.
 PROMPTS = [
-    "The prefill pool computes the whole prompt at once, so",
-    "Decode reads every weight for each token; therefore the cache",
-    "A request arrives at the router and",
-    "你好世界, the model says",
-    "Block tables map tokens to pages of memory, which",
-    "When the KV cache moves from one actor to another,",
+    "The list type is a mutable sequence, so",
+    "To read a file line by line, open it with",
+    "A dictionary maps keys to values;",
+    "The os.path module implements",
+    "Exceptions raised in a generator are",
+    "When the interpreter starts, it",
 ]
 
 

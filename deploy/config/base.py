@@ -22,8 +22,9 @@ from typing import Annotated, Any
 from pydantic import (AllowInfNan, BaseModel, BeforeValidator, ConfigDict, ValidationError,
                       ValidationInfo)
 
-PRESET_MODELS = ("tiny", "small")
-"""Model names served from the embedded presets instead of a directory."""
+PRESET_MODELS = ("pydoc", "tiny", "small")
+"""Model names served from the embedded models instead of a directory: the trained `pydoc`
+(engine/weights/pydoc) and the random-weight presets."""
 MIB = 1 << 20
 GIB = 1 << 30
 

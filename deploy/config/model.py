@@ -25,8 +25,9 @@ class ModelSection(Section):
     """Which model every pool serves."""
 
     name: Annotated[str, AfterValidator(check_model_name)] = Field(
-        "small", description="Preset name (tiny, small) or a local Hugging Face-format "
-        "model directory; relative paths are relative to the config file.")
+        "pydoc", description="Embedded model (pydoc: trained, the default; tiny, small: random "
+        "weights) or a local Hugging Face-format model directory; relative paths are relative to "
+        "the config file.")
     dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "auto", description="Weight and KV dtype; auto = bfloat16 on CUDA, float32 on CPU.")
     attention: Literal["auto", "compiled", "eager"] = Field(

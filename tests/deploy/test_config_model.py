@@ -8,4 +8,4 @@ from deploy.config import PRESET_MODELS
 
 def test_presets_match_the_engine():
     presets = pytest.importorskip("engine.presets")
-    assert set(PRESET_MODELS) <= set(presets.PRESETS)
+    assert set(PRESET_MODELS) <= set(presets.PRESETS) | set(presets.TRAINED)

@@ -28,7 +28,7 @@ def test_shipped_examples_exist():
 def test_pools_yaml_is_the_embedded_default():
     default = PDServeConfig.default()
     assert load_config(DEFAULT_CONFIG_PATH) == default == load_config(None)
-    assert default.model.name == "small"
+    assert default.model.name == "pydoc"
     assert default.pools.prefill.count == 1 and default.pools.decode.count == 1
     assert default.pools.long_context is None
     assert (default.kv_transfer.transport, default.kv_transfer.compression) == ("grpc", "fp8")
@@ -112,7 +112,7 @@ def test_pool_model_override_must_match(model_dir, write_yaml):
     assert load_config(same).pool_model("decode") == model_dir
     other = write_yaml(f"pools:\n  prefill: {{model: {model_dir}}}\n")
     with pytest.raises(ConfigError, match=rf"^pools\.prefill\.model: all pools must serve the "
-                       rf"same model \(pools\.prefill: '{model_dir}', pools\.decode: 'small'\)"):
+                       rf"same model \(pools\.prefill: '{model_dir}', pools\.decode: 'pydoc'\)"):
         load_config(other)
 
 
