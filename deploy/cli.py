@@ -22,7 +22,8 @@ SERVE_FLAGS = {  # flag dest -> config key
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="pools.yaml (default: the embedded default)")
-    p.add_argument("--model", help="embedded model (pydoc: trained, the default; tiny, small: random weights) or a model directory")
+    p.add_argument("--model", help="embedded model (pydoc: trained, the default; tiny, small: random weights) "
+                   "or a model directory")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set kv_cache.num_blocks=2048")

@@ -315,6 +315,9 @@ class Dispatcher(Backend):
         # Prompt logprobs come back in the PrefillResult: decode events wait for it, so they lead the stream.
         hold = not local and inp.params.prompt_logprobs is not None
         held: list[wpb.DecodeEvent] = []
+        # The request's last finish carries usage and timing, which need the PrefillResult (cached tokens,
+        # prefill and transfer times): a finish that outruns it waits for it here.
+        deferred: list[wpb.DecodeEvent] = []
         prompt_logprobs = None
         read_task = asyncio.ensure_future(stream.read())
         d.sent_at = time.monotonic()
@@ -343,18 +346,22 @@ class Dispatcher(Backend):
                     if hold:
                         prompt_logprobs = list(result.prompt_logprobs)
                         hold, events, held = False, held, []
+                    events, deferred = deferred + events, []
                 if read_task in done:
                     got = read_task.result()
                     read_task = None
                     if got is not None:
                         (held if hold else events).extend(got)
                         read_task = asyncio.ensure_future(stream.read())
-                    elif not hold:               # (held events may still finish it: checked once they are out)
+                    elif not (hold or deferred):     # (held events may still finish it: checked once they are out)
                         raise BackendError("INTERNAL", f"decode stream of {rid} ended without a finish")
-                for ev in events:
+                for i, ev in enumerate(events):
+                    last = bool(ev.finish_reason) and num_open == 1
+                    if last and prefill_task is not None:
+                        deferred = events[i:]
+                        break
                     if d.decode_stages is None and ev.HasField("stages"):
                         d.decode_stages = ev.stages
-                    last = bool(ev.finish_reason) and num_open == 1
                     chunk = self._on_event(ev, d.timing, usage, last)
                     if prompt_logprobs is not None:
                         chunk.prompt_logprobs, prompt_logprobs = prompt_logprobs, None

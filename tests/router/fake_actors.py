@@ -47,11 +47,15 @@ class KVHub:
     """Transfers in flight: transfer id -> future of (first token id, prompt length)."""
 
     transfers: dict[str, asyncio.Future] = field(default_factory=dict)
+    streamed: dict[str, asyncio.Event] = field(default_factory=dict)    # the decode side sent its last event
 
     def slot(self, transfer_id: str) -> asyncio.Future:
         if transfer_id not in self.transfers:
             self.transfers[transfer_id] = asyncio.get_running_loop().create_future()
         return self.transfers[transfer_id]
+
+    def stream_done(self, transfer_id: str) -> asyncio.Event:
+        return self.streamed.setdefault(transfer_id, asyncio.Event())
 
 
 class FakeActor:
@@ -89,11 +93,13 @@ class FakeActor:
 class FakePrefill(FakeActor):
     """Faults: "unavailable" (the call raises), "sender" / "receiver" (a failed transfer of that
     side), "refuse" (a non-retryable rejection), "hang" (never answers), "late" (the result comes
-    after the decode actor has streamed its first tokens)."""
+    after the decode actor has streamed its first tokens), "after_finish" (the result comes only
+    once the decode actor has streamed the request's last token)."""
 
     def __init__(self, actor_id: str, hub: KVHub):
         super().__init__(actor_id, "prefill")
         self.hub = hub
+        self.cached_tokens = 0               # the prefix-cache hit every result reports
 
     async def prefill(self, job: wpb.PrefillJob) -> wpb.PrefillResult:
         self.jobs.append(job)
@@ -106,7 +112,8 @@ class FakePrefill(FakeActor):
             for ev in firsts:
                 ev.logprobs.append(logprob_of(ev.token_ids[0]))
         result = wpb.PrefillResult(request_id=job.request_id, transfer_id=job.transfer_id,
-                                   num_prompt_tokens=len(prompt), first_tokens=firsts,
+                                   num_prompt_tokens=len(prompt), num_cached_tokens=self.cached_tokens,
+                                   first_tokens=firsts,
                                    prefill_s=0.01, transfer_s=0.002, kv_bytes=1000, wire_bytes=500)
         if job.params.HasField("prompt_logprobs"):
             result.prompt_logprobs.extend(logprob_of(t) for t in prompt[1:])
@@ -131,6 +138,10 @@ class FakePrefill(FakeActor):
         self.hub.slot(job.transfer_id).set_result((first_token_id, len(prompt)))
         if fault == "late":                  # the result comes after the decode actor has streamed
             await asyncio.sleep(0.05)
+        if fault == "after_finish":
+            await self.hub.stream_done(job.transfer_id).wait()
+            for _ in range(10):              # let the router take in the finish before this reply
+                await asyncio.sleep(0)
         result.status = wpb.PREFILL_STATUS_SENT
         return result
 
@@ -182,6 +193,8 @@ class FakeStream:
             events.append(event)
         self.position += 1
         self.done = self.position >= self.job.params.max_tokens
+        if self.done and self.job.transfer_id:
+            self.actor.hub.stream_done(self.job.transfer_id).set()
         await asyncio.sleep(0)
         return events
 

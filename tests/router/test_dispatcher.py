@@ -87,6 +87,24 @@ def test_disaggregated_request_streams_the_exact_tokens():
     run(main())
 
 
+def test_a_finish_that_outruns_the_prefill_result_waits_for_its_usage_and_timing():
+    """The decode stream can end before the PrefillResult's Ray reply lands: the last chunk's usage
+    still says the prefill actor's cached tokens, and its timing the prefill and transfer times."""
+    async def main():
+        c = fake_cluster(num_prefill=1)
+        c.prefill[0].cached_tokens = 8
+        c.prefill[0].faults = ["after_finish"]
+        d = make(c)
+        tokens, chunks = await collect(d, request(max_tokens=3))
+        assert tokens == expected_tokens(PROMPT, 3)
+        last = chunks[-1]
+        assert last.finish_reason == "length" and last.usage.cached_prompt_tokens == 8
+        assert last.timing.prefill_s == pytest.approx(0.01) and last.timing.kv_transfer_s == pytest.approx(0.002)
+        assert all(chunk.usage is None for chunk in chunks[:-1])
+        assert_nothing_held(c)
+    run(main())
+
+
 def test_short_uncached_prompt_is_prefilled_on_the_decode_actor():
     async def main():
         c = fake_cluster()
