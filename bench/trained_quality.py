@@ -198,6 +198,8 @@ def kv_codec_quality(model: str = "pydoc", num_passages: int = 64, codecs: tuple
                 if name == "none":
                     margins.append(step_margins)
             prefill.release(rid)
+            if (i + 1) % 8 == 0 or i + 1 == len(passages):
+                print(f"kv quality: {i + 1}/{len(passages)} passages", file=sys.stderr, flush=True)
     finally:
         for link in links.values():
             link.close()

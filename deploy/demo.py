@@ -21,8 +21,8 @@ PROMPTS = [
 
 async def _one(client, prompt: str, max_tokens: int, seed: int):
     text, first, t0, last = [], None, time.monotonic(), None
-    async for msg in client.generate(prompt, max_tokens=max_tokens, temperature=0.9, top_p=0.95, seed=seed,
-                                     ignore_eos=True):
+    # temperature, top_p, top_k and repetition_penalty: the model's generation_config.json defaults
+    async for msg in client.generate(prompt, max_tokens=max_tokens, seed=seed, ignore_eos=True):
         if first is None and msg.token_ids:
             first = time.monotonic() - t0
         text.append(msg.text)
