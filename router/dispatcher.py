@@ -66,6 +66,7 @@ class RoutingSettings:
     stream_idle_s: float = 60.0          # no prefill result and no token for this long: the actor is stuck
     max_queue_wait_s: float = 30.0       # longest admission wait of a request without a client deadline
     max_prefill_backlog_tokens: int | None = 32768   # a request waits while every prefill actor has more queued
+    decode_prefix_reuse: bool = True     # the decode actor pins its cached prefix; the transfer ships the rest
 
 
 class _Retry(Exception):
@@ -294,7 +295,7 @@ class Dispatcher(Backend):
         uncached = len(prompt) - cached * self.block_size
         local = bool(d.emitted) or pview is None or uncached < self.routing.local_prefill_tokens
         decode_cached = 0                    # leading prompt blocks the decode actor holds: not shipped
-        if not local:
+        if not local and self.routing.decode_prefix_reuse:
             decode_cached = await self._decode_cached_blocks(view, d.hashes, len(prompt))
             local = len(prompt) - decode_cached * self.block_size < self.routing.local_prefill_tokens
         if local:

@@ -775,3 +775,16 @@ def test_a_decode_actor_that_does_not_answer_the_prefix_query_gets_the_whole_pro
         assert pjob.skip_blocks == 0 and c.decode[0].jobs[0].num_cached_blocks == 0
         assert_nothing_held(c)
     run(main())
+
+
+def test_decode_prefix_reuse_off_ships_the_whole_prompt_without_asking():
+    async def main():
+        c = fake_cluster(num_decode=1)
+        c.decode[0].cached_blocks = 5
+        d = make(c, decode_prefix_reuse=False)
+        await collect(d, request(prompt=LONG_PROMPT))
+        [pjob] = [j for a in c.prefill for j in a.jobs]
+        assert c.decode[0].prefix_queries == [] and pjob.skip_blocks == 0
+        assert c.decode[0].jobs[0].num_cached_blocks == 0
+        assert_nothing_held(c)
+    run(main())
