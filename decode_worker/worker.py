@@ -72,6 +72,9 @@ class DecodeWorker(ColocatedWorker):
         except CachedPrefixLost as e:        # nothing is held; the router asks again and prefills again
             del self._streams[job.request_id]
             self.receiver.cancel(transfer_id=job.transfer_id)      # its chunks are refused, nothing reserved
+            orphan = self._orphans.pop(job.transfer_id, None)      # (or it came first: its blocks go back now)
+            if orphan is not None:
+                self.engine.block_manager.free(orphan[0].dst_block_ids)
             s.emit(error_event(grpc.StatusCode.UNAVAILABLE, f"cached prefix lost: {e}", retryable=True))
             return
         self._waiting_kv[job.transfer_id] = job.request_id

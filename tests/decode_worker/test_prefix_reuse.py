@@ -184,3 +184,21 @@ def test_skipping_the_last_tokens_block_is_refused_on_both_sides(pair):
     assert results[0].status == wpb.PREFILL_STATUS_FAILED and "skip_blocks" in results[0].error
     assert not results[0].retryable
     wait_blocks_returned(prefill.engine, decode.engine)
+
+
+def test_kv_that_came_first_is_freed_at_once_when_the_pinned_prefix_is_gone(pair, reference):
+    prefill, decode, _ = pair
+    prompt, pinned = _cached_turn(pair, reference)
+    job = prefill_job("o", prompt, PARAMS, decode.endpoint, skip_blocks=pinned)
+    results = []
+    prefill.submit(job, results.append)
+    assert wait_for(lambda: job.transfer_id in decode._orphans, 10)        # parked: nobody waits yet
+    bm = decode.engine.block_manager
+    parked = decode._orphans[job.transfer_id][0].dst_block_ids
+    bm.free(bm.allocate(bm.num_free_blocks))             # the cached prefix is evicted meanwhile
+    c = Collector()
+    decode.submit(decode_job("o", prompt, PARAMS, transfer_id=job.transfer_id, num_cached_blocks=pinned),
+                  c.sink("o"))
+    assert c.done.wait(5) and c.events["o"][-1].error.retryable
+    assert len(parked) == -(-len(prompt) // BLOCK_SIZE) - pinned and not decode._orphans
+    _assert_pins_released(decode, prompt, 0)
