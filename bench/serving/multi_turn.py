@@ -39,6 +39,8 @@ class TurnRecord:
     cached_prompt_tokens: int = 0
     kv_bytes: float = math.nan    # shipped (router counter delta), model dtype
     wire_bytes: float = math.nan  # ... after the codec
+    prefill_s: float = 0.0        # the server's breakdown of its TTFT (last message's timing)
+    kv_transfer_s: float = 0.0
 
 
 def kv_block_bytes(cfg) -> tuple[int, int]:
@@ -72,6 +74,7 @@ async def run_conversation(client, target: Target, conv: Conversation, index: in
                 answer.extend(msg.token_ids)
                 if msg.finish_reason:
                     r.cached_prompt_tokens = msg.usage.cached_prompt_tokens
+                    r.prefill_s, r.kv_transfer_s = msg.timing.prefill_s, msg.timing.kv_transfer_s
         except Exception as e:             # grpc.RpcError and friends: report, stop this conversation
             r.error = f"{type(e).__name__}: {e}"
             return records
@@ -102,7 +105,9 @@ def summarize_turns(records: list[TurnRecord]) -> list[dict]:
                      "prompt_tokens": statistics.fmean(r.prompt_len for r in ok),
                      "cached_tokens": statistics.fmean(r.cached_prompt_tokens for r in ok), "full_kv_bytes": full,
                      "kv_bytes": kv, "wire_bytes": wire, "kv_share": kv / full, "wire_share": wire / full,
-                     "ttft_p50_s": percentile(ttfts, 50), "ttft_mean_s": statistics.fmean(ttfts)})
+                     "ttft_p50_s": percentile(ttfts, 50), "ttft_mean_s": statistics.fmean(ttfts),
+                     "prefill_mean_s": statistics.fmean(r.prefill_s for r in ok),
+                     "kv_transfer_mean_s": statistics.fmean(r.kv_transfer_s for r in ok)})
     return rows
 
 
@@ -125,9 +130,11 @@ async def measure(target: Target, args, conversations: list[Conversation], block
 
 
 def turn_table(runs: dict[str, dict]) -> str:
-    """Per run, one line per turn: prompt, cached_tokens, full KV, shipped and wire bytes (share), TTFT."""
+    """Per run, one line per turn: prompt, cached_tokens, full KV, shipped and wire bytes (share), TTFT
+    (and the server's prefill and KV-transfer stages of it)."""
     head = (f"{'run':<22} {'turn':>4} {'prompt':>7} {'cached':>7} {'full KV KiB':>11} {'shipped KiB':>11} "
-            f"{'wire KiB':>9} {'wire/full':>9} {'TTFT p50 ms':>11} {'TTFT mean ms':>12}")
+            f"{'wire KiB':>9} {'wire/full':>9} {'TTFT p50 ms':>11} {'TTFT mean ms':>12} {'prefill ms':>10} "
+            f"{'KV xfer ms':>10}")
     lines = [head]
     for name, run in runs.items():
         for row in run["turns"]:
@@ -136,5 +143,6 @@ def turn_table(runs: dict[str, dict]) -> str:
             wire = "–" if math.isnan(row["wire_bytes"]) else f"{row['wire_bytes'] / 1024:.1f}"
             lines.append(f"{name:<22} {row['turn']:>4} {row['prompt_tokens']:>7.0f} {row['cached_tokens']:>7.0f} "
                          f"{row['full_kv_bytes'] / 1024:>11.1f} {shipped:>11} {wire:>9} {share:>9} "
-                         f"{1e3 * row['ttft_p50_s']:>11.1f} {1e3 * row['ttft_mean_s']:>12.1f}")
+                         f"{1e3 * row['ttft_p50_s']:>11.1f} {1e3 * row['ttft_mean_s']:>12.1f} "
+                         f"{1e3 * row['prefill_mean_s']:>10.1f} {1e3 * row['kv_transfer_mean_s']:>10.1f}")
     return "\n".join(lines)

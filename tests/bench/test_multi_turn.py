@@ -31,7 +31,8 @@ class FakeClient:
         for i in range(max_tokens):
             last = i == max_tokens - 1
             yield SimpleNamespace(token_ids=[len(token_ids) + i], finish_reason=1 if last else 0,
-                                  usage=SimpleNamespace(cached_prompt_tokens=7))
+                                  usage=SimpleNamespace(cached_prompt_tokens=7),
+                                  timing=SimpleNamespace(prefill_s=0.5, kv_transfer_s=0.25))
             await asyncio.sleep(0)
 
 
@@ -46,6 +47,7 @@ def test_each_turn_is_the_previous_prompt_plus_its_answer_plus_the_new_message()
     assert [r.prompt_len for r in records] == [len(p0), len(p1), len(p2)]
     assert [r.full_kv_bytes for r in records] == [-(-len(p) // 16) * 1000 for p in (p0, p1, p2)]
     assert all(r.ok and r.num_output_tokens == 3 and r.cached_prompt_tokens == 7 for r in records)
+    assert all((r.prefill_s, r.kv_transfer_s) == (0.5, 0.25) for r in records)
     assert all(math.isnan(r.kv_bytes) for r in records)          # no metrics endpoint: unknown, not 0
 
 
