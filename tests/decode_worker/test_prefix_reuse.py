@@ -202,3 +202,17 @@ def test_kv_that_came_first_is_freed_at_once_when_the_pinned_prefix_is_gone(pair
     assert c.done.wait(5) and c.events["o"][-1].error.retryable
     assert len(parked) == -(-len(prompt) // BLOCK_SIZE) - pinned and not decode._orphans
     _assert_pins_released(decode, prompt, 0)
+
+
+def test_n_sequences_fork_over_pinned_and_received_blocks(pair, reference):
+    prefill, decode, _ = pair
+    prompt, pinned = _cached_turn(pair, reference)
+    params = SamplingParams(n=2, max_tokens=6, temperature=0.9, seed=11, ignore_eos=True)
+    c, result, got_pinned = _turn(prefill, decode, "n2", prompt, params)
+    assert got_pinned == pinned > 0 and result.num_skipped_blocks == pinned
+    assert wait_for(lambda: sum(bool(ev.finish_reason) for ev in c.events["n2"]) == 2, 10)   # both sequences
+    by_index: dict[int, list[int]] = {}
+    for ev in c.events["n2"]:
+        by_index.setdefault(ev.index, []).extend(ev.token_ids)
+    assert [by_index[0], by_index[1]] == reference([prompt], [params])
+    wait_blocks_returned(prefill.engine, decode.engine)
