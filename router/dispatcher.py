@@ -21,8 +21,8 @@ Decode-side prefix reuse: before the jobs go out, the decode actor is asked how 
 prompt blocks its own prefix cache holds; the DecodeJob pins them and the PrefillJob skips
 them (only the rest is shipped). Short uncached prompts (`local_prefill_tokens`: fewer tokens
 than that left after the prefill actor's or the decode actor's cached prefix) and migrated
-requests are prefilled by the decode actor itself. Cancellation aborts the request on both actors. The actors are
-reached only through `router.actor_client` (deploy implements it with Ray).
+requests are prefilled by the decode actor itself. Cancellation aborts the request on both
+actors. The actors are reached only through `router.actor_client` (deploy implements it with Ray).
 """
 from __future__ import annotations
 
