@@ -17,6 +17,7 @@ from decode_worker.worker import DecodeWorker
 from engine.args import EngineArgs
 from kv_transfer import TransferSettings, codec_compiled, layout_of, make_receiver, release_gil_in_compiled_kernels
 from kv_transfer.internal_auth import InternalTLS
+from proto.pdserve.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
@@ -63,6 +64,10 @@ class ColocatedActor:
                 "stream_endpoint": self.stream.endpoint, "layout": self.layout.describe(self.codec),
                 "kv_blocks_total": engine.block_manager.num_blocks, "block_size": engine.block_size,
                 "max_model_len": engine.max_model_len}
+
+    async def cached_prefix(self, query: bytes) -> bytes:
+        """A serialized `PrefixQuery` → `PrefixHits`: the leading prompt blocks this actor's cache holds."""
+        return self.worker.cached_prefix(wpb.PrefixQuery.FromString(query)).SerializeToString()
 
     async def profile(self, spec: dict) -> dict | None:
         """One `engine.profile` measurement (see `run_point`), run on the engine loop thread

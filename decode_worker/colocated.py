@@ -160,3 +160,7 @@ class ColocatedWorker:
 
     def num_queued(self) -> int:
         return self.engine.scheduler.num_queued
+
+    def cached_prefix(self, query: wpb.PrefixQuery) -> wpb.PrefixHits:
+        """How many leading blocks of the query's prompt this actor's prefix cache holds (any thread)."""
+        return wpb.PrefixHits(num_cached_blocks=self.engine.cached_prefix_blocks(list(query.block_hashes)))

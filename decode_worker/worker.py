@@ -2,13 +2,16 @@
 
 Lifecycle of one request on this worker (each loop step: receive KV → schedule → run → stream):
 
-    submit(DecodeJob with transfer_id) ─► engine request WAITING_FOR_KV (validated now)
-        receiver DONE  ─► engine.adopt(blocks, each sequence's first token from the handoff) ─► n sequences
-        share the prompt's blocks and join the running batch
+    submit(DecodeJob with transfer_id) ─► engine request WAITING_FOR_KV (validated now); with
+        num_cached_blocks it pins that many leading prompt blocks from this actor's own prefix cache
+        (the prefill actor skips them; fewer still cached: retryable error, the router asks again)
+        receiver DONE  ─► engine.adopt(pinned + received blocks, each sequence's first token from the
+        handoff) ─► n sequences share the prompt's blocks and join the running batch
         receiver FAILED/EXPIRED (the transfer's own deadline runs from its first chunk), or no
         transfer begun by the request's kv_deadline ─► retryable error event (the router prefills again)
     running ─► one event per step with new tokens ─► finish (stop/length) or abort
-        ─► the engine frees every block the request held
+        ─► the engine frees every block the request held (its full blocks, prompt and output,
+        stay in the prefix cache, LRU: a later turn of the conversation pins them)
 
 A job without a transfer_id is prefilled here (conditional disaggregation, migration):
 that is the `ColocatedWorker` path this class builds on. KV that arrives for a
@@ -26,6 +29,7 @@ from google.protobuf.message import DecodeError
 
 from decode_worker.colocated import ColocatedWorker, Stream, error_event
 from engine import Engine, SamplingParams
+from engine.engine import CachedPrefixLost
 from kv_transfer import KVReceiver, TransferResult, TransferStatus
 from proto.pdserve.v1 import worker_pb2 as wpb
 
@@ -62,8 +66,17 @@ class DecodeWorker(ColocatedWorker):
             return
         if job.resume_output_ids:
             raise ValueError("resume_output_ids: a migrated request is prefilled here, not sent a transfer")
-        self.engine.expect_kv(job.request_id, list(job.prompt_token_ids), params, job.transfer_id,
-                              s.registered + job.kv_timeout_s)
+        try:
+            self.engine.expect_kv(job.request_id, list(job.prompt_token_ids), params, job.transfer_id,
+                                  s.registered + job.kv_timeout_s, num_cached_blocks=job.num_cached_blocks)
+        except CachedPrefixLost as e:        # nothing is held; the router asks again and prefills again
+            del self._streams[job.request_id]
+            self.receiver.cancel(transfer_id=job.transfer_id)      # its chunks are refused, nothing reserved
+            orphan = self._orphans.pop(job.transfer_id, None)      # (or it came first: its blocks go back now)
+            if orphan is not None:
+                self.engine.block_manager.free(orphan[0].dst_block_ids)
+            s.emit(error_event(grpc.StatusCode.UNAVAILABLE, f"cached prefix lost: {e}", retryable=True))
+            return
         self._waiting_kv[job.transfer_id] = job.request_id
         orphan = self._orphans.pop(job.transfer_id, None)
         if orphan is not None:
@@ -104,14 +117,18 @@ class DecodeWorker(ColocatedWorker):
             req = self.engine.requests[rid]
             if result.num_tokens != req.num_prompt_tokens:
                 raise ValueError(f"KV for {result.num_tokens} tokens, prompt has {req.num_prompt_tokens}")
-            firsts = _first_tokens(result, req.params.num_sequences)
+            firsts, skipped = _first_tokens(result, req.params.num_sequences)
+            if skipped != len(req.block_table):
+                raise ValueError(f"the transfer skipped {skipped} prompt blocks; {len(req.block_table)} are "
+                                 "pinned here")
             outs = self.engine.adopt(rid, [ev.token_ids[0] for ev in firsts], list(result.dst_block_ids),
                                      first_logprobs=[ev.logprobs[0] if ev.logprobs else None for ev in firsts])
         except Exception as e:               # whatever went wrong, the blocks go back and the request ends
             if not isinstance(e, ValueError):
                 log.exception("adopting the KV of %s failed", rid)
             req = self.engine.requests.get(rid)
-            if req is None or not req.block_table:       # else the request owns them: _fail frees them
+            owned = req is not None and set(result.dst_block_ids) <= set(req.block_table)
+            if not owned:                    # else the request owns them: _fail frees them (and its pinned ones)
                 self.engine.block_manager.free(result.dst_block_ids)
             self._fail(rid, error_event(grpc.StatusCode.INTERNAL, f"cannot adopt KV: {e}"))
             return
@@ -139,16 +156,19 @@ class DecodeWorker(ColocatedWorker):
         return len(self._waiting_kv) + super().num_queued()
 
 
-def _first_tokens(result: TransferResult, num_sequences: int) -> list[wpb.DecodeEvent]:
-    """Each sequence's first token, as the prefill actor sampled it (the transfer's handoff);
-    raises ValueError when the handoff does not hold one token per sequence."""
+def _first_tokens(result: TransferResult, num_sequences: int) -> tuple[list[wpb.DecodeEvent], int]:
+    """Each sequence's first token, as the prefill actor sampled it (the transfer's handoff), and how
+    many leading prompt blocks the transfer skipped; raises ValueError when the handoff does not hold
+    one token per sequence."""
+    skipped = 0
     if not result.handoff:
         firsts = [wpb.DecodeEvent(token_ids=[result.first_token_id])]
     else:
         try:
-            firsts = list(wpb.Handoff.FromString(result.handoff).first_tokens)
+            handoff = wpb.Handoff.FromString(result.handoff)
         except DecodeError as e:
             raise ValueError(f"unreadable handoff: {e}") from None
+        firsts, skipped = list(handoff.first_tokens), handoff.num_skipped_blocks
     if len(firsts) != num_sequences or any(len(ev.token_ids) != 1 for ev in firsts):
         raise ValueError(f"handoff holds {len(firsts)} first tokens for {num_sequences} sequences")
-    return sorted(firsts, key=lambda ev: ev.index)
+    return sorted(firsts, key=lambda ev: ev.index), skipped

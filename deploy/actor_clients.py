@@ -87,3 +87,10 @@ class RayDecodeClient(RayActorClient):
 
     def open_stream(self, job: wpb.DecodeJob) -> GrpcDecodeStream:
         return GrpcDecodeStream(self.actor_id, self.streams.open(self.stream_endpoint, job))
+
+    async def cached_prefix(self, query: wpb.PrefixQuery) -> wpb.PrefixHits:
+        try:
+            data = await self.handle.cached_prefix.remote(query.SerializeToString())
+        except ray.exceptions.RayError as e:
+            raise ActorUnavailable(f"{self.actor_id}: {e}") from None
+        return wpb.PrefixHits.FromString(data)

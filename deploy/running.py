@@ -80,7 +80,8 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     r = cfg.routing
     routing = RoutingSettings(r.local_prefill_tokens, r.long_request_tokens, r.max_queue,
                               transfer_deadline_s=cfg.kv_transfer.deadline_s, max_queue_wait_s=r.max_queue_wait_s,
-                              max_prefill_backlog_tokens=r.max_prefill_backlog_tokens)
+                              max_prefill_backlog_tokens=r.max_prefill_backlog_tokens,
+                              decode_prefix_reuse=r.decode_prefix_reuse)
     metrics = Metrics() if cfg.server.metrics_port else None
     backend = Dispatcher(pools, tokenizer, max_len, cfg.kv_cache.block_size, routing,
                          codec=cfg.kv_transfer.compression, metrics=metrics,

@@ -62,6 +62,10 @@ def pick_attention(attention: str, device: torch.device) -> str:
     return attention
 
 
+class CachedPrefixLost(ValueError):
+    """The prefix blocks a request was told to take from the cache are no longer all cached."""
+
+
 class Engine:
     """Args:
         model: a preset name (`tiny`, `small`) or a Hugging Face model directory.
@@ -180,17 +184,45 @@ class Engine:
         return req.request_id
 
     def expect_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, transfer_id: str,
-                  deadline: float) -> Request:
+                  deadline: float, num_cached_blocks: int = 0) -> Request:
         """Decode side: register a request whose prompt KV is on its way here (WAITING_FOR_KV).
 
         The request is validated now, so a bad one fails before any KV arrives; it joins the
-        batch at `adopt` and can be aborted while it waits (it holds no blocks yet).
+        batch at `adopt` and can be aborted while it waits. `num_cached_blocks`: leading prompt
+        blocks it takes from this pool's prefix cache now (a reference each, held in its block
+        table until it ends: the transfer ships only the rest). Raises ValueError (and takes
+        nothing) when that many are not cached, or when they would leave no block to ship.
         """
         req = self._new_request(request_id, prompt_token_ids, params, False)
+        if num_cached_blocks:
+            most = (req.num_prompt_tokens - 1) // self.block_size
+            if num_cached_blocks > most:
+                raise ValueError(f"num_cached_blocks: {num_cached_blocks} > {most}, the most a prompt of "
+                                 f"{req.num_prompt_tokens} tokens may skip (its last token's block is shipped)")
+            hashes = prompt_block_hashes(req.prompt_token_ids, self.block_size)[:num_cached_blocks]
+            req.block_table = self.pin_prefix(hashes)
+            if len(req.block_table) < num_cached_blocks:
+                self.block_manager.free(req.block_table)
+                raise CachedPrefixLost(f"{len(req.block_table)} of the {num_cached_blocks} prompt blocks the "
+                                       "router counted on are cached here now (evicted since)")
+            req.block_hashes = hashes
         req.status = RequestStatus.WAITING_FOR_KV
         req.kv_transfer_id, req.kv_deadline = transfer_id, deadline
         self.requests[req.request_id] = req
         return req
+
+    def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of `hashes` (chained prompt block hashes) this pool's prefix cache holds."""
+        with self.block_manager.lock:
+            return len(self.block_manager.match_prefix(hashes))
+
+    def pin_prefix(self, hashes: list[bytes]) -> list[int]:
+        """Take a reference on the cached blocks of the longest cached prefix of `hashes`; their ids."""
+        bm = self.block_manager
+        with bm.lock:            # a KV receiver may allocate (evict) from its own threads meanwhile
+            ids = bm.match_prefix(hashes)
+            bm.touch(ids)
+            return ids
 
     def adopt(self, request_id: str, first_token_ids: list[int], block_ids: list[int],
               num_cached_tokens: int = 0, first_logprobs: list | None = None) -> list[RequestOutput]:
@@ -199,8 +231,9 @@ class Engine:
         Args:
             first_token_ids: each sequence's first token as the prefill side drew it, in index
                 order (params.num_sequences of them).
-            block_ids: the prompt's blocks; they become sequence 0's (freed when it ends). With
-                n > 1 every other sequence shares the full ones and gets a copy of the partial one.
+            block_ids: the prompt's blocks, after those `expect_kv` pinned from the prefix cache;
+                together they become sequence 0's (freed when it ends). With n > 1 every other
+                sequence shares the full ones and gets a copy of the partial one.
             first_logprobs: per sequence, the first token's `TokenLogprob` (or None), attached
                 to its output as given (not recomputed).
         Returns one output per sequence, in index order; a sequence may finish at its first
@@ -218,14 +251,16 @@ class Engine:
         if first_logprobs is not None and len(first_logprobs) != k:
             raise ValueError(f"first_logprobs: {len(first_logprobs)} entries for {k} sequences")
         need = (len(req.prompt_token_ids) + self.block_size - 1) // self.block_size
-        if len(block_ids) < need:
-            raise ValueError(f"block_ids: {len(block_ids)} blocks cannot hold {req.num_prompt_tokens} tokens")
-        req.block_table = list(block_ids)
+        pinned = req.block_table
+        if len(pinned) + len(block_ids) < need:
+            raise ValueError(f"block_ids: {len(block_ids)} blocks after {len(pinned)} cached ones cannot hold "
+                             f"{req.num_prompt_tokens} tokens")
+        req.block_table = pinned + list(block_ids)
         req.num_computed_tokens = len(req.prompt_token_ids)
         req.num_cached_tokens = num_cached_tokens
         hashes = prompt_block_hashes(req.prompt_token_ids, self.block_size)
         req.block_hashes = hashes
-        for block_id, h in zip(block_ids, hashes):
+        for block_id, h in zip(req.block_table, hashes):     # findable by a later prompt (decode-side reuse)
             self.block_manager.register(block_id, h)
         seqs = [req] + self._spawn(req)
         logprobs = first_logprobs or [None] * k

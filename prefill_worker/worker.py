@@ -3,7 +3,7 @@
 Lifecycle of one request on this worker (each loop step: schedule → run → send KV):
 
     submit(PrefillJob) ──► engine queue (WAITING) ──schedule/run──► each sequence's first token sampled
-    (PREFILLED, blocks held) ──► sender.send(kv_cache[:, blocks] + Handoff → job.kv_endpoint)
+    (PREFILLED, blocks held) ──► sender.send(kv_cache[:, blocks[job.skip_blocks:]] + Handoff → job.kv_endpoint)
     ──► handle DONE/FAILED ──► engine.release (blocks stay in the prefix cache) ──► on_done(PrefillResult)
 
 With n > 1 (best_of) the prompt is prefilled once and its KV shipped once; the
@@ -11,8 +11,9 @@ handoff carries every sequence's first token (with its logprobs), and the
 decode actor forks the sequences over the blocks it received. Prompt logprobs
 go back to the router in the PrefillResult. A request whose every sequence
 finishes at its first token (EOS, max_tokens == 1) is reported without a
-transfer. abort() drops the request wherever it is; a transfer in flight
-completes or fails on its own and its blocks are released then.
+transfer. `job.skip_blocks` leading prompt blocks are not shipped: the decode
+actor holds them in its own prefix cache (it pinned them). abort() drops the
+request wherever it is; a transfer in flight completes or fails on its own and its blocks are released then.
 """
 from __future__ import annotations
 
@@ -77,6 +78,10 @@ class PrefillWorker:
         job = p.job
         try:
             params = SamplingParams.from_proto(job.params)
+            most = (len(job.prompt_token_ids) - 1) // self.engine.block_size
+            if job.skip_blocks > most:
+                raise ValueError(f"skip_blocks: {job.skip_blocks} > {most}, the most a prompt of "
+                                 f"{len(job.prompt_token_ids)} tokens may skip (its last token's block is shipped)")
             self.engine.add_request(list(job.prompt_token_ids), params, request_id=job.request_id,
                                     prefill_only=True)
         except ValueError as e:          # the request itself is bad: another actor would refuse it too
@@ -128,11 +133,13 @@ class PrefillWorker:
             del self._pending[head.request_id]
             p.on_done(result)
             return
-        block_ids = next(out.block_ids for out in outs if out.prefilled)
+        skip = p.job.skip_blocks                 # the decode actor holds (pinned) the prompt's first blocks
+        block_ids = next(out.block_ids for out in outs if out.prefilled)[skip:]
         cache = self.engine.kv_cache
         result.kv_bytes = len(block_ids) * cache[:, 0].numel() * cache.element_size()
+        result.num_skipped_blocks = skip
         p.result, p.sampled = result, done
-        handoff = wpb.Handoff(first_tokens=firsts).SerializeToString()
+        handoff = wpb.Handoff(first_tokens=firsts, num_skipped_blocks=skip).SerializeToString()
         p.handle = self.sender.send(head.request_id, cache, block_ids, p.job.kv_endpoint,
                                     transfer_id=p.job.transfer_id, deadline_s=p.job.transfer_deadline_s,
                                     num_tokens=head.num_prompt_tokens, first_token_id=head.new_token_ids[0],

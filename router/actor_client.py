@@ -4,6 +4,7 @@ Every message is a `pdserve.v1` worker message (proto/pdserve/v1/worker.proto):
 
     PrefillClient.prefill(PrefillJob) -> PrefillResult     prefill, ship the KV, report
     DecodeClient.open_stream(DecodeJob) -> DecodeStream    decode; tokens stream back
+    DecodeClient.cached_prefix(PrefixQuery) -> PrefixHits  leading prompt blocks its prefix cache holds
     ActorClient.abort(request_id)                          fire and forget; idempotent
     ActorClient.info() -> dict                             liveness and identity
     ActorClient.stats() -> ActorStats                      load, for GetStats and metrics
@@ -57,3 +58,7 @@ class DecodeStream(Protocol):
 class DecodeClient(ActorClient, Protocol):
     def open_stream(self, job: wpb.DecodeJob) -> DecodeStream:
         """Start `job` on the actor (it waits for the job's KV, or prefills it there)."""
+
+    async def cached_prefix(self, query: wpb.PrefixQuery) -> wpb.PrefixHits:
+        """How many leading blocks of `query.block_hashes` the actor's prefix cache holds now
+        (an answer, not a reservation); raises ActorUnavailable when it does not answer."""

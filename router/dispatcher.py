@@ -17,9 +17,12 @@ Failures, each one an attempt (at most `routing.max_attempts`):
     decode actor lost mid-stream → migrate: another decode actor recomputes the prompt and
         the tokens already streamed, and continues (the client sees one stream)
 
-Short uncached prompts (`local_prefill_tokens`) and migrated requests are prefilled by
-the decode actor itself. Cancellation aborts the request on both actors. The actors are
-reached only through `router.actor_client` (deploy implements it with Ray).
+Decode-side prefix reuse: before the jobs go out, the decode actor is asked how many leading
+prompt blocks its own prefix cache holds; the DecodeJob pins them and the PrefillJob skips
+them (only the rest is shipped). Short uncached prompts (`local_prefill_tokens`: fewer tokens
+than that left after the prefill actor's or the decode actor's cached prefix) and migrated
+requests are prefilled by the decode actor itself. Cancellation aborts the request on both
+actors. The actors are reached only through `router.actor_client` (deploy implements it with Ray).
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ FINISH_REASON = {generation_pb2.FINISH_REASON_STOP: "stop", generation_pb2.FINIS
                  generation_pb2.FINISH_REASON_ABORT: "abort"}
 STATUS_NAME = {code.value[0]: code.name for code in grpc.StatusCode}
 SUSPECT_SIDES = (wpb.TRANSFER_SIDE_RECEIVER, wpb.TRANSFER_SIDE_TRANSPORT)
+PREFIX_QUERY_TIMEOUT_S = 1.0      # longest wait for a decode actor's count of its cached prompt blocks
 
 
 @dataclass(slots=True)
@@ -62,6 +66,7 @@ class RoutingSettings:
     stream_idle_s: float = 60.0          # no prefill result and no token for this long: the actor is stuck
     max_queue_wait_s: float = 30.0       # longest admission wait of a request without a client deadline
     max_prefill_backlog_tokens: int | None = 32768   # a request waits while every prefill actor has more queued
+    decode_prefix_reuse: bool = True     # the decode actor pins its cached prefix; the transfer ships the rest
 
 
 class _Retry(Exception):
@@ -289,6 +294,12 @@ class Dispatcher(Backend):
         pview, cached = pick_prefill(self.pools.prefill, d.hashes, d.excluded)
         uncached = len(prompt) - cached * self.block_size
         local = bool(d.emitted) or pview is None or uncached < self.routing.local_prefill_tokens
+        decode_cached = 0                    # leading prompt blocks the decode actor holds: not shipped
+        if not local and self.routing.decode_prefix_reuse:
+            decode_cached = await self._decode_cached_blocks(view, d.hashes, len(prompt))
+            local = len(prompt) - decode_cached * self.block_size < self.routing.local_prefill_tokens
+        if local:
+            decode_cached = 0
         transfer_id = "" if local else uuid.uuid4().hex
         d.sent_at = d.prefill_stages = d.decode_stages = None
         # The transfer's deadline runs from when the send starts (prefill queueing does not eat it); the
@@ -300,14 +311,15 @@ class Dispatcher(Backend):
         params = inp.params.to_proto()
         stream = view.client.open_stream(wpb.DecodeJob(
             request_id=rid, prompt_token_ids=prompt, params=params, transfer_id=transfer_id,
-            kv_timeout_s=kv_wait_s, resume_output_ids=d.emitted, resume_text_chars=d.emitted_chars))
+            kv_timeout_s=kv_wait_s, resume_output_ids=d.emitted, resume_text_chars=d.emitted_chars,
+            num_cached_blocks=decode_cached))
         prefill_task = None
         if local and self.metrics:
             self.metrics.local_prefill()
         if not local:
             pview.queued_tokens += uncached
             job = wpb.PrefillJob(request_id=rid, prompt_token_ids=prompt, params=params, kv_endpoint=view.endpoint,
-                                 transfer_id=transfer_id, transfer_deadline_s=deadline_s)
+                                 transfer_id=transfer_id, transfer_deadline_s=deadline_s, skip_blocks=decode_cached)
             prefill_task = asyncio.ensure_future(self._prefill(pview, job, uncached))
         usage = Usage(len(prompt), len(d.emitted), 0)
         finished = False
@@ -387,6 +399,22 @@ class Dispatcher(Backend):
                 view.client.abort(rid)
                 if not local:
                     pview.client.abort(rid)
+
+    async def _decode_cached_blocks(self, view: DecodeView, hashes: list[bytes], num_prompt_tokens: int,
+                                    timeout_s: float = PREFIX_QUERY_TIMEOUT_S) -> int:
+        """How many leading blocks of `hashes` decode actor `view` holds in its prefix cache, as the actor
+        itself answers (0 when it does not in time), capped so the block of the prompt's last token is
+        always shipped. The one place the router learns it (an index of the actors' cache events can
+        answer here instead); the DecodeJob then pins that many and the prefill actor skips them."""
+        most = min(len(hashes), (num_prompt_tokens - 1) // self.block_size)
+        if most == 0 or not view.endpoint:
+            return 0
+        try:
+            hits = await asyncio.wait_for(view.client.cached_prefix(wpb.PrefixQuery(block_hashes=hashes[:most])),
+                                          timeout_s)
+        except (ActorUnavailable, asyncio.TimeoutError):
+            return 0             # nothing skipped: the stream that follows finds out whether the actor is there
+        return min(hits.num_cached_blocks, most)
 
     async def _prefill(self, pview: PrefillView, job: wpb.PrefillJob, uncached: int) -> wpb.PrefillResult:
         try:

@@ -24,17 +24,18 @@ def prompts_and_params(n: int, seed: int = 0, max_len: int = 500):
 
 
 def decode_job(request_id: str, prompt: list[int], params: SamplingParams, transfer_id: str = "",
-               kv_timeout_s: float = 30.0, resume: list[int] = (), resume_text_chars: int = 0) -> wpb.DecodeJob:
+               kv_timeout_s: float = 30.0, resume: list[int] = (), resume_text_chars: int = 0,
+               num_cached_blocks: int = 0) -> wpb.DecodeJob:
     return wpb.DecodeJob(request_id=request_id, prompt_token_ids=prompt, params=params.to_proto(),
                          transfer_id=transfer_id, kv_timeout_s=kv_timeout_s, resume_output_ids=resume,
-                         resume_text_chars=resume_text_chars)
+                         resume_text_chars=resume_text_chars, num_cached_blocks=num_cached_blocks)
 
 
 def prefill_job(request_id: str, prompt: list[int], params: SamplingParams, kv_endpoint: str,
-                transfer_id: str | None = None, deadline_s: float = 30.0) -> wpb.PrefillJob:
+                transfer_id: str | None = None, deadline_s: float = 30.0, skip_blocks: int = 0) -> wpb.PrefillJob:
     return wpb.PrefillJob(request_id=request_id, prompt_token_ids=prompt, params=params.to_proto(),
                           kv_endpoint=kv_endpoint, transfer_id=transfer_id or uuid.uuid4().hex,
-                          transfer_deadline_s=deadline_s)
+                          transfer_deadline_s=deadline_s, skip_blocks=skip_blocks)
 
 
 class Collector:
@@ -68,17 +69,20 @@ def layout_of_engine(engine: Engine) -> KVLayout:
                     engine.dtype, engine.fingerprint)
 
 
-def worker_pair(model_dir: str, num_blocks: int = 256, **decode_engine) -> tuple[PrefillWorker, DecodeWorker, FakeHub]:
-    """Started prefill and decode workers over one fake transport; stop both when done.
-    `decode_engine`: extra `Engine` arguments of the decode side (e.g. max_num_seqs)."""
+def worker_pair(model_dir: str, num_blocks: int = 256, transport: str = "fake", codec: str = "none",
+                **decode_engine) -> tuple[PrefillWorker, DecodeWorker, FakeHub]:
+    """Started prefill and decode workers over one transport (the in-process fake by default; grpc, tcp
+    and torch listen on 127.0.0.1); stop both when done. `decode_engine`: extra `Engine` arguments of
+    the decode side (e.g. max_num_seqs)."""
     hub = FakeHub()
+    extra = {"hub": hub} if transport == "fake" else {}
     p_engine = Engine(model_dir, dtype="float32", num_blocks=num_blocks)
     d_engine = Engine(model_dir, dtype="float32", num_blocks=num_blocks, **decode_engine)
     layout = layout_of_engine(p_engine)
-    prefill = PrefillWorker(p_engine, make_sender("fake", layout, codec="none", hub=hub))
+    prefill = PrefillWorker(p_engine, make_sender(transport, layout, codec=codec, **extra))
     decode = DecodeWorker(d_engine, lambda on_complete: make_receiver(
-        "fake", layout, d_engine.kv_cache, d_engine.block_manager, codec="none", hub=hub,
-        on_complete=on_complete))
+        transport, layout, d_engine.kv_cache, d_engine.block_manager, codec=codec, on_complete=on_complete,
+        **extra))
     prefill.start()
     decode.start()
     return prefill, decode, hub

@@ -24,7 +24,8 @@ from bench.serving.runs import measure, run_variants, workload_kwargs
 from bench.serving.sweep import run_sweep
 from bench.serving.tables import lengths_line, table
 from bench.serving.timeline_view import median_request, render
-from bench.serving.workloads import describe, make_workload
+from bench.serving import multi_turn
+from bench.serving.workloads import MULTI_TURN, describe, make_conversations, make_workload
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--colocated-chunk-tokens", type=int, metavar="N",
                    help="chunk size of the colocated-chunked variant (default: pools.prefill.chunk_tokens)")
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", default="mixed", help="chat | rag | mixed | shared-prefix | FILE.jsonl")
-    w.add_argument("--num-requests", type=int, default=64)
+    w.add_argument("--workload", default="mixed", help="chat | rag | mixed | shared-prefix | multi-turn | FILE.jsonl")
+    w.add_argument("--num-requests", type=int, default=64, help="requests (multi-turn: conversations)")
+    w.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
     w.add_argument("--num-warmup", type=int, default=2)
     w.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length")
     w.add_argument("--prompt-len", type=int, help="fix every prompt's length")
@@ -71,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "stage by stage (the median-TTFT request of each run)")
     s.add_argument("--no-progress", action="store_true")
     return p
+
+
+async def bench_multi_turn(args: argparse.Namespace) -> dict:
+    """KV wire bytes and TTFT per turn of multi-turn conversations (bench.serving.multi_turn)."""
+    conversations = make_conversations(args.num_requests, args.num_turns, args.seed, args.scale, args.output_len)
+    block = multi_turn.kv_block_bytes(bench_config(args.config, args.model, args.dtype, args.set))
+    print(f"workload multi-turn: {len(conversations)} conversations of {args.num_turns} turns", file=sys.stderr)
+    runs = await run_variants(args, lambda t: multi_turn.measure(t, args, conversations, block))
+    return {"workload": MULTI_TURN, "num_conversations": len(conversations), "num_turns": args.num_turns,
+            "seed": args.seed, "scale": args.scale, "runs": runs}
 
 
 async def bench_runs(args: argparse.Namespace) -> dict:
@@ -113,7 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         print("--compare starts each variant itself: use it with --embedded", file=sys.stderr)
         return 2
     try:
-        if args.sweep:
+        if args.workload == MULTI_TURN:
+            result = asyncio.run(bench_multi_turn(args))
+            print(multi_turn.turn_table(result["runs"]))
+            for name, run in result["runs"].items():
+                for err in run["errors"]:
+                    print(f"  {name} error: {err}")
+        elif args.sweep:
             result = asyncio.run(run_sweep(args))
         else:
             result = asyncio.run(bench_runs(args))

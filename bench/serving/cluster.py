@@ -3,6 +3,8 @@
 Variants at equal total actors (each with the decode pool's resources):
 
     disaggregated       P prefill + D decode actors, KV shipped between them
+    disaggregated-no-reuse  the same, every transfer shipping the whole prompt
+                        (``routing.decode_prefix_reuse=false``: the peer of decode-side reuse)
     colocated           P + D colocated engines, whole prompts prefilled between decode steps
     colocated-chunked   the same with chunked prefill (``pools.prefill.chunk_tokens``, or
                         ``--colocated-chunk-tokens``: the chunk that protects decode steps in a
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 VARIANTS = {  # label -> (start_cluster mode, chunked prefill)
     "disaggregated": ("disaggregated", True),
+    "disaggregated-no-reuse": ("disaggregated", True),
     "colocated": ("colocated", False),
     "colocated-chunked": ("colocated", True),
 }
@@ -52,7 +55,8 @@ def variants_of(compare: str | None, mode: str) -> list[str]:
         elif name in VARIANTS:
             out.append(name)
         else:
-            raise ValueError(f"--compare: unknown variant {name!r} (colocated, colocated-chunked, disaggregated)")
+            raise ValueError(f"--compare: unknown variant {name!r} (colocated, colocated-chunked, disaggregated, "
+                             "disaggregated-no-reuse)")
     return list(dict.fromkeys(out))
 
 
@@ -65,6 +69,8 @@ def bench_config(config_path: str | None, model: str | None, dtype: str | None, 
     values: dict[str, object] = {"model.name": model, "model.dtype": dtype}
     if variant == "colocated-chunked" and colocated_chunk_tokens:
         overrides = [*overrides, f"pools.prefill.chunk_tokens={colocated_chunk_tokens}"]
+    if variant == "disaggregated-no-reuse":
+        overrides = [*overrides, "routing.decode_prefix_reuse=false"]
     for item in overrides:
         key, value = parse_override(item)
         values[key] = value

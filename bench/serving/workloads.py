@@ -4,6 +4,8 @@
     rag            long prompts, short outputs
     mixed          both, interleaved: long prompts arrive while chat requests decode
     shared-prefix  one long common system prompt + a short unique question each
+    multi-turn     conversations (`make_conversations`): each turn's prompt is the previous turn's
+                   prompt + its answer + a new user message; run by `bench.serving.multi_turn`
     FILE.jsonl     one object a line: {"prompt": str} or {"prompt_len": int}, plus "output_len"
 
 Prompts are token ids (exact lengths, any tokenizer) drawn from ids 2..999, which every
@@ -28,6 +30,9 @@ SHAPES = {
 }
 SHARED_PREFIX_LEN = 1024
 MIXED_RAG_FRACTION = 0.3
+MULTI_TURN = "multi-turn"
+# (system prompt + first user message, each later user message, each answer): (min, max) before scaling
+CONVERSATION_SHAPE = ((512, 1024), (32, 128), (64, 192))
 
 
 @dataclass(slots=True)
@@ -92,6 +97,33 @@ def make_workload(name: str, num_requests: int, seed: int = 0, scale: float = 1.
         if output_len is not None:
             spec.output_len = output_len
     return specs
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A chat of ``len(output_lens)`` turns. Turn 0's prompt is ``first_prompt``; turn k's is turn k-1's
+    prompt + its answer + ``user_messages[k - 1]`` (the answers are only known as the turns run)."""
+
+    first_prompt: list[int]
+    user_messages: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.output_lens)
+
+
+def make_conversations(num_conversations: int, num_turns: int, seed: int = 0, scale: float = 1.0,
+                       output_len: int | None = None) -> list[Conversation]:
+    """``num_conversations`` conversations of ``num_turns`` turns (`CONVERSATION_SHAPE` × ``scale``)."""
+    if num_turns < 1:
+        raise ValueError(f"--num-turns must be at least 1, got {num_turns}")
+    rng = random.Random(f"{MULTI_TURN}-{seed}")
+    first, user, answer = (_scaled(*shape, scale) for shape in CONVERSATION_SHAPE)
+    return [Conversation(_tokens(rng, rng.randint(*first)),
+                         [_tokens(rng, rng.randint(*user)) for _ in range(num_turns - 1)],
+                         [output_len or rng.randint(*answer) for _ in range(num_turns)])
+            for _ in range(num_conversations)]
 
 
 def read_jsonl(path: str, rng: random.Random) -> list[RequestSpec]:

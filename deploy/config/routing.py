@@ -12,8 +12,11 @@ class RoutingSection(Section):
     """How the router picks actors for a request."""
 
     local_prefill_tokens: Int = Field(
-        0, ge=0, description="Prompts at most this long prefill on the decode actor "
-        "itself (no KV transfer); 0 = off.")
+        0, ge=0, description="Prompts with fewer tokens than this left after the prefill actor's or the "
+        "decode actor's cached prefix prefill on the decode actor itself (no KV transfer); 0 = off.")
+    decode_prefix_reuse: bool = Field(
+        True, description="Ask the decode actor for its cached prefix of the prompt: it pins those blocks "
+        "and the transfer ships only the rest (false: every transfer ships the whole prompt).")
     long_request_tokens: Optional[Int] = Field(
         None, gt=0, description="Requests whose prompt + max_tokens exceed this go to "
         "pools.long_context (which must then be configured).")

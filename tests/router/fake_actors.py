@@ -211,6 +211,14 @@ class FakeDecode(FakeActor):
         super().__init__(actor_id, "decode")
         self.hub = hub
         self.streams: set[FakeStream] = set()
+        self.cached_blocks = 0               # what cached_prefix answers (its prefix cache, scripted)
+        self.prefix_queries: list[int] = []  # block hashes asked about, per query
+
+    async def cached_prefix(self, query: wpb.PrefixQuery) -> wpb.PrefixHits:
+        if not self.alive:
+            raise ActorUnavailable(f"{self.actor_id} is dead")
+        self.prefix_queries.append(len(query.block_hashes))
+        return wpb.PrefixHits(num_cached_blocks=min(self.cached_blocks, len(query.block_hashes)))
 
     def abort(self, request_id: str) -> None:
         """Like a real actor's: it lands a moment later (a Ray call), and ends that id's stream."""

@@ -727,3 +727,82 @@ def test_matched_stop_reaches_the_chunk():
         timing = Timing()
         chunk = d._on_event(event, timing, Usage(3, 0, 0), last=True)
         assert chunk.matched_stop == want and chunk.finish_reason == "stop" and chunk.timing is timing
+
+
+LONG_PROMPT = list(range(5, 5 + 30))       # 30 tokens: 7 full blocks of 4, the last token in block 7
+
+
+def test_the_decode_actors_cached_prefix_is_pinned_there_and_skipped_by_the_prefill():
+    async def main():
+        c = fake_cluster(num_decode=1)
+        c.decode[0].cached_blocks = 5
+        d = make(c)
+        tokens, _ = await collect(d, request(prompt=LONG_PROMPT))
+        assert tokens == expected_tokens(LONG_PROMPT, 6)
+        [pjob] = [j for a in c.prefill for j in a.jobs]
+        [djob] = c.decode[0].jobs
+        assert c.decode[0].prefix_queries == [7]           # every full block but the last token's
+        assert (pjob.skip_blocks, djob.num_cached_blocks) == (5, 5) and djob.transfer_id == pjob.transfer_id
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_a_fully_cached_prompt_still_ships_the_block_of_its_last_token():
+    async def main():
+        prompt = list(range(5, 5 + 32))                    # 8 full blocks: at most 7 may be skipped
+        c = fake_cluster(num_decode=1)
+        c.decode[0].cached_blocks = 100
+        d = make(c)
+        await collect(d, request(prompt=prompt))
+        [pjob] = [j for a in c.prefill for j in a.jobs]
+        assert c.decode[0].prefix_queries == [7] and pjob.skip_blocks == 7
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_a_short_remainder_after_the_decode_actors_cached_prefix_is_prefilled_there():
+    async def main():
+        c = fake_cluster(num_decode=1)
+        d = make(c, local_prefill_tokens=12)
+        c.decode[0].cached_blocks = 4                      # 30 - 16 = 14 tokens left: remote prefill
+        await collect(d, request("a", prompt=LONG_PROMPT))
+        assert [j.skip_blocks for a in c.prefill for j in a.jobs] == [4]
+        c.decode[0].cached_blocks = 5                      # 30 - 20 = 10 < 12: local, nothing pinned
+        tokens, _ = await collect(d, request("b", prompt=LONG_PROMPT))
+        assert tokens == expected_tokens(LONG_PROMPT, 6)
+        assert len([j for a in c.prefill for j in a.jobs]) == 1
+        local = c.decode[0].jobs[-1]
+        assert (local.transfer_id, local.num_cached_blocks) == ("", 0) and d.metrics.local == 1
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_a_decode_actor_that_does_not_answer_the_prefix_query_gets_the_whole_prompt():
+    async def main():
+        c = fake_cluster(num_decode=1)
+        c.decode[0].cached_blocks = 5
+
+        async def hang(query):
+            await asyncio.Event().wait()
+        c.decode[0].cached_prefix = hang
+        d = make(c)
+        started = time.monotonic()
+        tokens, _ = await collect(d, request(prompt=LONG_PROMPT))
+        assert tokens == expected_tokens(LONG_PROMPT, 6) and time.monotonic() - started < 5
+        [pjob] = [j for a in c.prefill for j in a.jobs]
+        assert pjob.skip_blocks == 0 and c.decode[0].jobs[0].num_cached_blocks == 0
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_decode_prefix_reuse_off_ships_the_whole_prompt_without_asking():
+    async def main():
+        c = fake_cluster(num_decode=1)
+        c.decode[0].cached_blocks = 5
+        d = make(c, decode_prefix_reuse=False)
+        await collect(d, request(prompt=LONG_PROMPT))
+        [pjob] = [j for a in c.prefill for j in a.jobs]
+        assert c.decode[0].prefix_queries == [] and pjob.skip_blocks == 0
+        assert c.decode[0].jobs[0].num_cached_blocks == 0
+        assert_nothing_held(c)
+    run(main())

@@ -25,35 +25,39 @@ _sym_db = _symbol_database.Default()
 from proto.pdserve.v1 import generation_pb2 as pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"3\n\rDecodeRequest\x12\"\n\x03job\x18\x01 \x01(\x0b\x32\x15.pdserve.v1.DecodeJob\"9\n\x0e\x44\x65\x63odeResponse\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.DecodeEvent\"\xad\x01\n\nPrefillJob\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\x12\x1b\n\x13transfer_deadline_s\x18\x06 \x01(\x01\"\x8a\x04\n\rPrefillResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12)\n\x06status\x18\x03 \x01(\x0e\x32\x19.pdserve.v1.PrefillStatus\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12-\n\x0b\x66\x61iled_side\x18\t \x01(\x0e\x32\x18.pdserve.v1.TransferSide\x12\x11\n\tretryable\x18\n \x01(\x08\x12\x0f\n\x07queue_s\x18\x0b \x01(\x01\x12\x11\n\tprefill_s\x18\x0c \x01(\x01\x12\x12\n\ntransfer_s\x18\r \x01(\x01\x12\x10\n\x08kv_bytes\x18\x0e \x01(\x04\x12\x12\n\nwire_bytes\x18\x0f \x01(\x04\x12-\n\x0c\x66irst_tokens\x18\x11 \x03(\x0b\x32\x17.pdserve.v1.DecodeEvent\x12\x31\n\x0fprompt_logprobs\x18\x12 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\'\n\x06stages\x18\x13 \x01(\x0b\x32\x17.pdserve.v1.ActorStagesJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x10\x10\x11R\x0e\x66irst_token_idR\rfinish_reasonR\x04text\"\x87\x02\n\x0b\x41\x63torStages\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x12\n\nsampling_s\x18\x03 \x01(\x01\x12\x13\n\x0bkv_encode_s\x18\x04 \x01(\x01\x12\x11\n\tkv_send_s\x18\x05 \x01(\x01\x12\x14\n\x0ckv_receive_s\x18\x06 \x01(\x01\x12\x0f\n\x07\x61\x64opt_s\x18\x07 \x01(\x01\x12\x15\n\rfirst_event_s\x18\x08 \x01(\x01\x12\x11\n\tkv_chunks\x18\t \x01(\r\x12\x12\n\nkv_chunk_s\x18\n \x03(\x01\x12\x17\n\x0fkv_send_total_s\x18\x0b \x01(\x01\x12\x1a\n\x12kv_receive_total_s\x18\x0c \x01(\x01\"8\n\x07Handoff\x12-\n\x0c\x66irst_tokens\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.DecodeEvent\"\xc6\x01\n\tDecodeJob\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x14\n\x0ckv_timeout_s\x18\x05 \x01(\x01\x12\x19\n\x11resume_output_ids\x18\x06 \x03(\r\x12\x19\n\x11resume_text_chars\x18\x07 \x01(\r\"?\n\x0b\x44\x65\x63odeError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\"\x8e\x03\n\x0b\x44\x65\x63odeEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.DecodeError\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x05 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\r\n\x05index\x18\x07 \x01(\r\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\rH\x00\x12\x31\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\'\n\x06stages\x18\x0c \x01(\x0b\x32\x17.pdserve.v1.ActorStagesB\x0e\n\x0cmatched_stop*\x9c\x01\n\rPrefillStatus\x12\x1e\n\x1aPREFILL_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13PREFILL_STATUS_SENT\x10\x01\x12\x1b\n\x17PREFILL_STATUS_FINISHED\x10\x02\x12\x19\n\x15PREFILL_STATUS_FAILED\x10\x03\x12\x1a\n\x16PREFILL_STATUS_ABORTED\x10\x04*\x80\x01\n\x0cTransferSide\x12\x1d\n\x19TRANSFER_SIDE_UNSPECIFIED\x10\x00\x12\x18\n\x14TRANSFER_SIDE_SENDER\x10\x01\x12\x1a\n\x16TRANSFER_SIDE_RECEIVER\x10\x02\x12\x1b\n\x17TRANSFER_SIDE_TRANSPORT\x10\x03\x32X\n\x13\x44\x65\x63odeStreamService\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"3\n\rDecodeRequest\x12\"\n\x03job\x18\x01 \x01(\x0b\x32\x15.pdserve.v1.DecodeJob\"9\n\x0e\x44\x65\x63odeResponse\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.DecodeEvent\"\xc2\x01\n\nPrefillJob\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\x12\x1b\n\x13transfer_deadline_s\x18\x06 \x01(\x01\x12\x13\n\x0bskip_blocks\x18\x07 \x01(\r\"\xa6\x04\n\rPrefillResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12)\n\x06status\x18\x03 \x01(\x0e\x32\x19.pdserve.v1.PrefillStatus\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12-\n\x0b\x66\x61iled_side\x18\t \x01(\x0e\x32\x18.pdserve.v1.TransferSide\x12\x11\n\tretryable\x18\n \x01(\x08\x12\x0f\n\x07queue_s\x18\x0b \x01(\x01\x12\x11\n\tprefill_s\x18\x0c \x01(\x01\x12\x12\n\ntransfer_s\x18\r \x01(\x01\x12\x10\n\x08kv_bytes\x18\x0e \x01(\x04\x12\x12\n\nwire_bytes\x18\x0f \x01(\x04\x12-\n\x0c\x66irst_tokens\x18\x11 \x03(\x0b\x32\x17.pdserve.v1.DecodeEvent\x12\x31\n\x0fprompt_logprobs\x18\x12 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\'\n\x06stages\x18\x13 \x01(\x0b\x32\x17.pdserve.v1.ActorStages\x12\x1a\n\x12num_skipped_blocks\x18\x14 \x01(\rJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x10\x10\x11R\x0e\x66irst_token_idR\rfinish_reasonR\x04text\"\x87\x02\n\x0b\x41\x63torStages\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x12\n\nsampling_s\x18\x03 \x01(\x01\x12\x13\n\x0bkv_encode_s\x18\x04 \x01(\x01\x12\x11\n\tkv_send_s\x18\x05 \x01(\x01\x12\x14\n\x0ckv_receive_s\x18\x06 \x01(\x01\x12\x0f\n\x07\x61\x64opt_s\x18\x07 \x01(\x01\x12\x15\n\rfirst_event_s\x18\x08 \x01(\x01\x12\x11\n\tkv_chunks\x18\t \x01(\r\x12\x12\n\nkv_chunk_s\x18\n \x03(\x01\x12\x17\n\x0fkv_send_total_s\x18\x0b \x01(\x01\x12\x1a\n\x12kv_receive_total_s\x18\x0c \x01(\x01\"T\n\x07Handoff\x12-\n\x0c\x66irst_tokens\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.DecodeEvent\x12\x1a\n\x12num_skipped_blocks\x18\x02 \x01(\r\"\xe1\x01\n\tDecodeJob\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x14\n\x0ckv_timeout_s\x18\x05 \x01(\x01\x12\x19\n\x11resume_output_ids\x18\x06 \x03(\r\x12\x19\n\x11resume_text_chars\x18\x07 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x08 \x01(\r\"#\n\x0bPrefixQuery\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\'\n\nPrefixHits\x12\x19\n\x11num_cached_blocks\x18\x01 \x01(\r\"?\n\x0b\x44\x65\x63odeError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\"\x8e\x03\n\x0b\x44\x65\x63odeEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.DecodeError\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x05 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\r\n\x05index\x18\x07 \x01(\r\x12*\n\x08logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x12\n\x08stop_str\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\rH\x00\x12\x31\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\'\n\x06stages\x18\x0c \x01(\x0b\x32\x17.pdserve.v1.ActorStagesB\x0e\n\x0cmatched_stop*\x9c\x01\n\rPrefillStatus\x12\x1e\n\x1aPREFILL_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13PREFILL_STATUS_SENT\x10\x01\x12\x1b\n\x17PREFILL_STATUS_FINISHED\x10\x02\x12\x19\n\x15PREFILL_STATUS_FAILED\x10\x03\x12\x1a\n\x16PREFILL_STATUS_ABORTED\x10\x04*\x80\x01\n\x0cTransferSide\x12\x1d\n\x19TRANSFER_SIDE_UNSPECIFIED\x10\x00\x12\x18\n\x14TRANSFER_SIDE_SENDER\x10\x01\x12\x1a\n\x16TRANSFER_SIDE_RECEIVER\x10\x02\x12\x1b\n\x17TRANSFER_SIDE_TRANSPORT\x10\x03\x32X\n\x13\x44\x65\x63odeStreamService\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLSTATUS']._serialized_start=1873
-  _globals['_PREFILLSTATUS']._serialized_end=2029
-  _globals['_TRANSFERSIDE']._serialized_start=2032
-  _globals['_TRANSFERSIDE']._serialized_end=2160
+  _globals['_PREFILLSTATUS']._serialized_start=2055
+  _globals['_PREFILLSTATUS']._serialized_end=2211
+  _globals['_TRANSFERSIDE']._serialized_start=2214
+  _globals['_TRANSFERSIDE']._serialized_end=2342
   _globals['_DECODEREQUEST']._serialized_start=68
   _globals['_DECODEREQUEST']._serialized_end=119
   _globals['_DECODERESPONSE']._serialized_start=121
   _globals['_DECODERESPONSE']._serialized_end=178
   _globals['_PREFILLJOB']._serialized_start=181
-  _globals['_PREFILLJOB']._serialized_end=354
-  _globals['_PREFILLRESULT']._serialized_start=357
-  _globals['_PREFILLRESULT']._serialized_end=879
-  _globals['_ACTORSTAGES']._serialized_start=882
-  _globals['_ACTORSTAGES']._serialized_end=1145
-  _globals['_HANDOFF']._serialized_start=1147
-  _globals['_HANDOFF']._serialized_end=1203
-  _globals['_DECODEJOB']._serialized_start=1206
-  _globals['_DECODEJOB']._serialized_end=1404
-  _globals['_DECODEERROR']._serialized_start=1406
-  _globals['_DECODEERROR']._serialized_end=1469
-  _globals['_DECODEEVENT']._serialized_start=1472
-  _globals['_DECODEEVENT']._serialized_end=1870
-  _globals['_DECODESTREAMSERVICE']._serialized_start=2162
-  _globals['_DECODESTREAMSERVICE']._serialized_end=2250
+  _globals['_PREFILLJOB']._serialized_end=375
+  _globals['_PREFILLRESULT']._serialized_start=378
+  _globals['_PREFILLRESULT']._serialized_end=928
+  _globals['_ACTORSTAGES']._serialized_start=931
+  _globals['_ACTORSTAGES']._serialized_end=1194
+  _globals['_HANDOFF']._serialized_start=1196
+  _globals['_HANDOFF']._serialized_end=1280
+  _globals['_DECODEJOB']._serialized_start=1283
+  _globals['_DECODEJOB']._serialized_end=1508
+  _globals['_PREFIXQUERY']._serialized_start=1510
+  _globals['_PREFIXQUERY']._serialized_end=1545
+  _globals['_PREFIXHITS']._serialized_start=1547
+  _globals['_PREFIXHITS']._serialized_end=1586
+  _globals['_DECODEERROR']._serialized_start=1588
+  _globals['_DECODEERROR']._serialized_end=1651
+  _globals['_DECODEEVENT']._serialized_start=1654
+  _globals['_DECODEEVENT']._serialized_end=2052
+  _globals['_DECODESTREAMSERVICE']._serialized_start=2344
+  _globals['_DECODESTREAMSERVICE']._serialized_end=2432
 # @@protoc_insertion_point(module_scope)

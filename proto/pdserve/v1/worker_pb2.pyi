@@ -45,23 +45,25 @@ class DecodeResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ...) -> None: ...
 
 class PrefillJob(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_endpoint", "transfer_id", "transfer_deadline_s")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_endpoint", "transfer_id", "transfer_deadline_s", "skip_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _generation_pb2.SamplingParams
     kv_endpoint: str
     transfer_id: str
     transfer_deadline_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_deadline_s: _Optional[float] = ...) -> None: ...
+    skip_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., kv_endpoint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_deadline_s: _Optional[float] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "status", "num_prompt_tokens", "num_cached_tokens", "error", "failed_side", "retryable", "queue_s", "prefill_s", "transfer_s", "kv_bytes", "wire_bytes", "first_tokens", "prompt_logprobs", "stages")
+    __slots__ = ("request_id", "transfer_id", "status", "num_prompt_tokens", "num_cached_tokens", "error", "failed_side", "retryable", "queue_s", "prefill_s", "transfer_s", "kv_bytes", "wire_bytes", "first_tokens", "prompt_logprobs", "stages", "num_skipped_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +80,7 @@ class PrefillResult(_message.Message):
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     status: PrefillStatus
@@ -94,7 +97,8 @@ class PrefillResult(_message.Message):
     first_tokens: _containers.RepeatedCompositeFieldContainer[DecodeEvent]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     stages: ActorStages
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., status: _Optional[_Union[PrefillStatus, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., failed_side: _Optional[_Union[TransferSide, str]] = ..., retryable: _Optional[bool] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., first_tokens: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., stages: _Optional[_Union[ActorStages, _Mapping]] = ...) -> None: ...
+    num_skipped_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., status: _Optional[_Union[PrefillStatus, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., failed_side: _Optional[_Union[TransferSide, str]] = ..., retryable: _Optional[bool] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., first_tokens: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., stages: _Optional[_Union[ActorStages, _Mapping]] = ..., num_skipped_blocks: _Optional[int] = ...) -> None: ...
 
 class ActorStages(_message.Message):
     __slots__ = ("queue_s", "compute_s", "sampling_s", "kv_encode_s", "kv_send_s", "kv_receive_s", "adopt_s", "first_event_s", "kv_chunks", "kv_chunk_s", "kv_send_total_s", "kv_receive_total_s")
@@ -125,13 +129,15 @@ class ActorStages(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., sampling_s: _Optional[float] = ..., kv_encode_s: _Optional[float] = ..., kv_send_s: _Optional[float] = ..., kv_receive_s: _Optional[float] = ..., adopt_s: _Optional[float] = ..., first_event_s: _Optional[float] = ..., kv_chunks: _Optional[int] = ..., kv_chunk_s: _Optional[_Iterable[float]] = ..., kv_send_total_s: _Optional[float] = ..., kv_receive_total_s: _Optional[float] = ...) -> None: ...
 
 class Handoff(_message.Message):
-    __slots__ = ("first_tokens",)
+    __slots__ = ("first_tokens", "num_skipped_blocks")
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     first_tokens: _containers.RepeatedCompositeFieldContainer[DecodeEvent]
-    def __init__(self, first_tokens: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ...) -> None: ...
+    num_skipped_blocks: int
+    def __init__(self, first_tokens: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ..., num_skipped_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeJob(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "transfer_id", "kv_timeout_s", "resume_output_ids", "resume_text_chars")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "transfer_id", "kv_timeout_s", "resume_output_ids", "resume_text_chars", "num_cached_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +145,7 @@ class DecodeJob(_message.Message):
     KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     RESUME_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _generation_pb2.SamplingParams
@@ -146,7 +153,20 @@ class DecodeJob(_message.Message):
     kv_timeout_s: float
     resume_output_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_text_chars: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+
+class PrefixQuery(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PrefixHits(_message.Message):
+    __slots__ = ("num_cached_blocks",)
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_cached_blocks: int
+    def __init__(self, num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeError(_message.Message):
     __slots__ = ("code", "message", "retryable")
