@@ -183,7 +183,8 @@ def test_a_black_hole_decode_actor_is_quarantined_and_requests_complete_elsewher
     choice and requests burned every attempt there (UNAVAILABLE)."""
     async def main():
         c = fake_cluster(kv_blocks=64)
-        d = make(c, max_attempts=3)
+        # most_free_blocks: kv_aware would prefer decode-1 once it caches the prompt (it serves the retries)
+        d = make(c, max_attempts=3, decode_policy="most_free_blocks")
         c.decode[0].faults = ["kv_never"] * 100              # alive, answers info(), never gets the KV
         c.pools.decode[1].reserved_blocks = 8                # decode-0 is always the freest
         for i in range(10):
