@@ -15,7 +15,8 @@ A pull seals the pending events into batch `last_seq + 1`; a batch stays until a
 pull acks it, so a lost response is sent again. The epoch names this log (one engine's
 life: the cache is empty at seq 0). When more than `max_events` wait unacked (nobody
 pulls), the log drops them and skips a number, so the puller sees a gap and asks for
-a snapshot: every cached hash, as of `last_seq`, taken under the block manager's lock.
+a snapshot: every cached hash, as of `last_seq`, taken under the block manager's lock
+(it drops nothing: a test or a second reader may take one at any time).
 """
 from __future__ import annotations
 
@@ -88,14 +89,13 @@ class KVEventLog:
             return kpb.KVEventsResponse(epoch=self.epoch, last_seq=self._last_seq, batches=list(self._batches))
 
     def snapshot(self) -> kpb.KVEventsResponse:
-        """Every cached hash as of `last_seq`; the events logged so far are in it (and dropped here)."""
+        """Every cached hash as of `last_seq` (pending events are sealed first, so the snapshot holds
+        every batch up to it). Nothing is dropped: replaying stored/removed events over a state that
+        has them is a no-op, so batches a puller applies after the snapshot change nothing."""
         with self._block_manager.lock, self._lock:
-            self._pending.clear()
-            self._batches.clear()
-            self._num_events = 0
-            hashes = list(self._block_manager.cached)
+            self._seal()
             return kpb.KVEventsResponse(epoch=self.epoch, last_seq=self._last_seq,
-                                        snapshot=kpb.KVCacheSnapshot(block_hashes=hashes))
+                                        snapshot=kpb.KVCacheSnapshot(block_hashes=list(self._block_manager.cached)))
 
     def _seal(self) -> None:
         """Pending events → the next batch: runs of one kind, in order."""

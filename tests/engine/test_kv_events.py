@@ -131,8 +131,12 @@ def test_overflow_leaves_a_gap_and_a_snapshot_stands_at_last_seq():
     assert log.num_dropped == 1
     gap = log.answer(kpb.KVEventsRequest(epoch=log.epoch, acked_seq=1))
     assert gap.last_seq == 3 and [b.seq for b in gap.batches] == [3]   # seq 2 never comes: the puller resyncs
+    bm.free(ids[:1])
+    more = bm.allocate(4)                                   # 3 never-used blocks, then block 0: h[0] removed
     snap = log.answer(kpb.KVEventsRequest(epoch=log.epoch, acked_seq=1, snapshot=True))
-    assert snap.last_seq == 3 and not snap.batches
-    assert set(snap.snapshot.block_hashes) == set(bm.cached) == set(h[:5])
-    assert log.answer(kpb.KVEventsRequest(epoch=log.epoch, acked_seq=3)).batches == []
-    bm.free(ids)
+    assert snap.last_seq == 4 and not snap.batches          # the pending removal is sealed into batch 4 first
+    assert set(snap.snapshot.block_hashes) == set(bm.cached) == set(h[1:5])
+    assert log.answer(kpb.KVEventsRequest(epoch=log.epoch, acked_seq=4)).batches == []
+    bm.free(ids[1:])
+    bm.free(more)
+    bm.check_no_leaks()
