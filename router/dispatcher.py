@@ -242,6 +242,11 @@ class Dispatcher(Backend):
                    v.queued_tokens + num_prompt_tokens - cached.get(v.actor_id, 0) * self.block_size <= limit
                    for v in healthy)
 
+    def _pick_prefill(self, d: _Dispatch) -> tuple[PrefillView | None, int]:
+        """This attempt's prefill actor (routing.prefill_policy over the index) and its cached prefix in blocks."""
+        return pick_prefill(self.pools.prefill, d.hashes, len(d.inp.prompt_token_ids), self.block_size,
+                            self.kv_index, d.excluded, self.routing.prefill_policy)
+
     def _decode_choice(self, d: _Dispatch) -> dict:
         """What the decode policy weighs besides room: the index's cached prefix per actor."""
         return dict(cached=lambda: self.kv_index.prefix_by_actor(d.hashes), num_prompt_blocks=len(d.hashes),
@@ -307,8 +312,7 @@ class Dispatcher(Backend):
         decode actor recomputes prompt + emitted tokens locally and continues."""
         inp, view, rid = d.inp, d.view, d.attempt_id
         prompt = inp.prompt_token_ids
-        pview, cached = pick_prefill(self.pools.prefill, d.hashes, len(prompt), self.block_size, self.kv_index,
-                                     d.excluded, self.routing.prefill_policy)
+        pview, cached = self._pick_prefill(d)
         uncached = len(prompt) - usable_cached_tokens(cached, len(prompt), self.block_size)
         local = bool(d.emitted) or pview is None or uncached < self.routing.local_prefill_tokens
         transfer_id = "" if local else uuid.uuid4().hex
