@@ -34,6 +34,7 @@ class KVEventPoller:
         self.num_resyncs = 0
         self._locks: dict[str, asyncio.Lock] = {}
         self._poked: set[str] = set()            # actors with a poke waiting for their lock
+        self._failing: set[str] = set()          # actors whose answers fail (logged once until one works)
         self._tasks: set[asyncio.Task] = set()
 
     async def run(self) -> None:
@@ -73,14 +74,23 @@ class KVEventPoller:
             st = self.index.state(view.actor_id)
             try:
                 response = await self._ask(view, kpb.KVEventsRequest(epoch=st.epoch, acked_seq=st.seq))
-                if self.index.apply(view.actor_id, response):
-                    return True
-                self.num_resyncs += 1
-                log.warning("KV events of %s: batch %d missing (actor at %d); resyncing from a snapshot",
-                            view.actor_id, st.seq + 1, response.last_seq)
-                return self.index.apply(view.actor_id, await self._ask(view, kpb.KVEventsRequest(snapshot=True)))
+                if not self.index.apply(view.actor_id, response):
+                    self.num_resyncs += 1
+                    log.warning("KV events of %s: batch %d missing (actor at %d); resyncing from a snapshot",
+                                view.actor_id, st.seq + 1, response.last_seq)
+                    self.index.apply(view.actor_id, await self._ask(view, kpb.KVEventsRequest(snapshot=True)))
             except (ActorUnavailable, asyncio.TimeoutError):
+                return False                     # down or restarting: the pool manager's business
+            except Exception as e:               # a bad answer: keep polling, say so once
+                if view.actor_id not in self._failing:
+                    self._failing.add(view.actor_id)
+                    log.warning("KV events of %s failed (%s: %s); its index entries may be stale", view.actor_id,
+                                type(e).__name__, e)
                 return False
+            if view.actor_id in self._failing:
+                self._failing.discard(view.actor_id)
+                log.info("KV events of %s answer again", view.actor_id)
+            return True
 
     async def _ask(self, view, request: kpb.KVEventsRequest) -> kpb.KVEventsResponse:
         self.num_polls += 1

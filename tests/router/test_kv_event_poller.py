@@ -113,3 +113,25 @@ def test_after_a_workload_the_index_equals_every_actor_cache_and_prefill_follows
         chunks = [ch async for ch in d.generate(GenerationInput("warm", prompt, params, None))]
         assert len(c.prefill[1].jobs) == before + 1 and chunks[-1].usage.cached_prompt_tokens == 20
     run(main())
+
+
+def test_a_bad_answer_is_logged_once_and_polling_goes_on(caplog):
+    async def main():
+        c = fake_cluster(num_prefill=1, num_decode=0, block_size=BS)
+        actor, view = c.prefill[0], c.pools.prefill[0]
+        poller = KVEventPoller(c.pools, KVIndex())
+        good = actor.kv_events
+
+        async def broken(request):
+            raise RuntimeError("garbled answer")
+        actor.kv_events = broken
+        await poller.sync_all()
+        await poller.sync_all()
+        assert not await poller.sync(view)
+        assert sum("garbled answer" in r.getMessage() for r in caplog.records) == 1
+        actor.kv_events = good
+        actor.cache.compute(list(range(2, 22)))
+        assert await poller.sync(view)
+        assert poller.index.hashes_of(view.actor_id) == cached(actor)
+        assert any("answer again" in r.getMessage() for r in caplog.records)
+    run(main())
