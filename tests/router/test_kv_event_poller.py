@@ -5,6 +5,7 @@ the prefill choice follows the cached prefix."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from engine.block_manager import prompt_block_hashes
 from engine.sampling_params import SamplingParams
@@ -116,6 +117,8 @@ def test_after_a_workload_the_index_equals_every_actor_cache_and_prefill_follows
 
 
 def test_a_bad_answer_is_logged_once_and_polling_goes_on(caplog):
+    caplog.set_level(logging.INFO, logger="pdserve.router.kv_event_poller")
+
     async def main():
         c = fake_cluster(num_prefill=1, num_decode=0, block_size=BS)
         actor, view = c.prefill[0], c.pools.prefill[0]
