@@ -41,7 +41,6 @@ class RayActorClient:
         except ray.exceptions.RayError as e:
             raise ActorUnavailable(f"{self.actor_id}: {e}") from None
 
-
     async def kv_events(self, request: kpb.KVEventsRequest) -> kpb.KVEventsResponse:
         try:
             data = await self.handle.kv_events.remote(request.SerializeToString())

@@ -238,9 +238,11 @@ class Dispatcher(Backend):
         if not healthy:
             return True          # every attempt prefills locally on its decode actor
         cached = self.kv_index.prefix_by_actor(hashes)
-        return any(v.queued_tokens == 0 or
-                   v.queued_tokens + num_prompt_tokens - cached.get(v.actor_id, 0) * self.block_size <= limit
-                   for v in healthy)
+
+        def backlog(v: PrefillView) -> int:          # its queue once this prompt's uncached tokens join it
+            hit = usable_cached_tokens(cached.get(v.actor_id, 0), num_prompt_tokens, self.block_size)
+            return v.queued_tokens + num_prompt_tokens - hit
+        return any(v.queued_tokens == 0 or backlog(v) <= limit for v in healthy)
 
     def _pick_prefill(self, d: _Dispatch) -> tuple[PrefillView | None, int]:
         """This attempt's prefill actor (routing.prefill_policy over the index) and its cached prefix in blocks."""
