@@ -138,3 +138,39 @@ def test_a_bad_answer_is_logged_once_and_polling_goes_on(caplog):
         assert poller.index.hashes_of(view.actor_id) == cached(actor)
         assert any("answer again" in r.getMessage() for r in caplog.records)
     run(main())
+
+
+class EngineClient:
+    """The actor protocol's kv_events over a real engine's log, losing the batches in `lose`."""
+
+    def __init__(self, engine):
+        self.engine, self.lose = engine, set()
+
+    async def kv_events(self, request):
+        response = self.engine.kv_events.answer(request)
+        kept = [b for b in response.batches if b.seq not in self.lose]
+        del response.batches[:]
+        response.batches.extend(kept)
+        return response
+
+
+def test_a_lost_batch_of_a_real_engine_is_resynced_to_its_cache(tiny_model_dir):
+    from engine import Engine
+    from router.pools import Pools, PrefillView
+    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=24, block_size=16, attention="eager")
+    client = EngineClient(engine)
+    view = PrefillView("engine", client, 24)
+    poller = KVEventPoller(Pools([view]), KVIndex())
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        engine.generate([[3] * 150], params)
+        assert await poller.sync(view) and poller.index.hashes_of("engine") == set(engine.block_manager.cached)
+        client.lose = {2}
+        engine.generate([[4] * 150], params)             # batch 2: lost
+        assert await poller.sync(view)                   # the gap shows in last_seq: resync
+        engine.generate([[5] * 150], params)             # evicts 5 of the first prompt's 9 cached blocks
+        assert await poller.sync(view)
+        assert poller.num_resyncs == 1 and len(engine.block_manager.cached) == 3 * 9 - 5
+        assert poller.index.hashes_of("engine") == set(engine.block_manager.cached)
+    run(main())
