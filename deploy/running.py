@@ -31,7 +31,7 @@ class RunningCluster:
     manager_task: asyncio.Task | None = None
     autoscaler: object | None = None          # deploy.autoscaler.Autoscaler when a pool is `count: auto`
     autoscaler_task: asyncio.Task | None = None
-    kv_events_task: asyncio.Task | None = None   # the router's KV event poller (router.kv_event_poller)
+    kv_poller_task: asyncio.Task | None = None   # the router's KV event poller (router.kv_event_poller)
 
     @property
     def address(self) -> str:
@@ -51,8 +51,8 @@ class RunningCluster:
             self.autoscaler_task.cancel()
         if self.manager_task is not None:
             self.manager_task.cancel()
-        if self.kv_events_task is not None:
-            self.kv_events_task.cancel()
+        if self.kv_poller_task is not None:
+            self.kv_poller_task.cancel()
         if self.metrics_task is not None:
             self.metrics_task.cancel()
         if self.metrics is not None:
@@ -110,7 +110,7 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     manager = PoolManager(backend, factory)
     manager_task = asyncio.get_running_loop().create_task(manager.run())
     cluster = RunningCluster(cfg, backend, server, factory, metrics, metrics_task, manager, manager_task)
-    cluster.kv_events_task = asyncio.get_running_loop().create_task(backend.kv_events.run())
+    cluster.kv_poller_task = asyncio.get_running_loop().create_task(backend.kv_poller.run())
     if mode == "disaggregated" and any(p.is_auto for _, p in cfg.pools.items()):
         from deploy.autoscaler import start_autoscaler
         cluster.autoscaler = await start_autoscaler(cfg, backend, factory, autoscale)

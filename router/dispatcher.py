@@ -23,7 +23,7 @@ the decode actor itself. Cancellation aborts the request on both actors. The act
 reached only through `router.actor_client` (deploy implements it with Ray).
 
 What each actor has cached comes only from its own cache events: `kv_index` (router.kv_index),
-fed by `kv_events` (router.kv_event_poller: a periodic pull, `run()`, plus a poke of each actor
+fed by `kv_poller` (router.kv_event_poller: a periodic pull, `run()`, plus a poke of each actor
 whose prefill or request just ended).
 """
 from __future__ import annotations
@@ -133,7 +133,7 @@ class Dispatcher(Backend):
         self.codec = codec
         self.metrics = metrics
         self.kv_index = KVIndex()
-        self.kv_events = KVEventPoller(pools, self.kv_index, routing.kv_events_interval_s)
+        self.kv_poller = KVEventPoller(pools, self.kv_index, routing.kv_events_interval_s)
         # finished requests for the autoscaler: (end, prompt_tokens, output_tokens, ttft_s, tpot_s)
         self.completed: deque[tuple[float, int, int, float, float]] = deque(maxlen=4096)
 
@@ -209,7 +209,7 @@ class Dispatcher(Backend):
                                        "transfer or decode actor); giving up")
         finally:
             if d.view is not None:
-                self.kv_events.poke(d.view)      # what the request left cached there
+                self.kv_poller.poke(d.view)      # what the request left cached there
                 await self.admission.release(d.view, need)
 
     async def _admit(self, d: _Dispatch) -> DecodeView:
@@ -418,7 +418,7 @@ class Dispatcher(Backend):
                                      failed_side=wpb.TRANSFER_SIDE_SENDER, retryable=True)
         finally:
             pview.queued_tokens -= uncached
-            self.kv_events.poke(pview)           # the blocks it just cached
+            self.kv_poller.poke(pview)           # the blocks it just cached
             await self.admission.notify()        # a backlog drained: the head of the queue may fit now
 
     def _on_prefill(self, result: wpb.PrefillResult, pview: PrefillView, d: _Dispatch,

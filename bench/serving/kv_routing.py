@@ -157,7 +157,7 @@ async def run_once(conversations: list[Conversation], workload: str, placement: 
         d.kv_index = d.oracle                     # the poller still feeds its own KVIndex (checked below)
     elif placement == "blind":
         d.kv_index = KVIndex()                    # never fed
-    poller = asyncio.get_running_loop().create_task(d.kv_events.run())
+    poller = asyncio.get_running_loop().create_task(d.kv_poller.run())
     result = RunResult(workload, placement)
     queue: asyncio.Queue[tuple[int, Conversation]] = asyncio.Queue()
     for item in enumerate(conversations):
@@ -184,11 +184,11 @@ async def run_once(conversations: list[Conversation], workload: str, placement: 
         await asyncio.gather(*(client() for _ in range(concurrency)))
         result.seconds = time.monotonic() - start
         await asyncio.sleep(0.05)                  # the last requests' blocks are released on the loop threads
-        await d.kv_events.sync_all()
-        index = d.kv_events.index
+        await d.kv_poller.sync_all()
+        index = d.kv_poller.index
         result.index_equals_caches = all(index.hashes_of(w.actor_id) == set(w.engine.block_manager.cached)
                                          for w in cluster.workers)
-        result.resyncs, result.polls = d.kv_events.num_resyncs, d.kv_events.num_polls
+        result.resyncs, result.polls = d.kv_poller.num_resyncs, d.kv_poller.num_polls
         result.dispatch_chosen_tokens, result.dispatch_oracle_tokens = d.chosen_tokens, d.oracle_tokens
     finally:
         poller.cancel()

@@ -28,7 +28,7 @@ async def _set_queued(view, tokens: int) -> None:
 
 async def _snapshots(backend) -> dict[str, set[bytes]]:
     """Every actor's cache as its engine reports it, after one more poll of the router's index."""
-    await backend.kv_events.sync_all()
+    await backend.kv_poller.sync_all()
     out = {}
     for view in backend.pools.all():
         response = await view.client.kv_events(kpb.KVEventsRequest(snapshot=True))
@@ -67,6 +67,6 @@ def test_index_matches_the_actors_caches_and_prefill_follows_the_cached_prefix(c
     assert backend.kv_index.prefix_by_actor(prompt_block_hashes(prompts[2], BLOCK_SIZE))[p1.actor_id] == 4
     for hashes in (hashes_a, hashes_b):                # decode actors cache what they adopt
         assert any(set(hashes) <= truth[v.actor_id] for v in backend.pools.decode)
-    assert backend.kv_events.num_resyncs == 0
+    assert backend.kv_poller.num_resyncs == 0
     stats = wait_blocks_free(cluster.address)
     assert all(a.kv_blocks_used == 0 for a in stats.actors), stats

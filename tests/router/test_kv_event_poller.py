@@ -100,15 +100,15 @@ def test_after_a_workload_the_index_equals_every_actor_cache_and_prefill_follows
         for wave in range(6):                               # 4 concurrent requests per wave: evictions happen
             await asyncio.gather(*(one(wave * 4 + j) for j in range(4)))
         assert any(a.cache.log.last_seq > 1 for a in c.prefill)
-        await d.kv_events.sync_all()
+        await d.kv_poller.sync_all()
         for actor in (*c.prefill, *c.decode):
             assert d.kv_index.hashes_of(actor.actor_id) == cached(actor), actor.actor_id
-        assert d.kv_events.num_resyncs == 0
+        assert d.kv_poller.num_resyncs == 0
         # a prompt cached on exactly one prefill actor goes there
         prompt = [11] * 20 + [1]
         hashes = prompt_block_hashes(prompt, BS)
         c.prefill[1].cache.compute(prompt)
-        await d.kv_events.sync_all()
+        await d.kv_poller.sync_all()
         assert d.kv_index.prefix_by_actor(hashes) == {"prefill-1": 5}
         before = len(c.prefill[1].jobs)
         chunks = [ch async for ch in d.generate(GenerationInput("warm", prompt, params, None))]
