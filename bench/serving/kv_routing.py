@@ -171,19 +171,19 @@ async def run_once(conversations: list[Conversation], workload: str, placement: 
                 prompt = prompt + message
                 params = SamplingParams(max_tokens=conv.output_len, temperature=0.0, ignore_eos=True)
                 output: list[int] = []
-                usage = None
                 async for chunk in d.generate(GenerationInput(f"c{i}t{t}", list(prompt), params, None)):
                     output += chunk.token_ids
-                    usage = chunk.usage or usage
                 result.requests += 1
-                result.prompt_tokens += len(prompt)
-                result.cached_tokens += usage.cached_prompt_tokens
                 prompt = prompt + output
     start = time.monotonic()
     try:
         await asyncio.gather(*(client() for _ in range(concurrency)))
         result.seconds = time.monotonic() - start
         await asyncio.sleep(0.05)                  # the last requests' blocks are released on the loop threads
+        # the engines' own counts (a usage's cached_prompt_tokens is 0 when the decode stream ends
+        # before the PrefillResult arrives: the decode side does not know the prefill's hit)
+        result.prompt_tokens = sum(v.client.num_prompt_tokens for v in cluster.pools.prefill)
+        result.cached_tokens = sum(v.client.num_cached_tokens for v in cluster.pools.prefill)
         await d.kv_poller.sync_all()
         index = d.kv_poller.index
         result.index_equals_caches = all(index.hashes_of(w.actor_id) == set(w.engine.block_manager.cached)
