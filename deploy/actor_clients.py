@@ -11,13 +11,13 @@ import grpc
 import ray
 
 from decode_worker.stream_service import DecodeStreamClient
-from proto.pdserve.v1 import worker_pb2 as wpb
+from proto.pdserve.v1 import kv_events_pb2 as kpb, worker_pb2 as wpb
 from router.actor_client import ActorUnavailable
 from router.backend import ActorStats
 
 
 class RayActorClient:
-    """What every pool's actor answers: abort, info, stats."""
+    """What every pool's actor answers: abort, info, stats, kv_events."""
 
     def __init__(self, actor_id: str, handle):
         self.actor_id = actor_id
@@ -40,6 +40,13 @@ class RayActorClient:
             return ActorStats(**await self.handle.stats.remote())
         except ray.exceptions.RayError as e:
             raise ActorUnavailable(f"{self.actor_id}: {e}") from None
+
+    async def kv_events(self, request: kpb.KVEventsRequest) -> kpb.KVEventsResponse:
+        try:
+            data = await self.handle.kv_events.remote(request.SerializeToString())
+        except ray.exceptions.RayError as e:
+            raise ActorUnavailable(f"{self.actor_id}: {e}") from None
+        return kpb.KVEventsResponse.FromString(data)
 
 
 class RayPrefillClient(RayActorClient):

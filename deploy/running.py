@@ -31,6 +31,7 @@ class RunningCluster:
     manager_task: asyncio.Task | None = None
     autoscaler: object | None = None          # deploy.autoscaler.Autoscaler when a pool is `count: auto`
     autoscaler_task: asyncio.Task | None = None
+    kv_poller_task: asyncio.Task | None = None   # the router's KV event poller (router.kv_event_poller)
 
     @property
     def address(self) -> str:
@@ -50,6 +51,8 @@ class RunningCluster:
             self.autoscaler_task.cancel()
         if self.manager_task is not None:
             self.manager_task.cancel()
+        if self.kv_poller_task is not None:
+            self.kv_poller_task.cancel()
         if self.metrics_task is not None:
             self.metrics_task.cancel()
         if self.metrics is not None:
@@ -81,7 +84,9 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     routing = RoutingSettings(r.local_prefill_tokens, r.long_request_tokens, r.max_queue,
                               transfer_deadline_s=cfg.kv_transfer.deadline_s, max_queue_wait_s=r.max_queue_wait_s,
                               max_prefill_backlog_tokens=r.max_prefill_backlog_tokens,
-                              decode_prefix_reuse=r.decode_prefix_reuse)
+                              decode_prefix_reuse=r.decode_prefix_reuse,
+                              prefill_policy=r.prefill_policy, decode_policy=r.decode_policy,
+                              kv_events_interval_s=r.kv_events_interval_s)
     metrics = Metrics() if cfg.server.metrics_port else None
     backend = Dispatcher(pools, tokenizer, max_len, cfg.kv_cache.block_size, routing,
                          codec=cfg.kv_transfer.compression, metrics=metrics,
@@ -106,6 +111,7 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     manager = PoolManager(backend, factory)
     manager_task = asyncio.get_running_loop().create_task(manager.run())
     cluster = RunningCluster(cfg, backend, server, factory, metrics, metrics_task, manager, manager_task)
+    cluster.kv_poller_task = asyncio.get_running_loop().create_task(backend.kv_poller.run())
     if mode == "disaggregated" and any(p.is_auto for _, p in cfg.pools.items()):
         from deploy.autoscaler import start_autoscaler
         cluster.autoscaler = await start_autoscaler(cfg, backend, factory, autoscale)

@@ -4,6 +4,8 @@ A block is free when its `ref_count` is 0. Free blocks that hold a full,
 hashed block of tokens stay findable by hash (the prefix cache) until they are
 reused; reuse takes the least recently freed block first (LRU by block).
 Block hashes are chained: hash(block i) covers the tokens of blocks 0..i.
+`event_sink` (engine.kv_events) hears of every hash that becomes findable
+(`stored`) and every one dropped when its block is reused (`removed`).
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         self.enable_prefix_cache = enable_prefix_cache
         self.lock = threading.RLock()
+        self.event_sink = None           # engine.kv_events.KVEventSink: told of each change to `cached`
 
     # ---- capacity -------------------------------------------------------
     @property
@@ -115,6 +118,8 @@ class BlockManager:
                 return
             block.block_hash = block_hash
             self.cached[block_hash] = block_id
+            if self.event_sink is not None:
+                self.event_sink.stored(block_id, block_hash)
 
     # ---- allocate / free ------------------------------------------------
     def allocate(self, num_blocks: int) -> list[int] | None:
@@ -129,6 +134,8 @@ class BlockManager:
                 assert block.ref_count == 0
                 if block.block_hash is not None:
                     del self.cached[block.block_hash]
+                    if self.event_sink is not None:
+                        self.event_sink.removed(block_id, block.block_hash)
                     block.block_hash = None
                 block.ref_count = 1
                 ids.append(block_id)

@@ -27,6 +27,7 @@ from engine import attention_compiled, memory_budget
 from engine.block_manager import BlockManager, prompt_block_hashes
 from engine.config import ModelConfig
 from engine.generation_config import GenerationConfig
+from engine.kv_events import KVEventLog
 from engine.loader import fingerprint, load_model
 from engine.model_runner import ModelRunner
 from engine.output import OutputProcessor
@@ -121,6 +122,7 @@ class Engine:
         self.kv_cache = torch.zeros(cfg.num_hidden_layers, num_blocks, 2, cfg.num_key_value_heads,
                                     block_size, cfg.head_dim, dtype=self.dtype, device=self.device)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache)
+        self.kv_events = KVEventLog(self.block_manager)     # the prefix cache's events, pulled by the router
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, chunk_size,
                                    cfg.sliding_window)
         kernel = None

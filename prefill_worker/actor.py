@@ -15,7 +15,7 @@ from engine.loop import on_event_loop
 from kv_transfer import TransferSettings, codec_compiled, get_codec, layout_of, make_sender
 from kv_transfer import release_gil_in_compiled_kernels
 from prefill_worker.worker import PrefillWorker
-from proto.pdserve.v1 import worker_pb2 as wpb
+from proto.pdserve.v1 import kv_events_pb2 as kpb, worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
@@ -60,6 +60,10 @@ class PrefillActor:
 
     async def stats(self) -> dict:
         return self.worker.stats()
+
+    async def kv_events(self, request_bytes: bytes) -> bytes:
+        """A serialized `KVEventsRequest` in, the engine's `KVEventsResponse` out (engine.kv_events)."""
+        return self.worker.engine.kv_events.answer(kpb.KVEventsRequest.FromString(request_bytes)).SerializeToString()
 
     async def info(self) -> dict:
         engine = self.worker.engine

@@ -1,6 +1,6 @@
 """The router's protocol for talking to worker actors (deploy implements it with Ray; tests fake it).
 
-Every message is a `pdserve.v1` worker message (proto/pdserve/v1/worker.proto):
+Every message is a `pdserve.v1` worker message (proto/pdserve/v1/worker.proto, kv_events.proto):
 
     PrefillClient.prefill(PrefillJob) -> PrefillResult     prefill, ship the KV, report
     DecodeClient.open_stream(DecodeJob) -> DecodeStream    decode; tokens stream back
@@ -8,6 +8,7 @@ Every message is a `pdserve.v1` worker message (proto/pdserve/v1/worker.proto):
     ActorClient.abort(request_id)                          fire and forget; idempotent
     ActorClient.info() -> dict                             liveness and identity
     ActorClient.stats() -> ActorStats                      load, for GetStats and metrics
+    ActorClient.kv_events(KVEventsRequest) -> KVEventsResponse   prefix-cache events since the ack
 
 A call whose actor is gone (dead, restarting, unreachable) raises `ActorUnavailable`;
 the dispatcher then retries on another prefill actor or migrates the decode.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from proto.pdserve.v1 import worker_pb2 as wpb
+from proto.pdserve.v1 import kv_events_pb2 as kpb, worker_pb2 as wpb
 from router.backend import ActorStats
 
 
@@ -35,6 +36,11 @@ class ActorClient(Protocol):
 
     async def stats(self) -> ActorStats:
         """Current load; raises ActorUnavailable when it does not answer."""
+
+    async def kv_events(self, request: kpb.KVEventsRequest) -> kpb.KVEventsResponse:
+        """The actor's prefix-cache event batches after `request.acked_seq` (or a snapshot when
+        `request.snapshot`), from its engine's `engine.kv_events.KVEventLog`; raises ActorUnavailable
+        when it does not answer."""
 
 
 class PrefillClient(ActorClient, Protocol):

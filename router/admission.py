@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from router.dispatch import pick_decode
 from router.pools import DecodeView
@@ -28,11 +28,13 @@ class AdmissionQueue:
 
     async def acquire(self, views: list[DecodeView], need_blocks: int, timeout: float | None,
                       exclude: set[str] = frozenset(), ready: Callable[[], bool] = lambda: True,
-                      first: bool = False) -> DecodeView | None:
+                      first: bool = False, cached: Callable[[], Mapping[str, int]] = dict, num_prompt_blocks: int = 0,
+                      policy: str = "kv_aware") -> DecodeView | None:
         """Reserve `need_blocks` on a decode actor; None if the queue is full or time ran out.
-        `first`: a request already admitted once (migrating) goes ahead of the queue."""
+        `first`: a request already admitted once (migrating) goes ahead of the queue. `cached()`: actor id
+        → the prompt's cached blocks there, asked when room is taken; `policy`: router.dispatch.DECODE_POLICIES."""
         def take() -> DecodeView | None:
-            view = pick_decode(views, need_blocks, exclude) if ready() else None
+            view = pick_decode(views, need_blocks, exclude, cached(), num_prompt_blocks, policy) if ready() else None
             if view is not None:
                 view.reserved_blocks += need_blocks
                 view.running += 1

@@ -2,8 +2,9 @@
 
 One request, as dispatched here:
 
-    admission: reserve KV blocks on a decode actor (wait in a bounded queue if none fits)
-      → pick a prefill actor (longest cached prefix, then fewest queued prompt tokens)
+    admission: reserve KV blocks on a decode actor (wait in a bounded queue if none fits; among those
+        with room, `routing.decode_policy` weighs cached prefix and running batch: router.dispatch)
+      → pick a prefill actor (`routing.prefill_policy`: cached prefix against queued prompt tokens)
       → open the decode stream first (`DecodeJob`: the actor waits for the KV), then
         `PrefillJob` on the prefill actor ships the KV straight to that decode actor
       → decode events stream back as chunks; the `PrefillResult` adds timings
@@ -23,6 +24,10 @@ them (only the rest is shipped). Short uncached prompts (`local_prefill_tokens`:
 than that left after the prefill actor's or the decode actor's cached prefix) and migrated
 requests are prefilled by the decode actor itself. Cancellation aborts the request on both
 actors. The actors are reached only through `router.actor_client` (deploy implements it with Ray).
+
+What each actor has cached, for placement, comes only from its own cache events: `kv_index`
+(router.kv_index), fed by `kv_poller` (router.kv_event_poller: a periodic pull, `run()`, plus a
+poke of each actor whose prefill or request just ended).
 """
 from __future__ import annotations
 
@@ -43,7 +48,9 @@ from proto.pdserve.v1 import generation_pb2, worker_pb2 as wpb
 from router.actor_client import ActorUnavailable
 from router.admission import AdmissionQueue
 from router.backend import ActorStats, Backend, BackendError, GenerationChunk, GenerationInput, Timing, Usage
-from router.dispatch import pick_prefill
+from router.dispatch import pick_prefill, usable_cached_tokens
+from router.kv_event_poller import KVEventPoller
+from router.kv_index import KVIndex
 from router.pools import DecodeView, Pools, PrefillView
 from router.timeline import Timeline
 
@@ -67,6 +74,9 @@ class RoutingSettings:
     max_queue_wait_s: float = 30.0       # longest admission wait of a request without a client deadline
     max_prefill_backlog_tokens: int | None = 32768   # a request waits while every prefill actor has more queued
     decode_prefix_reuse: bool = True     # the decode actor pins its cached prefix; the transfer ships the rest
+    prefill_policy: str = "prefix_vs_queue"   # router.dispatch.PREFILL_POLICIES
+    decode_policy: str = "kv_aware"           # router.dispatch.DECODE_POLICIES
+    kv_events_interval_s: float = 0.2         # the KV event poller's period
 
 
 class _Retry(Exception):
@@ -127,6 +137,8 @@ class Dispatcher(Backend):
         self.admission = AdmissionQueue(routing.max_queue)
         self.codec = codec
         self.metrics = metrics
+        self.kv_index = KVIndex()
+        self.kv_poller = KVEventPoller(pools, self.kv_index, routing.kv_events_interval_s)
         # finished requests for the autoscaler: (end, prompt_tokens, output_tokens, ttft_s, tpot_s)
         self.completed: deque[tuple[float, int, int, float, float]] = deque(maxlen=4096)
 
@@ -202,6 +214,7 @@ class Dispatcher(Backend):
                                        "transfer or decode actor); giving up")
         finally:
             if d.view is not None:
+                self.kv_poller.poke(d.view)      # what the request left cached there
                 await self.admission.release(d.view, need)
 
     async def _admit(self, d: _Dispatch) -> DecodeView:
@@ -212,7 +225,8 @@ class Dispatcher(Backend):
             timeout = min(timeout, max(d.inp.deadline - time.monotonic(), 0.0))
         num_prompt_tokens = len(d.inp.prompt_token_ids)
         view = await self.admission.acquire(d.pool, d.need_blocks, timeout,
-                                            ready=lambda: self._prefill_has_room(d.hashes, num_prompt_tokens))
+                                            ready=lambda: self._prefill_has_room(d.hashes, num_prompt_tokens),
+                                            **self._decode_choice(d))
         if view is None:
             raise BackendError("RESOURCE_EXHAUSTED", f"no room for {d.need_blocks} KV blocks on a decode actor "
                                f"and {num_prompt_tokens} prompt tokens in a prefill backlog: the admission queue is "
@@ -228,9 +242,22 @@ class Dispatcher(Backend):
         healthy = [v for v in self.pools.prefill if v.healthy]
         if not healthy:
             return True          # every attempt prefills locally on its decode actor
-        return any(v.queued_tokens == 0 or
-                   v.queued_tokens + num_prompt_tokens - v.cached_blocks(hashes) * self.block_size <= limit
-                   for v in healthy)
+        cached = self.kv_index.prefix_by_actor(hashes)
+
+        def backlog(v: PrefillView) -> int:          # its queue once this prompt's uncached tokens join it
+            hit = usable_cached_tokens(cached.get(v.actor_id, 0), num_prompt_tokens, self.block_size)
+            return v.queued_tokens + num_prompt_tokens - hit
+        return any(v.queued_tokens == 0 or backlog(v) <= limit for v in healthy)
+
+    def _pick_prefill(self, d: _Dispatch) -> tuple[PrefillView | None, int]:
+        """This attempt's prefill actor (routing.prefill_policy over the index) and its cached prefix in blocks."""
+        return pick_prefill(self.pools.prefill, d.hashes, len(d.inp.prompt_token_ids), self.block_size,
+                            self.kv_index, d.excluded, self.routing.prefill_policy)
+
+    def _decode_choice(self, d: _Dispatch) -> dict:
+        """What the decode policy weighs besides room: the index's cached prefix per actor."""
+        return dict(cached=lambda: self.kv_index.prefix_by_actor(d.hashes), num_prompt_blocks=len(d.hashes),
+                    policy=self.routing.decode_policy)
 
     async def _switch_decode(self, d: _Dispatch, why: str) -> None:
         """Move the request's KV reservation to another decode actor (the old one is gone)."""
@@ -240,7 +267,8 @@ class Dispatcher(Backend):
         d.view = None                   # released here; nothing left to release if no one takes it
         await self.admission.release(old, d.need_blocks)
         timeout = 0.0 if d.inp.deadline is None else max(d.inp.deadline - time.monotonic(), 0.0)
-        d.view = await self.admission.acquire(d.pool, d.need_blocks, timeout, exclude=d.lost, first=True)
+        d.view = await self.admission.acquire(d.pool, d.need_blocks, timeout, exclude=d.lost, first=True,
+                                              **self._decode_choice(d))
         if d.view is None:
             raise BackendError("UNAVAILABLE", f"{why}; no other decode actor can take the request")
 
@@ -254,7 +282,7 @@ class Dispatcher(Backend):
         """The decode actor is alive but failed the request: retry on another one when one has room
         now (else stay: a single decode actor is retried rather than given up on)."""
         other = await self.admission.acquire(d.pool, d.need_blocks, 0.0, exclude={*d.lost, d.view.actor_id},
-                                             first=True)
+                                             first=True, **self._decode_choice(d))
         if other is not None:
             old, d.view = d.view, other
             await self.admission.release(old, d.need_blocks)
@@ -291,8 +319,8 @@ class Dispatcher(Backend):
         decode actor recomputes prompt + emitted tokens locally and continues."""
         inp, view, rid = d.inp, d.view, d.attempt_id
         prompt = inp.prompt_token_ids
-        pview, cached = pick_prefill(self.pools.prefill, d.hashes, d.excluded)
-        uncached = len(prompt) - cached * self.block_size
+        pview, cached = self._pick_prefill(d)
+        uncached = len(prompt) - usable_cached_tokens(cached, len(prompt), self.block_size)
         local = bool(d.emitted) or pview is None or uncached < self.routing.local_prefill_tokens
         decode_cached = 0                    # leading prompt blocks the decode actor holds: not shipped
         if not local and self.routing.decode_prefix_reuse:
@@ -425,6 +453,7 @@ class Dispatcher(Backend):
                                      failed_side=wpb.TRANSFER_SIDE_SENDER, retryable=True)
         finally:
             pview.queued_tokens -= uncached
+            self.kv_poller.poke(pview)           # the blocks it just cached
             await self.admission.notify()        # a backlog drained: the head of the queue may fit now
 
     def _on_prefill(self, result: wpb.PrefillResult, pview: PrefillView, d: _Dispatch,
@@ -439,7 +468,6 @@ class Dispatcher(Backend):
                     raise BackendError("INVALID_ARGUMENT", result.error)
             raise _Retry(f"prefill actor {pview.actor_id}: {result.error or 'aborted'}",
                          receiver_suspect=result.failed_side in SUSPECT_SIDES)
-        pview.remember(d.hashes)
         if result.HasField("stages"):
             d.prefill_stages = result.stages
         if self.metrics:

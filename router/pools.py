@@ -1,14 +1,14 @@
 """The router's view of every actor, by pool (no Ray, no I/O).
 
 The router keeps these views itself: it reserves decode blocks when it
-dispatches and releases them when the request ends, and remembers which
-prompt blocks each prefill actor has computed (an LRU bounded by that actor's
-KV pool). `deploy` creates the views; the pool manager marks them (un)healthy.
+dispatches and releases them when the request ends, and counts the prompt
+tokens queued on each prefill actor. What each actor has cached is not here:
+the `KVIndex` (router.kv_index) learns it from the actors' own cache events.
+`deploy` creates the views; the pool manager marks them (un)healthy.
 """
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from router.actor_client import DecodeClient, PrefillClient
@@ -28,22 +28,6 @@ class PrefillView:
     healthy: bool = True
     draining: bool = False
     incarnation: str = ""
-    prefix: OrderedDict = field(default_factory=OrderedDict)   # block hash -> None, LRU order
-
-    def cached_blocks(self, hashes: list[bytes]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self.prefix:
-                break
-            n += 1
-        return n
-
-    def remember(self, hashes: list[bytes]) -> None:
-        for h in hashes:
-            self.prefix[h] = None
-            self.prefix.move_to_end(h)
-        while len(self.prefix) > self.kv_blocks_total:
-            self.prefix.popitem(last=False)
 
     @property
     def busy(self) -> bool:

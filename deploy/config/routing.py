@@ -27,8 +27,12 @@ class RoutingSection(Section):
     max_prefill_backlog_tokens: Optional[Int] = Field(
         32768, gt=0, description="A request waits in admission while every prefill actor has more "
         "prompt tokens queued than this (an idle actor always takes one); null = unbounded.")
-    prefill_policy: Literal["prefix_then_load"] = Field(
-        "prefix_then_load", description="Longest cached prefix, then fewest queued prompt tokens.")
-    decode_policy: Literal["most_free_blocks"] = Field(
-        "most_free_blocks",
-        description="Admit where prompt + max_tokens fit; prefer most free blocks.")
+    prefill_policy: Literal["prefix_vs_queue", "prefix_then_load"] = Field(
+        "prefix_vs_queue", description="prefix_vs_queue: least uncached prompt tokens + prompt tokens queued "
+        "there; prefix_then_load: longest cached prefix, then fewest queued prompt tokens (router.dispatch).")
+    decode_policy: Literal["kv_aware", "most_free_blocks"] = Field(
+        "kv_aware", description="Admit where prompt + max_tokens fit; kv_aware: fewest prompt blocks to ship "
+        "(cached prefix) + a weight per running request, then most free blocks; most_free_blocks: most free.")
+    kv_events_interval_s: float = Field(
+        0.2, gt=0, le=60, description="How often the router pulls every actor's prefix-cache events (each "
+        "actor is also pulled when its prefill or request ends).")

@@ -10,13 +10,20 @@ must stream exactly the tokens an undisturbed one does:
 A prefill actor "ships" its KV by putting (first token, prompt length) into a
 shared `KVHub` under the transfer id; the decode actor waits for it there.
 Faults are scripted per actor (`faults`: a list consumed one per job).
+
+Each actor's prefix cache is a real `BlockManager` with its `KVEventLog` (`FakeCache`):
+a prefill caches its prompt's full blocks (LRU eviction included), a decode stream
+caches the prompt it adopts, and `kv_events` answers from the log as an engine does
+(`lose`: batch numbers dropped from the answers, as a lossy link would).
 """
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
 
-from proto.pdserve.v1 import generation_pb2, worker_pb2 as wpb
+from engine.block_manager import BlockManager, prompt_block_hashes
+from engine.kv_events import KVEventLog
+from proto.pdserve.v1 import generation_pb2, kv_events_pb2 as kpb, worker_pb2 as wpb
 from router.actor_client import ActorUnavailable
 from router.backend import ActorStats
 from router.pools import DecodeView, Pools, PrefillView
@@ -58,9 +65,36 @@ class KVHub:
         return self.streamed.setdefault(transfer_id, asyncio.Event())
 
 
+class FakeCache:
+    """An engine's prefix cache without the model: a real block manager and its event log."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.log = KVEventLog(self.block_manager)
+
+    def compute(self, prompt: list[int]) -> int:
+        """Take the prompt's cached prefix, compute (allocate + register) the rest, release it all as an
+        engine does when the request ends. Returns the cached tokens (0 and nothing cached when the
+        pool is too small)."""
+        bm, size = self.block_manager, self.block_manager.block_size
+        hashes = prompt_block_hashes(prompt, size)
+        hits = bm.match_prefix(hashes[:max(len(prompt) - 1, 0) // size])
+        need = -(-len(prompt) // size) - len(hits)
+        if need > bm.num_free_blocks - sum(1 for b in hits if bm.blocks[b].ref_count == 0):
+            return 0
+        bm.touch(hits)
+        ids = hits + bm.allocate(need)
+        for block_id, block_hash in zip(ids, hashes):
+            bm.register(block_id, block_hash)
+        bm.free(ids)
+        return len(hits) * size
+
+
 class FakeActor:
-    def __init__(self, actor_id: str, role: str):
+    def __init__(self, actor_id: str, role: str, kv_blocks: int = 64, block_size: int = 4):
         self.actor_id, self.role = actor_id, role
+        self.cache = FakeCache(kv_blocks, block_size)
+        self.lose: set[int] = set()          # batch numbers left out of kv_events answers
         self.alive = True
         self.stats_hang = False               # stats() never answers
         self.faults: list[str] = []          # consumed one per job; "" = behave
@@ -89,6 +123,15 @@ class FakeActor:
     def next_fault(self) -> str:
         return self.faults.pop(0) if self.faults else ""
 
+    async def kv_events(self, request: kpb.KVEventsRequest) -> kpb.KVEventsResponse:
+        if not self.alive:
+            raise ActorUnavailable(f"{self.actor_id} is dead")
+        response = self.cache.log.answer(request)
+        kept = [b for b in response.batches if b.seq not in self.lose]
+        del response.batches[:]
+        response.batches.extend(kept)
+        return response
+
 
 class FakePrefill(FakeActor):
     """Faults: "unavailable" (the call raises), "sender" / "receiver" (a failed transfer of that
@@ -96,15 +139,15 @@ class FakePrefill(FakeActor):
     after the decode actor has streamed its first tokens), "after_finish" (the result comes only
     once the decode actor has streamed the request's last token)."""
 
-    def __init__(self, actor_id: str, hub: KVHub):
-        super().__init__(actor_id, "prefill")
+    def __init__(self, actor_id: str, hub: KVHub, kv_blocks: int = 64, block_size: int = 4):
+        super().__init__(actor_id, "prefill", kv_blocks, block_size)
         self.hub = hub
-        self.cached_tokens = 0               # the prefix-cache hit every result reports
 
     async def prefill(self, job: wpb.PrefillJob) -> wpb.PrefillResult:
         self.jobs.append(job)
         fault = self.next_fault()
         prompt = list(job.prompt_token_ids)
+        num_cached_tokens = self.cache.compute(prompt) if fault not in ("unavailable", "hang") else 0
         first_token_id = token_at(prompt, 0)
         firsts = [wpb.DecodeEvent(token_ids=[token_at(prompt, 0, j)], index=j)
                   for j in range(num_sequences(job.params))]
@@ -112,9 +155,9 @@ class FakePrefill(FakeActor):
             for ev in firsts:
                 ev.logprobs.append(logprob_of(ev.token_ids[0]))
         result = wpb.PrefillResult(request_id=job.request_id, transfer_id=job.transfer_id,
-                                   num_prompt_tokens=len(prompt), num_cached_tokens=self.cached_tokens,
-                                   first_tokens=firsts,
-                                   prefill_s=0.01, transfer_s=0.002, kv_bytes=1000, wire_bytes=500)
+                                   num_prompt_tokens=len(prompt), first_tokens=firsts,
+                                   prefill_s=0.01, transfer_s=0.002, kv_bytes=1000, wire_bytes=500,
+                                   num_cached_tokens=num_cached_tokens)
         if job.params.HasField("prompt_logprobs"):
             result.prompt_logprobs.extend(logprob_of(t) for t in prompt[1:])
         if fault == "unavailable" or not self.alive:
@@ -207,8 +250,8 @@ class FakeDecode(FakeActor):
     """Faults: "kv_never" (a retryable error instead of the KV), "invalid" (a non-retryable
     INVALID_ARGUMENT), "die_after:N" (the actor dies after streaming N tokens), "hang"."""
 
-    def __init__(self, actor_id: str, hub: KVHub):
-        super().__init__(actor_id, "decode")
+    def __init__(self, actor_id: str, hub: KVHub, kv_blocks: int = 64, block_size: int = 4):
+        super().__init__(actor_id, "decode", kv_blocks, block_size)
         self.hub = hub
         self.streams: set[FakeStream] = set()
         self.cached_blocks = 0               # what cached_prefix answers (its prefix cache, scripted)
@@ -232,6 +275,7 @@ class FakeDecode(FakeActor):
 
     def open_stream(self, job: wpb.DecodeJob) -> FakeStream:
         self.jobs.append(job)
+        self.cache.compute(list(job.prompt_token_ids))      # the prompt it adopts (or prefills) stays cached
         stream = FakeStream(self, job)
         self.streams.add(stream)
         return stream
@@ -246,11 +290,12 @@ class FakeCluster:
     long_context: list[FakeDecode]
 
 
-def fake_cluster(num_prefill: int = 2, num_decode: int = 2, num_long: int = 0, kv_blocks: int = 64) -> FakeCluster:
+def fake_cluster(num_prefill: int = 2, num_decode: int = 2, num_long: int = 0, kv_blocks: int = 64,
+                 block_size: int = 4) -> FakeCluster:
     hub = KVHub()
-    prefill = [FakePrefill(f"prefill-{i}", hub) for i in range(num_prefill)]
-    decode = [FakeDecode(f"decode-{i}", hub) for i in range(num_decode)]
-    long_context = [FakeDecode(f"long-{i}", hub) for i in range(num_long)]
+    prefill = [FakePrefill(f"prefill-{i}", hub, kv_blocks, block_size) for i in range(num_prefill)]
+    decode = [FakeDecode(f"decode-{i}", hub, kv_blocks, block_size) for i in range(num_decode)]
+    long_context = [FakeDecode(f"long-{i}", hub, kv_blocks * 4, block_size) for i in range(num_long)]
     pools = Pools([PrefillView(a.actor_id, a, kv_blocks) for a in prefill],
                   [DecodeView(a.actor_id, a, f"kv://{a.actor_id}", kv_blocks) for a in decode],
                   [DecodeView(a.actor_id, a, f"kv://{a.actor_id}", kv_blocks * 4) for a in long_context])

@@ -92,9 +92,9 @@ def test_a_finish_that_outruns_the_prefill_result_waits_for_its_usage_and_timing
     still says the prefill actor's cached tokens, and its timing the prefill and transfer times."""
     async def main():
         c = fake_cluster(num_prefill=1)
-        c.prefill[0].cached_tokens = 8
-        c.prefill[0].faults = ["after_finish"]
         d = make(c)
+        await collect(d, request("warm", max_tokens=3))        # the prompt's two full blocks are cached now
+        c.prefill[0].faults = ["after_finish"]
         tokens, chunks = await collect(d, request(max_tokens=3))
         assert tokens == expected_tokens(PROMPT, 3)
         last = chunks[-1]
@@ -201,7 +201,8 @@ def test_a_black_hole_decode_actor_is_quarantined_and_requests_complete_elsewher
     choice and requests burned every attempt there (UNAVAILABLE)."""
     async def main():
         c = fake_cluster(kv_blocks=64)
-        d = make(c, max_attempts=3)
+        # most_free_blocks: kv_aware would prefer decode-1 once it caches the prompt (it serves the retries)
+        d = make(c, max_attempts=3, decode_policy="most_free_blocks")
         c.decode[0].faults = ["kv_never"] * 100              # alive, answers info(), never gets the KV
         c.pools.decode[1].reserved_blocks = 8                # decode-0 is always the freest
         for i in range(10):

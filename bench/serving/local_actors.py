@@ -1,0 +1,132 @@
+"""The router's actor protocol (router.actor_client) over plain workers in this process (no Ray).
+
+A benchmark builds real prefill and decode workers over the in-process fake transport and hands
+the router these clients: every call is what a Ray actor would answer, minus the Ray hop, and
+the engines stay reachable for checks (an oracle of what they cache).
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from decode_worker.worker import DecodeWorker
+from engine import Engine
+from engine.loop import on_event_loop
+from kv_transfer import FakeHub, layout_of, make_receiver, make_sender
+from prefill_worker.worker import PrefillWorker
+from proto.pdserve.v1 import generation_pb2, kv_events_pb2 as kpb, worker_pb2 as wpb
+from router.backend import ActorStats
+from router.pools import DecodeView, Pools, PrefillView
+
+
+class LocalClient:
+    def __init__(self, worker):
+        self.worker = worker
+        self.actor_id = worker.actor_id
+
+    def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+
+    async def info(self) -> dict:
+        return {"actor_id": self.actor_id}
+
+    async def stats(self) -> ActorStats:
+        return ActorStats(**self.worker.stats())
+
+    async def kv_events(self, request: kpb.KVEventsRequest) -> kpb.KVEventsResponse:
+        return self.worker.engine.kv_events.answer(request)
+
+
+class LocalPrefillClient(LocalClient):
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.num_prompt_tokens = 0       # over every PrefillResult, as the engine reports it (also those
+        self.num_cached_tokens = 0       # the router stopped waiting for: its decode stream finished first)
+
+    def _done(self, fut: asyncio.Future, result: wpb.PrefillResult) -> None:
+        self.num_prompt_tokens += result.num_prompt_tokens
+        self.num_cached_tokens += result.num_cached_tokens
+        if not fut.done():
+            fut.set_result(result)
+
+    async def prefill(self, job: wpb.PrefillJob) -> wpb.PrefillResult:
+        fut = asyncio.get_running_loop().create_future()
+        self.worker.submit(job, on_event_loop(fut.get_loop(), lambda r: self._done(fut, r)))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.worker.abort(job.request_id)
+            raise
+
+
+class LocalDecodeStream:
+    def __init__(self, worker, job: wpb.DecodeJob):
+        self.worker, self.job = worker, job
+        self.queue: asyncio.Queue[wpb.DecodeEvent] = asyncio.Queue()
+        self.open_sequences = job.params.best_of or job.params.n or 1
+        self.ended = False
+        worker.submit(job, on_event_loop(asyncio.get_running_loop(), self.queue.put_nowait))
+
+    async def read(self) -> list[wpb.DecodeEvent] | None:
+        if self.ended:
+            return None
+        events = [await self.queue.get()]
+        while not self.queue.empty():
+            events.append(self.queue.get_nowait())
+        for ev in events:
+            self.open_sequences -= bool(ev.finish_reason)
+            aborted = ev.finish_reason == generation_pb2.FINISH_REASON_ABORT
+            self.ended = self.ended or bool(ev.error.code) or aborted or self.open_sequences <= 0
+        return events
+
+    def cancel(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.worker.abort(self.job.request_id)
+
+
+class LocalDecodeClient(LocalClient):
+    def open_stream(self, job: wpb.DecodeJob) -> LocalDecodeStream:
+        return LocalDecodeStream(self.worker, job)
+
+
+@dataclass
+class LocalCluster:
+    pools: Pools
+    prefill: list[PrefillWorker]
+    decode: list[DecodeWorker]
+
+    @property
+    def workers(self) -> list:
+        return [*self.prefill, *self.decode]
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+
+
+def start_local_cluster(model: str, num_prefill: int, num_decode: int, prefill_blocks: int, decode_blocks: int,
+                        block_size: int = 16) -> LocalCluster:
+    """Started workers (float32, eager attention) over one fake transport, and their pools."""
+    hub = FakeHub()
+
+    def engine(num_blocks: int) -> Engine:
+        return Engine(model, dtype="float32", num_blocks=num_blocks, block_size=block_size, attention="eager")
+    prefill, decode = [], []
+    for i in range(num_prefill):
+        e = engine(prefill_blocks)
+        prefill.append(PrefillWorker(e, make_sender("fake", _layout(e), codec="none", hub=hub), f"prefill-{i}"))
+    for i in range(num_decode):
+        e = engine(decode_blocks)
+        decode.append(DecodeWorker(e, lambda on_complete, e=e: make_receiver(
+            "fake", _layout(e), e.kv_cache, e.block_manager, codec="none", hub=hub, on_complete=on_complete),
+            f"decode-{i}"))
+    for w in (*prefill, *decode):
+        w.start()
+    pools = Pools([PrefillView(w.actor_id, LocalPrefillClient(w), prefill_blocks) for w in prefill],
+                  [DecodeView(w.actor_id, LocalDecodeClient(w), w.endpoint, decode_blocks) for w in decode])
+    return LocalCluster(pools, prefill, decode)
+
+
+def _layout(engine: Engine):
+    return layout_of(engine.kv_cache, engine.fingerprint)
