@@ -18,7 +18,10 @@ Failures, each one an attempt (at most `routing.max_attempts`):
         the tokens already streamed, and continues (the client sees one stream)
 
 Short uncached prompts (`local_prefill_tokens`) and migrated requests are prefilled by
-the decode actor itself. Cancellation aborts the request on both actors. The actors are
+the decode actor itself; with ``mode`` "auto" each request's placement (remote prefill + transfer,
+or chunked prefill on its decode actor) comes from `router.placement` over the live profile
+(`router.live_profile`), and ``mode`` "colocated" prefills every request on its decode actor.
+Cancellation aborts the request on both actors. The actors are
 reached only through `router.actor_client` (deploy implements it with Ray).
 """
 from __future__ import annotations
@@ -41,6 +44,8 @@ from router.actor_client import ActorUnavailable
 from router.admission import AdmissionQueue
 from router.backend import ActorStats, Backend, BackendError, GenerationChunk, GenerationInput, Timing, Usage
 from router.dispatch import pick_prefill
+from router.live_profile import LiveProfile
+from router.placement import Choice, DecodeState, Placement, PlacementInputs, PrefillState, place
 from router.pools import DecodeView, Pools, PrefillView
 from router.timeline import Timeline
 
@@ -62,6 +67,9 @@ class RoutingSettings:
     stream_idle_s: float = 60.0          # no prefill result and no token for this long: the actor is stuck
     max_queue_wait_s: float = 30.0       # longest admission wait of a request without a client deadline
     max_prefill_backlog_tokens: int | None = 32768   # a request waits while every prefill actor has more queued
+    mode: str = "disaggregated"          # "disaggregated" | "auto" (router.placement) | "colocated" (all local)
+    ttft_slo_s: float = 1.0              # the SLOs auto placement keeps (config `slo`)
+    tpot_slo_s: float = 0.1
 
 
 class _Retry(Exception):
@@ -98,6 +106,9 @@ class _Dispatch:
     prefill_stages: wpb.ActorStages | None = None   # ... the actors' own stages (this attempt)
     decode_stages: wpb.ActorStages | None = None
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:16])   # this dispatch, among all of its id
+    placement: Placement | None = None   # routing.mode auto: this attempt's decision
+    local_tokens: int = 0                # prompt tokens this attempt prefills on its decode actor, until its first
+    batch_at_start: int = 0              # requests running on its decode actor when the attempt began
 
     @property
     def attempt_id(self) -> str:
@@ -109,10 +120,12 @@ class _Dispatch:
 
 class Dispatcher(Backend):
     def __init__(self, pools: Pools, tokenizer, max_model_len: int, block_size: int, routing: RoutingSettings,
-                 codec: str = "none", metrics=None, generation_defaults: dict | None = None):
+                 codec: str = "none", metrics=None, generation_defaults: dict | None = None,
+                 live: LiveProfile | None = None):
         """metrics: None, or an object with kv_transfer(seconds, kv_bytes, wire_bytes, codec),
-        transfer_failed(), local_prefill() and prefix_hit_tokens(n) (router.metrics.Metrics).
-        generation_defaults: the model's generation_config.json sampling defaults (unset fields)."""
+        transfer_failed(), local_prefill(), prefix_hit_tokens(n) and, in auto mode, placement(choice)
+        (router.metrics.Metrics). generation_defaults: the model's generation_config.json sampling
+        defaults (unset fields). live: the actors' live profile (seeded by deploy; else generic figures)."""
         self.pools = pools
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -122,6 +135,7 @@ class Dispatcher(Backend):
         self.admission = AdmissionQueue(routing.max_queue)
         self.codec = codec
         self.metrics = metrics
+        self.live = live or LiveProfile(block_size=block_size)
         # finished requests for the autoscaler: (end, prompt_tokens, output_tokens, ttft_s, tpot_s)
         self.completed: deque[tuple[float, int, int, float, float]] = deque(maxlen=4096)
 
@@ -216,9 +230,11 @@ class Dispatcher(Backend):
 
     def _prefill_has_room(self, hashes: list[bytes], num_prompt_tokens: int) -> bool:
         """Some healthy prefill actor can queue this prompt within routing.max_prefill_backlog_tokens
-        (an idle one always can); true when prefill is local or unbounded."""
+        (an idle one always can); true when prefill is local or unbounded, and in modes auto (a full
+        backlog sends the prompt to its decode actor) and colocated."""
         limit = self.routing.max_prefill_backlog_tokens
-        if limit is None or num_prompt_tokens < self.routing.local_prefill_tokens:
+        if self.routing.mode != "disaggregated" or limit is None or \
+                num_prompt_tokens < self.routing.local_prefill_tokens:
             return True
         healthy = [v for v in self.pools.prefill if v.healthy]
         if not healthy:
@@ -279,6 +295,33 @@ class Dispatcher(Backend):
         ttft = (d.first_token_at or now) - d.started
         tpot = time_per_output_token(ttft, now - d.started, len(d.emitted))
         self.completed.append((now, len(d.inp.prompt_token_ids), len(d.emitted), ttft, tpot))
+        self.live.finished((d.batch_at_start + d.view.running) / 2, tpot, len(d.emitted))
+
+    def _local_prefill(self, d: _Dispatch, view: DecodeView, pview: PrefillView | None, cached: int) -> bool:
+        """Whether this attempt prefills on its decode actor: always in mode colocated and without a
+        prefill actor; by the prompt's uncached length in mode disaggregated (`local_prefill_tokens`);
+        by `router.placement` in mode auto (logged with the request, counted in metrics)."""
+        mode, num_prompt = self.routing.mode, len(d.inp.prompt_token_ids)
+        if mode == "colocated" or (pview is None and mode != "auto"):
+            return True
+        if mode != "auto":
+            return num_prompt - cached * self.block_size < self.routing.local_prefill_tokens
+        live = self.live
+        prefill = None if pview is None else PrefillState(pview.actor_id, pview.queued_tokens, cached * self.block_size)
+        decode = DecodeState(view.actor_id, max(view.running - 1, 0), live.local_backlog(view.actor_id),
+                             live.cached_tokens(view.actor_id, d.hashes))
+        d.placement = place(PlacementInputs(
+            num_prompt, max(live.output_tokens or d.inp.params.max_tokens, 1.0), self.routing.ttft_slo_s,
+            self.routing.tpot_slo_s, decode, live.decode_profile(), prefill, live.prefill_profile(), live.link()))
+        d.timing.placement = d.placement          # the request's log line carries the last attempt's decision
+        if self.metrics:
+            self.metrics.placement(d.placement.choice.value)
+        return d.placement.choice is Choice.LOCAL
+
+    def _local_done(self, d: _Dispatch, compute_s: float | None) -> None:
+        """The attempt's local prefill ended (its first event, or the attempt ended without one)."""
+        self.live.local_ended(d.view.actor_id, d.local_tokens, compute_s)
+        d.local_tokens = 0
 
     # ---- one attempt ----------------------------------------------------
     async def _attempt(self, d: _Dispatch):
@@ -288,8 +331,14 @@ class Dispatcher(Backend):
         prompt = inp.prompt_token_ids
         pview, cached = pick_prefill(self.pools.prefill, d.hashes, d.excluded)
         uncached = len(prompt) - cached * self.block_size
-        local = bool(d.emitted) or pview is None or uncached < self.routing.local_prefill_tokens
+        local = bool(d.emitted) or self._local_prefill(d, view, pview, cached)
         transfer_id = "" if local else uuid.uuid4().hex
+        d.batch_at_start = view.running
+        if local:
+            total = len(prompt) + len(d.emitted)
+            d.local_tokens = max(total - self.live.cached_tokens(view.actor_id, d.hashes), 1)
+            self.live.local_started(view.actor_id, d.local_tokens)
+        self.live.served(view.actor_id, d.hashes, view.kv_blocks_total)
         d.sent_at = d.prefill_stages = d.decode_stages = None
         # The transfer's deadline runs from when the send starts (prefill queueing does not eat it); the
         # decode actor waits for the transfer to begin as long as the router waits for the prefill.
@@ -354,6 +403,10 @@ class Dispatcher(Backend):
                 for ev in events:
                     if d.decode_stages is None and ev.HasField("stages"):
                         d.decode_stages = ev.stages
+                        if d.local_tokens:
+                            self._local_done(d, ev.stages.compute_s)
+                        elif d.prefill_stages is not None and d.first_token_at is None:
+                            self.live.remote_first_token(time.monotonic() - d.sent_at, _actor_seconds(d))
                     last = bool(ev.finish_reason) and num_open == 1
                     chunk = self._on_event(ev, d.timing, usage, last)
                     if prompt_logprobs is not None:
@@ -371,6 +424,8 @@ class Dispatcher(Backend):
                 d.excluded.add(pview.actor_id)       # try a different prefill actor next
             raise
         finally:
+            if d.local_tokens:
+                self._local_done(d, None)
             if read_task is not None:
                 read_task.cancel()
             stream.cancel()
@@ -405,6 +460,8 @@ class Dispatcher(Backend):
             raise _Retry(f"prefill actor {pview.actor_id}: {result.error or 'aborted'}",
                          receiver_suspect=result.failed_side in SUSPECT_SIDES)
         pview.remember(d.hashes)
+        self.live.prefill_done(result.num_prompt_tokens - result.num_cached_tokens, result.prefill_s,
+                               result.kv_bytes, result.transfer_s, result.num_prompt_tokens)
         if result.HasField("stages"):
             d.prefill_stages = result.stages
         if self.metrics:
@@ -447,3 +504,14 @@ class Dispatcher(Backend):
             if last:
                 chunk.usage, chunk.timing = usage, timing
         return chunk
+
+
+def _actor_seconds(d: _Dispatch) -> float:
+    """The stages the actors reported up to a remote request's first token (prefill queue and compute,
+    KV send, decode adoption); the rest of the router's window is overhead."""
+    seconds = 0.0
+    for stages in (d.prefill_stages, d.decode_stages):
+        if stages is not None:
+            seconds += stages.queue_s + stages.compute_s + stages.sampling_s + stages.kv_send_total_s + \
+                stages.adopt_s
+    return seconds

@@ -11,6 +11,11 @@ from deploy.config.base import Int, Section
 class RoutingSection(Section):
     """How the router picks actors for a request."""
 
+    mode: Literal["disaggregated", "auto", "colocated"] = Field(
+        "disaggregated", description="Where each prompt is prefilled: disaggregated = on a prefill actor "
+        "(except prompts under local_prefill_tokens); auto = per request, remote prefill + KV transfer or "
+        "chunked prefill on the decode actor, whichever the live profiles say keeps both `slo` targets with "
+        "the most headroom (router/placement.py); colocated = every prompt on its decode actor.")
     local_prefill_tokens: Int = Field(
         0, ge=0, description="Prompts at most this long prefill on the decode actor "
         "itself (no KV transfer); 0 = off.")
