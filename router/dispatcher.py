@@ -298,12 +298,12 @@ class Dispatcher(Backend):
         self.live.finished((d.batch_at_start + d.view.running) / 2, tpot, len(d.emitted))
 
     def _local_prefill(self, d: _Dispatch, view: DecodeView, pview: PrefillView | None, cached: int) -> bool:
-        """Whether this attempt prefills on its decode actor: always in mode colocated and without a
-        prefill actor; by the prompt's uncached length in mode disaggregated (`local_prefill_tokens`);
-        by `router.placement` in mode auto (logged with the request, counted in metrics)."""
+        """Whether this attempt prefills on its decode actor: always in mode colocated, on a colocated
+        actor and without a prefill actor; by the prompt's uncached length in mode disaggregated
+        (`local_prefill_tokens`); by `router.placement` in mode auto (logged, counted in metrics)."""
         mode, num_prompt = self.routing.mode, len(d.inp.prompt_token_ids)
-        if mode == "colocated" or (pview is None and mode != "auto"):
-            return True
+        if mode == "colocated" or not view.endpoint or (pview is None and mode != "auto"):
+            return True              # (a decode-pool actor without a KV receiver is colocated: it prefills all)
         if mode != "auto":
             return num_prompt - cached * self.block_size < self.routing.local_prefill_tokens
         live = self.live
