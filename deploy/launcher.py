@@ -181,7 +181,7 @@ class ActorFactory:
             return actor.remote(args, actor_id, self.token, self.bind_host, self.tls)
         actor_id = f"{pool}-{index}"
         options = _actor_options(self.cfg, pool, self._name(actor_id), self.cpu_fraction)
-        if self.cfg.routing.role_flips and pool in ("prefill", "decode"):
+        if self.cfg.routing.role_flips != "off" and pool in ("prefill", "decode"):
             from deploy.role_actor import RoleActor
             args, limits = role_engine_args(self.cfg, self.model_dir)
             return ray.remote(RoleActor).options(**options).remote(args, self.transfer, actor_id, self.token, pool,

@@ -108,7 +108,8 @@ class PoolManager:
         if POOL_OF_ROLE[role] != name and name == "decode" and len(pool) == 1:
             raise ValueError(f"{actor_id} is the last decode actor; flip another actor to decode first")
         if not hasattr(view.client.handle, "set_role"):
-            raise RuntimeError(f"{actor_id} cannot change role (start the cluster with routing.role_flips: true)")
+            raise RuntimeError(f"{actor_id} cannot change role (start the cluster with routing.role_flips: "
+                               "manual or auto)")
         start = time.monotonic()
         pool.remove(view)                       # no new work of the old role from here on
         view.draining = True

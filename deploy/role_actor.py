@@ -1,7 +1,7 @@
 """An actor whose role can change at run time: one engine (weights, paged KV cache) serving as a
 prefill, decode or colocated worker, switched by `set_role` without restarting the process.
 
-The launcher starts these instead of the fixed-role actors when ``routing.role_flips`` is on. A flip,
+The launcher starts these instead of the fixed-role actors when ``routing.role_flips`` is manual or auto. A flip,
 as the pool manager runs it (`deploy.pool_manager.PoolManager.flip`):
 
     router: the actor leaves its pool (no new work of the old role), its in-flight requests end

@@ -111,8 +111,8 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     manager = PoolManager(backend, factory)
     manager_task = asyncio.get_running_loop().create_task(manager.run())
     cluster = RunningCluster(cfg, backend, server, factory, metrics, metrics_task, manager, manager_task)
-    if mode == "disaggregated" and any(p.is_auto for _, p in cfg.pools.items()):
+    if mode == "disaggregated" and (any(p.is_auto for _, p in cfg.pools.items()) or r.role_flips == "auto"):
         from deploy.autoscaler import start_autoscaler
-        cluster.autoscaler = await start_autoscaler(cfg, backend, factory, autoscale)
+        cluster.autoscaler = await start_autoscaler(cfg, backend, factory, autoscale, manager)
         cluster.autoscaler_task = asyncio.get_running_loop().create_task(cluster.autoscaler.run())
     return cluster

@@ -16,11 +16,11 @@ class RoutingSection(Section):
         "(except prompts under local_prefill_tokens); auto = per request, remote prefill + KV transfer or "
         "chunked prefill on the decode actor, whichever the live profiles say keeps both `slo` targets with "
         "the most headroom (router/placement.py); colocated = every prompt on its decode actor.")
-    role_flips: bool = Field(
-        False, description="Start the prefill and decode actors as role-flippable actors (one engine, any "
-        "role): the pool manager can switch one prefill <-> decode <-> colocated at run time "
-        "(deploy/role_actor.py), and the autoscaler does at a fixed actor count when the load calls for "
-        "another split. Needs the prefill and decode pools on the same model and KV cache.")
+    role_flips: Literal["off", "manual", "auto"] = Field(
+        "off", description="manual: start the prefill and decode actors as role-flippable actors (one engine, any "
+        "role; deploy/role_actor.py) that PoolManager.flip switches prefill <-> decode <-> colocated at run time; "
+        "auto: also let the autoscaler flip them, at a fixed actor count, when the measured load calls for "
+        "another split (with hysteresis, deploy/role_balance.py). Flippable actors use the decode pool's KV cache.")
     local_prefill_tokens: Int = Field(
         0, ge=0, description="Prompts at most this long prefill on the decode actor "
         "itself (no KV transfer); 0 = off.")

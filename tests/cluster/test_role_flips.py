@@ -54,7 +54,7 @@ def _view(pools, actor_id):
 
 @pytest.mark.timeout(300)
 def test_flips_under_load_lose_no_request_and_leak_no_block(ray_local, tiny_model_dir, reference):
-    cfg = cluster_config(tiny_model_dir, "grpc", "none", n_prefill=1, n_decode=2, role_flips=True)
+    cfg = cluster_config(tiny_model_dir, "grpc", "none", n_prefill=1, n_decode=2, role_flips="manual")
     prompts, params = prompts_and_params(16, seed=21, max_len=200)
     later, later_params = prompts_and_params(6, seed=22, max_len=200)
 
