@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slo-tpot-ms", type=float, default=100.0)
     s.add_argument("--slo-scale", type=float, metavar="S", help="per request class, SLOs = S x its TTFT and TPOT "
                    "alone on this machine, measured first (replaces --slo-ttft-ms/--slo-tpot-ms)")
+    s.add_argument("--slo-from", metavar="JSON", help="take --slo-scale's per-class SLOs from an earlier run's "
+                   "JSON (so variants run in separate invocations are held to the same SLOs)")
     s.add_argument("--sweep", choices=["output-len", "prompt-len", "concurrency", "rate"])
     s.add_argument("--sweep-values", help="comma-separated values of the swept variable (rate without values: "
                    "fractions of the capacity measured on the first variant)")
@@ -142,6 +144,16 @@ def print_runs(result: dict, timeline: bool = False) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.class_slos = {}         # filled on the first variant when --slo-scale is given (shared by all)
+    if args.slo_from:
+        try:
+            with open(args.slo_from) as f:
+                slo = json.load(f)["slo"]
+            args.slo_scale = slo["scale"]
+            args.class_slos.update({k: {f"{m.removesuffix('_ms')}_s": v / 1e3 for m, v in c.items()}
+                                    for k, c in slo["by_class"].items()})
+        except (OSError, ValueError, KeyError) as e:
+            print(f"--slo-from {args.slo_from}: no per-class SLOs there ({e})", file=sys.stderr)
+            return 2
     if bool(args.address) == bool(args.embedded):
         print("give exactly one of --address or --embedded", file=sys.stderr)
         return 2

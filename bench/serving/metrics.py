@@ -27,6 +27,8 @@ KV_COUNTERS = {
     "prefix_hit_tokens": "pdserve_prefix_cache_hit_tokens_total",
     "transfer_failures": "pdserve_transfer_failures_total",
     "local_prefills": "pdserve_local_prefills_total",
+    "placed_local": 'pdserve_placement_decisions_total{choice="local"}',      # routing.mode auto
+    "placed_remote": 'pdserve_placement_decisions_total{choice="remote"}',
 }
 
 
@@ -97,8 +99,9 @@ def parse_counters(text: str) -> dict[str, float]:
         if not line or line.startswith("#"):
             continue
         name = line.split("{")[0].split(" ")[0]
+        labelled = line.rsplit(" ", 1)[0]
         for key, metric in KV_COUNTERS.items():
-            if name == metric:
+            if name == metric or labelled == metric:
                 out[key] += float(line.rsplit(" ", 1)[1])
     return out
 

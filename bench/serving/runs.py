@@ -105,6 +105,19 @@ async def _measure_with(client, target: Target, args: argparse.Namespace, specs:
     return out
 
 
+def router_slo(args: argparse.Namespace) -> list[str]:
+    """The cluster's `slo` (what routing.mode auto and the autoscaler aim at) from the benchmark's SLOs:
+    the fixed pair, or with per-class SLOs the loosest TTFT (the long prompts auto places) and the
+    tightest TPOT (every running request's)."""
+    classes = getattr(args, "class_slos", None)
+    if classes:
+        ttft = max(c["ttft_s"] for c in classes.values()) * 1e3
+        tpot = min(c["tpot_s"] for c in classes.values()) * 1e3
+    else:
+        ttft, tpot = args.slo_ttft_ms, args.slo_tpot_ms
+    return [f"slo.ttft_p99_ms={ttft:.6g}", f"slo.tpot_p99_ms={tpot:.6g}"]
+
+
 async def sample_roles(pools, out: list[dict], interval_s: float = 0.5) -> None:
     """Append {t, prefill, decode, colocated} (actors per role, by the router's pools) every interval
     until cancelled; t in seconds from the start."""
@@ -130,7 +143,8 @@ async def run_variants(args: argparse.Namespace, fn) -> dict[str, dict]:
     results: dict[str, dict] = {}
     for variant in variants_of(args.compare, args.mode):
         for api in apis_of(getattr(args, "api", "grpc")):
-            cfg = bench_config(args.config, args.model, args.dtype, args.set, variant, args.colocated_chunk_tokens)
+            cfg = bench_config(args.config, args.model, args.dtype, [*args.set, *router_slo(args)], variant,
+                               args.colocated_chunk_tokens)
             async with embedded(cfg, variant, autoscale_settings(args)) as target:
                 target.apis = (api,)
                 results.update(await fn(target))
