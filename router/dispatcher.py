@@ -109,6 +109,7 @@ class _Dispatch:
     placement: Placement | None = None   # routing.mode auto: this attempt's decision
     local_tokens: int = 0                # prompt tokens this attempt prefills on its decode actor, until its first
     batch_at_start: int = 0              # requests running on its decode actor when the attempt began
+    recorded: bool = False               # in `completed` (and the live profile) already
 
     @property
     def attempt_id(self) -> str:
@@ -181,11 +182,11 @@ class Dispatcher(Backend):
                                 d.first_token_at = time.monotonic()
                             d.emitted.extend(chunk.token_ids)
                             d.emitted_chars += len(chunk.text)
-                            if chunk.timing is not None:
-                                chunk.timing.timeline = self._timeline(d)
+                            if chunk.timing is not None:      # the request's last chunk: the servicer
+                                chunk.timing.timeline = self._timeline(d)     # closes us at its yield,
+                                self._succeeded(d)                            # so record before it
                             yield chunk
-                    d.view.succeeded()
-                    self._record(d)
+                    self._succeeded(d)
                     return
                 except _Retry as e:
                     d.num_failures += 1
@@ -289,6 +290,13 @@ class Dispatcher(Backend):
         tl.add_actor(d.decode_stages)
         tl.fit_window(first - sent)
         return tl
+
+    def _succeeded(self, d: _Dispatch) -> None:
+        """Once per request: the decode actor served it; the finished request is recorded."""
+        if not d.recorded:
+            d.recorded = True
+            d.view.succeeded()
+            self._record(d)
 
     def _record(self, d: _Dispatch) -> None:
         now = time.monotonic()

@@ -131,3 +131,20 @@ def test_disaggregated_mode_makes_no_placement_decision():
         assert chunks[-1].timing.placement is None and d.metrics.placements == []
         assert any(a.jobs for a in c.prefill)
     run(main())
+
+
+def test_a_request_is_recorded_when_the_consumer_closes_after_its_last_chunk():
+    """The servicer stops at the request's last chunk and closes the generator there: the finished
+    request still reaches `completed` (the autoscaler) and the live profile (auto placement)."""
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        gen = d.generate(request("r", max_tokens=6, prompt=LONG))
+        async for chunk in gen:
+            if chunk.finish_reason is not None:
+                break
+        await gen.aclose()
+        assert len(d.completed) == 1 and d.completed[0][2] == 6
+        assert d.live.output_tokens == 6
+        assert_nothing_held(c)
+    run(main())
