@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from deploy.config.base import Int, Section
 
@@ -39,3 +39,13 @@ class RoutingSection(Section):
     decode_policy: Literal["most_free_blocks"] = Field(
         "most_free_blocks",
         description="Admit where prompt + max_tokens fit; prefer most free blocks.")
+
+    @field_validator("role_flips", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        """YAML reads a bare `off` as false (and `on` as true)."""
+        if value is False:
+            return "off"
+        if value is True:
+            return "manual"
+        return value

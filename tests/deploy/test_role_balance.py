@@ -58,3 +58,13 @@ def test_the_band_sets_how_far_the_ideal_must_move(band):
     # 1 prefill of 4, need 1.9:2.1 → ideal 1.9: past 1.5 (band 0) flips, inside 1.9 (band 0.4) does not
     flips, _ = run([(1.9, 2.1)] * 2, settings=BalanceSettings(band=band, flip_after=2, cooldown_ticks=0))
     assert flips == ([None, TO_PREFILL] if band == 0.0 else [None, None])
+
+
+def test_role_flips_config_reads_yaml_off_and_refuses_unknown_values():
+    from deploy.config import ConfigError, load_config
+    assert load_config(None, {"routing.role_flips": False}).routing.role_flips == "off"   # YAML's bare `off`
+    assert load_config(None, {"routing.role_flips": "auto"}).routing.role_flips == "auto"
+    with pytest.raises(ConfigError, match="role_flips"):
+        load_config(None, {"routing.role_flips": "sometimes"})
+    with pytest.raises(ConfigError, match="mode"):
+        load_config(None, {"routing.mode": "fastest"})
