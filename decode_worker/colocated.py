@@ -150,6 +150,15 @@ class ColocatedWorker:
         return wpb.ActorStages(queue_s=max(scheduled - s.registered, 0.0), compute_s=run_done - scheduled,
                                sampling_s=step_done - run_done)
 
+    def evict(self, reason: str) -> int:
+        """Loop thread: end every open request with a retryable UNAVAILABLE error, so the router
+        migrates it (recomputes prompt + streamed tokens elsewhere); returns how many. Used when
+        the actor must give up its work (a role flip that ran out of time)."""
+        request_ids = list(self._streams)
+        for rid in request_ids:
+            self._fail(rid, error_event(grpc.StatusCode.UNAVAILABLE, f"{self.actor_id}: {reason}", retryable=True))
+        return len(request_ids)
+
     # ---- load report ----------------------------------------------------
     def stats(self) -> dict:
         bm = self.engine.block_manager

@@ -57,6 +57,11 @@ class DecodeWorker(ColocatedWorker):
     def stop(self) -> None:
         super().stop()
         self.receiver.close()
+        # The loop has stopped: no request can claim KV that arrived (parked, or not yet polled) now.
+        done = [r for r in self.receiver.poll() if r.status is TransferStatus.DONE]
+        for result in [r for r, _ in self._orphans.values()] + done:
+            self.engine.block_manager.free(result.dst_block_ids)
+        self._orphans.clear()
 
     # ---- loop thread ----------------------------------------------------
     def _accept(self, s: Stream, params: SamplingParams) -> None:

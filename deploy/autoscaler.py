@@ -15,6 +15,10 @@ Every `interval_s`:
                requests, in-flight ones finish), then kill it. No request is lost.
 
 Before any request finished, the configured workload is the observation (the plan's start point).
+
+With ``routing.role_flips: auto`` and fixed pool counts, the act step flips roles instead: the plan's
+unrounded needs (raised by the backlog) go to `deploy.role_balance.RoleBalancer`, and a flip it calls
+for is run by the pool manager (`PoolManager.flip`) on the least busy actor of the role that gives one up.
 """
 from __future__ import annotations
 
@@ -27,7 +31,8 @@ from dataclasses import dataclass, field
 
 from deploy.planner import SLO, Corrections, Plan, Workload, inputs_from_config, p99_ttft, plan
 from deploy.profiler import Profile
-from deploy.pool_manager import add_actors, drain_actor
+from deploy.pool_manager import Flip, add_actors, drain_actor
+from deploy.role_balance import TO_PREFILL, RoleBalancer, SplitDecision
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
@@ -61,13 +66,20 @@ class Decision:
     corrections: Corrections
     targets: dict[str, int]
     sizes: dict[str, int] = field(default_factory=dict)
+    split: SplitDecision | None = None   # routing.role_flips auto: the balancer's view of this tick
+    flip: Flip | None = None             # ... and the flip it made
 
 
 class Autoscaler:
-    def __init__(self, cfg, backend, factory, profile: Profile, settings: AutoscaleSettings | None = None):
+    def __init__(self, cfg, backend, factory, profile: Profile, settings: AutoscaleSettings | None = None,
+                 manager=None, balancer: RoleBalancer | None = None):
+        """manager: the `PoolManager` that runs role flips (routing.role_flips auto, fixed counts)."""
         self.cfg, self.backend, self.factory, self.profile = cfg, backend, factory, profile
         self.settings = settings or AutoscaleSettings()
         self.pools = [name for name, p in cfg.pools.items() if p.is_auto and name in ("prefill", "decode")]
+        self.manager = manager
+        flips = cfg.routing.role_flips == "auto" and manager is not None and not self.pools
+        self.balancer = (balancer or RoleBalancer()) if flips else None
         self.corrections = Corrections()
         self.history: list[Decision] = []
         self._want_fewer: dict[str, int] = {}
@@ -95,6 +107,8 @@ class Autoscaler:
         decision = Decision(time.monotonic(), obs, result, self.corrections, targets)
         for name in self.pools:
             await self._scale(name, targets[name])
+        if self.balancer is not None:
+            decision.split, decision.flip = await self._balance(result, obs, slo)
         decision.sizes = {name: len(self.backend.pools.get(name)) for name in ("prefill", "decode")}
         self.history.append(decision)
         del self.history[:-1000]
@@ -151,6 +165,37 @@ class Autoscaler:
             out[name] = min(max(planned, backlog, lo), hi)
         return out
 
+    def needs(self, result: Plan, obs: Observation, slo: SLO) -> tuple[float, float]:
+        """Actors each role needs (unrounded): the plan's, raised by what the in-flight backlog needs."""
+        decode_backlog = obs.decode_in_flight / max(result.decode["batch"], 1)
+        clear_rate = result.prefill["capacity_tokens_per_s"] * slo.ttft_s
+        prefill_backlog = obs.prefill_queued_tokens / clear_rate if clear_rate > 0 else 0.0
+        return max(result.needed_prefill, prefill_backlog), max(result.needed_decode, decode_backlog)
+
+    async def _balance(self, result: Plan, obs: Observation, slo: SLO) -> tuple[SplitDecision, Flip | None]:
+        """At a fixed actor count: flip one actor when the balancer calls for another split."""
+        pools = self.backend.pools
+        need_prefill, need_decode = self.needs(result, obs, slo)
+        split = self.balancer.decide(need_prefill, need_decode, len(pools.prefill), len(pools.decode))
+        if split.flip is None:
+            return split, None
+        if split.flip == TO_PREFILL:
+            open_ = [v for v in pools.decode if v.healthy and not v.draining]
+            actor, role = min(open_, key=lambda v: v.running, default=None), "prefill"
+        else:
+            open_ = [v for v in pools.prefill if v.healthy and not v.draining]
+            actor, role = min(open_, key=lambda v: v.queued_tokens, default=None), "decode"
+        if actor is None:
+            return split, None
+        log.info("autoscaler: load calls for %.2f of %d actors prefilling (needs: prefill %.2f, decode %.2f); "
+                 "flipping %s to %s", split.ideal_prefill, len(pools.prefill) + len(pools.decode), need_prefill,
+                 need_decode, actor.actor_id, role)
+        try:
+            return split, await self.manager.flip(actor.actor_id, role, self.settings.drain_timeout_s)
+        except (ValueError, RuntimeError, KeyError) as e:
+            log.warning("autoscaler: flip of %s to %s refused: %s", actor.actor_id, role, e)
+            return split, None
+
     # ---- act ------------------------------------------------------------
     async def _scale(self, name: str, target: int) -> None:
         current = len(self.backend.pools.get(name))
@@ -192,7 +237,8 @@ class Autoscaler:
         return drained
 
 
-async def start_autoscaler(cfg, backend, factory, settings: AutoscaleSettings | None = None) -> Autoscaler:
+async def start_autoscaler(cfg, backend, factory, settings: AutoscaleSettings | None = None,
+                           manager=None) -> Autoscaler:
     """Autoscaler with the config's cached profile, or one measured now on the first actors (quick)."""
     import os
 
@@ -211,4 +257,4 @@ async def start_autoscaler(cfg, backend, factory, settings: AutoscaleSettings | 
         pools = backend.pools
         handles = {"prefill": pools.prefill[0].client.handle, "decode": pools.decode[0].client.handle}
         data = await profile_actors(handles, plan_points(cfg, factory.model_dir, quick=True), progress=False)
-    return Autoscaler(cfg, backend, factory, Profile(data), settings)
+    return Autoscaler(cfg, backend, factory, Profile(data), settings, manager)

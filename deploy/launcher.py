@@ -77,6 +77,21 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str) -> EngineArgs:
     return args
 
 
+def role_engine_args(cfg: PDServeConfig, model_dir: str) -> tuple[EngineArgs, dict]:
+    """A role-flippable actor's engine (the decode pool's KV cache and attention; room for the largest
+    batch of any role) and the scheduler limits of each role (`deploy.role_actor.RoleLimits`)."""
+    from deploy.role_actor import RoleLimits
+    args = engine_args(cfg, "decode", model_dir)
+    prefill, decode = cfg.pools.prefill, cfg.pools.decode
+    defaults = EngineArgs()
+    limits = {"prefill": RoleLimits(defaults.max_num_seqs, prefill.max_batch_tokens, prefill.chunk_tokens),
+              "decode": RoleLimits(decode.max_batch_size, defaults.max_num_batched_tokens, prefill.chunk_tokens),
+              "colocated": RoleLimits(decode.max_batch_size, prefill.max_batch_tokens, prefill.chunk_tokens)}
+    args.max_num_seqs = max(limit.max_num_seqs for limit in limits.values())
+    args.max_num_batched_tokens = max(limit.max_num_batched_tokens for limit in limits.values())
+    return args, limits
+
+
 def transfer_settings(cfg: PDServeConfig, cluster_token: str, bind_host: str) -> TransferSettings:
     """The actors' transfer settings: they carry the secret derived from the token, never the token."""
     t = cfg.kv_transfer
@@ -164,9 +179,14 @@ class ActorFactory:
             options = _actor_options(self.cfg, "decode", self._name(actor_id), self.cpu_fraction)
             actor = ray.remote(ColocatedActor).options(**options)
             return actor.remote(args, actor_id, self.token, self.bind_host, self.tls)
-        args = engine_args(self.cfg, pool, self.model_dir)
         actor_id = f"{pool}-{index}"
         options = _actor_options(self.cfg, pool, self._name(actor_id), self.cpu_fraction)
+        if self.cfg.routing.role_flips != "off" and pool in ("prefill", "decode"):
+            from deploy.role_actor import RoleActor
+            args, limits = role_engine_args(self.cfg, self.model_dir)
+            return ray.remote(RoleActor).options(**options).remote(args, self.transfer, actor_id, self.token, pool,
+                                                                   limits, self.bind_host, self.tls)
+        args = engine_args(self.cfg, pool, self.model_dir)
         if pool == "prefill":
             return ray.remote(PrefillActor).options(**options).remote(args, self.transfer, actor_id)
         return ray.remote(DecodeActor).options(**options).remote(args, self.transfer, actor_id, self.token,
@@ -205,17 +225,18 @@ class ActorFactory:
         if self.first is None and infos:
             self.first = infos[0]
         check_layouts([self.first, *infos])
-        out = []
-        for (pool, handle), info in zip(spawned, infos):
-            actor_id = info["actor_id"]
-            if pool == "prefill":
-                view = PrefillView(actor_id, RayPrefillClient(actor_id, handle), info["kv_blocks_total"])
-            else:
-                client = RayDecodeClient(actor_id, handle, info["stream_endpoint"], self.streams)
-                view = DecodeView(actor_id, client, info["endpoint"], info["kv_blocks_total"])
-            view.incarnation = info["incarnation"]
-            out.append(view)
-        return out
+        return [self.view_of(pool, handle, info) for (pool, handle), info in zip(spawned, infos)]
+
+    def view_of(self, pool: str, handle, info: dict):
+        """The router's view of an actor of `pool` (prefill, or a decode pool) from its `info()`."""
+        actor_id = info["actor_id"]
+        if pool == "prefill":
+            view = PrefillView(actor_id, RayPrefillClient(actor_id, handle), info["kv_blocks_total"])
+        else:
+            client = RayDecodeClient(actor_id, handle, info["stream_endpoint"], self.streams)
+            view = DecodeView(actor_id, client, info["endpoint"], info["kv_blocks_total"])
+        view.incarnation = info["incarnation"]
+        return view
 
 
 async def start_pools(factory: ActorFactory, counts: dict[str, int] | None = None) -> Pools:

@@ -6,12 +6,19 @@ restarted (`max_restarts`) answers with a new incarnation and, for decode, a
 new KV endpoint, and is taken back. One that Ray reports dead for good (no
 restarts left), or that has not answered for `replace_after_s`, is replaced
 by a fresh actor of the same pool.
+
+`PoolManager.flip(actor_id, role)` switches a role-flippable actor (``routing.role_flips``,
+`deploy.role_actor`) between prefill, decode and colocated while the cluster serves: the actor
+leaves its pool, its in-flight requests end (or are handed off past the timeout), the actor
+re-reads its role, and a fresh view joins the new role's pool (colocated actors serve in the
+decode pool, prefilling every request themselves).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from deploy.launcher import ActorFactory
 from router.dispatcher import Dispatcher
@@ -42,6 +49,29 @@ async def drain_actor(backend: Dispatcher, name: str, view, timeout: float = 300
     return not view.busy
 
 
+ROLES = ("prefill", "decode", "colocated")
+POOL_OF_ROLE = {"prefill": "prefill", "decode": "decode", "colocated": "decode"}
+
+
+def role_of(name: str, view) -> str:
+    """The role of an actor in pool `name`: a decode-pool actor without a KV receiver is colocated."""
+    if name == "prefill":
+        return "prefill"
+    return "decode" if view.endpoint else "colocated"
+
+
+@dataclass(slots=True, frozen=True)
+class Flip:
+    """One finished role flip."""
+
+    actor_id: str
+    from_role: str
+    to_role: str
+    seconds: float              # leaving the old pool → in the new one
+    drain_s: float              # ... of which the router waited for the actor's in-flight requests
+    handed_off: int = 0         # requests the actor gave up past the timeout (migrated or retried elsewhere)
+
+
 class PoolManager:
     def __init__(self, backend: Dispatcher, factory: ActorFactory, interval_s: float = 1.0,
                  timeout_s: float = 5.0, replace_after_s: float = 120.0):
@@ -51,6 +81,64 @@ class PoolManager:
         self._owed: dict[str, int] = {}        # pool -> replacements that could not start yet (retried)
         self.replaced = 0
         self.restarted = 0
+        self.flips: list[Flip] = []
+
+    async def flip(self, actor_id: str, role: str, timeout_s: float = 30.0) -> Flip:
+        """Switch actor `actor_id` to `role` ("prefill" | "decode" | "colocated") without restarting it.
+
+        Its requests of the old role finish first; past `timeout_s` the actor hands off the rest
+        (decode requests migrate, queued prefills are retried elsewhere). No request is lost.
+
+        Raises:
+            KeyError: no prefill or decode actor has that id.
+            ValueError: an unknown role, or the flip would leave the decode pool empty.
+            RuntimeError: the actor is not role-flippable, or refused the flip (it is put back).
+        """
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        found = [(name, v) for name in ("prefill", "decode") for v in self.backend.pools.get(name)
+                 if v.actor_id == actor_id]
+        if not found:
+            raise KeyError(f"no prefill or decode actor {actor_id!r}")
+        name, view = found[0]
+        from_role = role_of(name, view)
+        if from_role == role:
+            return Flip(actor_id, from_role, role, 0.0, 0.0)
+        pool = self.backend.pools.get(name)
+        if POOL_OF_ROLE[role] != name and name == "decode" and len(pool) == 1:
+            raise ValueError(f"{actor_id} is the last decode actor; flip another actor to decode first")
+        if not hasattr(view.client.handle, "set_role"):
+            raise RuntimeError(f"{actor_id} cannot change role (start the cluster with routing.role_flips: "
+                               "manual or auto)")
+        start = time.monotonic()
+        pool.remove(view)                       # no new work of the old role from here on
+        view.draining = True
+        if name == "prefill":
+            view.healthy = False
+        await self.backend.admission.notify()
+        end = start + timeout_s
+        while view.busy and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        drain_s = time.monotonic() - start
+        try:
+            info = await view.client.handle.set_role.remote(role, max(end - time.monotonic(), 0.0))
+        except Exception as e:
+            view.draining, view.healthy = False, True
+            pool.append(view)
+            await self.backend.admission.notify()
+            raise RuntimeError(f"{actor_id} did not flip to {role}: {e}") from None
+        new_pool = POOL_OF_ROLE[role]
+        fresh = self.factory.view_of(new_pool, view.client.handle, info)
+        self.backend.live.forget(actor_id)
+        await add_actors(self.backend, new_pool, [fresh])
+        flip = Flip(actor_id, from_role, role, time.monotonic() - start, drain_s, info.get("handed_off", 0))
+        hook = getattr(self.backend.metrics, "role_flipped", None)
+        if hook is not None:
+            hook(from_role, role)
+        self.flips.append(flip)
+        log.info("actor %s flipped %s -> %s in %.2fs (%.2fs draining, %d requests handed off)", actor_id,
+                 from_role, role, flip.seconds, drain_s, flip.handed_off)
+        return flip
 
     async def run(self) -> None:
         while True:

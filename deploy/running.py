@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from deploy.config import PDServeConfig
 from deploy.launcher import (ActorFactory, cluster_token, init_ray, load_generation_defaults, load_tokenizer,
                              start_pools)
+from deploy.live_seed import live_seed
 from deploy.pool_manager import PoolManager
 from engine.presets import resolve_model
 from router.dispatcher import Dispatcher, RoutingSettings
+from router.live_profile import LiveProfile
 from router.metrics import Metrics, poll_stats
 from router.openai_api import served_model_name
 from router.security import TLSConfig
@@ -83,14 +85,18 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     r = cfg.routing
     routing = RoutingSettings(r.local_prefill_tokens, r.long_request_tokens, r.max_queue,
                               transfer_deadline_s=cfg.kv_transfer.deadline_s, max_queue_wait_s=r.max_queue_wait_s,
-                              max_prefill_backlog_tokens=r.max_prefill_backlog_tokens,
+                              max_prefill_backlog_tokens=r.max_prefill_backlog_tokens, mode=r.mode,
+                              ttft_slo_s=cfg.slo.ttft_p99_ms / 1000, tpot_slo_s=cfg.slo.tpot_p99_ms / 1000,
                               decode_prefix_reuse=r.decode_prefix_reuse,
                               prefill_policy=r.prefill_policy, decode_policy=r.decode_policy,
                               kv_events_interval_s=r.kv_events_interval_s)
     metrics = Metrics() if cfg.server.metrics_port else None
+    live = None
+    if r.mode == "auto" and mode == "disaggregated":
+        live = LiveProfile(live_seed(cfg, factory.model_dir), cfg.kv_cache.block_size)
     backend = Dispatcher(pools, tokenizer, max_len, cfg.kv_cache.block_size, routing,
                          codec=cfg.kv_transfer.compression, metrics=metrics,
-                         generation_defaults=load_generation_defaults(cfg))
+                         generation_defaults=load_generation_defaults(cfg), live=live)
     token = cfg.security.token.get_secret_value() if cfg.security.token else None
     # In flight at the router = running on decode actors + waiting for KV room (routing.max_queue).
     max_in_flight = r.max_queue + cfg.pools.decode.max_batch_size * max(len(pools.decode), 1) + \
@@ -112,8 +118,8 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     manager_task = asyncio.get_running_loop().create_task(manager.run())
     cluster = RunningCluster(cfg, backend, server, factory, metrics, metrics_task, manager, manager_task)
     cluster.kv_poller_task = asyncio.get_running_loop().create_task(backend.kv_poller.run())
-    if mode == "disaggregated" and any(p.is_auto for _, p in cfg.pools.items()):
+    if mode == "disaggregated" and (any(p.is_auto for _, p in cfg.pools.items()) or r.role_flips == "auto"):
         from deploy.autoscaler import start_autoscaler
-        cluster.autoscaler = await start_autoscaler(cfg, backend, factory, autoscale)
+        cluster.autoscaler = await start_autoscaler(cfg, backend, factory, autoscale, manager)
         cluster.autoscaler_task = asyncio.get_running_loop().create_task(cluster.autoscaler.run())
     return cluster

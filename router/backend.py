@@ -33,11 +33,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.sampling_params import SamplingParams
 from proto.pdserve.v1 import generation_pb2 as pb
 from router.timeline import Timeline
+
+if TYPE_CHECKING:
+    from router.auto_placement import Placement
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -94,6 +97,7 @@ class Timing:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     timeline: Timeline | None = None   # every stage up to the first token (router.timeline)
+    placement: "Placement | None" = None   # routing.mode auto: where the prompt was prefilled, and why
 
 
 @dataclass(slots=True)

@@ -20,10 +20,14 @@ Failures, each one an attempt (at most `routing.max_attempts`):
 
 Decode-side prefix reuse: before the jobs go out, the decode actor is asked how many leading
 prompt blocks its own prefix cache holds; the DecodeJob pins them and the PrefillJob skips
-them (only the rest is shipped). Short uncached prompts (`local_prefill_tokens`: fewer tokens
-than that left after the prefill actor's or the decode actor's cached prefix) and migrated
-requests are prefilled by the decode actor itself. Cancellation aborts the request on both
-actors. The actors are reached only through `router.actor_client` (deploy implements it with Ray).
+them (only the rest is shipped). Placement (`_local_prefill`, by ``mode``): "disaggregated"
+prefills short uncached prompts (`local_prefill_tokens`: fewer tokens than that left after the
+prefill actor's or the decode actor's cached prefix) on the decode actor; "auto" decides per
+request between remote prefill + transfer and chunked prefill on the decode actor with
+`router.auto_placement` over the live profile (`router.live_profile`); "colocated" prefills every
+request on its decode actor. Migrated requests are always prefilled by the decode actor.
+Cancellation aborts the request on both actors. The actors are reached only through
+`router.actor_client` (deploy implements it with Ray).
 
 What each actor has cached, for placement, comes only from its own cache events: `kv_index`
 (router.kv_index), fed by `kv_poller` (router.kv_event_poller: a periodic pull, `run()`, plus a
@@ -51,6 +55,8 @@ from router.backend import ActorStats, Backend, BackendError, GenerationChunk, G
 from router.dispatch import pick_prefill, usable_cached_tokens
 from router.kv_event_poller import KVEventPoller
 from router.kv_index import KVIndex
+from router.live_profile import LiveProfile
+from router.auto_placement import Choice, DecodeState, Placement, PlacementInputs, PrefillState, place
 from router.pools import DecodeView, Pools, PrefillView
 from router.timeline import Timeline
 
@@ -77,6 +83,9 @@ class RoutingSettings:
     prefill_policy: str = "prefix_vs_queue"   # router.dispatch.PREFILL_POLICIES
     decode_policy: str = "kv_aware"           # router.dispatch.DECODE_POLICIES
     kv_events_interval_s: float = 0.2         # the KV event poller's period
+    mode: str = "disaggregated"          # "disaggregated" | "auto" (router.auto_placement) | "colocated" (all local)
+    ttft_slo_s: float = 1.0              # the SLOs auto placement keeps (config `slo`)
+    tpot_slo_s: float = 0.1
 
 
 class _Retry(Exception):
@@ -113,6 +122,10 @@ class _Dispatch:
     prefill_stages: wpb.ActorStages | None = None   # ... the actors' own stages (this attempt)
     decode_stages: wpb.ActorStages | None = None
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:16])   # this dispatch, among all of its id
+    placement: Placement | None = None   # routing.mode auto: this attempt's decision
+    local_tokens: int = 0                # prompt tokens this attempt prefills on its decode actor, until its first
+    batch_at_start: int = 0              # requests running on its decode actor when the attempt began
+    recorded: bool = False               # in `completed` (and the live profile) already
 
     @property
     def attempt_id(self) -> str:
@@ -124,10 +137,12 @@ class _Dispatch:
 
 class Dispatcher(Backend):
     def __init__(self, pools: Pools, tokenizer, max_model_len: int, block_size: int, routing: RoutingSettings,
-                 codec: str = "none", metrics=None, generation_defaults: dict | None = None):
+                 codec: str = "none", metrics=None, generation_defaults: dict | None = None,
+                 live: LiveProfile | None = None):
         """metrics: None, or an object with kv_transfer(seconds, kv_bytes, wire_bytes, codec),
-        transfer_failed(), local_prefill() and prefix_hit_tokens(n) (router.metrics.Metrics).
-        generation_defaults: the model's generation_config.json sampling defaults (unset fields)."""
+        transfer_failed(), local_prefill(), prefix_hit_tokens(n) and, in auto mode, placement(choice)
+        (router.metrics.Metrics). generation_defaults: the model's generation_config.json sampling
+        defaults (unset fields). live: the actors' live profile (seeded by deploy; else generic figures)."""
         self.pools = pools
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -139,6 +154,7 @@ class Dispatcher(Backend):
         self.metrics = metrics
         self.kv_index = KVIndex()
         self.kv_poller = KVEventPoller(pools, self.kv_index, routing.kv_events_interval_s)
+        self.live = live or LiveProfile(block_size=block_size)
         # finished requests for the autoscaler: (end, prompt_tokens, output_tokens, ttft_s, tpot_s)
         self.completed: deque[tuple[float, int, int, float, float]] = deque(maxlen=4096)
 
@@ -184,11 +200,11 @@ class Dispatcher(Backend):
                                 d.first_token_at = time.monotonic()
                             d.emitted.extend(chunk.token_ids)
                             d.emitted_chars += len(chunk.text)
-                            if chunk.timing is not None:
-                                chunk.timing.timeline = self._timeline(d)
+                            if chunk.timing is not None:      # the request's last chunk: the servicer
+                                chunk.timing.timeline = self._timeline(d)     # closes us at its yield,
+                                self._succeeded(d)                            # so record before it
                             yield chunk
-                    d.view.succeeded()
-                    self._record(d)
+                    self._succeeded(d)
                     return
                 except _Retry as e:
                     d.num_failures += 1
@@ -235,9 +251,11 @@ class Dispatcher(Backend):
 
     def _prefill_has_room(self, hashes: list[bytes], num_prompt_tokens: int) -> bool:
         """Some healthy prefill actor can queue this prompt within routing.max_prefill_backlog_tokens
-        (an idle one always can); true when prefill is local or unbounded."""
+        (an idle one always can); true when prefill is local or unbounded, and in modes auto (a full
+        backlog sends the prompt to its decode actor) and colocated."""
         limit = self.routing.max_prefill_backlog_tokens
-        if limit is None or num_prompt_tokens < self.routing.local_prefill_tokens:
+        if self.routing.mode != "disaggregated" or limit is None or \
+                num_prompt_tokens < self.routing.local_prefill_tokens:
             return True
         healthy = [v for v in self.pools.prefill if v.healthy]
         if not healthy:
@@ -307,11 +325,46 @@ class Dispatcher(Backend):
         tl.fit_window(first - sent)
         return tl
 
+    def _succeeded(self, d: _Dispatch) -> None:
+        """Once per request: the decode actor served it; the finished request is recorded."""
+        if not d.recorded:
+            d.recorded = True
+            d.view.succeeded()
+            self._record(d)
+
     def _record(self, d: _Dispatch) -> None:
         now = time.monotonic()
         ttft = (d.first_token_at or now) - d.started
         tpot = time_per_output_token(ttft, now - d.started, len(d.emitted))
         self.completed.append((now, len(d.inp.prompt_token_ids), len(d.emitted), ttft, tpot))
+        self.live.finished((d.batch_at_start + d.view.running) / 2, tpot, len(d.emitted))
+
+    def _local_prefill(self, d: _Dispatch, view: DecodeView, pview: PrefillView | None, cached: int) -> bool:
+        """Whether this attempt prefills on its decode actor: always in mode colocated, on a colocated
+        actor and without a prefill actor; by the prompt's uncached length in mode disaggregated
+        (`local_prefill_tokens`); by `router.auto_placement` in mode auto (logged, counted in metrics)."""
+        mode, num_prompt = self.routing.mode, len(d.inp.prompt_token_ids)
+        if mode == "colocated" or not view.endpoint or (pview is None and mode != "auto"):
+            return True              # (a decode-pool actor without a KV receiver is colocated: it prefills all)
+        if mode != "auto":
+            uncached = num_prompt - usable_cached_tokens(cached, num_prompt, self.block_size)
+            return uncached < self.routing.local_prefill_tokens
+        live = self.live
+        prefill = None if pview is None else PrefillState(pview.actor_id, pview.queued_tokens, cached * self.block_size)
+        decode = DecodeState(view.actor_id, max(view.running - 1, 0), live.local_backlog(view.actor_id),
+                             self.kv_index.prefix_blocks(view.actor_id, d.hashes) * self.block_size)
+        d.placement = place(PlacementInputs(
+            num_prompt, max(live.output_tokens or d.inp.params.max_tokens, 1.0), self.routing.ttft_slo_s,
+            self.routing.tpot_slo_s, decode, live.decode_profile(), prefill, live.prefill_profile(), live.link()))
+        d.timing.placement = d.placement          # the request's log line carries the last attempt's decision
+        if self.metrics:
+            self.metrics.placement(d.placement.choice.value)
+        return d.placement.choice is Choice.LOCAL
+
+    def _local_done(self, d: _Dispatch, compute_s: float | None) -> None:
+        """The attempt's local prefill ended (its first event, or the attempt ended without one)."""
+        self.live.local_ended(d.view.actor_id, d.local_tokens, compute_s)
+        d.local_tokens = 0
 
     # ---- one attempt ----------------------------------------------------
     async def _attempt(self, d: _Dispatch):
@@ -321,14 +374,21 @@ class Dispatcher(Backend):
         prompt = inp.prompt_token_ids
         pview, cached = self._pick_prefill(d)
         uncached = len(prompt) - usable_cached_tokens(cached, len(prompt), self.block_size)
-        local = bool(d.emitted) or pview is None or uncached < self.routing.local_prefill_tokens
+        local = bool(d.emitted) or self._local_prefill(d, view, pview, cached)
         decode_cached = 0                    # leading prompt blocks the decode actor holds: not shipped
         if not local and self.routing.decode_prefix_reuse:
             decode_cached = await self._decode_cached_blocks(view, d.hashes, len(prompt))
-            local = len(prompt) - decode_cached * self.block_size < self.routing.local_prefill_tokens
+            if self.routing.mode == "disaggregated":
+                local = len(prompt) - decode_cached * self.block_size < self.routing.local_prefill_tokens
         if local:
             decode_cached = 0
         transfer_id = "" if local else uuid.uuid4().hex
+        d.batch_at_start = view.running
+        if local:
+            total = len(prompt) + len(d.emitted)
+            cached_tokens = self.kv_index.prefix_blocks(view.actor_id, d.hashes) * self.block_size
+            d.local_tokens = max(total - cached_tokens, 1)
+            self.live.local_started(view.actor_id, d.local_tokens)
         d.sent_at = d.prefill_stages = d.decode_stages = None
         # The transfer's deadline runs from when the send starts (prefill queueing does not eat it); the
         # decode actor waits for the transfer to begin as long as the router waits for the prefill.
@@ -402,6 +462,10 @@ class Dispatcher(Backend):
                         break
                     if d.decode_stages is None and ev.HasField("stages"):
                         d.decode_stages = ev.stages
+                        if d.local_tokens:
+                            self._local_done(d, ev.stages.compute_s)
+                        elif d.prefill_stages is not None and d.first_token_at is None:
+                            self.live.remote_first_token(time.monotonic() - d.sent_at, _actor_seconds(d))
                     chunk = self._on_event(ev, d.timing, usage, last)
                     if prompt_logprobs is not None:
                         chunk.prompt_logprobs, prompt_logprobs = prompt_logprobs, None
@@ -418,6 +482,8 @@ class Dispatcher(Backend):
                 d.excluded.add(pview.actor_id)       # try a different prefill actor next
             raise
         finally:
+            if d.local_tokens:
+                self._local_done(d, None)
             if read_task is not None:
                 read_task.cancel()
             stream.cancel()
@@ -468,6 +534,8 @@ class Dispatcher(Backend):
                     raise BackendError("INVALID_ARGUMENT", result.error)
             raise _Retry(f"prefill actor {pview.actor_id}: {result.error or 'aborted'}",
                          receiver_suspect=result.failed_side in SUSPECT_SIDES)
+        self.live.prefill_done(result.num_prompt_tokens - result.num_cached_tokens, result.prefill_s,
+                               result.kv_bytes, result.transfer_s, result.num_prompt_tokens)
         if result.HasField("stages"):
             d.prefill_stages = result.stages
         if self.metrics:
@@ -510,3 +578,14 @@ class Dispatcher(Backend):
             if last:
                 chunk.usage, chunk.timing = usage, timing
         return chunk
+
+
+def _actor_seconds(d: _Dispatch) -> float:
+    """The stages the actors reported up to a remote request's first token (prefill queue and compute,
+    KV send, decode adoption); the rest of the router's window is overhead."""
+    seconds = 0.0
+    for stages in (d.prefill_stages, d.decode_stages):
+        if stages is not None:
+            seconds += stages.queue_s + stages.compute_s + stages.sampling_s + stages.kv_send_total_s + \
+                stages.adopt_s
+    return seconds

@@ -5,7 +5,8 @@ Who feeds what::
     GenerationServicer (per finished request) → request_finished: TTFT, TPOT, ITL, E2E,
                                                 queue seconds, requests_total{finish_reason}
     Dispatcher hooks                          → kv_transfer, transfer_failed, local_prefill,
-                                                prefix_hit_tokens
+                                                prefix_hit_tokens, placement{choice} (routing.mode auto)
+    pool manager (role flips)                 → role_flipped{from_role, to_role}
     poll_stats (periodic backend.stats())     → blocks_used: pdserve_kv_blocks_used{actor,role},
                                                 pdserve_kv_blocks_capacity{actor,role}
 
@@ -71,6 +72,11 @@ class Metrics:
         self.transfer_failures = Counter("pdserve_transfer_failures", "Failed prefills or KV transfers.", registry=r)
         self.local_prefills = Counter("pdserve_local_prefills", "Prompts prefilled on their decode actor.",
                                       registry=r)
+        self.placements = Counter("pdserve_placement_decisions", "routing.mode auto: prompts placed remote "
+                                  "(prefill actor + KV transfer) or local (chunked on the decode actor).",
+                                  ["choice"], registry=r)
+        self.role_flips = Counter("pdserve_role_flips", "Actors switched to another role at run time.",
+                                  ["from_role", "to_role"], registry=r)
         self._actors: set[tuple[str, str]] = set()
         self._http = None
 
@@ -103,6 +109,12 @@ class Metrics:
 
     def local_prefill(self) -> None:
         self.local_prefills.inc()
+
+    def placement(self, choice: str) -> None:
+        self.placements.labels(choice).inc()
+
+    def role_flipped(self, from_role: str, to_role: str) -> None:
+        self.role_flips.labels(from_role, to_role).inc()
 
     def prefix_hit_tokens(self, n: int) -> None:
         if n > 0:

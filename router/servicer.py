@@ -303,7 +303,7 @@ class AdmittedRequest:
             timeline.intake_s = (record.backend_started or record.received) - record.received
             timeline.close(ttft)
         record.timing = Timing(t.queue_s, t.prefill_s, t.kv_transfer_s, t.decode_queue_s, ttft, now - record.received,
-                               timeline)
+                               timeline, t.placement)
         return usage, record.timing
 
     def finish(self) -> None:
@@ -515,4 +515,5 @@ def _log_finished(record: RequestRecord) -> None:
         decode_queue_s=t.decode_queue_s, ttft_s=t.ttft_s,
         e2e_s=t.e2e_s if usage else time.monotonic() - record.received,
         tpot_s=_tpot(record),
+        **(t.placement.log_fields() if t.placement is not None else {}),
     )

@@ -4,6 +4,8 @@
     python -m bench.serving --address 127.0.0.1:50051 --metrics-url http://127.0.0.1:9090/metrics
     python -m bench.serving --embedded --compare colocated,disaggregated --workload mixed --json out.json
     python -m bench.serving --embedded --sweep concurrency --compare colocated,disaggregated --plot-dir img/
+    python -m bench.serving --embedded --compare colocated,disaggregated,auto --slo-scale 4 --sweep rate
+    python -m bench.serving --embedded --workload phases --set routing.role_flips=auto --request-rate 2
 
 One run = warm-up requests (excluded, prompts unrelated to the measured ones), then the
 workload on its arrival schedule; with ``--cache cold,warm`` the identical workload runs a
@@ -21,6 +23,7 @@ import sys
 
 from bench.serving.cluster import bench_config
 from bench.serving.runs import measure, run_variants, workload_kwargs
+from bench.serving.slo_scale import slo_line, slo_record
 from bench.serving.sweep import run_sweep
 from bench.serving.tables import lengths_line, table
 from bench.serving.timeline_view import median_request, render
@@ -38,16 +41,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--api", default="grpc", help="front door(s) to load: grpc, openai, or grpc,openai (both, "
                    "same target, side by side: the HTTP overhead)")
     t.add_argument("--embedded", action="store_true", help="start the cluster in this process")
-    t.add_argument("--mode", choices=["disaggregated", "colocated", "colocated-chunked"], default="disaggregated")
+    t.add_argument("--mode", choices=["disaggregated", "colocated", "colocated-chunked", "auto"],
+                   default="disaggregated")
     t.add_argument("--compare", help="variants to run side by side, e.g. colocated,disaggregated (embedded)")
     t.add_argument("--config", help="pools.yaml for the embedded cluster")
     t.add_argument("--model", help="preset (tiny, small) or model directory for the embedded cluster")
     t.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    t.add_argument("--autoscale-interval", type=float, default=2.0, metavar="S",
+                   help="autoscaler period of embedded clusters (pools with count auto, routing.role_flips=auto); "
+                   "its window is 10 periods")
     t.add_argument("--colocated-chunk-tokens", type=int, metavar="N",
                    help="chunk size of the colocated-chunked variant (default: pools.prefill.chunk_tokens)")
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", default="mixed", help="chat | rag | mixed | shared-prefix | multi-turn | FILE.jsonl")
+    w.add_argument("--workload", default="mixed", help="chat | rag | mixed | shared-prefix | multi-turn | phases "
+                   "(chat → rag → chat, with actors per role over time) | FILE.jsonl")
     w.add_argument("--num-requests", type=int, default=64, help="requests (multi-turn: conversations)")
     w.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
     w.add_argument("--num-warmup", type=int, default=2)
@@ -63,8 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("SLOs and output")
     s.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     s.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    s.add_argument("--slo-scale", type=float, metavar="S", help="per request class, SLOs = S x its TTFT and TPOT "
+                   "alone on this machine, measured first (replaces --slo-ttft-ms/--slo-tpot-ms)")
+    s.add_argument("--slo-from", metavar="JSON", help="take --slo-scale's per-class SLOs from an earlier run's "
+                   "JSON (so variants run in separate invocations are held to the same SLOs)")
     s.add_argument("--sweep", choices=["output-len", "prompt-len", "concurrency", "rate"])
-    s.add_argument("--sweep-values", help="comma-separated values of the swept variable")
+    s.add_argument("--sweep-values", help="comma-separated values of the swept variable (rate without values: "
+                   "fractions of the capacity measured on the first variant)")
     s.add_argument("--plot-dir", default=".", help="where sweep PNGs go")
     s.add_argument("--hf-baseline", action="store_true", help="also time HF transformers generate (static batching)")
     s.add_argument("--hf-batch-size", type=int, default=8)
@@ -90,21 +103,45 @@ async def bench_runs(args: argparse.Namespace) -> dict:
     lengths = describe(specs)
     print(f"workload {args.workload}: {len(specs)} requests; {lengths_line(lengths)}", file=sys.stderr)
     runs = await run_variants(args, lambda t: measure(t, args, specs, seed=args.seed, label=t.label))
+    if args.workload == "phases":
+        for name, run in runs.items():
+            if run.get("roles_over_time"):
+                report_phases(name, run, args.plot_dir)
     if args.hf_baseline:
         from bench.serving.hf import hf_static_batching
         cfg = bench_config(args.config, args.model, args.dtype, args.set)
         runs["hf-static"] = hf_static_batching(cfg, specs, args.hf_batch_size)
     return {"workload": args.workload, "lengths": lengths, "num_requests": len(specs),
-            "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "seed": args.seed,
+            "slo": slo_record(args), "seed": args.seed,
             "request_rate": args.request_rate, "burstiness": args.burstiness, "concurrency": args.concurrency,
             "runs": runs}
+
+
+def report_phases(name: str, run: dict, plot_dir: str) -> None:
+    """Actors per role and SLO attainment over the phases run: printed, in the JSON, and a PNG."""
+    import os
+
+    from bench.serving.plots import plot_phases
+    from bench.serving.slo_scale import phase_report
+    report = phase_report(run["records"], run["roles_over_time"])
+    run["phases"] = report
+    os.makedirs(plot_dir, exist_ok=True)
+    path = os.path.join(plot_dir, f"phases_{name}.png")
+    report["plot"] = plot_phases(run["roles_over_time"], report["attainment"], report["shifts_s"], path,
+                                 f"{name}: chat → rag → chat, actors per role and SLO attainment")
+    print(f"{name}: shifts at " + ", ".join(f"{t:.0f}s" for t in report["shifts_s"]), file=sys.stderr)
+    for i, phase in enumerate(report["phases"]):
+        print(f"  phase {i} from {phase['start_s']:.0f}s: {phase['prefill_actors']} prefill actors at its end, "
+              f"{phase['num_changes']} changes, settled after {phase['settled_after_s']:.0f}s, "
+              f"{phase['reversals']} reversals", file=sys.stderr)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def print_runs(result: dict, timeline: bool = False) -> None:
     runs = {k: v for k, v in result["runs"].items()}
     ref = "disaggregated" if "disaggregated" in runs and len(runs) > 1 else None
     print(f"\nworkload {result['workload']}, {result['num_requests']} requests, rate {result['request_rate']} req/s, "
-          f"SLO TTFT {result['slo']['ttft_ms']:.0f} ms / TPOT {result['slo']['tpot_ms']:.0f} ms")
+          f"{slo_line(result['slo'])}")
     print(lengths_line(result["lengths"]))
     print(table(runs, ratio_of=ref))
     for name, run in runs.items():
@@ -118,6 +155,17 @@ def print_runs(result: dict, timeline: bool = False) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.class_slos = {}         # filled on the first variant when --slo-scale is given (shared by all)
+    if args.slo_from:
+        try:
+            with open(args.slo_from) as f:
+                slo = json.load(f)["slo"]
+            args.slo_scale = slo["scale"]
+            args.class_slos.update({k: {f"{m.removesuffix('_ms')}_s": v / 1e3 for m, v in c.items()}
+                                    for k, c in slo["by_class"].items()})
+        except (OSError, ValueError, KeyError) as e:
+            print(f"--slo-from {args.slo_from}: no per-class SLOs there ({e})", file=sys.stderr)
+            return 2
     if bool(args.address) == bool(args.embedded):
         print("give exactly one of --address or --embedded", file=sys.stderr)
         return 2

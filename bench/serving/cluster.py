@@ -9,6 +9,8 @@ Variants at equal total actors (each with the decode pool's resources):
     colocated-chunked   the same with chunked prefill (``pools.prefill.chunk_tokens``, or
                         ``--colocated-chunk-tokens``: the chunk that protects decode steps in a
                         colocated engine, while a prefill actor keeps its own larger chunk)
+    auto                the disaggregated actors with ``routing.mode: auto`` (per-request placement:
+                        remote prefill or chunked prefill on the decode actor, router/auto_placement.py)
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ VARIANTS = {  # label -> (start_cluster mode, chunked prefill)
     "disaggregated-no-reuse": ("disaggregated", True),
     "colocated": ("colocated", False),
     "colocated-chunked": ("colocated", True),
+    "auto": ("disaggregated", True),
 }
 
 
@@ -36,6 +39,7 @@ class Target:
     num_actors: int = 0
     http_url: str | None = None     # the OpenAI-compatible API (``http://host:port/v1``), when served
     apis: tuple[str, ...] = ()      # front doors to load here; empty: every one ``--api`` names
+    pools: object | None = None     # embedded: the router's pools (actors per role over time)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,7 +60,7 @@ def variants_of(compare: str | None, mode: str) -> list[str]:
             out.append(name)
         else:
             raise ValueError(f"--compare: unknown variant {name!r} (colocated, colocated-chunked, disaggregated, "
-                             "disaggregated-no-reuse)")
+                             "disaggregated-no-reuse, auto)")
     return list(dict.fromkeys(out))
 
 
@@ -71,6 +75,8 @@ def bench_config(config_path: str | None, model: str | None, dtype: str | None, 
         overrides = [*overrides, f"pools.prefill.chunk_tokens={colocated_chunk_tokens}"]
     if variant == "disaggregated-no-reuse":
         overrides = [*overrides, "routing.decode_prefix_reuse=false"]
+    elif variant == "auto":
+        overrides = [*overrides, "routing.mode=auto"]
     for item in overrides:
         key, value = parse_override(item)
         values[key] = value
@@ -86,19 +92,20 @@ def init_local_ray(cfg, num_cpus: float) -> None:
 
 
 @contextlib.asynccontextmanager
-async def embedded(cfg, variant: str):
-    """Start the cluster of ``variant`` in this process; stop it (and its actors) on exit."""
+async def embedded(cfg, variant: str, autoscale=None):
+    """Start the cluster of ``variant`` in this process; stop it (and its actors) on exit.
+    autoscale: `deploy.autoscaler.AutoscaleSettings` (pools with count auto, routing.role_flips auto)."""
     from deploy.running import start_cluster
     mode, chunked = VARIANTS[variant]
     n = cfg.pools.prefill.bounds()[0] + cfg.pools.decode.bounds()[0]
     cpus = max(cfg.pools.prefill.resources.num_cpus, cfg.pools.decode.resources.num_cpus) * n
     init_local_ray(cfg, max(cpus, os.cpu_count() or 1))
-    cluster = await start_cluster(cfg, port=0, mode=mode, chunked=chunked)
+    cluster = await start_cluster(cfg, port=0, mode=mode, chunked=chunked, autoscale=autoscale)
     try:
         if not await cluster.server.wait_ready(300):
             raise RuntimeError(f"{variant} cluster did not become ready")
         token = cfg.security.token.get_secret_value() if cfg.security.token else None
         url = f"http://{cfg.server.host}:{cfg.server.metrics_port}/metrics"
-        yield Target(variant, cluster.address, url, token, n, cluster.http_url)
+        yield Target(variant, cluster.address, url, token, n, cluster.http_url, pools=cluster.backend.pools)
     finally:
         await cluster.stop()

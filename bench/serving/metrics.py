@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterable, Sequence
 
 from bench.serving.load import RequestRecord
+from bench.serving.slo_scale import slo_of
 from bench.serving.timeline_view import stage_means
 
 PERCENTILES = (50, 90, 99)
@@ -26,6 +27,8 @@ KV_COUNTERS = {
     "prefix_hit_tokens": "pdserve_prefix_cache_hit_tokens_total",
     "transfer_failures": "pdserve_transfer_failures_total",
     "local_prefills": "pdserve_local_prefills_total",
+    "placed_local": 'pdserve_placement_decisions_total{choice="local"}',      # routing.mode auto
+    "placed_remote": 'pdserve_placement_decisions_total{choice="remote"}',
 }
 
 
@@ -47,18 +50,23 @@ def distribution(name: str, values: Sequence[float]) -> dict[str, float]:
     return out
 
 
-def meets_slo(r: RequestRecord, slo_ttft_s: float, slo_tpot_s: float) -> bool:
-    return r.ok and r.ttft_s <= slo_ttft_s and r.tpot_s <= slo_tpot_s
+def meets_slo(r: RequestRecord, slo_ttft_s: float, slo_tpot_s: float, class_slos: dict | None = None) -> bool:
+    """Both SLOs met: the fixed pair, or the record's class's (`bench.serving.slo_scale`)."""
+    ttft, tpot = slo_of(r, class_slos, slo_ttft_s, slo_tpot_s)
+    return r.ok and r.ttft_s <= ttft and r.tpot_s <= tpot
 
 
-def goodput(records: Iterable[RequestRecord], duration_s: float, slo_ttft_s: float, slo_tpot_s: float) -> float:
+def goodput(records: Iterable[RequestRecord], duration_s: float, slo_ttft_s: float, slo_tpot_s: float,
+            class_slos: dict | None = None) -> float:
     """Requests per second that finished meeting both SLOs."""
-    good = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in records)
+    good = sum(meets_slo(r, slo_ttft_s, slo_tpot_s, class_slos) for r in records)
     return good / duration_s if duration_s > 0 else 0.0
 
 
-def summarize(records: list[RequestRecord], duration_s: float, slo_ttft_s: float, slo_tpot_s: float) -> dict:
-    """Every figure of one run (flat dict of floats and ints)."""
+def summarize(records: list[RequestRecord], duration_s: float, slo_ttft_s: float, slo_tpot_s: float,
+              class_slos: dict | None = None) -> dict:
+    """Every figure of one run (flat dict of floats and ints); ``class_slos`` (--slo-scale) replaces the
+    fixed SLO pair per request class."""
     done = [r for r in records if r.ok]
     out: dict = {
         "completed": len(done), "failed": len(records) - len(done), "duration_s": duration_s,
@@ -75,8 +83,9 @@ def summarize(records: list[RequestRecord], duration_s: float, slo_ttft_s: float
         out[f"{part}_mean_s"] = statistics.fmean(values) if values else math.nan
         out[f"{part}_p99_s"] = percentile(values, 99)
     out.update(stage_means(records))
-    out["goodput_rps"] = goodput(records, duration_s, slo_ttft_s, slo_tpot_s)
-    out["slo_attainment"] = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in records) / max(len(records), 1)
+    out["goodput_rps"] = goodput(records, duration_s, slo_ttft_s, slo_tpot_s, class_slos)
+    out["slo_attainment"] = sum(meets_slo(r, slo_ttft_s, slo_tpot_s, class_slos) for r in records) / \
+        max(len(records), 1)
     prompt = sum(r.prompt_len for r in done)
     out["prefix_hit_rate"] = sum(r.cached_prompt_tokens for r in done) / prompt if prompt else 0.0
     out["errors"] = sorted({r.error for r in records if not r.ok})[:5]
@@ -90,8 +99,9 @@ def parse_counters(text: str) -> dict[str, float]:
         if not line or line.startswith("#"):
             continue
         name = line.split("{")[0].split(" ")[0]
+        labelled = line.rsplit(" ", 1)[0]
         for key, metric in KV_COUNTERS.items():
-            if name == metric:
+            if name == metric or labelled == metric:
                 out[key] += float(line.rsplit(" ", 1)[1])
     return out
 

@@ -64,3 +64,25 @@ def plot_slo_attainment(points: dict[str, list[dict]], path: str, title: str) ->
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     return _save(plt, fig, path, title)
+
+
+def plot_phases(roles: list[dict], attainment: list[tuple[float, float]], shifts: list[float], path: str,
+                title: str) -> str:
+    """Actors per role (steps) and SLO attainment per window (by send time) over the run; dotted lines
+    where the workload shifts."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 1, figsize=(8, 4.4), dpi=80, sharex=True)
+    ts = [r["t"] for r in roles]
+    for role in ("prefill", "decode", "colocated"):
+        if any(r[role] for r in roles):
+            axes[0].step(ts, [r[role] for r in roles], where="post", label=role)
+    axes[0].set_ylabel("actors")
+    axes[0].legend(fontsize=7)
+    axes[1].plot([t for t, _ in attainment], [a * 100 for _, a in attainment], marker="o", markersize=3)
+    axes[1].set_ylabel("SLO attainment (%)")
+    axes[1].set_xlabel("time (s)")
+    for ax in axes:
+        for t in shifts:
+            ax.axvline(t, color="grey", linewidth=0.8, linestyle=":")
+        ax.grid(alpha=0.3)
+    return _save(plt, fig, path, title)

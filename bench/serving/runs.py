@@ -7,12 +7,23 @@ summarizes each pass; ``run_variants`` starts one embedded cluster per variant a
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 from bench.serving.clients import GrpcLoadClient, OpenAILoadClient
 from bench.serving.cluster import Target, bench_config, embedded, variants_of
 from bench.serving.load import run_load
-from bench.serving.metrics import counter_delta, scrape, summarize
+from bench.serving.metrics import counter_delta, meets_slo, scrape, summarize
+from bench.serving.slo_scale import calibrate
 from bench.serving.workloads import make_workload
+
+
+def autoscale_settings(args: argparse.Namespace):
+    """The autoscaler's period for benchmark runs (--autoscale-interval; window 10 periods), or None."""
+    interval = getattr(args, "autoscale_interval", None)
+    if not interval:
+        return None
+    from deploy.autoscaler import AutoscaleSettings
+    return AutoscaleSettings(interval_s=interval, window_s=10 * interval)
 
 
 def workload_kwargs(args: argparse.Namespace) -> dict:
@@ -58,6 +69,11 @@ async def _measure_with(client, target: Target, args: argparse.Namespace, specs:
     rate = args.request_rate if request_rate is None else request_rate
     conc = args.concurrency if concurrency is None else concurrency
     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    class_slos = getattr(args, "class_slos", None)
+    if getattr(args, "slo_scale", None) and not class_slos:     # once, on the first variant: the same SLOs for all
+        if class_slos is None:
+            args.class_slos = class_slos = {}
+        class_slos.update(await calibrate(client, specs, args.slo_scale, args.timeout))
     states = [c.strip() for c in args.cache.split(",") if c.strip()]
     out: dict[str, dict] = {}
     if args.num_warmup:
@@ -69,16 +85,50 @@ async def _measure_with(client, target: Target, args: argparse.Namespace, specs:
             await run_load(client, specs, concurrency=4, seed=seed, tag="fill", progress=False,
                            timeout=args.timeout)
         before = scrape(target.metrics_url, target.token)
-        records, duration = await run_load(
-            client, specs, request_rate=rate, burstiness=args.burstiness, concurrency=conc, seed=seed,
-            label=f"{label} ({state})", tag=f"{label}-{state}", progress=not args.no_progress,
-            timeout=args.timeout)
-        summary = summarize(records, duration, *slo)
+        roles: list[dict] = []
+        sampler = asyncio.ensure_future(sample_roles(target.pools, roles)) if target.pools is not None else None
+        try:
+            records, duration = await run_load(
+                client, specs, request_rate=rate, burstiness=args.burstiness, concurrency=conc, seed=seed,
+                label=f"{label} ({state})", tag=f"{label}-{state}", progress=not args.no_progress,
+                timeout=args.timeout)
+        finally:
+            if sampler is not None:
+                sampler.cancel()
+        summary = summarize(records, duration, *slo, class_slos=class_slos or None)
         summary.update(counter_delta(before, scrape(target.metrics_url, target.token)))
         summary.update(cache=state, request_rate=rate, concurrency=conc, variant=target.label, api=client.api)
-        summary["records"] = [r.to_dict() for r in records]
+        summary["records"] = [{**r.to_dict(), "meets_slo": meets_slo(r, *slo, class_slos or None)} for r in records]
+        if roles:
+            summary["roles_over_time"] = roles
         out[label if state == states[0] else f"{label}-{state}"] = summary
     return out
+
+
+def router_slo(args: argparse.Namespace) -> list[str]:
+    """The cluster's `slo` (what routing.mode auto and the autoscaler aim at) from the benchmark's SLOs:
+    the fixed pair, or with per-class SLOs the loosest TTFT (the long prompts auto places) and the
+    tightest TPOT (every running request's)."""
+    classes = getattr(args, "class_slos", None)
+    if classes:
+        ttft = max(c["ttft_s"] for c in classes.values()) * 1e3
+        tpot = min(c["tpot_s"] for c in classes.values()) * 1e3
+    else:
+        ttft, tpot = args.slo_ttft_ms, args.slo_tpot_ms
+    return [f"slo.ttft_p99_ms={ttft:.6g}", f"slo.tpot_p99_ms={tpot:.6g}"]
+
+
+async def sample_roles(pools, out: list[dict], interval_s: float = 0.5) -> None:
+    """Append {t, prefill, decode, colocated} (actors per role, by the router's pools) every interval
+    until cancelled; t in seconds from the start."""
+    import time
+    start = time.monotonic()
+    while True:
+        decode = [v for v in pools.decode]
+        out.append({"t": round(time.monotonic() - start, 2), "prefill": len(pools.prefill),
+                    "decode": sum(1 for v in decode if v.endpoint), "colocated": sum(1 for v in decode
+                                                                                      if not v.endpoint)})
+        await asyncio.sleep(interval_s)
 
 
 async def run_variants(args: argparse.Namespace, fn) -> dict[str, dict]:
@@ -93,8 +143,9 @@ async def run_variants(args: argparse.Namespace, fn) -> dict[str, dict]:
     results: dict[str, dict] = {}
     for variant in variants_of(args.compare, args.mode):
         for api in apis_of(getattr(args, "api", "grpc")):
-            cfg = bench_config(args.config, args.model, args.dtype, args.set, variant, args.colocated_chunk_tokens)
-            async with embedded(cfg, variant) as target:
+            cfg = bench_config(args.config, args.model, args.dtype, [*args.set, *router_slo(args)], variant,
+                               args.colocated_chunk_tokens)
+            async with embedded(cfg, variant, autoscale_settings(args)) as target:
                 target.apis = (api,)
                 results.update(await fn(target))
     return results

@@ -3,7 +3,9 @@
     output-len    output length at a fixed prompt length (--prompt-len, default 128×scale)
     prompt-len    prompt length at a fixed output length (--output-len, default 32×scale)
     concurrency   closed-loop clients 1 → 32 on the workload
-    rate          Poisson request rate: SLO attainment and goodput per variant (DistServe's curve)
+    rate          Poisson request rate: SLO attainment and goodput per variant (DistServe's curve); without
+                  values, fractions of the capacity measured on the first variant; each variant's
+                  ``max_rate_rps`` (highest rate at >= 90% attainment, interpolated) is in the result
 
 With ``--compare`` every point runs against every variant, one cluster per variant.
 """
@@ -16,7 +18,8 @@ import sys
 
 from bench.serving.cluster import Target
 from bench.serving.plots import plot_latency_sweep, plot_slo_attainment
-from bench.serving.runs import measure, run_variants
+from bench.serving.runs import measure, open_client, run_variants
+from bench.serving.slo_scale import capacity_rps, max_rate_rps, rates_around, slo_line, slo_record
 from bench.serving.workloads import describe, make_workload
 
 DEFAULT_VALUES = {
@@ -49,8 +52,9 @@ def point_specs(args: argparse.Namespace, value: float, index: int) -> tuple[lis
 
 
 async def run_sweep(args: argparse.Namespace) -> dict:
-    raw = args.sweep_values or DEFAULT_VALUES[args.sweep]
+    raw = args.sweep_values or ("" if args.sweep == "rate" else DEFAULT_VALUES[args.sweep])
     values = [float(v) for v in raw.split(",") if v.strip()]
+    capacity: dict[str, object] = {}
     args.cache = args.cache.split(",")[0]
     points: dict[str, list[dict]] = {}
     runs: dict[str, dict] = {}
@@ -58,6 +62,16 @@ async def run_sweep(args: argparse.Namespace) -> dict:
 
     async def sweep_target(target: Target) -> dict:
         local = argparse.Namespace(**vars(args))
+        if not values:                        # rates around the capacity of the first variant
+            specs, _ = point_specs(args, 0.0, 99)
+            client = await open_client(target, "grpc")
+            try:
+                rps = await capacity_rps(client, specs, args.timeout)
+            finally:
+                await client.close()
+            capacity.update(rps=rps, variant=target.label)
+            values.extend(rates_around(rps))
+            print(f"capacity of {target.label}: {rps:.2f} req/s; rates {values}", file=sys.stderr)
         for i, value in enumerate(values):
             specs, load = point_specs(args, value, i)
             lengths[f"{value:g}"] = describe(specs)
@@ -78,15 +92,21 @@ async def run_sweep(args: argparse.Namespace) -> dict:
     path = os.path.join(args.plot_dir, f"sweep_{name}.png")
     title = f"{args.workload} workload, {args.model or 'default model'}"
     if args.sweep == "rate":
-        title += f", SLO TTFT {args.slo_ttft_ms:.0f} ms / TPOT {args.slo_tpot_ms:.0f} ms"
+        title += f", {slo_line(slo_record(args))}"
         plot_slo_attainment(points, path, title)
     else:
         plot_latency_sweep(points, args.sweep, path, title)
     print_points(args.sweep, points)
+    result = {"sweep": args.sweep, "values": values, "workload": args.workload, "lengths": lengths,
+              "slo": slo_record(args), "points": points, "plot": path, "runs": runs}
+    if args.sweep == "rate":
+        result["capacity"] = capacity
+        result["max_rate_rps"] = {variant: max_rate_rps(rows) for variant, rows in points.items()}
+        for variant, m in result["max_rate_rps"].items():
+            print(f"{variant}: max rate at >= 90% SLO attainment {m['max_rate_rps']:.2f} req/s"
+                  f"{'' if m['bounded'] else ' (every rate held it: a lower bound)'}", file=sys.stderr)
     print(f"wrote {path}", file=sys.stderr)
-    return {"sweep": args.sweep, "values": values, "workload": args.workload, "lengths": lengths,
-            "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "points": points, "plot": path,
-            "runs": runs}
+    return result
 
 
 def print_points(variable: str, points: dict[str, list[dict]]) -> None:

@@ -6,6 +6,7 @@
     shared-prefix  one long common system prompt + a short unique question each
     multi-turn     conversations (`make_conversations`): each turn's prompt is the previous turn's
                    prompt + its answer + a new user message; run by `bench.serving.multi_turn`
+    phases         chat, then rag, then chat (a third each): the load shifts twice (role flips)
     FILE.jsonl     one object a line: {"prompt": str} or {"prompt_len": int}, plus "output_len"
 
 Prompts are token ids (exact lengths, any tokenizer) drawn from ids 2..999, which every
@@ -19,7 +20,7 @@ import random
 import statistics
 from dataclasses import dataclass
 
-WORKLOADS = ("chat", "rag", "mixed", "shared-prefix")
+WORKLOADS = ("chat", "rag", "mixed", "shared-prefix", "phases")
 TOKEN_ID_RANGE = (2, 1000)
 
 # (prompt_min, prompt_max, output_min, output_max) before scaling
@@ -82,6 +83,10 @@ def make_workload(name: str, num_requests: int, seed: int = 0, scale: float = 1.
     elif name == "mixed":
         specs = [_shaped(rng, "rag" if rng.random() < MIXED_RAG_FRACTION else "chat", scale)
                  for _ in range(num_requests)]
+    elif name == "phases":
+        third = max(num_requests // 3, 1)
+        shapes = ["chat"] * third + ["rag"] * third + ["chat"] * (num_requests - 2 * third)
+        specs = [_shaped(rng, shape, scale) for shape in shapes]
     elif name == "shared-prefix":
         prefix = _tokens(rng, max(1, round(SHARED_PREFIX_LEN * scale)))
         specs = []

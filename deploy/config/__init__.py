@@ -16,7 +16,7 @@ models, unknown keys forbidden)::
         decode, long_context: DecodePoolSection         + max_batch_size
       kv_cache: KVCacheSection          kv_cache.py     block_size, memory_fraction | num_blocks | memory_gib
       kv_transfer: KVTransferSection    kv_transfer.py  transport, compression, chunk_bytes, deadline_s
-      routing: RoutingSection           routing.py      local_prefill_tokens, long_request_tokens, max_queue,
+      routing: RoutingSection           routing.py      mode, local_prefill_tokens, long_request_tokens, max_queue,
                                                         prefill_policy, decode_policy
       slo: SLOSection                   slo.py          ttft_p99_ms, tpot_p99_ms
       workload: WorkloadSection         workload.py     input_tokens_mean, output_tokens_mean, histogram_file,

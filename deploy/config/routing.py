@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from deploy.config.base import Int, Section
 
@@ -11,6 +11,16 @@ from deploy.config.base import Int, Section
 class RoutingSection(Section):
     """How the router picks actors for a request."""
 
+    mode: Literal["disaggregated", "auto", "colocated"] = Field(
+        "disaggregated", description="Where each prompt is prefilled: disaggregated = on a prefill actor "
+        "(except prompts under local_prefill_tokens); auto = per request, remote prefill + KV transfer or "
+        "chunked prefill on the decode actor, whichever the live profiles say keeps both `slo` targets with "
+        "the most headroom (router/auto_placement.py); colocated = every prompt on its decode actor.")
+    role_flips: Literal["off", "manual", "auto"] = Field(
+        "off", description="manual: start the prefill and decode actors as role-flippable actors (one engine, any "
+        "role; deploy/role_actor.py) that PoolManager.flip switches prefill <-> decode <-> colocated at run time; "
+        "auto: also let the autoscaler flip them, at a fixed actor count, when the measured load calls for "
+        "another split (with hysteresis, deploy/role_balance.py). Flippable actors use the decode pool's KV cache.")
     local_prefill_tokens: Int = Field(
         0, ge=0, description="Prompts with fewer tokens than this left after the prefill actor's or the "
         "decode actor's cached prefix prefill on the decode actor itself (no KV transfer); 0 = off.")
@@ -36,3 +46,13 @@ class RoutingSection(Section):
     kv_events_interval_s: float = Field(
         0.2, gt=0, le=60, description="How often the router pulls every actor's prefix-cache events (each "
         "actor is also pulled when its prefill or request ends).")
+
+    @field_validator("role_flips", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        """YAML reads a bare `off` as false (and `on` as true)."""
+        if value is False:
+            return "off"
+        if value is True:
+            return "manual"
+        return value

@@ -1,6 +1,8 @@
 """`ColocatedWorker`: prefills and decodes every request itself, exactly as the engine does."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from decode_worker.colocated import ColocatedWorker
@@ -90,3 +92,23 @@ def test_migration_keeps_held_back_text_and_finds_a_stop_string_across_the_seam(
     assert before + c.text("mig") == want.text
     assert full.token_ids[:k] + c.tokens("mig") == want.token_ids
     wait_blocks_returned(worker.engine)
+
+
+def test_evict_ends_every_open_request_with_a_retryable_error_and_frees_its_blocks(worker):
+    c = Collector(expected=2)
+    params = SamplingParams(max_tokens=worker.engine.max_model_len - 60, temperature=0.0, ignore_eos=True)
+    for rid in ("e0", "e1"):
+        worker.submit(decode_job(rid, list(range(5, 60)), params), c.sink(rid))
+    end = time.monotonic() + 10
+    while not all(c.events.get(rid) for rid in ("e0", "e1")):       # both are decoding
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    evicted = []
+    worker.loop.call(lambda: evicted.append(worker.evict("changing role")))
+    assert c.done.wait(10)
+    assert evicted == [2]
+    for rid in ("e0", "e1"):
+        error = c.events[rid][-1].error
+        assert (error.code, error.retryable) == (14, True) and "changing role" in error.message   # UNAVAILABLE
+    wait_blocks_returned(worker.engine)
+    assert not worker.engine.requests

@@ -1,0 +1,104 @@
+"""Role flips on local Ray (routing.role_flips): actors switch prefill <-> decode <-> colocated while
+requests stream; every request's tokens equal the colocated engine's, no KV block is left held."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from deploy.running import start_cluster
+from proto.pdserve.v1 import generation_pb2 as pb
+from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+from cluster_helpers import cluster_config, prompts_and_params
+
+
+async def _generate_all(address, prompts, params, prefix):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+
+        async def one(i, p, prm):
+            await asyncio.sleep(0.05 * i)          # a stream of arrivals, not one burst
+            sampling = pb.SamplingParams(max_tokens=prm.max_tokens, temperature=prm.temperature,
+                                         ignore_eos=prm.ignore_eos)
+            req = pb.GenerateRequest(request_id=f"{prefix}{i}", token_ids=pb.TokenIds(ids=p), sampling=sampling)
+            return [m async for m in stub.Generate(req)]
+        return await asyncio.gather(*(one(i, p, prm) for i, (p, prm) in enumerate(zip(prompts, params))))
+
+
+async def _wait_for(condition, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def _blocks_free(backend, timeout: float = 10.0):
+    end = time.monotonic() + timeout
+    while True:
+        stats = await backend.stats()
+        if all(s.kv_blocks_used == 0 for s in stats) or time.monotonic() > end:
+            return stats
+        await asyncio.sleep(0.05)
+
+
+def _tokens(replies):
+    return [[t for m in msgs for t in m.token_ids] for msgs in replies]
+
+
+def _view(pools, actor_id):
+    return next(v for v in pools if v.actor_id == actor_id)
+
+
+@pytest.mark.timeout(300)
+def test_flips_under_load_lose_no_request_and_leak_no_block(ray_local, tiny_model_dir, reference):
+    cfg = cluster_config(tiny_model_dir, "grpc", "none", n_prefill=1, n_decode=2, role_flips="manual")
+    prompts, params = prompts_and_params(16, seed=21, max_len=200)
+    later, later_params = prompts_and_params(6, seed=22, max_len=200)
+
+    async def main():
+        cluster = await start_cluster(cfg, port=0)
+        backend, manager = cluster.backend, cluster.manager
+        pools = backend.pools
+        try:
+            await cluster.server.wait_ready(60)
+            load = asyncio.ensure_future(_generate_all(cluster.address, prompts, params, "a"))
+            # each flip while the actor holds work of its old role
+            await _wait_for(lambda: _view(pools.decode, "decode-1").running > 0)
+            flips = [await manager.flip("decode-1", "prefill")]          # its decode requests finish first
+            await _wait_for(lambda: _view(pools.prefill, "prefill-0").queued_tokens > 0)
+            flips.append(await manager.flip("prefill-0", "decode"))      # its prefill sends complete first
+            await _wait_for(lambda: _view(pools.decode, "decode-0").running > 0)
+            flips.append(await manager.flip("decode-0", "colocated", timeout_s=0.0))   # hands off at once
+            first = await load
+            roles = {s.actor_id: s.role for s in await backend.stats()}
+            # now decode-1 is the only prefill actor, prefill-0 decodes, decode-0 is colocated
+            second = await _generate_all(cluster.address, later, later_params, "b")
+            stats = await _blocks_free(backend)
+            prefill_ids = [v.actor_id for v in pools.prefill]
+            await manager.flip("prefill-0", "prefill")
+            with pytest.raises(ValueError, match="last decode actor"):
+                await manager.flip("decode-0", "prefill")
+            with pytest.raises(ValueError, match="role must be one of"):
+                await manager.flip("decode-0", "router")
+            with pytest.raises(KeyError):
+                await manager.flip("decode-9", "prefill")
+            return flips, first, second, roles, stats, prefill_ids, [v.actor_id for v in pools.decode]
+        finally:
+            await cluster.stop()
+
+    flips, first, second, roles, stats, prefill_ids, decode_ids = asyncio.run(main())
+    assert _tokens(first) == reference(prompts, params)
+    assert _tokens(second) == reference(later, later_params)
+    assert all(msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH for msgs in first + second)
+    assert roles == {"decode-1": "prefill", "prefill-0": "decode", "decode-0": "colocated"}
+    assert prefill_ids == ["decode-1"] and decode_ids == ["decode-0"]
+    assert all(s.kv_blocks_used == 0 for s in stats), stats
+    assert [(f.from_role, f.to_role) for f in flips] == [("decode", "prefill"), ("prefill", "decode"),
+                                                        ("decode", "colocated")]
+    for f in flips:
+        print(f"flip {f.actor_id} {f.from_role} -> {f.to_role}: {f.seconds:.2f}s "
+              f"({f.drain_s:.2f}s draining, {f.handed_off} handed off)")
+    assert flips[0].handed_off == 0 and flips[1].handed_off == 0 and flips[2].handed_off > 0

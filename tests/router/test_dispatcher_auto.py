@@ -1,0 +1,150 @@
+"""`Dispatcher` in routing.mode auto and colocated, against fake actors: each request's placement follows
+`router.auto_placement` over the live profile, is counted and carried to the request's log line, and the live
+profile's per-actor state (local-prefill backlog) returns to zero."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fake_actors import expected_tokens, fake_cluster
+from router.backend import GenerationInput
+from router.dispatcher import Dispatcher, RoutingSettings
+from router.live_profile import LiveProfile, ProfileSeed
+from router.servicer import RequestRecord, _log_finished
+from test_dispatcher import BLOCK_SIZE, Counts, assert_nothing_held, collect, request
+
+# 1000 prompt tokens/s on both sides, 10 ms decode steps, 50 ms remote overhead; SLOs 1 s / 50 ms.
+SEED = ProfileSeed(prefill_tokens_per_s=1000.0, remote_overhead_s=0.05, kv_bytes_per_s=1e9, kv_bytes_per_token=100,
+                   step_base_s=0.01, step_per_seq_s=0.0, chunk_tokens=64)
+LONG = list(range(1, 201))          # 200 tokens: 0.2 s of local prefill over 6 tokens would cost TPOT 33 ms
+
+
+class PlacementCounts(Counts):
+    def __init__(self):
+        super().__init__()
+        self.placements: list[str] = []
+
+    def placement(self, choice: str) -> None:
+        self.placements.append(choice)
+
+
+def make(cluster, mode: str = "auto", **routing) -> Dispatcher:
+    settings = RoutingSettings(**{"max_queue": 8, "stream_idle_s": 2.0, "mode": mode, "ttft_slo_s": 1.0,
+                                  "tpot_slo_s": 0.05, **routing})
+    return Dispatcher(cluster.pools, tokenizer=None, max_model_len=1024, block_size=BLOCK_SIZE, routing=settings,
+                      metrics=PlacementCounts(), live=LiveProfile(SEED, BLOCK_SIZE))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_auto_places_a_short_prompt_locally_and_a_long_one_remotely():
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        tokens, chunks = await collect(d, request("short", max_tokens=6))
+        assert tokens == expected_tokens(request().prompt_token_ids, 6)
+        assert not any(a.jobs for a in c.prefill)
+        placement = chunks[-1].timing.placement
+        assert (placement.choice.value, placement.reason) == ("local", "keeps_slo")
+        tokens, chunks = await collect(d, request("long", max_tokens=6, prompt=LONG))
+        assert tokens == expected_tokens(LONG, 6)
+        [pjob] = [j for a in c.prefill for j in a.jobs]
+        assert list(pjob.prompt_token_ids) == LONG and pjob.transfer_id
+        assert chunks[-1].timing.placement.choice.value == "remote"
+        assert d.metrics.placements == ["local", "remote"] and d.metrics.local == 1
+        assert all(d.live.local_backlog(v.actor_id) == 0 for v in c.pools.decode)
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_auto_sends_a_long_prompt_local_when_the_prefill_pool_is_backed_up():
+    async def main():
+        c = fake_cluster()
+        d = make(c, max_prefill_backlog_tokens=1000)
+        for view in c.pools.prefill:
+            view.queued_tokens = 5000      # 5 s of queue: remote misses the 1 s TTFT SLO
+        tokens, chunks = await collect(d, request("long", max_tokens=6, prompt=LONG))
+        assert tokens == expected_tokens(LONG, 6)
+        assert not any(a.jobs for a in c.prefill)      # admitted at once (the backlog bound holds no auto request)
+        placement = chunks[-1].timing.placement
+        assert placement.choice.value == "local" and not placement.remote.keeps_slo
+        assert placement.inputs.prefill.queued_tokens == 5000
+        for view in c.pools.prefill:
+            view.queued_tokens = 0
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_auto_learns_the_prefill_rate_and_the_kv_size_from_prefill_results():
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        await collect(d, request("long", max_tokens=6, prompt=LONG))
+        # the fake reports 200 tokens in prefill_s 0.01 and 1000 KV bytes in 0.002 s
+        assert d.live.prefill_tokens_per_s == 0.8 * 1000 + 0.2 * 20000
+        assert d.live.kv_bytes_per_s == 0.8 * 1e9 + 0.2 * 500_000
+        assert d.live.kv_bytes_per_token == 1000 / 200
+        assert d.live.output_tokens == 6
+    run(main())
+
+
+def test_colocated_mode_prefills_every_prompt_on_its_decode_actor():
+    async def main():
+        c = fake_cluster()
+        d = make(c, mode="colocated")
+        tokens, chunks = await collect(d, request("long", max_tokens=5, prompt=LONG))
+        assert tokens == expected_tokens(LONG, 5)
+        assert not any(a.jobs for a in c.prefill) and d.metrics.local == 1
+        assert chunks[-1].timing.placement is None and d.metrics.placements == []
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_the_request_log_line_carries_the_placement(caplog):
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        _, chunks = await collect(d, request("long", max_tokens=6, prompt=LONG))
+        return chunks[-1].timing
+    timing = run(main())
+    record = RequestRecord("long", "grpc", "", 0.0, 200)
+    record.timing = timing
+    root = logging.getLogger("pdserve")
+    propagate, root.propagate = root.propagate, True       # configure_logging (other tests) turns it off
+    try:
+        with caplog.at_level(logging.INFO, logger="pdserve.router"):
+            _log_finished(record)
+    finally:
+        root.propagate = propagate
+    [line] = [r for r in caplog.records if r.getMessage().startswith("request_finished")]
+    assert "placement=remote" in line.getMessage() and "est_local_tpot_s=" in line.getMessage()
+    assert line.fields["placement_reason"] == "keeps_slo"
+
+
+def test_disaggregated_mode_makes_no_placement_decision():
+    async def main():
+        c = fake_cluster()
+        d = make(c, mode="disaggregated")
+        _, chunks = await collect(d, GenerationInput("r", LONG, request().params, None))
+        assert chunks[-1].timing.placement is None and d.metrics.placements == []
+        assert any(a.jobs for a in c.prefill)
+    run(main())
+
+
+def test_a_request_is_recorded_when_the_consumer_closes_after_its_last_chunk():
+    """The servicer stops at the request's last chunk and closes the generator there: the finished
+    request still reaches `completed` (the autoscaler) and the live profile (auto placement)."""
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        gen = d.generate(request("r", max_tokens=6, prompt=LONG))
+        async for chunk in gen:
+            if chunk.finish_reason is not None:
+                break
+        await gen.aclose()
+        assert len(d.completed) == 1 and d.completed[0][2] == 6
+        assert d.live.output_tokens == 6
+        assert_nothing_held(c)
+    run(main())
