@@ -60,3 +60,17 @@ def test_a_hook_changes_no_output(tiny_model_dir, reference):
     prompts = [list(range(5, 40)), list(range(100, 107)), list(range(3, 22))]
     params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] * 3
     assert [c.token_ids for c in engine.generate(prompts, params)] == reference(prompts, params)
+
+
+def test_final_blocks_with_chunks_across_block_edges():
+    from engine.layer_hook import final_blocks
+    from engine.request import Request
+    req = Request("r", list(range(10)), SamplingParams(), seed=0)
+    req.block_table = [7, 3, 9]
+    # chunks of 6 tokens, blocks of 4: block 1 (tokens 4..7) gets its last rows in the second chunk
+    first, second = final_blocks(req, 0, 6, 4), final_blocks(req, 6, 4, 4)
+    assert (first.start_block, first.end_block, first.prompt_done, first.block_ids) == (0, 1, False, [7])
+    assert (second.start_block, second.end_block, second.prompt_done, second.block_ids) == (1, 3, True, [3, 9])
+    assert final_blocks(req, 1, 2, 4).block_ids == []       # tokens 1..2: no block full yet
+    assert final_blocks(req, 2, 2, 4).block_ids == [7]      # tokens 2..3 fill block 0
+    assert final_blocks(req, 10, 1, 4) is None              # a decode step computes no prompt token
