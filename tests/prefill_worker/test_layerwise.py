@@ -119,6 +119,8 @@ def _prompts():
 def test_streamed_layer_by_layer_equals_colocated(rigs, kind, reference):
     rig = rigs(kind)
     prompts, params = _prompts()
+    if kind == "ray":            # the slowest case here: the chunked prompt and one batched beside it
+        prompts, params = prompts[:2], params[:2]
     collector, results = rig.run(prompts, params)
     assert [collector.tokens(f"r{i}") for i in range(len(prompts))] == reference(prompts, params)
     assert all(r.status == wpb.PREFILL_STATUS_SENT for r in results.values())
