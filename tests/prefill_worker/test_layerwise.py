@@ -130,6 +130,11 @@ def test_streamed_layer_by_layer_equals_colocated(rigs, kind, reference):
         assert len(pieces) > 1 and [p for p in pieces if p[2]] == [((3, 4), (num_blocks - 1, num_blocks), True)]
         # bit for bit: what the decode side adopted is what the prefill cache held
         assert torch.equal(rig.adopted[f"r{i}"].view(torch.uint8), rig.sent[f"r{i}"].view(torch.uint8))
+        r = results[f"r{i}"]
+        assert r.kv_bytes == rig.sent[f"r{i}"].numel() * 4 and r.wire_bytes >= r.kv_bytes     # headers on top
+        # the timeline: chunks streamed before the first token stamp negative, the handoff's after it
+        chunk_s = list(r.stages.kv_chunk_s)
+        assert r.stages.kv_chunks == len(chunk_s) >= len(pieces) and min(chunk_s) < 0 <= max(chunk_s)
     wait_blocks_returned(rig.prefill.engine, rig.decode.engine)
 
 
