@@ -5,6 +5,7 @@
     netns.py    shaped links: two network namespaces joined by a veth pair, tc-limited
     ttft.py     low-load TTFT: colocated vs disaggregated, with and without layer-wise streaming
                 (``python -m bench.transfer.ttft``), the handoff after the first token split out
+    handoff_probe.py  the handoff per transport (ray included), with and without layer-wise streaming, one process
 """
 
 
