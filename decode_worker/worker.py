@@ -16,7 +16,9 @@ Lifecycle of one request on this worker (each loop step: receive KV → schedule
 A job without a transfer_id is prefilled here (conditional disaggregation, migration):
 that is the `ColocatedWorker` path this class builds on. KV that arrives for a
 request nobody waits for (aborted, or not yet registered) is parked for
-`orphan_lease_s` and then freed: no block outlives its request.
+`orphan_lease_s` and then freed: no block outlives its request. An unclaimed transfer whose
+handoff says every sequence ended at its first token (streamed layer by layer before the
+prefill actor knew) is freed at once.
 """
 from __future__ import annotations
 
@@ -111,7 +113,9 @@ class DecodeWorker(ColocatedWorker):
     def _on_transfer(self, result: TransferResult) -> None:
         rid = self._waiting_kv.pop(result.transfer_id, None)
         if rid is None:
-            if result.status is TransferStatus.DONE:      # nobody waits (yet): park under a lease
+            if result.status is TransferStatus.DONE and _ends_at_first_token(result):
+                self.engine.block_manager.free(result.dst_block_ids)      # nothing left to decode
+            elif result.status is TransferStatus.DONE:      # nobody waits (yet): park under a lease
                 self._orphans[result.transfer_id] = (result, time.monotonic())
             return
         if result.status is not TransferStatus.DONE:
@@ -159,6 +163,16 @@ class DecodeWorker(ColocatedWorker):
 
     def num_queued(self) -> int:
         return len(self._waiting_kv) + super().num_queued()
+
+
+def _ends_at_first_token(result: TransferResult) -> bool:
+    """The handoff says every sequence ended at its first token (a layer-wise stream began before the
+    prefill actor knew): the router has the whole output from the prefill, nobody decodes it."""
+    try:
+        firsts = wpb.Handoff.FromString(result.handoff).first_tokens if result.handoff else []
+    except DecodeError:
+        return False
+    return bool(firsts) and all(ev.finish_reason for ev in firsts)
 
 
 def _first_tokens(result: TransferResult, num_sequences: int) -> tuple[list[wpb.DecodeEvent], int]:

@@ -96,7 +96,7 @@ def transfer_settings(cfg: PDServeConfig, cluster_token: str, bind_host: str) ->
     """The actors' transfer settings: they carry the secret derived from the token, never the token."""
     t = cfg.kv_transfer
     return TransferSettings(t.transport, t.compression, internal_secret(cluster_token), t.chunk_bytes, t.deadline_s,
-                            bind_host, cfg.security.internal_tls())
+                            bind_host, cfg.security.internal_tls(), layerwise=t.layerwise)
 
 
 def _actor_options(cfg: PDServeConfig, pool: str, name: str, cpu_fraction: float = 1.0) -> dict:

@@ -28,6 +28,7 @@ from engine.block_manager import BlockManager, prompt_block_hashes
 from engine.config import ModelConfig
 from engine.generation_config import GenerationConfig
 from engine.kv_events import KVEventLog
+from engine.layer_hook import LayerHook
 from engine.loader import fingerprint, load_model
 from engine.model_runner import ModelRunner
 from engine.output import OutputProcessor
@@ -276,6 +277,16 @@ class Engine:
         return outs
 
     # ---- the step -------------------------------------------------------
+    @property
+    def layer_hook(self) -> LayerHook | None:
+        """Called per layer of every step that computes prompt tokens, as that layer's blocks become
+        final (engine/layer_hook.py); None (the default) costs the layer loop nothing."""
+        return self.runner.layer_hook
+
+    @layer_hook.setter
+    def layer_hook(self, hook: LayerHook | None) -> None:
+        self.runner.layer_hook = hook
+
     last_run_done: float = 0.0      # time.monotonic() when the last step's forward pass ended (request timelines)
 
     def step(self) -> list[RequestOutput]:

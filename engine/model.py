@@ -1,6 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3) in plain torch, reading K/V through a paged cache."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,14 +95,18 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logit_rows: torch.Tensor | None) -> torch.Tensor:
+                meta: AttentionMetadata, logit_rows: torch.Tensor | None,
+                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [L, NB, 2, Hkv, bs, D].
 
         Returns float32 logits [len(logit_rows), vocab] (all rows when logit_rows is None).
+        `layer_hook(i)` runs after layer i wrote its K/V into the cache (engine/layer_hook.py).
         """
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             h = layer(h, positions, self.rope, kv_cache[i], meta)
+            if layer_hook is not None:
+                layer_hook(i)
         if logit_rows is not None:
             h = h[logit_rows]
         return self.lm_head(self.norm(h)).float()

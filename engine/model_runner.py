@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import build_metadata
+from engine.layer_hook import LayerDone, LayerHook, final_blocks, layer_written
 from engine.model import LlamaModel
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
@@ -30,6 +31,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sliding_window = model.cfg.sliding_window    # None: full causal attention
+        self.layer_hook: LayerHook | None = None          # told as each layer's blocks become final
 
     def run(self, batch: list[ScheduledRequest]) -> ModelOutput:
         """Run the model over the batch; return the logits of the sequences that sample.
@@ -64,11 +66,25 @@ class ModelRunner:
         logits = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev),
                             self.kv_cache, meta,
-                            torch.tensor(logit_rows, dtype=torch.long, device=dev))
+                            torch.tensor(logit_rows, dtype=torch.long, device=dev),
+                            self._layer_hook(batch) if self.layer_hook is not None else None)
         if not prompt_parts:
             return ModelOutput(sampling, logits)
         prompt_logits = [(req, start, logits[row:row + n]) for req, start, row, n in prompt_parts]
         return ModelOutput(sampling, logits[sample_rows], prompt_logits)
+
+    def _layer_hook(self, batch: list[ScheduledRequest]):
+        """The model's per-layer callback for this batch: None when no sequence computes prompt tokens."""
+        blocks = [f for s in batch
+                  if (f := final_blocks(s.request, s.request.num_computed_tokens, s.num_new_tokens,
+                                        self.block_size)) is not None]
+        if not blocks:
+            return None
+        hook, device = self.layer_hook, self.device
+
+        def layer_done(layer: int) -> None:
+            hook(LayerDone(layer, blocks, layer_written(device)))
+        return layer_done
 
     def score(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Logits at every position of one fresh sequence (for exactness checks). [S, V] float32."""

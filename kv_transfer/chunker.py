@@ -54,20 +54,28 @@ class ChunkJob:
         return self.run()
 
 
-def plan_chunks(layers: tuple[int, int], num_blocks: int, cell_nbytes: int, chunk_bytes: int) -> list[ChunkPlan]:
-    """Cover [layers) x [0, num_blocks) with rectangles of <= chunk_bytes (at least one cell)."""
+def plan_chunks(layers: tuple[int, int], num_blocks: int, cell_nbytes: int, chunk_bytes: int,
+                blocks: tuple[int, int] | None = None) -> list[ChunkPlan]:
+    """Cover [layers) x [blocks) (default [0, num_blocks)) with rectangles of <= chunk_bytes (at least one cell)."""
     layer_start, layer_end = layers
+    block_start, block_end = blocks or (0, num_blocks)
+    width = block_end - block_start
     cells = max(1, chunk_bytes // max(1, cell_nbytes))
     plans: list[ChunkPlan] = []
-    if cells >= num_blocks:
-        step = cells // num_blocks
+    if cells >= width:
+        step = cells // width
         for start in range(layer_start, layer_end, step):
-            plans.append(ChunkPlan(start, min(start + step, layer_end), 0, num_blocks))
+            plans.append(ChunkPlan(start, min(start + step, layer_end), block_start, block_end))
     else:
         for layer in range(layer_start, layer_end):
-            for start in range(0, num_blocks, cells):
-                plans.append(ChunkPlan(layer, layer + 1, start, min(start + cells, num_blocks)))
+            for start in range(block_start, block_end, cells):
+                plans.append(ChunkPlan(layer, layer + 1, start, min(start + cells, block_end)))
     return plans
+
+
+def piece_nbytes(layers: tuple[int, int], blocks: tuple[int, int], cell_nbytes: int) -> int:
+    """Payload bytes of the cells [layers) x [blocks)."""
+    return (layers[1] - layers[0]) * (blocks[1] - blocks[0]) * cell_nbytes
 
 
 MIN_CHUNKS = 8  # enough stages for encode, send and decode to overlap
@@ -93,17 +101,21 @@ def encode_jobs(
     num_tokens: int = 0,
     first_token_id: int = -1,
     handoff: bytes = b"",
+    blocks: tuple[int, int] | None = None,
 ) -> list[ChunkJob]:
     """One job per chunk; each gathers, encodes and checksums its rectangle when called.
 
+    The chunks cover ``kv_cache[layers, src_block_ids[blocks]]`` (``blocks``: a range into
+    ``src_block_ids``, default all); their headers index blocks into the whole ``src_block_ids``.
     Every chunk carries its checksum, taken on a host copy when the cache is on a device, since
     receivers refuse chunks without one.
     """
     num_blocks = len(src_block_ids)
+    blocks = blocks or (0, num_blocks)
     cell_shape = (1, 1, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)
     cell_nbytes = codec.payload_nbytes(cell_shape, layout.dtype)
-    total_nbytes = (layers[1] - layers[0]) * num_blocks * cell_nbytes
-    plans = plan_chunks(layers, num_blocks, cell_nbytes, pipeline_chunk_bytes(total_nbytes, chunk_bytes))
+    total_nbytes = piece_nbytes(layers, blocks, cell_nbytes)
+    plans = plan_chunks(layers, num_blocks, cell_nbytes, pipeline_chunk_bytes(total_nbytes, chunk_bytes), blocks)
     index = torch.tensor(src_block_ids, dtype=torch.long, device=kv_cache.device)
 
     def nbytes(plan: ChunkPlan) -> int:

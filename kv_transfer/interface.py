@@ -1,13 +1,17 @@
 """The KV transfer interface: one ABC per side, a status enum, typed results.
 
 Prefill side (``KVSender``, owned by a prefill actor):
-    send(request_id, kv_cache, src_block_ids, dest, *, transfer_id, layers,
-         deadline_s, num_tokens, first_token_id) -> SendHandle
-        Ship ``kv_cache[layers, src_block_ids]`` to ``dest`` in the background.
-        Call once with all layers, or once per layer range as prefill
-        produces them (same ``transfer_id``); the receiver gets the same bytes.
-        The source blocks must stay unchanged until the handle is done; after
-        DONE or FAILED the sender holds no reference to the cache.
+    send(request_id, kv_cache, src_block_ids, dest, *, transfer_id, layers, blocks,
+         deadline_s, num_tokens, first_token_id, handoff, ready) -> SendHandle
+        Ship ``kv_cache[layers, src_block_ids[blocks]]`` to ``dest`` in the background.
+        Call once with all layers and blocks, or once per piece (layer range x
+        block range) as prefill produces them (same ``transfer_id``, same
+        ``src_block_ids``: the transfer's whole block list); the receiver gets
+        the same bytes. The receiver reports DONE once every cell arrived, with
+        the handoff of the chunks that carry one (layer-wise streaming sends it
+        with the last piece). The source blocks must stay unchanged until the
+        handle is done; after DONE or FAILED the sender holds no reference to
+        the cache.
     handshake(dest) -> None
         Compare layouts with the receiver now (``send`` does it lazily once per
         destination). Raises HandshakeError naming both values on a mismatch.
@@ -189,8 +193,10 @@ class KVSender(ABC):
         num_tokens: int = 0,
         first_token_id: int = -1,
         handoff: bytes = b"",
+        blocks: tuple[int, int] | None = None,
+        ready: object | None = None,
     ) -> SendHandle:
-        """Ship ``kv_cache[layers, src_block_ids]`` to ``dest`` in the background.
+        """Ship ``kv_cache[layers, src_block_ids[blocks]]`` to ``dest`` in the background.
 
         Args:
             request_id: the request the KV belongs to (reported back by the receiver).
@@ -201,7 +207,11 @@ class KVSender(ABC):
             layers: ``(start, end)`` layer range; default all layers.
             deadline_s: the whole transfer's deadline; the receiver expires it too.
             num_tokens, first_token_id, handoff: carried to the receiver's TransferResult
-                (``handoff``: opaque bytes for the decode side, in every chunk header).
+                (``handoff``: opaque bytes for the decode side, in every chunk header); pieces sent
+                before the first token is known leave them unset, a later piece sets them.
+            blocks: ``(start, end)`` range into ``src_block_ids`` this piece covers; default all.
+            ready: None, or an event (``.synchronize()``) marking the rows' device writes done:
+                the sender's thread waits on it before reading them (never the caller's stream).
         Returns:
             A SendHandle; never raises for transfer errors (see handle.status,
             handle.failed_side, handle.error).

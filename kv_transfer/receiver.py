@@ -8,7 +8,8 @@ reserves destination blocks on a transfer's first chunk (no more than its
 tokens fill and ``max_blocks_share`` of the cache, for at most
 ``max_deadline_s``; later chunks must agree with it), decodes each chunk
 straight into ``kv_cache[layers, dst_block_ids]`` and marks the transfer DONE
-once every (layer, block) cell arrived. Failures, expiry (reaper thread) and
+once every (layer, block) cell arrived (with the handoff of the chunks that carry one:
+pieces streamed layer by layer before the first token was sampled carry none). Failures, expiry (reaper thread) and
 cancel free the reserved blocks. Each transfer ends with exactly one
 ``TransferResult``; poll/wait/status/cancel/stats are the KVReceiver methods.
 """
@@ -208,6 +209,8 @@ class BaseReceiver(KVReceiver):
             transfer.num_missing -= int((~cells).sum())
             cells.fill_(True)
             transfer.nbytes += header.payload_len
+            if header.first_token_id >= 0 or header.handoff:  # layer-wise: the last piece brings the handoff
+                transfer.first_token_id, transfer.handoff = header.first_token_id, header.handoff
             result = self._finish(transfer, TransferStatus.DONE) if transfer.num_missing == 0 else None
         if result is not None:
             self._publish(result)

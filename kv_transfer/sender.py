@@ -87,16 +87,21 @@ class BaseSender(KVSender):
         num_tokens=0,
         first_token_id=-1,
         handoff=b"",
+        blocks=None,
+        ready=None,
     ) -> SendHandle:
         transfer_id = transfer_id or uuid.uuid4().hex
         handle = SendHandle(request_id, transfer_id)
         layers = layers or (0, self.layout.num_layers)
+        blocks = blocks or (0, len(src_block_ids))
         try:
             self.layout.check_cache(kv_cache)
             if not (0 <= layers[0] < layers[1] <= self.layout.num_layers):
                 raise ValueError(f"bad layer range {layers} for {self.layout.num_layers} layers")
             if not src_block_ids or min(src_block_ids) < 0 or max(src_block_ids) >= kv_cache.shape[1]:
                 raise ValueError(f"src_block_ids must be non-empty ids in [0, {kv_cache.shape[1]})")
+            if not (0 <= blocks[0] < blocks[1] <= len(src_block_ids)):
+                raise ValueError(f"bad block range {blocks} for {len(src_block_ids)} blocks")
         except ValueError as exc:
             handle._finish(TransferStatus.FAILED, str(exc), FailedSide.SENDER)
             return handle
@@ -115,15 +120,18 @@ class BaseSender(KVSender):
             num_tokens=num_tokens,
             first_token_id=first_token_id,
             handoff=handoff,
+            blocks=tuple(blocks),
         )
-        self._pool.submit(self._run, handle, dest, job)
+        self._pool.submit(self._run, handle, dest, job, ready)
         return handle
 
-    def _run(self, handle: SendHandle, dest: str, job: dict) -> None:
+    def _run(self, handle: SendHandle, dest: str, job: dict, ready=None) -> None:
         deadline_at = job["deadline_at"]
         try:
             self.handshake(dest)
             handle.status = TransferStatus.TRANSFERRING
+            if ready is not None:  # the rows' writes are queued on a device stream: wait for them here
+                ready.synchronize()
             jobs = self._jobs(job)
             job.clear()  # the jobs hold the cache until they end; we do not
             chunks = _timed(handle, pipeline(jobs, self._encoders, self._prepare, self.prefetch_depth))

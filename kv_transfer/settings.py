@@ -32,6 +32,7 @@ class TransferSettings:
     deadline_s: float = 30.0
     bind_host: str = "127.0.0.1"      # where a decode actor's receiver listens
     tls: InternalTLS | None = None    # mutual TLS of the grpc and tcp transports (and of the decode token stream)
+    layerwise: bool = True            # prefill actors stream each layer's blocks while prefill runs
 
 
 def layout_of(kv_cache: torch.Tensor, model_fingerprint: str) -> KVLayout:

@@ -32,7 +32,8 @@ class PrefillActor:
         engine = engine_args.build()
         self.layout = layout_of(engine.kv_cache, engine.fingerprint)
         self.transfer = transfer
-        self.worker = PrefillWorker(engine, make_sender(transfer, self.layout, engine.device), actor_id)
+        self.worker = PrefillWorker(engine, make_sender(transfer, self.layout, engine.device), actor_id,
+                                    layerwise=transfer.layerwise)
         # The codec's compiled kernels are built now: left to the first transfer, the build took a core
         # for ~20 s while requests were served (the tiny preset's prefill ran 2-10x slower meanwhile).
         get_codec(transfer.codec).prepare(engine.kv_cache)
@@ -40,8 +41,9 @@ class PrefillActor:
             log.warning("fp8 codec kernels not built within %.0fs; encoding with the eager codec meanwhile",
                         CODEC_BUILD_TIMEOUT_S)
         self.worker.start()
-        log.info("prefill actor %s ready: model %s, %d KV blocks, transport %s/%s", actor_id,
-                 engine.model_dir, engine.block_manager.num_blocks, transfer.transport, transfer.codec)
+        log.info("prefill actor %s ready: model %s, %d KV blocks, transport %s/%s%s", actor_id,
+                 engine.model_dir, engine.block_manager.num_blocks, transfer.transport, transfer.codec,
+                 ", layer-wise" if transfer.layerwise else "")
 
     async def prefill(self, job_bytes: bytes) -> bytes:
         """A serialized `PrefillJob` in, its serialized `PrefillResult` out."""

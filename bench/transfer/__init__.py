@@ -3,6 +3,9 @@
     driver.py   runs every link x transport x codec x payload, the memcpy and socket baselines; prints the table
     peer.py     one end of a run in its own process (``python -m bench.transfer.peer``) or Ray actor
     netns.py    shaped links: two network namespaces joined by a veth pair, tc-limited
+    ttft.py     low-load TTFT: colocated vs disaggregated, with and without layer-wise streaming
+                (``python -m bench.transfer.ttft``), the handoff after the first token split out
+    handoff_probe.py  the handoff per transport (ray included), with and without layer-wise streaming, one process
 """
 
 

@@ -36,6 +36,9 @@ class KVTransferSection(Section):
         description="Largest message on the wire, bytes (also '4MiB'); at most 64 MiB.")
     deadline_s: Float = Field(30.0, gt=0, description="Seconds before a transfer fails and "
                               "the router re-dispatches the request.")
+    layerwise: bool = Field(
+        True, description="Stream each layer's KV blocks as prefill finishes that layer (the last layer's last "
+        "block goes with the first token); false: ship the whole prompt's KV once the first token is sampled.")
     link_gbps: Optional[Float] = Field(
         None, gt=0, description="Bandwidth between the prefill and decode pools, Gbit/s, for the planner's "
         "network term; unset: what `pdserve profile` measured with this transport and compression.")

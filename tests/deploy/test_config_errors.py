@@ -58,6 +58,8 @@ BAD_CONFIGS = [
      "must be <= 67108864, got 134217728"),
     ("chunk-garbage", "kv_transfer: {chunk_bytes: lots}\n", "kv_transfer.chunk_bytes",
      "expected bytes (an integer or e.g. '4MiB'), got 'lots'"),
+    ("layerwise-garbage", "kv_transfer: {layerwise: sometimes}\n", "kv_transfer.layerwise",
+     "expected true or false, got 'sometimes'"),
     ("negative-slo", "slo: {tpot_p99_ms: -5}\n", "slo.tpot_p99_ms", "must be > 0, got -5"),
     ("infinite-deadline", "kv_transfer: {deadline_s: .inf}\n", "kv_transfer.deadline_s",
      "expected a finite number, got inf"),

@@ -8,6 +8,7 @@ import pytest
 from pydantic import BaseModel
 
 from deploy.config import DEFAULT_CONFIG_PATH, ConfigError, PDServeConfig, load_config, parse_override
+from deploy.launcher import transfer_settings
 
 DEPLOY_DIR = os.path.dirname(DEFAULT_CONFIG_PATH)
 SHIPPED = [DEFAULT_CONFIG_PATH] + sorted(glob.glob(os.path.join(DEPLOY_DIR, "examples", "*.yaml")))
@@ -34,6 +35,7 @@ def test_pools_yaml_is_the_embedded_default():
     assert (default.kv_transfer.transport, default.kv_transfer.compression) == ("grpc", "fp8")
     assert (default.server.host, default.server.port) == ("127.0.0.1", 50051)
     assert default.kv_transfer.chunk_bytes == 4 << 20
+    assert default.kv_transfer.layerwise is True
     assert default.kv_cache.block_size == 16
 
 
@@ -93,6 +95,9 @@ def test_cli_strings_are_coerced_or_rejected():
                                      parse_override("kv_transfer.chunk_bytes=1MiB")]))
     assert config.pools.prefill.count == 3 and config.pools.decode.bounds() == (1, 8)
     assert config.kv_transfer.chunk_bytes == 1 << 20
+    layerwise_off = load_config(None, {"kv_transfer.layerwise": "false"})
+    assert layerwise_off.kv_transfer.layerwise is False
+    assert transfer_settings(layerwise_off, "token", "127.0.0.1").layerwise is False     # what the actors get
     assert parse_override("pools.prefill.resources.custom={prefill_node: 1}") == (
         "pools.prefill.resources.custom", {"prefill_node": 1})
     assert load_config(None, {"server.port": "6000"}).server.port == 6000

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from kv_transfer.chunker import ChunkJob, EncodedChunk, pipeline_chunk_bytes, plan_chunks
+from kv_transfer.chunker import ChunkJob, EncodedChunk, piece_nbytes, pipeline_chunk_bytes, plan_chunks
 from kv_transfer.interface import FailedSide, TransferError, TransferStatus
 from kv_transfer.internal_auth import InternalTLS
 from kv_transfer.layout import HandshakeError, check_compatible
@@ -155,10 +155,11 @@ class TcpSender(BaseSender):
         if self.codec.name != "none" or rows is None:
             return super()._jobs(job)
         kv_cache, src_block_ids, layers = job["kv_cache"], job["src_block_ids"], job["layers"]
+        blocks = job["blocks"] or (0, len(src_block_ids))
         cell_bytes = cell_nbytes(kv_cache)
-        total_nbytes = (layers[1] - layers[0]) * len(src_block_ids) * cell_bytes
+        total_nbytes = piece_nbytes(layers, blocks, cell_bytes)
         plans = plan_chunks(layers, len(src_block_ids), cell_bytes,
-                            pipeline_chunk_bytes(total_nbytes, job["chunk_bytes"]))
+                            pipeline_chunk_bytes(total_nbytes, job["chunk_bytes"]), blocks)
         layout, codec, deadline_at = self.layout, self.codec, job["deadline_at"]
         ids = dict(request_id=job["request_id"], transfer_id=job["transfer_id"], num_tokens=job["num_tokens"],
                    first_token_id=job["first_token_id"], handoff=job["handoff"])  # the caller clears `job`

@@ -64,10 +64,10 @@ class TorchSender(BaseSender):
         self._key = rendezvous_key(self.token)
         self._sending = threading.local()  # .deadline_at of the send this worker thread runs
 
-    def _run(self, handle, dest: str, job: dict) -> None:
+    def _run(self, handle, dest: str, job: dict, ready=None) -> None:
         self._sending.deadline_at = job["deadline_at"]  # the handshake that builds a pair keeps to it
         try:
-            super()._run(handle, dest, job)
+            super()._run(handle, dest, job, ready)
         finally:
             self._sending.deadline_at = None
 

@@ -84,6 +84,41 @@ def test_layer_by_layer_equals_one_shot(make_pair, kind, codec, layout):
     assert torch.equal(one_shot.dst_cache.view(torch.uint8), layered.dst_cache.view(torch.uint8))
 
 
+@pytest.mark.parametrize("kind", ["fake", "grpc", "tcp", "torch"])
+@pytest.mark.parametrize("codec", ["none", "fp8"])
+def test_pieces_by_layer_and_block_range_with_a_late_handoff(make_pair, kind, codec, layout):
+    """Layer-wise streaming's pieces: (layer, block range) rectangles, in any order, the handoff only in
+    the last one: the same cache as one shot, and the handoff of the piece that carried it."""
+    src = random_cache(layout, 8, seed=4)
+    src_ids = [6, 0, 3, 5, 1]
+    one_shot = make_pair(kind, layout, codec=codec, chunk_bytes=200)
+    assert one_shot.sender.send("r", src, src_ids, one_shot.dest).wait(30) == TransferStatus.DONE
+    pieces = make_pair(kind, layout, codec=codec, chunk_bytes=200)
+    early = [((layer, layer + 1), blocks) for layer in (1, 0, 2) for blocks in ((0, 2), (2, 4))]
+    early += [((0, 2), (4, 5))]
+    handles = [pieces.sender.send("r", src, src_ids, pieces.dest, transfer_id="t", layers=layers, blocks=blocks,
+                                  num_tokens=20) for layers, blocks in early]
+    for h in handles:
+        assert h.wait(30) == TransferStatus.DONE, h
+    assert pieces.receiver.status("t") == TransferStatus.TRANSFERRING       # one cell still missing
+    last = pieces.sender.send("r", src, src_ids, pieces.dest, transfer_id="t", layers=(2, 3), blocks=(4, 5),
+                              num_tokens=20, first_token_id=7, handoff=b"first tokens")
+    assert last.wait(30) == TransferStatus.DONE, last
+    result = pieces.receiver.wait("t", 10)
+    assert result.status == TransferStatus.DONE and result.dst_block_ids == [0, 1, 2, 3, 4]
+    assert (result.first_token_id, result.handoff, result.num_tokens) == (7, b"first tokens", 20)
+    assert torch.equal(one_shot.dst_cache.view(torch.uint8), pieces.dst_cache.view(torch.uint8))
+
+
+def test_a_bad_block_range_fails_on_the_sender_side(make_pair, layout):
+    pair = make_pair("fake", layout)
+    src = random_cache(layout, 4)
+    for blocks in ((0, 3), (1, 1), (-1, 1)):
+        handle = pair.sender.send("r", src, [0, 1], pair.dest, blocks=blocks)
+        assert handle.wait(5) == TransferStatus.FAILED and "bad block range" in handle.error
+    assert pair.pool.num_used == 0
+
+
 @pytest.mark.parametrize("kind", ["grpc", "tcp"])
 def test_fp8_round_trip_is_close(make_pair, kind):
     layout = KVLayout(2, 2, 16, 64, torch.bfloat16, "m")
