@@ -23,7 +23,7 @@ import uuid
 
 import torch
 
-from engine import attention_compiled, memory_budget
+from engine import attention_compiled, attention_flex, memory_budget
 from engine.block_manager import BlockManager, prompt_block_hashes
 from engine.config import ModelConfig
 from engine.generation_config import GenerationConfig
@@ -53,12 +53,15 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 ATTENTION_ENV = "PDSERVE_ATTENTION"
 
 
+ATTENTION_MODES = ("compiled", "eager", "flex", "flex-eager")
+
+
 def pick_attention(attention: str, device: torch.device) -> str:
-    """`auto`: $PDSERVE_ATTENTION when set, else `compiled` on CPU and `eager` elsewhere."""
+    """`auto`: $PDSERVE_ATTENTION when set, else `compiled` on CPU and `flex` on CUDA."""
     if attention == "auto":
-        attention = os.environ.get(ATTENTION_ENV) or ("compiled" if device.type == "cpu" else "eager")
-    if attention not in ("compiled", "eager"):
-        raise ValueError(f"attention must be one of auto, compiled, eager; got {attention!r}")
+        attention = os.environ.get(ATTENTION_ENV) or ("compiled" if device.type == "cpu" else "flex")
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of auto, {', '.join(ATTENTION_MODES)}; got {attention!r}")
     return attention
 
 
@@ -76,10 +79,13 @@ class Engine:
         max_num_seqs: most requests in the running batch.
         enable_prefix_cache: reuse full blocks of earlier prompts.
         max_model_len: context limit (default: the model's max_position_embeddings).
-        attention: decode attention; `compiled` reads K/V through the block table in one
-            Inductor kernel (compiled at start-up, a few seconds, cached on disk), `eager`
-            gathers the blocks and runs bmm; `auto` = compiled on CPU (eager if it cannot
-            compile), eager on CUDA, or $PDSERVE_ATTENTION.
+        attention: `compiled`: decode reads K/V through the block table in one Inductor kernel
+            (compiled at start-up, a few seconds, cached on disk), prefill through SDPA; `eager`
+            gathers the decode blocks and runs bmm; `flex`: prefill and decode both through
+            `flex_attention` over the paged cache (attention_flex; compiled and checked at
+            start-up); `flex-eager`: the same through flex's reference math (slow: CPU tests);
+            `auto` = compiled on CPU, flex on CUDA (eager if the kernel cannot be built), or
+            $PDSERVE_ATTENTION.
     """
 
     def __init__(self, model: str = "tiny", *, dtype: str | torch.dtype = "auto", device: str | None = None,
@@ -119,14 +125,17 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache)
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, chunk_size,
                                    cfg.sliding_window)
-        kernel = None
+        kernel = flex = None
         if attention == "compiled":
             kernel = attention_compiled.build(self.kv_cache[0], cfg.num_attention_heads)
-        if kernel is None and requested == "compiled":
-            raise RuntimeError("attention='compiled' was asked for but the kernel cannot be compiled here "
+        elif attention.startswith("flex"):
+            flex = attention_flex.build(self.kv_cache, cfg.num_attention_heads, cfg.sliding_window,
+                                        compile=attention == "flex")
+        if kernel is None and flex is None and requested != "auto" and attention != "eager":
+            raise RuntimeError(f"attention={attention!r} was asked for but the kernel cannot be built here "
                                "(see the log); use attention='eager'")
-        self.attention = "compiled" if kernel is not None else "eager"
-        self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device, kernel)
+        self.attention = "compiled" if kernel is not None else attention if flex is not None else "eager"
+        self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device, kernel, flex)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
 
