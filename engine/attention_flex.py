@@ -47,6 +47,7 @@ class FlexPart:
     """One flex call of a step: the prefill tokens (packed) or the decode tokens."""
     rows: torch.Tensor | None   # [n] batch rows of these queries; None = every row, in order
     block_mask: BlockMask
+    num_padded: int = 0         # decode: batch entries past the n queries (a bucket size: one graph each)
 
 
 @dataclass(slots=True)
@@ -68,11 +69,11 @@ class _Tiles:
         self.partial.append([p * self.unit for p, whole in pages.items() if not whole])
         self.full.append([p * self.unit for p, whole in pages.items() if whole])
 
-    def tensors(self, batch: int, tiles: int, min_width: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def tensors(self, batch: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """[B, 1, tiles] counts and [B, 1, tiles, W] indices, for the partial then the full pages."""
         out = []
         for lists in (self.partial, self.full):
-            width = max(min_width, max((len(x) for x in lists), default=0), 1)
+            width = max(max((len(x) for x in lists), default=0), 1)
             idx = torch.zeros(len(lists), width, dtype=torch.int32)
             for i, x in enumerate(lists):
                 idx[i, :len(x)] = torch.tensor(x, dtype=torch.int32)
@@ -111,18 +112,23 @@ def _mask_mod(page_logical: torch.Tensor, query_seq: torch.Tensor | None, query_
     return mask
 
 
+def decode_bucket(num_seqs: int) -> int:
+    """The padded decode batch: the next power of two (a compiled kernel keeps one graph per bucket)."""
+    return 1 << (num_seqs - 1).bit_length()
+
+
 def _window_first(position: int, window: int | None) -> int:
     return 0 if window is None else max(position - window + 1, 0)
 
 
 def build_flex_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int, num_blocks: int,
                         num_kv_heads: int, device: torch.device, sliding_window: int | None = None,
-                        q_tile: int = Q_TILE, min_width: int = 0) -> FlexMetadata:
+                        q_tile: int = Q_TILE, pad_decode: bool = False) -> FlexMetadata:
     """seqs: (start, num_new, block_table) per sequence, in batch order (as `attention.build_metadata`).
 
     A sequence with one new token after a cached prefix is a decode query; the rest are prefill chunks
-    (fresh or continuing a prefix). `min_width`: least kv-index width (Inductor's CPU template wants
-    every page of the pool indexable).
+    (fresh or continuing a prefix). `pad_decode`: pad the decode batch to its `decode_bucket` with
+    queries that see nothing.
     """
     rows_total = (num_blocks - 1) * 2 * num_kv_heads * block_size + block_size
     prefill, decode = [], []     # (first batch row, start, num_new, table)
@@ -168,7 +174,7 @@ def build_flex_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
         query_pos = torch.tensor(qpos + [-1] * pad, dtype=torch.long, device=device)
         mask = _mask_mod(_page_logical(tables, num_blocks, device), query_seq, query_pos, block_size,
                          num_kv_heads, sliding_window)
-        counts = tiles.tensors(1, num_tiles, min_width, device)
+        counts = tiles.tensors(1, num_tiles, device)
         block_mask = BlockMask.from_kv_blocks(*counts, BLOCK_SIZE=(q_tile, block_size), mask_mod=mask,
                                               seq_lengths=(num_rows, rows_total), compute_q_blocks=False)
         contiguous = batch_rows == list(range(num_rows)) and row == num_rows
@@ -181,15 +187,28 @@ def build_flex_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
             tiles.add(pages(table, start, start, start, start, True))
             lo = _window_first(start, sliding_window) // block_size
             tables.append([(j, table[j]) for j in range(lo, start // block_size + 1)])
-        query_pos = torch.tensor([start for _, start, _, _ in decode], dtype=torch.long, device=device)
+        num_padded = decode_bucket(len(decode)) - len(decode) if pad_decode else 0
+        for _ in range(num_padded):
+            tiles.add({})
+            tables.append([])
+        query_pos = torch.tensor([start for _, start, _, _ in decode] + [-1] * num_padded, dtype=torch.long,
+                                 device=device)
         mask = _mask_mod(_page_logical(tables, num_blocks, device), None, query_pos, block_size, num_kv_heads,
                          sliding_window)
-        counts = tiles.tensors(len(decode), 1, min_width, device)
+        counts = tiles.tensors(len(tables), 1, device)
         block_mask = BlockMask.from_kv_blocks(*counts, BLOCK_SIZE=(1, block_size), mask_mod=mask,
                                               seq_lengths=(1, rows_total), compute_q_blocks=False)
         rows = None if all_decode else torch.tensor([r for r, _, _, _ in decode], dtype=torch.long, device=device)
-        meta.decode = FlexPart(rows, block_mask)
+        meta.decode = FlexPart(rows, block_mask, num_padded)
     return meta
+
+
+def _prefill_flex(*args, **kwargs) -> torch.Tensor:     # own code objects: own compile caches
+    return flex_attention(*args, **kwargs)
+
+
+def _decode_flex(*args, **kwargs) -> torch.Tensor:
+    return flex_attention(*args, **kwargs)
 
 
 def _eager_flex(*args, **kwargs) -> torch.Tensor:
@@ -204,9 +223,9 @@ def _eager_flex(*args, **kwargs) -> torch.Tensor:
 
 
 class FlexAttention:
-    """The paged flex kernel of one engine's cache: compiled by Inductor (Triton on CUDA, C++ on CPU), or
-    eager (flex's reference math, which scores every row of the pool: for CPU tests of the same views,
-    block masks and mask_mod at toy sizes)."""
+    """The paged flex kernel of one engine's cache: compiled by Inductor (Triton, CUDA only), or eager
+    (flex's reference math, which scores every row of the pool: CPU tests of the same views, block
+    masks and mask_mod, at toy sizes)."""
 
     def __init__(self, num_blocks: int, num_kv_heads: int, block_size: int, device: torch.device,
                  compile: bool = True, q_tile: int | None = None):
@@ -221,13 +240,23 @@ class FlexAttention:
                                  f"got {block_size}")
             # Triton tiles of BLOCK_N keys must divide the page (flex's sparse kv block)
             self.kernel_options = {"BLOCK_N": next(n for n in (64, 32, 16) if block_size % n == 0)}
-        # Inductor's CPU template wants kv indices as wide as the pool's kv blocks
-        self.min_width = (num_blocks - 1) * 2 * num_kv_heads + 1 if compile and device.type == "cpu" else 0
-        self._flex = torch.compile(flex_attention) if compile else _eager_flex
+        if compile and device.type != "cuda":
+            # torch 2.13's C++ flex template compiles a fixed shape but emits invalid C++ once a query length
+            # or batch changes (and wants kv indices as wide as the whole pool): refused rather than broken
+            raise ValueError(f"compiled flex attention runs on CUDA only (not {device.type}); "
+                             "flex-eager is its reference path")
+        # Two compiled entries: prefill with a dynamic query length; decode static per batch bucket
+        # (flex's decoding kernel wants a static batch), the batch padded to the bucket.
+        self.pad_decode = compile
+        if compile:
+            dynamo_config = torch._dynamo.config
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 16)   # one graph per bucket
+        self._prefill = torch.compile(_prefill_flex, dynamic=True) if compile else _eager_flex
+        self._decode = torch.compile(_decode_flex, dynamic=False) if compile else _eager_flex
 
     def metadata(self, seqs: list[tuple[int, int, list[int]]], sliding_window: int | None) -> FlexMetadata:
         return build_flex_metadata(seqs, self.block_size, self.num_blocks, self.num_kv_heads, self.device,
-                                   sliding_window, self.q_tile, self.min_width)
+                                   sliding_window, self.q_tile, self.pad_decode)
 
     def __call__(self, q: torch.Tensor, layer_cache: torch.Tensor, meta: FlexMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D] (the new tokens; their K/V already written) -> [T, Hq, D]."""
@@ -238,12 +267,14 @@ class FlexAttention:
                 continue
             qs = q if part.rows is None else q[part.rows]                   # [n, Hq, D]
             if decode:
+                if part.num_padded:
+                    qs = torch.cat([qs, qs.new_zeros(part.num_padded, *qs.shape[1:])])
                 qs, options = qs[:, :, None, :], None                       # [B, Hq, 1, D]
             else:
                 qs, options = qs.transpose(0, 1)[None], self.kernel_options  # [1, Hq, n, D]
-            o = self._flex(qs, key, value, block_mask=part.block_mask, scale=scale, enable_gqa=True,
-                           kernel_options=options)
-            o = o[:, :, 0] if decode else o[0].transpose(0, 1)              # [n, Hq, D]
+            flex = self._decode if decode else self._prefill
+            o = flex(qs, key, value, block_mask=part.block_mask, scale=scale, enable_gqa=True, kernel_options=options)
+            o = o[:o.shape[0] - part.num_padded, :, 0] if decode else o[0].transpose(0, 1)   # [n, Hq, D]
             if part.rows is None:
                 return o
             if out is None:
