@@ -48,6 +48,8 @@ class FlexPart:
     rows: torch.Tensor | None   # [n] batch rows of these queries; None = every row, in order
     block_mask: BlockMask
     num_padded: int = 0         # decode: batch entries past the n queries (a bucket size: one graph each)
+    page_logical: torch.Tensor | None = None   # the mask_mod's tables ([S, NB + 1], [n or B]), for CUDA graphs
+    query_pos: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -69,16 +71,18 @@ class _Tiles:
         self.partial.append([p * self.unit for p, whole in pages.items() if not whole])
         self.full.append([p * self.unit for p, whole in pages.items() if whole])
 
-    def tensors(self, batch: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def tensors(self, batch: int, tiles: int, device: torch.device, width: int = 1) -> tuple[torch.Tensor, ...]:
         """[B, 1, tiles] counts and [B, 1, tiles, W] indices, for the partial then the full pages."""
         out = []
         for lists in (self.partial, self.full):
-            width = max(max((len(x) for x in lists), default=0), 1)
-            idx = torch.zeros(len(lists), width, dtype=torch.int32)
+            longest = max((len(x) for x in lists), default=0)
+            if longest > width and width > 1:
+                raise ValueError(f"a sequence reads {longest} pages, more than the fixed width {width}")
+            idx = torch.zeros(len(lists), max(longest, width), dtype=torch.int32)
             for i, x in enumerate(lists):
                 idx[i, :len(x)] = torch.tensor(x, dtype=torch.int32)
             num = torch.tensor([len(x) for x in lists], dtype=torch.int32)
-            out += [num.view(batch, 1, tiles).to(device), idx.view(batch, 1, tiles, width).to(device)]
+            out += [num.view(batch, 1, tiles).to(device), idx.view(batch, 1, tiles, -1).to(device)]
         return tuple(out)
 
 
@@ -123,12 +127,14 @@ def _window_first(position: int, window: int | None) -> int:
 
 def build_flex_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int, num_blocks: int,
                         num_kv_heads: int, device: torch.device, sliding_window: int | None = None,
-                        q_tile: int = Q_TILE, pad_decode: bool = False) -> FlexMetadata:
+                        q_tile: int = Q_TILE, pad_decode: bool = False, decode_batch: int | None = None,
+                        decode_width: int | None = None) -> FlexMetadata:
     """seqs: (start, num_new, block_table) per sequence, in batch order (as `attention.build_metadata`).
 
     A sequence with one new token after a cached prefix is a decode query; the rest are prefill chunks
     (fresh or continuing a prefix). `pad_decode`: pad the decode batch to its `decode_bucket` with
-    queries that see nothing.
+    queries that see nothing; `decode_batch` / `decode_width`: pad it to exactly this batch and kv-index
+    width (the fixed shapes of a CUDA graph), its padded entries kept in the output.
     """
     rows_total = (num_blocks - 1) * 2 * num_kv_heads * block_size + block_size
     prefill, decode = [], []     # (first batch row, start, num_new, table)
@@ -188,18 +194,21 @@ def build_flex_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
             lo = _window_first(start, sliding_window) // block_size
             tables.append([(j, table[j]) for j in range(lo, start // block_size + 1)])
         num_padded = decode_bucket(len(decode)) - len(decode) if pad_decode else 0
+        if decode_batch is not None:
+            num_padded = decode_batch - len(decode)
         for _ in range(num_padded):
             tiles.add({})
             tables.append([])
         query_pos = torch.tensor([start for _, start, _, _ in decode] + [-1] * num_padded, dtype=torch.long,
                                  device=device)
-        mask = _mask_mod(_page_logical(tables, num_blocks, device), None, query_pos, block_size, num_kv_heads,
-                         sliding_window)
-        counts = tiles.tensors(len(tables), 1, device)
+        page_logical = _page_logical(tables, num_blocks, device)
+        mask = _mask_mod(page_logical, None, query_pos, block_size, num_kv_heads, sliding_window)
+        counts = tiles.tensors(len(tables), 1, device, decode_width or 1)
         block_mask = BlockMask.from_kv_blocks(*counts, BLOCK_SIZE=(1, block_size), mask_mod=mask,
                                               seq_lengths=(1, rows_total), compute_q_blocks=False)
         rows = None if all_decode else torch.tensor([r for r, _, _, _ in decode], dtype=torch.long, device=device)
-        meta.decode = FlexPart(rows, block_mask, num_padded)
+        meta.decode = FlexPart(rows, block_mask, 0 if decode_batch is not None else num_padded, page_logical,
+                               query_pos)
     return meta
 
 
@@ -228,8 +237,10 @@ class FlexAttention:
     masks and mask_mod, at toy sizes)."""
 
     def __init__(self, num_blocks: int, num_kv_heads: int, block_size: int, device: torch.device,
-                 compile: bool = True, q_tile: int | None = None):
+                 compile: bool = True, q_tile: int | None = None, max_model_len: int | None = None):
         self.num_blocks, self.num_kv_heads, self.block_size = num_blocks, num_kv_heads, block_size
+        # decode page lists padded to the most pages a sequence reads when compiled: one graph per bucket
+        self.max_pages = -(-max_model_len // block_size) if max_model_len else None
         self.device = device
         self.compiled = compile
         self.q_tile = q_tile or Q_TILE
@@ -254,9 +265,12 @@ class FlexAttention:
         self._prefill = torch.compile(_prefill_flex, dynamic=True) if compile else _eager_flex
         self._decode = torch.compile(_decode_flex, dynamic=False) if compile else _eager_flex
 
-    def metadata(self, seqs: list[tuple[int, int, list[int]]], sliding_window: int | None) -> FlexMetadata:
+    def metadata(self, seqs: list[tuple[int, int, list[int]]], sliding_window: int | None,
+                 decode_batch: int | None = None, decode_width: int | None = None) -> FlexMetadata:
+        if decode_width is None and self.compiled:
+            decode_width = self.max_pages
         return build_flex_metadata(seqs, self.block_size, self.num_blocks, self.num_kv_heads, self.device,
-                                   sliding_window, self.q_tile, self.pad_decode)
+                                   sliding_window, self.q_tile, self.pad_decode, decode_batch, decode_width)
 
     def __call__(self, q: torch.Tensor, layer_cache: torch.Tensor, meta: FlexMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D] (the new tokens; their K/V already written) -> [T, Hq, D]."""
@@ -307,13 +321,14 @@ class FlexAttention:
             raise RuntimeError("flex paged attention disagrees with the eager path")
 
 
-def build(kv_cache: torch.Tensor, num_heads: int, sliding_window: int | None,
-          compile: bool = True) -> FlexAttention | None:
+def build(kv_cache: torch.Tensor, num_heads: int, sliding_window: int | None, compile: bool = True,
+          max_model_len: int | None = None) -> FlexAttention | None:
     """A checked flex kernel for this cache [L, NB, 2, Hkv, bs, D], or None (cannot compile or disagrees)."""
     _, num_blocks, _, num_kv_heads, block_size, _ = kv_cache.shape
     start = time.perf_counter()
     try:
-        kernel = FlexAttention(num_blocks, num_kv_heads, block_size, kv_cache.device, compile)
+        kernel = FlexAttention(num_blocks, num_kv_heads, block_size, kv_cache.device, compile,
+                               max_model_len=max_model_len)
         kernel.warm_up(kv_cache[0], num_heads, sliding_window)
     except Exception as exc:           # no compiler, Triton/Inductor limitation: the eager path is always right
         log.warning("flex paged attention unavailable (%s: %s); using the eager path",

@@ -26,6 +26,7 @@ class ModelRunner:
         self.model = model
         self.decode_kernel = decode_kernel  # attention_compiled.CompiledDecode, or None for the eager gather
         self.flex_kernel = flex_kernel      # attention_flex.FlexAttention: all attention through it
+        self.graphs = None                  # decode_graphs.DecodeGraphs: pure-decode steps replayed
         model.use_input_major_weights()   # faster small-batch decode GEMMs on CPU; a no-op elsewhere
         self.kv_cache = kv_cache          # [L, NB, 2, Hkv, bs, D]
         self.block_size = block_size
@@ -61,6 +62,8 @@ class ModelRunner:
                 sample_rows.append(len(logit_rows) - 1)
                 sampling.append(req)
         dev = self.device
+        if self.graphs is not None and not prompt_parts and self.graphs.accepts(seqs):
+            return ModelOutput(sampling, self.graphs.run(input_ids, positions, seqs))
         meta = build_metadata(seqs, self.block_size, dev, self.decode_kernel, self.sliding_window, self.flex_kernel)
         logits = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev),
