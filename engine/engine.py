@@ -24,7 +24,7 @@ import uuid
 
 import torch
 
-from engine import attention_compiled, attention_flex, memory_budget
+from engine import attention_compiled, attention_flex, kernel_choice, memory_budget
 from engine.block_manager import BlockManager, prompt_block_hashes
 from engine.config import ModelConfig
 from engine.decode_graphs import DecodeGraphs
@@ -87,7 +87,8 @@ class Engine:
             gathers the decode blocks and runs bmm; `flex`: prefill and decode both through
             `flex_attention` over the paged cache (attention_flex; compiled and checked at
             start-up); `flex-eager`: the same through flex's reference math (slow: CPU tests);
-            `auto` = compiled on CPU, flex on CUDA (eager if the kernel cannot be built), or
+            `auto` = compiled on CPU (unless the eager path measured faster on this machine:
+            engine/kernel_choice.py), flex on CUDA (eager if the kernel cannot be built), or
             $PDSERVE_ATTENTION.
         cuda_graphs: run pure-decode steps as CUDA graphs, one per padded batch size up to
             `max_num_seqs` (engine/decode_graphs.py; needs the flex kernel; one KV block is kept as
@@ -137,6 +138,9 @@ class Engine:
         kernel = flex = None
         if attention == "compiled":
             kernel = attention_compiled.build(self.kv_cache[0], cfg.num_attention_heads)
+            if kernel is not None and requested == "auto" and not os.environ.get(ATTENTION_ENV) and \
+                    not kernel_choice.compiled_decode_wins(kernel, self.kv_cache[0], cfg.num_attention_heads):
+                kernel = None              # the gather + bmm path measured faster on this machine
         elif attention.startswith("flex"):
             flex = attention_flex.build(self.kv_cache, cfg.num_attention_heads, cfg.sliding_window,
                                         compile=attention == "flex", max_model_len=self.max_model_len)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import kernel_choice
 from engine.attention import build_metadata
 from engine.model import LlamaModel
 from engine.request import Request
@@ -27,7 +28,8 @@ class ModelRunner:
         self.decode_kernel = decode_kernel  # attention_compiled.CompiledDecode, or None for the eager gather
         self.flex_kernel = flex_kernel      # attention_flex.FlexAttention: all attention through it
         self.graphs = None                  # decode_graphs.DecodeGraphs: pure-decode steps replayed
-        model.use_input_major_weights()   # faster small-batch decode GEMMs on CPU; a no-op elsewhere
+        if kernel_choice.input_major_weights_win(model):   # measured once per machine (CPU float32 only)
+            model.use_input_major_weights()
         self.kv_cache = kv_cache          # [L, NB, 2, Hkv, bs, D]
         self.block_size = block_size
         self.device = device

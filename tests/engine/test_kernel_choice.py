@@ -1,0 +1,82 @@
+"""Per-machine kernel choices: the faster alternative wins, the result is cached on disk by machine and
+shapes and reused, and the engine applies the weight-layout choice."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from engine import kernel_choice
+
+
+def _timer(seconds: dict[str, float], calls: list[str]):
+    def timer(fn):
+        calls.append(fn.label)
+        return seconds[fn.label]
+    return timer
+
+
+def _candidates(*labels: str) -> dict:
+    out = {}
+    for label in labels:
+        def fn() -> None:
+            return None
+        fn.label = label
+        out[label] = fn
+    return out
+
+
+def test_the_faster_candidate_wins_and_is_cached(tmp_path):
+    path = str(tmp_path / "choices.json")
+    calls: list[str] = []
+    pick = kernel_choice.choose("layout", (64, 128), _candidates("a", "b"),
+                                timer=_timer({"a": 2e-3, "b": 1e-3}, calls), path=path)
+    assert pick == "b" and calls == ["a", "b"]
+    (entry,) = json.loads(open(path).read()).values()
+    assert entry["choice"] == "b" and entry["seconds"] == {"a": 2e-3, "b": 1e-3}
+    assert entry["machine"] == kernel_choice.machine_key() and entry["shapes"] == "(64, 128)"
+    # the same machine and shapes: read back, nothing timed (even if timings would now say otherwise)
+    assert kernel_choice.choose("layout", (64, 128), _candidates("a", "b"),
+                                timer=_timer({"a": 1e-4, "b": 1e-3}, calls), path=path) == "b"
+    assert calls == ["a", "b"]
+    # other shapes or another choice: measured on their own, both kept
+    assert kernel_choice.choose("layout", (64, 256), _candidates("a", "b"),
+                                timer=_timer({"a": 1e-4, "b": 1e-3}, calls), path=path) == "a"
+    assert kernel_choice.choose("attention", (64, 128), _candidates("a", "b"),
+                                timer=_timer({"a": 5e-3, "b": 1e-3}, calls), path=path) == "b"
+    assert calls == ["a", "b"] * 3 and len(json.loads(open(path).read())) == 3
+
+
+def test_a_broken_cache_file_is_measured_again(tmp_path):
+    path = tmp_path / "choices.json"
+    path.write_text("{not json")
+    calls: list[str] = []
+    assert kernel_choice.choose("x", (1,), _candidates("a", "b"), timer=_timer({"a": 1.0, "b": 2.0}, calls),
+                                path=str(path)) == "a"
+    assert calls == ["a", "b"] and len(json.loads(path.read_text())) == 1
+
+
+def test_the_machine_key_names_cpu_and_torch():
+    key = kernel_choice.machine_key()
+    assert torch.__version__ in key and f"{torch.get_num_threads()} threads" in key
+    assert kernel_choice.cpu_identity() in key
+
+
+def test_engine_applies_the_measured_weight_layout(tiny_model_dir, tmp_path, monkeypatch):
+    """Stubbed timings make each layout win in turn; the engine's weights follow (same values either way)."""
+    from engine import Engine
+    monkeypatch.setenv(kernel_choice.CACHE_ENV, str(tmp_path / "choices.json"))
+    weights = {}
+    for winner in ("row-major", "input-major"):
+        def timer(fn, winner=winner):          # fn: partial(run, layer weights in one layout)
+            layout = "row-major" if fn.args[0][0].is_contiguous() else "input-major"
+            return 1e-3 if layout == winner else 2e-3
+        monkeypatch.setattr(kernel_choice, "best_time", timer)
+        (tmp_path / "choices.json").unlink(missing_ok=True)
+        engine = Engine(tiny_model_dir, dtype="float32", num_blocks=16, attention="eager")
+        weight = engine.model.layers[0].qkv_proj.weight
+        assert weight.is_contiguous() is (winner == "row-major")
+        weights[winner] = weight.detach().contiguous()
+        (entry,) = json.loads((tmp_path / "choices.json").read_text()).values()
+        assert entry["name"] == "weight_layout" and entry["choice"] == winner
+    assert torch.equal(weights["row-major"], weights["input-major"])
