@@ -3,11 +3,13 @@
 A choice that wins on one CPU can lose on another (input-major float32 weights gave ~40% faster batch-1
 GEMV on an AMD EPYC host; the compiled decode attention against the gather + bmm path). So the engine
 times the alternatives once per machine and shape, keyed by the CPU model and its ISA flags, the torch
-version and thread count, and the shapes, and keeps the winner in `kernel_choices.json` beside Inductor's
+version and the shapes, and keeps the winner in `kernel_choices.json` beside Inductor's
 compiled-kernel cache (`$PDSERVE_CHOICE_CACHE` overrides the file); later engines on the machine read it.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -44,7 +46,9 @@ def cpu_identity() -> str:
 
 
 def machine_key() -> str:
-    return f"{cpu_identity()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    """Not the thread count: every process of a machine (a test and its actors, differently threaded)
+    must make the same choice, or float32 results would differ in the last bits between them."""
+    return f"{cpu_identity()} | torch {torch.__version__}"
 
 
 def cache_path() -> str:
@@ -89,6 +93,23 @@ def _store(path: str, data: dict) -> None:
         log.warning("kernel choices not cached (%s)", exc)
 
 
+@contextlib.contextmanager
+def _locked(path: str):
+    """An exclusive lock on `path`.lock (no lock where the folder cannot be written: measure anyway)."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        handle = open(f"{path}.lock", "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def choose(name: str, shapes: tuple, candidates: dict[str, Callable[[], object]],
            timer: Callable[[Callable[[], object]], float] | None = None, path: str | None = None) -> str:
     """The fastest candidate's label for this choice on this machine at these shapes (cached).
@@ -97,16 +118,19 @@ def choose(name: str, shapes: tuple, candidates: dict[str, Callable[[], object]]
     path = path or cache_path()
     timer = timer or best_time
     key = hashlib.sha256(f"{name} | {machine_key()} | {shapes}".encode()).hexdigest()[:24]
-    cache = _load(path)
-    hit = cache.get(key)
+    hit = _load(path).get(key)
     if isinstance(hit, dict) and hit.get("choice") in candidates:
         return hit["choice"]
-    seconds = {label: timer(fn) for label, fn in candidates.items()}
-    choice = min(seconds, key=seconds.get)
-    cache = _load(path)                    # another engine may have written meanwhile
-    cache[key] = {"name": name, "machine": machine_key(), "shapes": repr(shapes), "choice": choice,
-                  "seconds": seconds}
-    _store(path, cache)
+    with _locked(path):                    # engines starting together: one measures, the rest read its choice
+        hit = _load(path).get(key)
+        if isinstance(hit, dict) and hit.get("choice") in candidates:
+            return hit["choice"]
+        seconds = {label: timer(fn) for label, fn in candidates.items()}
+        choice = min(seconds, key=seconds.get)
+        cache = _load(path)
+        cache[key] = {"name": name, "machine": machine_key(), "shapes": repr(shapes), "choice": choice,
+                      "seconds": seconds}
+        _store(path, cache)
     log.info("kernel choice %s at %s: %s (%s)", name, shapes, choice,
              ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in seconds.items()))
     return choice

@@ -58,7 +58,7 @@ def test_a_broken_cache_file_is_measured_again(tmp_path):
 
 def test_the_machine_key_names_cpu_and_torch():
     key = kernel_choice.machine_key()
-    assert torch.__version__ in key and f"{torch.get_num_threads()} threads" in key
+    assert torch.__version__ in key and "threads" not in key      # one choice for every process of a machine
     assert kernel_choice.cpu_identity() in key
 
 
