@@ -2,7 +2,7 @@
 
 A choice that wins on one CPU can lose on another (input-major float32 weights gave ~40% faster batch-1
 GEMV on an AMD EPYC host; the compiled decode attention against the gather + bmm path). So the engine
-times the alternatives once per machine and shape, keyed by the CPU model and its ISA flags, the torch
+times the alternatives per operation once per machine and shape, keyed by the CPU model and its ISA flags, the torch
 version and the shapes, and keeps the winner in `kernel_choices.json` beside Inductor's
 compiled-kernel cache (`$PDSERVE_CHOICE_CACHE` overrides the file); later engines on the machine read it.
 """
@@ -110,37 +110,57 @@ def _locked(path: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def choose(name: str, shapes: tuple, candidates: dict[str, Callable[[], object]],
-           timer: Callable[[Callable[[], object]], float] | None = None, path: str | None = None) -> str:
-    """The fastest candidate's label for this choice on this machine at these shapes (cached).
+def measure(name: str, shapes: tuple, candidates: dict[str, Callable[[], object]],
+            timer: Callable[[Callable[[], object]], float] | None = None, path: str | None = None) -> dict:
+    """Seconds of each candidate for this operation on this machine at these shapes (cached on disk).
 
     `timer(fn) -> seconds` (default `best_time`) times one candidate."""
     path = path or cache_path()
     timer = timer or best_time
     key = hashlib.sha256(f"{name} | {machine_key()} | {shapes}".encode()).hexdigest()[:24]
-    hit = _load(path).get(key)
-    if isinstance(hit, dict) and hit.get("choice") in candidates:
-        return hit["choice"]
-    with _locked(path):                    # engines starting together: one measures, the rest read its choice
+
+    def cached() -> dict | None:
         hit = _load(path).get(key)
-        if isinstance(hit, dict) and hit.get("choice") in candidates:
-            return hit["choice"]
+        ok = isinstance(hit, dict) and isinstance(hit.get("seconds"), dict) and set(hit["seconds"]) == set(candidates)
+        return hit["seconds"] if ok else None
+    seconds = cached()
+    if seconds is not None:
+        return seconds
+    with _locked(path):                    # engines starting together: one measures, the rest read its figures
+        seconds = cached()
+        if seconds is not None:
+            return seconds
         seconds = {label: timer(fn) for label, fn in candidates.items()}
-        choice = min(seconds, key=seconds.get)
         cache = _load(path)
-        cache[key] = {"name": name, "machine": machine_key(), "shapes": repr(shapes), "choice": choice,
-                      "seconds": seconds}
+        cache[key] = {"name": name, "machine": machine_key(), "shapes": repr(shapes), "seconds": seconds,
+                      "choice": min(seconds, key=seconds.get)}
         _store(path, cache)
-    log.info("kernel choice %s at %s: %s (%s)", name, shapes, choice,
-             ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in seconds.items()))
-    return choice
+    log.info("measured %s at %s: %s", name, shapes, ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in seconds.items()))
+    return seconds
 
 
-def input_major_weights_win(model, prefill_tokens: int = 256, decode_steps: int = 16) -> bool:
-    """CPU float32: does the input-major weight layout beat row-major on this machine?
+def choose(name: str, shapes: tuple, candidates: dict[str, Callable[[], object]],
+           timer: Callable[[Callable[[], object]], float] | None = None, path: str | None = None) -> str:
+    """The fastest candidate's label (`measure`)."""
+    seconds = measure(name, shapes, candidates, timer, path)
+    return min(seconds, key=seconds.get)
 
-    Times one decoder layer's projections in both layouts at the model's shapes, on a mix of
-    `decode_steps` batch-1 GEMVs and one `prefill_tokens`-row GEMM (so decode cannot win at prefill's cost).
+
+PREFILL_SLACK = 1.03      # input-major may cost prefill GEMMs at most 3% for a faster decode GEMV
+
+
+def _linears(weights: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+    with torch.inference_mode():
+        for w, x in zip(weights, inputs):
+            F.linear(x, w)
+
+
+def input_major_weights_win(model, prefill_tokens: int = 256) -> bool:
+    """CPU float32: store the weights input-major on this machine?
+
+    Measured per operation on one decoder layer's projections in both layouts: the batch-1 decode GEMV
+    and a `prefill_tokens`-row prefill GEMM. Input-major is chosen when it is the faster decode layout
+    and costs prefill at most `PREFILL_SLACK` (one layout serves both: a weight is stored once).
     """
     weight = next(model.parameters())
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
@@ -149,17 +169,16 @@ def input_major_weights_win(model, prefill_tokens: int = 256, decode_steps: int 
     weights = [m.weight.detach() for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
     layouts = {"row-major": [w.contiguous() for w in weights],
                "input-major": [w.t().contiguous().t() for w in weights]}
-    inputs = [(torch.randn(1, w.shape[1]), torch.randn(prefill_tokens, w.shape[1])) for w in weights]
+    shapes = tuple(tuple(w.shape) for w in weights)
+    seconds = {}
+    for op, rows in (("decode_gemv", 1), ("prefill_gemm", prefill_tokens)):
+        inputs = [torch.randn(rows, w.shape[1]) for w in weights]
 
-    def run(ws: list[torch.Tensor]) -> None:
-        with torch.inference_mode():
-            for w, (x1, xp) in zip(ws, inputs):
-                for _ in range(decode_steps):
-                    F.linear(x1, w)
-                F.linear(xp, w)
-    shapes = tuple(tuple(w.shape) for w in weights) + (prefill_tokens, decode_steps)
-    return choose("weight_layout", shapes, {k: functools.partial(run, ws) for k, ws in layouts.items()}) == \
-        "input-major"
+        seconds[op] = measure(f"weight_layout/{op}", shapes + (rows,),
+                              {k: functools.partial(_linears, ws, inputs) for k, ws in layouts.items()})
+    decode, prefill = seconds["decode_gemv"], seconds["prefill_gemm"]
+    return decode["input-major"] < decode["row-major"] and \
+        prefill["input-major"] <= PREFILL_SLACK * prefill["row-major"]
 
 
 def compiled_decode_wins(kernel, layer_cache: torch.Tensor, num_heads: int, batch: int = 16,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from engine import kernel_choice
@@ -62,21 +63,25 @@ def test_the_machine_key_names_cpu_and_torch():
     assert kernel_choice.cpu_identity() in key
 
 
-def test_engine_applies_the_measured_weight_layout(tiny_model_dir, tmp_path, monkeypatch):
-    """Stubbed timings make each layout win in turn; the engine's weights follow (same values either way)."""
+@pytest.mark.parametrize("decode_s,prefill_s,input_major", [
+    ((2.0, 1.0), (1.00, 1.02), True),       # (row-major, input-major): faster decode, prefill within 3%
+    ((2.0, 1.0), (1.00, 1.10), False),      # faster decode but 10% slower prefill: row-major
+    ((1.0, 2.0), (1.00, 0.90), False),      # slower decode: row-major
+], ids=["input-major", "prefill-too-slow", "decode-slower"])
+def test_engine_applies_the_measured_weight_layout(tiny_model_dir, tmp_path, monkeypatch, decode_s, prefill_s,
+                                                   input_major):
+    """Stubbed timings per operation (batch-1 GEMV, 256-row GEMM) and layout; the engine's weights follow."""
     from engine import Engine
     monkeypatch.setenv(kernel_choice.CACHE_ENV, str(tmp_path / "choices.json"))
-    weights = {}
-    for winner in ("row-major", "input-major"):
-        def timer(fn, winner=winner):          # fn: partial(run, layer weights in one layout)
-            layout = "row-major" if fn.args[0][0].is_contiguous() else "input-major"
-            return 1e-3 if layout == winner else 2e-3
-        monkeypatch.setattr(kernel_choice, "best_time", timer)
-        (tmp_path / "choices.json").unlink(missing_ok=True)
-        engine = Engine(tiny_model_dir, dtype="float32", num_blocks=16, attention="eager")
-        weight = engine.model.layers[0].qkv_proj.weight
-        assert weight.is_contiguous() is (winner == "row-major")
-        weights[winner] = weight.detach().contiguous()
-        (entry,) = json.loads((tmp_path / "choices.json").read_text()).values()
-        assert entry["name"] == "weight_layout" and entry["choice"] == winner
-    assert torch.equal(weights["row-major"], weights["input-major"])
+
+    def timer(fn):                              # fn: partial(_linears, layer weights in one layout, inputs)
+        weights, inputs = fn.args
+        times = decode_s if inputs[0].shape[0] == 1 else prefill_s
+        return times[0] if weights[0].is_contiguous() else times[1]
+    monkeypatch.setattr(kernel_choice, "best_time", timer)
+    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=16, attention="eager")
+    weight = engine.model.layers[0].qkv_proj.weight
+    assert weight.is_contiguous() is not input_major
+    entries = sorted(json.loads((tmp_path / "choices.json").read_text()).values(), key=lambda e: e["name"])
+    assert [e["name"] for e in entries] == ["weight_layout/decode_gemv", "weight_layout/prefill_gemm"]
+    assert entries[0]["seconds"] == dict(zip(("row-major", "input-major"), decode_s))
