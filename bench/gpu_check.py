@@ -12,6 +12,8 @@ its peer:
 - KV transfer GPU→GPU through the grpc transport vs a device-to-device copy of the same bytes;
 - the engine's decode step bytes/s vs the device's memory bandwidth, and its prefill FLOP/s vs the
   device's bf16 matmul peak (both measured here; the datasheet figure too for GPUs it knows);
+- the flex paged attention kernel and the decode CUDA graphs vs the eager path: tokens equal and
+  logprobs in float32, then decode step and prefill times side by side;
 - the CUDA tests (tests/gpu) through pytest.
 
 Without CUDA it prints ``gpu-check skipped: no CUDA device`` and exits 0. ``--json PATH`` also
@@ -329,6 +331,65 @@ def check_speed(model_dir: str, peaks: dict) -> list[Row]:
     return rows
 
 
+FLEX_MODE = "flex"          # the paged kernel under test; tests/bench runs "flex-eager" on CPU
+FLEX_NUM_BLOCKS = 512       # KV pool of the exactness runs (flex-eager's reference math scores every row)
+FLEX_PROMPT_LENS = (90, 5, 60, 33, 130, 17)    # + two prompts sharing a 64-token prefix
+FLEX_NEW_TOKENS = 16
+FLEX_REPEATS = 5            # timed decode steps (best of)
+
+
+def check_flex(model_dir: str, perf_model_dir: str) -> list[Row]:
+    """The flex paged kernel (and decode CUDA graphs) vs the eager path: exactness in float32 on chunked,
+    prefix-cached, mixed batches; then decode step and prefill times of the ~1B model in bf16."""
+    from engine import Engine, SamplingParams
+    from engine.profile import measure_decode, measure_prefill
+    g = torch.Generator().manual_seed(9)
+    base = torch.randint(2, 200, (64,), generator=g).tolist()
+    prompts = [torch.randint(2, 200, (int(n),), generator=g).tolist() for n in FLEX_PROMPT_LENS]
+    num_fresh = len(prompts)
+    prompts += [base + [7, 8, 9], base + list(range(10, 30))]
+    params = SamplingParams(max_tokens=FLEX_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = {}
+    for mode, graphs in (("eager", False), (FLEX_MODE, False), (FLEX_MODE, True)):
+        engine = Engine(model_dir, dtype="float32", device=DEVICE, num_blocks=FLEX_NUM_BLOCKS, block_size=16,
+                        chunk_size=48,
+                        max_num_batched_tokens=128, max_num_seqs=16, attention=mode, cuda_graphs=graphs)
+        done = engine.generate(prompts[:num_fresh], params) + engine.generate(prompts[num_fresh:], params)
+        outs[mode, graphs] = ([c.token_ids for c in done], [lp.logprob for c in done for lp in c.logprobs],
+                              engine.attention, engine.runner.graphs is not None)
+        del engine
+    rows = []
+    for key, label in (((FLEX_MODE, False), "flex paged attention"), ((FLEX_MODE, True), "flex + decode graphs")):
+        tokens, lps, used, graphs = outs[key]
+        diff = float((torch.tensor(lps) - torch.tensor(outs["eager", False][1])).abs().max())
+        same = tokens == outs["eager", False][0]
+        status = "ok" if same and diff < 1e-3 and used == FLEX_MODE and graphs == key[1] else "FAIL"
+        rows.append(Row(f"{label} vs eager (fp32)", status, f"tokens {'equal' if same else 'DIFFER'}, "
+                        f"max |logprob diff| {diff:.1e}", f"attention={used}, graphs={graphs}",
+                        {"tokens_equal": same, "max_logprob_diff": diff, "attention": used, "graphs": graphs}))
+    (batch, context), (num_prompts, prompt_len) = DECODE_POINT, PREFILL_POINT
+    times = {}
+    for mode, graphs in (("eager", False), (FLEX_MODE, False), (FLEX_MODE, True)):
+        sizing = {"kv_memory_fraction": 0.5} if DEVICE == "cuda" else {"num_blocks": FLEX_NUM_BLOCKS}
+        engine = Engine(perf_model_dir, dtype="bfloat16", device=DEVICE, block_size=16, **sizing,
+                        max_num_batched_tokens=num_prompts * prompt_len, max_num_seqs=max(batch, num_prompts),
+                        attention=mode, cuda_graphs=graphs)
+        decode = measure_decode(engine, batch=batch, context=context, repeats=FLEX_REPEATS)
+        prefill = measure_prefill(engine, prompt_len, batch=num_prompts, repeats=1) if not graphs else None
+        times[mode, graphs] = (decode and decode["seconds"], prefill and prefill["seconds"])
+        del engine
+        _release()
+    eager_decode, eager_prefill = times["eager", False]
+    for key, label in (((FLEX_MODE, False), "flex"), ((FLEX_MODE, True), "flex + graphs")):
+        decode_s, _ = times[key]
+        rows.append(Row(f"decode step {label} ({batch} × {context} ctx)", "info", f"{decode_s * 1e3:.2f} ms",
+                        f"eager gather {eager_decode * 1e3:.2f} ms", {"seconds": decode_s, "eager": eager_decode}))
+    prefill_s = times[FLEX_MODE, False][1]
+    rows.append(Row(f"prefill flex ({num_prompts} × {prompt_len})", "info", f"{prefill_s * 1e3:.1f} ms",
+                    f"eager SDPA loop {eager_prefill * 1e3:.1f} ms", {"seconds": prefill_s, "eager": eager_prefill}))
+    return rows
+
+
 def check_gpu_tests(timeout_s: float) -> list[Row]:
     if not os.path.isdir(os.path.join(ROOT, "tests", "gpu")):
         return [Row("tests/gpu", "skipped", "no tests/gpu folder")]
@@ -376,6 +437,7 @@ def run_checks(args) -> tuple[list[Row], dict]:
         ("device peaks", lambda: peaks.update(device_peaks()) or []),
         ("engine vs HF", lambda: check_engine_vs_hf(model_dir, args.prompts, 16)),
         ("speed", lambda: check_speed(args.perf_model or perf_model_dir(), peaks)),
+        ("flex kernel", lambda: check_flex(model_dir, args.perf_model or perf_model_dir())),
         ("KV transfer", lambda: check_transfer(TRANSFER_MIB)),
         ("1P+1D cluster", lambda: check_cluster(model_dir, 16)),
         ("tests/gpu", lambda: check_gpu_tests(left())),

@@ -70,7 +70,9 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str) -> EngineArgs:
     if pool == "prefill":
         args.max_num_batched_tokens = p.max_batch_tokens
         args.chunk_size = p.chunk_tokens
-        args.attention = "eager"    # a prefill actor never runs a decode step: skip compiling the kernel
+        if device.type == "cpu" or args.attention == "compiled":
+            args.attention = "eager"    # a prefill actor never decodes: skip compiling the decode kernel
+        # (on CUDA the flex kernel also serves prefill: batched, paged, no gather)
     else:
         args.max_num_seqs = p.max_batch_size
         args.chunk_size = cfg.pools.prefill.chunk_tokens

@@ -19,6 +19,7 @@ class EngineArgs:
     enable_prefix_cache: bool = True
     max_model_len: int | None = None
     attention: str = "auto"
+    cuda_graphs: bool = False                   # pure-decode steps as CUDA graphs (Engine; needs flex)
     torch_threads: int | None = None
 
     def build(self):

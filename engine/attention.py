@@ -9,6 +9,9 @@ Token `t` of a sequence lives in block `block_table[t // block_size]` at offset
 then attends: prefill chunks one sequence at a time (causal over cached prefix +
 new tokens), decode tokens all together through padded block tables.
 
+On CUDA (and with `attention="flex"`) the whole step goes through `attention_flex` instead: prefill
+and decode read the paged cache in place through flex_attention block masks.
+
 Sliding window (Mistral): a query at position p reads keys in (p - window, p].
 Every read starts at the block holding the first key of the window, so block-table
 entries before it may be FREED (released by the scheduler) and are never touched.
@@ -43,6 +46,8 @@ class AttentionMetadata:
     decode_only: bool = False            # every row of the batch is a decode token, in order
     decode_kernel: Callable | None = None  # reads K/V through the tables (attention_compiled); None = gather
     sliding_window: int | None = None    # keys a query reads: (p - window, p]; None = all of (0, p]
+    flex: object | None = None           # attention_flex.FlexMetadata: the whole step through the flex kernel
+    flex_kernel: Callable | None = None  # attention_flex.FlexAttention
 
 
 def window_start(position: int, sliding_window: int | None) -> int:
@@ -52,14 +57,26 @@ def window_start(position: int, sliding_window: int | None) -> int:
 
 def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
                    device: torch.device, decode_kernel: Callable | None = None,
-                   sliding_window: int | None = None) -> AttentionMetadata:
+                   sliding_window: int | None = None, flex_kernel=None) -> AttentionMetadata:
     """seqs: (start, num_new, block_table) per sequence, in batch order.
+
+    With a `flex_kernel` (attention_flex.FlexAttention) every token of the step attends through it:
+    only the slot mapping and the kernel's block masks are built.
 
     With a `decode_kernel` the decode tables are padded to at least 2 blocks and
     always carry a bias (the compiled kernel keeps one graph for every shape).
     With a `sliding_window` each table is read from the block of its first query's
     window start; the decode bias masks the keys before the window.
     """
+    if flex_kernel is not None:
+        blocks, offsets = [], []
+        for start, num_new, table in seqs:
+            blocks.extend(table[p // block_size] for p in range(start, start + num_new))
+            offsets.extend(p % block_size for p in range(start, start + num_new))
+        return AttentionMetadata(torch.tensor(blocks, dtype=torch.long, device=device),
+                                 torch.tensor(offsets, dtype=torch.long, device=device), [], None, None, None,
+                                 sliding_window=sliding_window, flex=flex_kernel.metadata(seqs, sliding_window),
+                                 flex_kernel=flex_kernel)
     blocks, offsets, prefills = [], [], []
     decode_rows, decode_tables, decode_spans = [], [], []
     row = 0
@@ -177,6 +194,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
     write_kv(layer_cache, k, v, meta)
+    if meta.flex_kernel is not None:
+        return meta.flex_kernel(q, layer_cache, meta.flex, scale)
     out = torch.empty_like(q)
     for p in meta.prefills:
         rows = slice(p.token_offset, p.token_offset + p.num_new)

@@ -16,6 +16,7 @@ sequence's first token goes out with the prompt's blocks, and the decode side's
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -23,9 +24,10 @@ import uuid
 
 import torch
 
-from engine import attention_compiled, memory_budget
+from engine import attention_compiled, attention_flex, kernel_choice, memory_budget
 from engine.block_manager import BlockManager, prompt_block_hashes
 from engine.config import ModelConfig
+from engine.decode_graphs import DecodeGraphs
 from engine.generation_config import GenerationConfig
 from engine.kv_events import KVEventLog
 from engine.layer_hook import LayerHook
@@ -39,6 +41,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,12 +58,15 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 ATTENTION_ENV = "PDSERVE_ATTENTION"
 
 
+ATTENTION_MODES = ("compiled", "eager", "flex", "flex-eager")
+
+
 def pick_attention(attention: str, device: torch.device) -> str:
-    """`auto`: $PDSERVE_ATTENTION when set, else `compiled` on CPU and `eager` elsewhere."""
+    """`auto`: $PDSERVE_ATTENTION when set, else `compiled` on CPU and `flex` on CUDA."""
     if attention == "auto":
-        attention = os.environ.get(ATTENTION_ENV) or ("compiled" if device.type == "cpu" else "eager")
-    if attention not in ("compiled", "eager"):
-        raise ValueError(f"attention must be one of auto, compiled, eager; got {attention!r}")
+        attention = os.environ.get(ATTENTION_ENV) or ("compiled" if device.type == "cpu" else "flex")
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of auto, {', '.join(ATTENTION_MODES)}; got {attention!r}")
     return attention
 
 
@@ -82,17 +88,25 @@ class Engine:
         max_num_seqs: most requests in the running batch.
         enable_prefix_cache: reuse full blocks of earlier prompts.
         max_model_len: context limit (default: the model's max_position_embeddings).
-        attention: decode attention; `compiled` reads K/V through the block table in one
-            Inductor kernel (compiled at start-up, a few seconds, cached on disk), `eager`
-            gathers the blocks and runs bmm; `auto` = compiled on CPU (eager if it cannot
-            compile), eager on CUDA, or $PDSERVE_ATTENTION.
+        attention: `compiled`: decode reads K/V through the block table in one Inductor kernel
+            (compiled at start-up, a few seconds, cached on disk), prefill through SDPA; `eager`
+            gathers the decode blocks and runs bmm; `flex`: prefill and decode both through
+            `flex_attention` over the paged cache (attention_flex; compiled and checked at
+            start-up); `flex-eager`: the same through flex's reference math (slow: CPU tests);
+            `auto` = compiled on CPU (unless the eager path measured faster on this machine:
+            engine/kernel_choice.py), flex on CUDA (eager if the kernel cannot be built), or
+            $PDSERVE_ATTENTION.
+        cuda_graphs: run pure-decode steps as CUDA graphs, one per padded batch size up to
+            `max_num_seqs` (engine/decode_graphs.py; needs the flex kernel; one KV block is kept as
+            the padding's scratch). Off by default: written and CPU-tested without a GPU (on CPU
+            the same static-buffer path runs without capture).
     """
 
     def __init__(self, model: str = "tiny", *, dtype: str | torch.dtype = "auto", device: str | None = None,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_gib: float = 1.0,
                  max_num_batched_tokens: int = 2048, chunk_size: int | None = 512, max_num_seqs: int = 64,
                  enable_prefix_cache: bool = True, max_model_len: int | None = None, attention: str = "auto",
-                 kv_memory_fraction: float | None = None):
+                 kv_memory_fraction: float | None = None, cuda_graphs: bool = False):
         requested = attention
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = pick_dtype(dtype, self.device)
@@ -122,18 +136,32 @@ class Engine:
         # kv_cache: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
         self.kv_cache = torch.zeros(cfg.num_hidden_layers, num_blocks, 2, cfg.num_key_value_heads,
                                     block_size, cfg.head_dim, dtype=self.dtype, device=self.device)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache)
+        graphs = cuda_graphs and attention.startswith("flex") and num_blocks > 8
+        # with decode graphs the pool's last block is the padded entries' scratch, never handed out
+        self.block_manager = BlockManager(num_blocks - graphs, block_size, enable_prefix_cache)
         self.kv_events = KVEventLog(self.block_manager)     # the prefix cache's events, pulled by the router
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, chunk_size,
                                    cfg.sliding_window)
-        kernel = None
+        kernel = flex = None
         if attention == "compiled":
             kernel = attention_compiled.build(self.kv_cache[0], cfg.num_attention_heads)
-        if kernel is None and requested == "compiled":
-            raise RuntimeError("attention='compiled' was asked for but the kernel cannot be compiled here "
+            if kernel is not None and requested == "auto" and not os.environ.get(ATTENTION_ENV) and \
+                    not kernel_choice.compiled_decode_wins(kernel, self.kv_cache[0], cfg.num_attention_heads):
+                kernel = None              # the gather + bmm path measured faster on this machine
+        elif attention.startswith("flex"):
+            flex = attention_flex.build(self.kv_cache, cfg.num_attention_heads, cfg.sliding_window,
+                                        compile=attention == "flex", max_model_len=self.max_model_len)
+        if kernel is None and flex is None and requested != "auto" and attention != "eager":
+            raise RuntimeError(f"attention={attention!r} was asked for but the kernel cannot be built here "
                                "(see the log); use attention='eager'")
-        self.attention = "compiled" if kernel is not None else "eager"
-        self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device, kernel)
+        self.attention = "compiled" if kernel is not None else attention if flex is not None else "eager"
+        self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device, kernel, flex)
+        if cuda_graphs and not (graphs and flex is not None):
+            log.warning("cuda_graphs needs the flex attention kernel (and a pool above 8 blocks); decoding without")
+        elif cuda_graphs:
+            self.runner.graphs = DecodeGraphs(self.model, self.kv_cache, flex, max_num_seqs, cfg.sliding_window,
+                                              num_blocks - 1, capture=self.device.type == "cuda")
+            self.runner.graphs.capture_all()
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import kernel_choice
 from engine.attention import build_metadata
 from engine.layer_hook import LayerDone, LayerHook, final_blocks, layer_written
 from engine.model import LlamaModel
@@ -23,10 +24,13 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, device: torch.device,
-                 decode_kernel=None):
+                 decode_kernel=None, flex_kernel=None):
         self.model = model
         self.decode_kernel = decode_kernel  # attention_compiled.CompiledDecode, or None for the eager gather
-        model.use_input_major_weights()   # faster small-batch decode GEMMs on CPU; a no-op elsewhere
+        self.flex_kernel = flex_kernel      # attention_flex.FlexAttention: all attention through it
+        self.graphs = None                  # decode_graphs.DecodeGraphs: pure-decode steps replayed
+        if kernel_choice.input_major_weights_win(model):   # measured once per machine (CPU float32 only)
+            model.use_input_major_weights()
         self.kv_cache = kv_cache          # [L, NB, 2, Hkv, bs, D]
         self.block_size = block_size
         self.device = device
@@ -62,7 +66,9 @@ class ModelRunner:
                 sample_rows.append(len(logit_rows) - 1)
                 sampling.append(req)
         dev = self.device
-        meta = build_metadata(seqs, self.block_size, dev, self.decode_kernel, self.sliding_window)
+        if self.graphs is not None and not prompt_parts and self.graphs.accepts(seqs):
+            return ModelOutput(sampling, self.graphs.run(input_ids, positions, seqs))
+        meta = build_metadata(seqs, self.block_size, dev, self.decode_kernel, self.sliding_window, self.flex_kernel)
         logits = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev),
                             self.kv_cache, meta,
@@ -90,6 +96,6 @@ class ModelRunner:
         """Logits at every position of one fresh sequence (for exactness checks). [S, V] float32."""
         dev = self.device
         meta = build_metadata([(0, len(token_ids), block_table)], self.block_size, dev,
-                              sliding_window=self.sliding_window)
+                              sliding_window=self.sliding_window, flex_kernel=self.flex_kernel)
         return self.model(torch.tensor(token_ids, dtype=torch.long, device=dev),
                           torch.arange(len(token_ids), device=dev), self.kv_cache, meta, None)

@@ -209,7 +209,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", help="write every figure to this JSON file")
     p.add_argument("--markdown", help="write the tables as Markdown to this file")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
-    p.add_argument("--attention", default="auto", choices=["auto", "compiled", "eager"],
+    p.add_argument("--attention", default="auto", choices=["auto", "compiled", "eager", "flex"],
                    help="our engine's decode attention (default: the engine's own choice)")
     return p.parse_args(argv)
 

@@ -30,10 +30,12 @@ class ModelSection(Section):
         "the config file.")
     dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "auto", description="Weight and KV dtype; auto = bfloat16 on CUDA, float32 on CPU.")
-    attention: Literal["auto", "compiled", "eager"] = Field(
-        "auto", description="Decode attention: compiled = one Inductor kernel reading K/V through "
-        "the block table (a few seconds to compile when a decode actor starts); eager = gather + bmm; "
-        "auto = compiled on CPU, eager on CUDA.")
+    attention: Literal["auto", "compiled", "eager", "flex", "flex-eager"] = Field(
+        "auto", description="Attention kernels: compiled = decode through one Inductor kernel reading K/V "
+        "through the block table (a few seconds to compile when a decode actor starts), prefill through "
+        "SDPA; eager = gather + bmm; flex = prefill and decode through flex_attention over the paged cache "
+        "(compiled, checked at start-up); flex-eager = flex's reference math (slow, for tests); "
+        "auto = compiled on CPU, flex on CUDA.")
     max_model_len: Optional[Int] = Field(
         None, gt=0, description="Longest prompt + output in tokens; default: the model's "
         "max_position_embeddings.")

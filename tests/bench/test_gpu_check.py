@@ -95,15 +95,31 @@ def test_speed_and_transfer_checks_run_on_cpu(on_cpu):
     assert all(r.data["gb_per_s"] > 0 and r.data["bytes"] == 1 << 20 for r in rows)
 
 
+def test_flex_check_runs_on_cpu(on_cpu, monkeypatch):
+    """The flex rows through flex's reference math (compiled flex is CUDA-only), graphs without capture."""
+    from engine.presets import resolve_model
+    monkeypatch.setattr(gpu_check, "FLEX_MODE", "flex-eager")
+    monkeypatch.setattr(gpu_check, "FLEX_NUM_BLOCKS", 48)
+    monkeypatch.setattr(gpu_check, "FLEX_PROMPT_LENS", (20, 5))
+    monkeypatch.setattr(gpu_check, "FLEX_NEW_TOKENS", 3)
+    monkeypatch.setattr(gpu_check, "FLEX_REPEATS", 1)
+    rows = gpu_check.check_flex(resolve_model("tiny"), resolve_model("tiny"))
+    assert [r.check for r in rows] == ["flex paged attention vs eager (fp32)", "flex + decode graphs vs eager (fp32)",
+                                       "decode step flex (4 × 64 ctx)", "decode step flex + graphs (4 × 64 ctx)",
+                                       "prefill flex (2 × 64)"]
+    assert rows[0].status == rows[1].status == "ok", rows[:2]
+    assert rows[1].data["graphs"] and all(r.data["seconds"] > 0 for r in rows[2:])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the driver")
 def test_a_failing_check_is_a_row(on_cpu, monkeypatch):
     """run_checks never stops at a failing check: it becomes an error row, the rest still run."""
     def broken(*_):
         raise RuntimeError("no such thing")
-    for name in ("device_peaks", "check_engine_vs_hf", "check_speed", "check_transfer", "check_cluster",
-                 "check_gpu_tests"):
+    for name in ("device_peaks", "check_engine_vs_hf", "check_speed", "check_flex", "check_transfer",
+                 "check_cluster", "check_gpu_tests"):
         monkeypatch.setattr(gpu_check, name, broken)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "stub")
     rows, info = gpu_check.run_checks(gpu_check.build_parser().parse_args(["--model", "tiny", "--perf-model", "x"]))
-    assert [r.status for r in rows] == ["error"] * 6
+    assert [r.status for r in rows] == ["error"] * 7
     assert rows[0].figure == "RuntimeError: no such thing" and info["device"] == "stub"

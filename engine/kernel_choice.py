@@ -1,0 +1,204 @@
+"""Per-machine kernel and layout choices: measured at start-up at the model's shapes, cached on disk.
+
+A choice that wins on one CPU can lose on another (input-major float32 weights gave ~40% faster batch-1
+GEMV on an AMD EPYC host; the compiled decode attention against the gather + bmm path). So the engine
+times the alternatives per operation once per machine and shape, keyed by the CPU model and its ISA flags, the torch
+version and the shapes, and keeps the winner in `kernel_choices.json` beside Inductor's
+compiled-kernel cache (`$PDSERVE_CHOICE_CACHE` overrides the file); later engines on the machine read it.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+CACHE_ENV = "PDSERVE_CHOICE_CACHE"
+_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "fma", "asimd", "sve")
+
+
+@functools.cache
+def cpu_identity() -> str:
+    """CPU model name and the ISA flags that pick BLAS/Inductor kernels."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model") and name in (platform.processor(), platform.machine()):
+                    name = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return f"{name} [{' '.join(f for f in _FLAGS if f in flags)}]"
+
+
+def machine_key() -> str:
+    """Not the thread count: every process of a machine (a test and its actors, differently threaded)
+    must make the same choice, or float32 results would differ in the last bits between them."""
+    return f"{cpu_identity()} | torch {torch.__version__}"
+
+
+def cache_path() -> str:
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV]
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        root = cache_dir()
+    except Exception:                      # an older/newer torch without that helper
+        root = os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
+    return os.path.join(root, "kernel_choices.json")
+
+
+def best_time(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Best wall time of `repeats` calls after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _load(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):          # missing or unreadable: measure again
+        return {}
+
+
+def _store(path: str, data: dict) -> None:
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)              # atomic: engines starting together never read half a file
+    except OSError as exc:
+        log.warning("kernel choices not cached (%s)", exc)
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    """An exclusive lock on `path`.lock (no lock where the folder cannot be written: measure anyway)."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        handle = open(f"{path}.lock", "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def measure(name: str, shapes: tuple, candidates: dict[str, Callable[[], object]],
+            timer: Callable[[Callable[[], object]], float] | None = None, path: str | None = None) -> dict:
+    """Seconds of each candidate for this operation on this machine at these shapes (cached on disk).
+
+    `timer(fn) -> seconds` (default `best_time`) times one candidate."""
+    path = path or cache_path()
+    timer = timer or best_time
+    key = hashlib.sha256(f"{name} | {machine_key()} | {shapes}".encode()).hexdigest()[:24]
+
+    def cached() -> dict | None:
+        hit = _load(path).get(key)
+        ok = isinstance(hit, dict) and isinstance(hit.get("seconds"), dict) and set(hit["seconds"]) == set(candidates)
+        return hit["seconds"] if ok else None
+    seconds = cached()
+    if seconds is not None:
+        return seconds
+    with _locked(path):                    # engines starting together: one measures, the rest read its figures
+        seconds = cached()
+        if seconds is not None:
+            return seconds
+        seconds = {label: timer(fn) for label, fn in candidates.items()}
+        cache = _load(path)
+        cache[key] = {"name": name, "machine": machine_key(), "shapes": repr(shapes), "seconds": seconds,
+                      "choice": min(seconds, key=seconds.get)}
+        _store(path, cache)
+    log.info("measured %s at %s: %s", name, shapes, ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in seconds.items()))
+    return seconds
+
+
+def choose(name: str, shapes: tuple, candidates: dict[str, Callable[[], object]],
+           timer: Callable[[Callable[[], object]], float] | None = None, path: str | None = None) -> str:
+    """The fastest candidate's label (`measure`)."""
+    seconds = measure(name, shapes, candidates, timer, path)
+    return min(seconds, key=seconds.get)
+
+
+PREFILL_SLACK = 1.03      # input-major may cost prefill GEMMs at most 3% for a faster decode GEMV
+
+
+def _linears(weights: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+    with torch.inference_mode():
+        for w, x in zip(weights, inputs):
+            F.linear(x, w)
+
+
+def input_major_weights_win(model, prefill_tokens: int = 256) -> bool:
+    """CPU float32: store the weights input-major on this machine?
+
+    Measured per operation on one decoder layer's projections in both layouts: the batch-1 decode GEMV
+    and a `prefill_tokens`-row prefill GEMM. Input-major is chosen when it is the faster decode layout
+    and costs prefill at most `PREFILL_SLACK` (one layout serves both: a weight is stored once).
+    """
+    weight = next(model.parameters())
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
+    layer = model.layers[0]
+    weights = [m.weight.detach() for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    layouts = {"row-major": [w.contiguous() for w in weights],
+               "input-major": [w.t().contiguous().t() for w in weights]}
+    shapes = tuple(tuple(w.shape) for w in weights)
+    seconds = {}
+    for op, rows in (("decode_gemv", 1), ("prefill_gemm", prefill_tokens)):
+        inputs = [torch.randn(rows, w.shape[1]) for w in weights]
+
+        seconds[op] = measure(f"weight_layout/{op}", shapes + (rows,),
+                              {k: functools.partial(_linears, ws, inputs) for k, ws in layouts.items()})
+    decode, prefill = seconds["decode_gemv"], seconds["prefill_gemm"]
+    return decode["input-major"] < decode["row-major"] and \
+        prefill["input-major"] <= PREFILL_SLACK * prefill["row-major"]
+
+
+def compiled_decode_wins(kernel, layer_cache: torch.Tensor, num_heads: int, batch: int = 16,
+                         context: int = 256) -> bool:
+    """Is the compiled decode attention faster than the gather + bmm path here, at this model's shapes?"""
+    from engine.attention import decode_attention, gather_kv
+    num_blocks, _, num_kv_heads, block_size, dim = layer_cache.shape
+    width = max(min(-(-context // block_size), num_blocks // batch), 2)
+    gen = torch.Generator().manual_seed(0)
+    tables = torch.randint(0, num_blocks, (batch, width), generator=gen).to(layer_cache.device)
+    bias = torch.zeros(batch, width * block_size, device=layer_cache.device)
+    with torch.inference_mode():
+        q = torch.randn(batch, num_heads, dim, generator=gen).to(layer_cache)
+
+        def compiled() -> None:
+            with torch.inference_mode():
+                kernel(q, layer_cache, tables, bias, dim ** -0.5)
+
+        def eager() -> None:
+            with torch.inference_mode():
+                decode_attention(q, gather_kv(layer_cache, tables), bias, dim ** -0.5)
+    shapes = (num_heads, num_kv_heads, block_size, dim, str(layer_cache.dtype), batch, width)
+    return choose("decode_attention", shapes, {"compiled": compiled, "eager": eager}) == "compiled"
