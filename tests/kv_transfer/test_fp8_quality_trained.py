@@ -2,7 +2,8 @@
 receiver into a decode engine's cache, keeps the held-out continuation's perplexity within 1%
 of codec `none`, and greedy paths fork only where codec `none` itself was at a near tie.
 
-A smaller version of `python -m bench.trained_quality` (full figures in docs/trained_model.md):
+A smaller version of `python -m bench.trained_quality` (full figures: README, "FP8 KV quality on the
+trained model"):
 8 passages over the fake transport (the real wire format without a socket) and the eager codec
 (the compiled kernels are checked against it in test_codec_compiled.py).
 """
@@ -18,7 +19,7 @@ from engine.presets import TRAINED
 from engine.train.passages import load_passages
 
 NUM_PASSAGES = 8
-MAX_MARGIN_AT_FORK = 0.1     # nats; the 64-passage bench's largest is ~0.03 (docs/trained_model.md)
+MAX_MARGIN_AT_FORK = 0.1     # nats; the 32-passage bench's largest is 0.032 (README)
 
 
 @pytest.fixture(scope="module")
