@@ -63,6 +63,25 @@ def test_compiled_fp8_kernels_work_on_the_cache_like_the_eager_codec(dtype, monk
 
 
 @pytest.mark.slow
+def test_no_piece_size_compiles_on_the_transfer_path(monkeypatch):
+    """A layer-wise piece of one block is one row, which dynamo specializes: the build covers it,
+    so no encode or decode of any row count compiles a graph while a transfer waits."""
+    from torch._dynamo.utils import counters
+
+    cache = torch.randn(3, 10, *SHAPE[2:], generator=torch.Generator().manual_seed(5))
+    encode_rows, decode_rows = built_kernels(cache, monkeypatch)
+    cells = cache.view(30, 2 * SHAPE[3], SHAPE[4] * SHAPE[5])
+    graphs = counters["stats"]["unique_graphs"]
+    for num_rows in (1, 2, 4, 9, 1):
+        rows = torch.arange(num_rows)
+        data = torch.empty(num_rows, *cells.shape[1:], dtype=torch.float8_e4m3fn)
+        scales = torch.empty(num_rows, cells.shape[1], 1)
+        encode_rows(cells, rows, data, scales)
+        decode_rows(data, scales, torch.zeros_like(cells), rows)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
 def test_compiled_kernels_run_without_the_gil(monkeypatch):
     """Inductor's bindings hold the GIL through a kernel; ours release it. A Python loop beside
     a thread that calls the decode kernel back to back kept ~3 % of its pace with the GIL held,
