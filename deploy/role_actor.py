@@ -36,6 +36,7 @@ from kv_transfer import TransferSettings, codec_compiled, get_codec, layout_of, 
 from kv_transfer import release_gil_in_compiled_kernels
 from kv_transfer.internal_auth import InternalTLS
 from prefill_worker.worker import PrefillWorker
+from proto.pdserve.v1 import kv_events_pb2 as kpb
 from proto.pdserve.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")
@@ -94,7 +95,8 @@ class RoleActor:
         sched.chunk_size = limits.chunk_size
         engine, layout = self.engine, self.layout
         if role == "prefill":
-            return PrefillWorker(engine, make_sender(self.transfer, layout, engine.device), self.actor_id)
+            return PrefillWorker(engine, make_sender(self.transfer, layout, engine.device), self.actor_id,
+                                 layerwise=self.transfer.layerwise)
         if role == "decode":
             return DecodeWorker(engine, lambda on_complete: make_receiver(
                 self.transfer, layout, engine.kv_cache, engine.block_manager, on_complete), self.actor_id)
@@ -186,6 +188,16 @@ class RoleActor:
 
     async def ping(self) -> bool:
         return True
+
+    async def kv_events(self, request_bytes: bytes) -> bytes:
+        """A serialized `KVEventsRequest` in, the engine's `KVEventsResponse` out: the prefix cache is the
+        engine's, so its events and sequence numbers run on across flips."""
+        return self.engine.kv_events.answer(kpb.KVEventsRequest.FromString(request_bytes)).SerializeToString()
+
+    async def cached_prefix(self, query: bytes) -> bytes:
+        """A serialized `PrefixQuery` → `PrefixHits`: the leading prompt blocks this actor's cache holds."""
+        hits = self.engine.cached_prefix_blocks(list(wpb.PrefixQuery.FromString(query).block_hashes))
+        return wpb.PrefixHits(num_cached_blocks=hits).SerializeToString()
 
     async def profile(self, spec: dict) -> dict | None:
         from engine.profile import run_point

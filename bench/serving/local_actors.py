@@ -89,6 +89,9 @@ class LocalDecodeClient(LocalClient):
     def open_stream(self, job: wpb.DecodeJob) -> LocalDecodeStream:
         return LocalDecodeStream(self.worker, job)
 
+    async def cached_prefix(self, query: wpb.PrefixQuery) -> wpb.PrefixHits:
+        return self.worker.cached_prefix(query)
+
 
 @dataclass
 class LocalCluster:
