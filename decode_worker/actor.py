@@ -17,7 +17,6 @@ from decode_worker.worker import DecodeWorker
 from engine.args import EngineArgs
 from kv_transfer import TransferSettings, codec_compiled, layout_of, make_receiver, release_gil_in_compiled_kernels
 from kv_transfer.internal_auth import InternalTLS
-from proto.pdserve.v1 import kv_events_pb2 as kpb
 from proto.pdserve.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")
@@ -58,7 +57,7 @@ class ColocatedActor:
 
     async def kv_events(self, request_bytes: bytes) -> bytes:
         """A serialized `KVEventsRequest` in, the engine's `KVEventsResponse` out (engine.kv_events)."""
-        return self.worker.engine.kv_events.answer(kpb.KVEventsRequest.FromString(request_bytes)).SerializeToString()
+        return self.worker.engine.kv_events.answer_bytes(request_bytes)
 
     async def info(self) -> dict:
         if not self.stream.endpoint:        # first call, in the actor's event loop

@@ -29,33 +29,26 @@ class RayActorClient:
     async def retire(self) -> None:
         """The actor left the pool (replaced or removed): drop what the router holds for it."""
 
-    async def info(self) -> dict:
+    async def _call(self, method: str, *args):
+        """`handle.<method>.remote(*args)`, a Ray error raised as `ActorUnavailable`."""
         try:
-            return await self.handle.info.remote()
+            return await getattr(self.handle, method).remote(*args)
         except ray.exceptions.RayError as e:
             raise ActorUnavailable(f"{self.actor_id}: {e}") from None
+
+    async def info(self) -> dict:
+        return await self._call("info")
 
     async def stats(self) -> ActorStats:
-        try:
-            return ActorStats(**await self.handle.stats.remote())
-        except ray.exceptions.RayError as e:
-            raise ActorUnavailable(f"{self.actor_id}: {e}") from None
+        return ActorStats(**await self._call("stats"))
 
     async def kv_events(self, request: kpb.KVEventsRequest) -> kpb.KVEventsResponse:
-        try:
-            data = await self.handle.kv_events.remote(request.SerializeToString())
-        except ray.exceptions.RayError as e:
-            raise ActorUnavailable(f"{self.actor_id}: {e}") from None
-        return kpb.KVEventsResponse.FromString(data)
+        return kpb.KVEventsResponse.FromString(await self._call("kv_events", request.SerializeToString()))
 
 
 class RayPrefillClient(RayActorClient):
     async def prefill(self, job: wpb.PrefillJob) -> wpb.PrefillResult:
-        try:
-            data = await self.handle.prefill.remote(job.SerializeToString())
-        except ray.exceptions.RayError as e:
-            raise ActorUnavailable(f"{self.actor_id}: {e}") from None
-        return wpb.PrefillResult.FromString(data)
+        return wpb.PrefillResult.FromString(await self._call("prefill", job.SerializeToString()))
 
 
 class GrpcDecodeStream:
@@ -96,8 +89,4 @@ class RayDecodeClient(RayActorClient):
         return GrpcDecodeStream(self.actor_id, self.streams.open(self.stream_endpoint, job))
 
     async def cached_prefix(self, query: wpb.PrefixQuery) -> wpb.PrefixHits:
-        try:
-            data = await self.handle.cached_prefix.remote(query.SerializeToString())
-        except ray.exceptions.RayError as e:
-            raise ActorUnavailable(f"{self.actor_id}: {e}") from None
-        return wpb.PrefixHits.FromString(data)
+        return wpb.PrefixHits.FromString(await self._call("cached_prefix", query.SerializeToString()))

@@ -31,12 +31,10 @@ from decode_worker.colocated import ColocatedWorker, error_event
 from decode_worker.stream_service import DecodeStreamServer
 from decode_worker.worker import DecodeWorker
 from engine.args import EngineArgs
-from engine.loop import on_event_loop
 from kv_transfer import TransferSettings, codec_compiled, get_codec, layout_of, make_receiver, make_sender
 from kv_transfer import release_gil_in_compiled_kernels
 from kv_transfer.internal_auth import InternalTLS
 from prefill_worker.worker import PrefillWorker
-from proto.pdserve.v1 import kv_events_pb2 as kpb
 from proto.pdserve.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")
@@ -161,14 +159,7 @@ class RoleActor:
                                      status=wpb.PREFILL_STATUS_FAILED, failed_side=wpb.TRANSFER_SIDE_SENDER,
                                      retryable=True, error=f"{self.actor_id} is a {self.role} actor now"
                                      ).SerializeToString()
-        fut = asyncio.get_running_loop().create_future()
-        worker.submit(job, on_event_loop(fut.get_loop(), lambda r: fut.done() or fut.set_result(r)))
-        try:
-            result = await fut
-        except asyncio.CancelledError:
-            worker.abort(job.request_id)
-            raise
-        return result.SerializeToString()
+        return (await worker.prefill(job)).SerializeToString()
 
     async def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
@@ -192,7 +183,7 @@ class RoleActor:
     async def kv_events(self, request_bytes: bytes) -> bytes:
         """A serialized `KVEventsRequest` in, the engine's `KVEventsResponse` out: the prefix cache is the
         engine's, so its events and sequence numbers run on across flips."""
-        return self.engine.kv_events.answer(kpb.KVEventsRequest.FromString(request_bytes)).SerializeToString()
+        return self.engine.kv_events.answer_bytes(request_bytes)
 
     async def cached_prefix(self, query: bytes) -> bytes:
         """A serialized `PrefixQuery` → `PrefixHits`: the leading prompt blocks this actor's cache holds."""

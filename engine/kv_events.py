@@ -88,6 +88,11 @@ class KVEventLog:
             self._seal()
             return kpb.KVEventsResponse(epoch=self.epoch, last_seq=self._last_seq, batches=list(self._batches))
 
+    def answer_bytes(self, request: bytes) -> bytes:
+        """`answer` over the wire: a serialized `KVEventsRequest` in, a serialized response out (what the
+        actors' Ray calls carry)."""
+        return self.answer(kpb.KVEventsRequest.FromString(request)).SerializeToString()
+
     def snapshot(self) -> kpb.KVEventsResponse:
         """Every cached hash as of `last_seq` (pending events are sealed first, so the snapshot holds
         every batch up to it). Nothing is dropped: replaying stored/removed events over a state that

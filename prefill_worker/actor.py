@@ -5,17 +5,15 @@ nothing the router and the actor exchange is pickled.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import uuid
 
 from engine.args import EngineArgs
-from engine.loop import on_event_loop
 from kv_transfer import TransferSettings, codec_compiled, get_codec, layout_of, make_sender
 from kv_transfer import release_gil_in_compiled_kernels
 from prefill_worker.worker import PrefillWorker
-from proto.pdserve.v1 import kv_events_pb2 as kpb, worker_pb2 as wpb
+from proto.pdserve.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
@@ -47,15 +45,7 @@ class PrefillActor:
 
     async def prefill(self, job_bytes: bytes) -> bytes:
         """A serialized `PrefillJob` in, its serialized `PrefillResult` out."""
-        job = wpb.PrefillJob.FromString(job_bytes)
-        fut = asyncio.get_running_loop().create_future()
-        self.worker.submit(job, on_event_loop(fut.get_loop(), lambda r: fut.done() or fut.set_result(r)))
-        try:
-            result = await fut
-        except asyncio.CancelledError:
-            self.worker.abort(job.request_id)
-            raise
-        return result.SerializeToString()
+        return (await self.worker.prefill(wpb.PrefillJob.FromString(job_bytes))).SerializeToString()
 
     async def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
@@ -65,7 +55,7 @@ class PrefillActor:
 
     async def kv_events(self, request_bytes: bytes) -> bytes:
         """A serialized `KVEventsRequest` in, the engine's `KVEventsResponse` out (engine.kv_events)."""
-        return self.worker.engine.kv_events.answer(kpb.KVEventsRequest.FromString(request_bytes)).SerializeToString()
+        return self.worker.engine.kv_events.answer_bytes(request_bytes)
 
     async def info(self) -> dict:
         engine = self.worker.engine

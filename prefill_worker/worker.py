@@ -36,6 +36,7 @@ after the first tokens were sampled (what the handoff adds to the TTFT).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 from engine import Engine, SamplingParams
 from engine.events import output_event
 from engine.layer_hook import LayerDone
-from engine.loop import EngineLoop
+from engine.loop import EngineLoop, on_event_loop
 from engine.request import RequestOutput
 from kv_transfer import FailedSide, KVSender, SendHandle, TransferStatus
 from proto.pdserve.v1 import worker_pb2 as wpb
@@ -114,6 +115,24 @@ class PrefillWorker:
 
     def abort(self, request_id: str) -> None:
         self.loop.call(lambda: self._abort(request_id))
+
+    async def prefill(self, job: wpb.PrefillJob,
+                      observe: Callable[[wpb.PrefillResult], None] | None = None) -> wpb.PrefillResult:
+        """`submit` from an event loop and await the result; a cancelled caller aborts the job.
+        `observe` (on the caller's loop) sees every result, also one that lands after a cancel."""
+        fut = asyncio.get_running_loop().create_future()
+
+        def done(result: wpb.PrefillResult) -> None:
+            if observe is not None:
+                observe(result)
+            if not fut.done():
+                fut.set_result(result)
+        self.submit(job, on_event_loop(fut.get_loop(), done))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.abort(job.request_id)
+            raise
 
     # ---- loop thread ----------------------------------------------------
     def _admit(self, p: _Pending) -> None:

@@ -43,20 +43,12 @@ class LocalPrefillClient(LocalClient):
         self.num_prompt_tokens = 0       # over every PrefillResult, as the engine reports it (also those
         self.num_cached_tokens = 0       # the router stopped waiting for: its decode stream finished first)
 
-    def _done(self, fut: asyncio.Future, result: wpb.PrefillResult) -> None:
+    def _count(self, result: wpb.PrefillResult) -> None:
         self.num_prompt_tokens += result.num_prompt_tokens
         self.num_cached_tokens += result.num_cached_tokens
-        if not fut.done():
-            fut.set_result(result)
 
     async def prefill(self, job: wpb.PrefillJob) -> wpb.PrefillResult:
-        fut = asyncio.get_running_loop().create_future()
-        self.worker.submit(job, on_event_loop(fut.get_loop(), lambda r: self._done(fut, r)))
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            self.worker.abort(job.request_id)
-            raise
+        return await self.worker.prefill(job, observe=self._count)
 
 
 class LocalDecodeStream:
