@@ -11,9 +11,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines outside tests/engine (Ray actors included: they inherit this) skip the few seconds of
 # compiling the decode-attention kernel; tests/engine runs the default and checks both paths.
 os.environ.setdefault("PDSERVE_ATTENTION", "eager")
-# Likewise the compiled fp8 codec (tens of seconds in a background thread, per process): the
-# suite runs the eager codec; tests/kv_transfer/test_codec_compiled.py builds and checks the compiled one.
-os.environ.setdefault("PDSERVE_KV_COMPILE", "0")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,7 +5,7 @@ of codec `none`, and greedy paths fork only where codec `none` itself was at a n
 A smaller version of `python -m bench.trained_quality` (full figures: README, "FP8 KV quality on the
 trained model"):
 8 passages over the fake transport (the real wire format without a socket) and the eager codec
-(the compiled kernels are checked against it in test_codec_compiled.py).
+(the compiled kernels make the same bytes: test_codec_compiled.py).
 """
 from __future__ import annotations
 
