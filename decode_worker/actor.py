@@ -103,7 +103,7 @@ class DecodeActor(ColocatedActor):
         worker = DecodeWorker(engine, lambda on_complete: make_receiver(
             self.transfer, self.layout, engine.kv_cache, engine.block_manager, on_complete), actor_id)
         # The receiver started building the codec's compiled kernels: finish before serving (a build left
-        # to run under the first requests takes a core from them for seconds).
+        # to run under the first requests would take a core from them).
         if not codec_compiled.wait_ready(CODEC_BUILD_TIMEOUT_S):
             log.warning("fp8 codec kernels not built within %.0fs; decoding with the eager codec meanwhile",
                         CODEC_BUILD_TIMEOUT_S)

@@ -204,8 +204,7 @@ class Fp8BlockCodec(_Fp8Codec):
             return super().encode_from(kv_cache, layers, index, out, scratch)
         cells, rows = _rows(kv_cache, layers, index)
         scales, data = self._split(out, (layers[1] - layers[0], index.numel(), *kv_cache.shape[2:]), kv_cache.dtype)
-        kernels[0](cells, rows, data.view(rows.numel(), *cells.shape[1:]), scales.view(rows.numel(), -1, 1))
-        if not bool(torch.isfinite(scales).all()):
+        if not kernels[0](cells, rows, data.view(rows.numel(), *cells.shape[1:]), scales.view(rows.numel(), -1, 1)):
             raise CodecError("KV cache holds NaN or Inf; refusing to encode it as fp8")
 
     def decode_into(self, payload, shape, kv_cache, layers, index, scratch=None):

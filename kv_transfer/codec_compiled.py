@@ -50,32 +50,36 @@ class _Kernels:
         self._decode = getattr(lib, f"decode_{_SUFFIX[dtype]}")
         self.dtype = dtype
 
-    def encode_rows(self, cells: torch.Tensor, rows: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> None:
-        # cells [R, G, E] (the cache); rows long [r]; data fp8 [r, G, E]; scales float32 [r, G, 1]
-        num_rows, groups, elems = _check(cells, rows, data, scales, self.dtype)
-        if num_rows:
-            self._encode(cells.data_ptr(), rows.data_ptr(), num_rows, groups, elems, data.data_ptr(),
-                         scales.data_ptr())
+    def encode_rows(self, cells: torch.Tensor, rows: torch.Tensor, data: torch.Tensor, scales: torch.Tensor) -> bool:
+        """cells [R, G, E] (the cache); rows long [r]; data fp8 [r, G, E]; scales float32 [r, G, 1].
+
+        Returns False when a group held NaN or Inf (its scale is not finite)."""
+        _check(cells, rows, data, scales, self.dtype)
+        status = self._encode(cells.data_ptr(), cells.shape[0], rows.data_ptr(), rows.numel(), cells.shape[1],
+                              cells.shape[2], data.data_ptr(), scales.data_ptr())
+        return _status(status, cells) == 0
 
     def decode_rows(self, data: torch.Tensor, scales: torch.Tensor, cells: torch.Tensor, rows: torch.Tensor) -> None:
-        num_rows, groups, elems = _check(cells, rows, data, scales, self.dtype)
+        _check(cells, rows, data, scales, self.dtype)
         if scales.data_ptr() % 4:  # a payload as gRPC hands it over can sit at any address
             scales = scales.clone()
-        if num_rows:
-            self._decode(data.data_ptr(), scales.data_ptr(), num_rows, groups, elems, cells.data_ptr(),
-                         rows.data_ptr())
+        _status(self._decode(data.data_ptr(), scales.data_ptr(), rows.numel(), cells.shape[1], cells.shape[2],
+                             cells.data_ptr(), cells.shape[0], rows.data_ptr()), cells)
 
 
-def _check(cells, rows, data, scales, dtype) -> tuple[int, int, int]:
-    """The C kernels index raw memory: every shape, dtype, device and layout is checked first."""
+def _check(cells, rows, data, scales, dtype) -> None:
+    """The C kernels index raw memory: every shape, dtype, device and layout is checked first (rows in C)."""
     num_rows, (_, groups, elems) = rows.numel(), cells.shape
     assert cells.dtype == dtype and cells.device.type == "cpu" and cells.is_contiguous()
     assert rows.dtype == torch.int64 and rows.is_contiguous() and rows.dim() == 1
     assert data.dtype == FP8 and data.is_contiguous() and tuple(data.shape) == (num_rows, groups, elems)
     assert scales.dtype == torch.float32 and scales.is_contiguous() and scales.numel() == num_rows * groups
-    if num_rows and not bool(((rows >= 0) & (rows < cells.shape[0])).all()):
+
+
+def _status(status: int, cells: torch.Tensor) -> int:
+    if status < 0:
         raise IndexError(f"cache rows out of range [0, {cells.shape[0]})")
-    return num_rows, groups, elems
+    return status
 
 
 def release_gil_in_compiled_kernels() -> bool:
@@ -124,11 +128,12 @@ def kernels(dtype: torch.dtype) -> tuple | None:
 
 
 def wait_ready(timeout: float | None = None) -> bool:
-    """Wait for a build started so far; True when the kernels are ready (False if none was started)."""
+    """Wait for the build if one was started; True unless it failed or is still running."""
     with _lock:
         thread = _thread
-    if thread is not None:
-        thread.join(timeout)
+    if thread is None:
+        return True
+    thread.join(timeout)
     return bool(_ready)
 
 
@@ -192,9 +197,9 @@ def _build() -> None:
         p, n = ctypes.c_void_p, ctypes.c_int64
         built = {}
         for dtype, suffix in _SUFFIX.items():
-            for name in (f"encode_{suffix}", f"decode_{suffix}"):
-                getattr(lib, name).argtypes = [p, p, n, n, n, p, p]
-                getattr(lib, name).restype = None
+            getattr(lib, f"encode_{suffix}").argtypes = [p, n, p, n, n, n, p, p]
+            getattr(lib, f"decode_{suffix}").argtypes = [p, p, n, n, n, p, n, p]
+            getattr(lib, f"encode_{suffix}").restype = getattr(lib, f"decode_{suffix}").restype = ctypes.c_int
             kernels_of_dtype = _Kernels(lib, dtype)
             mismatch = _self_check(kernels_of_dtype)
             if mismatch:

@@ -8,8 +8,9 @@
  *     value = cache_dtype(float(code) * scale)
  * The e4m3 and bfloat16 roundings are done on the float32 bit pattern with integer operations (round to
  * nearest even), so the compiler vectorizes every inner loop (torch's own e4m3 conversion is scalar on
- * CPUs without AVX-512, ~4x slower). NaN or Inf in a group gives a non-finite scale, which the caller
- * refuses.
+ * CPUs without AVX-512, ~4x slower).
+ * Both return 0, or -1 (and touch nothing) when a row is outside [0, num_cells); encode returns 1 when a
+ * group held NaN or Inf (its scale is then not finite), which the caller refuses.
  */
 #include <stdint.h>
 #include <string.h>
@@ -52,6 +53,12 @@ static inline uint32_t f32_store(float f) { return f32_bits(f); }
 static inline uint32_t f32_abs_bits(uint32_t u) { return u & 0x7FFFFFFFu; }
 static inline float f32_abs_value(uint32_t bits) { return bits_f32(bits); }
 
+static int rows_in_range(const int64_t *rows, int64_t num_rows, int64_t num_cells) {
+    for (int64_t r = 0; r < num_rows; r++)
+        if (rows[r] < 0 || rows[r] >= num_cells) return 0;
+    return 1;
+}
+
 #define CODEC_KERNELS(NAME, T)                                                                                   \
     static void encode_group_##NAME(const T *restrict src, uint8_t *restrict dst, int64_t n, float *scale) {     \
         T amax_bits = 0;                                                                                         \
@@ -65,24 +72,32 @@ static inline float f32_abs_value(uint32_t bits) { return bits_f32(bits); }
         for (int64_t e = 0; e < n; e++) dst[e] = e4m3_code(NAME##_load(src[e]) * inv);                           \
     }                                                                                                            \
                                                                                                                  \
-    void encode_##NAME(const T *cells, const int64_t *rows, int64_t num_rows, int64_t groups, int64_t elems,     \
-                       uint8_t *data, float *scales) {                                                           \
+    int encode_##NAME(const T *cells, int64_t num_cells, const int64_t *rows, int64_t num_rows, int64_t groups,  \
+                      int64_t elems, uint8_t *data, float *scales) {                                             \
+        if (!rows_in_range(rows, num_rows, num_cells)) return -1;                                                \
+        uint32_t nonfinite = 0;                                                                                  \
         for (int64_t r = 0; r < num_rows; r++)                                                                   \
-            for (int64_t g = 0; g < groups; g++)                                                                 \
+            for (int64_t g = 0; g < groups; g++) {                                                               \
+                float *scale = scales + r * groups + g;                                                          \
                 encode_group_##NAME(cells + (rows[r] * groups + g) * elems, data + (r * groups + g) * elems,     \
-                                    elems, scales + r * groups + g);                                             \
+                                    elems, scale);                                                               \
+                nonfinite |= (f32_bits(*scale) & 0x7F800000u) == 0x7F800000u;                                    \
+            }                                                                                                    \
+        return nonfinite ? 1 : 0;                                                                                \
     }                                                                                                            \
                                                                                                                  \
     static void decode_group_##NAME(const uint8_t *restrict src, T *restrict dst, int64_t n, float scale) {      \
         for (int64_t e = 0; e < n; e++) dst[e] = NAME##_store(e4m3_value(src[e]) * scale);                       \
     }                                                                                                            \
                                                                                                                  \
-    void decode_##NAME(const uint8_t *data, const float *scales, int64_t num_rows, int64_t groups, int64_t elems, \
-                       T *cells, const int64_t *rows) {                                                          \
+    int decode_##NAME(const uint8_t *data, const float *scales, int64_t num_rows, int64_t groups, int64_t elems,  \
+                      T *cells, int64_t num_cells, const int64_t *rows) {                                        \
+        if (!rows_in_range(rows, num_rows, num_cells)) return -1;                                                \
         for (int64_t r = 0; r < num_rows; r++)                                                                   \
             for (int64_t g = 0; g < groups; g++)                                                                 \
                 decode_group_##NAME(data + (r * groups + g) * elems, cells + (rows[r] * groups + g) * elems,     \
                                     elems, scales[r * groups + g]);                                              \
+        return 0;                                                                                                \
     }
 
 CODEC_KERNELS(bf16, uint16_t)

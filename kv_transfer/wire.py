@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import struct
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import msgpack
 import torch
@@ -86,7 +86,8 @@ _FIELD_TYPES = {f.name: {"str": str, "bytes": bytes}.get(f.type, int) for f in f
 
 
 def pack_header(header: ChunkHeader) -> bytes:
-    data = msgpack.packb(asdict(header), use_bin_type=True)
+    # a flat dataclass: a shallow dict (asdict deep-copies every field, ~0.3 ms a chunk)
+    data = msgpack.packb({name: getattr(header, name) for name in _FIELD_TYPES}, use_bin_type=True)
     if len(data) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
     return data

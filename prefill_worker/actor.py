@@ -32,8 +32,8 @@ class PrefillActor:
         self.transfer = transfer
         self.worker = PrefillWorker(engine, make_sender(transfer, self.layout, engine.device), actor_id,
                                     layerwise=transfer.layerwise)
-        # The codec's compiled kernels are built now: left to the first transfer, the build took a core
-        # for ~20 s while requests were served (the tiny preset's prefill ran 2-10x slower meanwhile).
+        # The codec's compiled kernels are built (or loaded from the disk cache) now, before serving: the
+        # first transfers then run the fast codec, and no build competes with requests for a core.
         get_codec(transfer.codec).prepare(engine.kv_cache)
         if not codec_compiled.wait_ready(CODEC_BUILD_TIMEOUT_S):
             log.warning("fp8 codec kernels not built within %.0fs; encoding with the eager codec meanwhile",

@@ -93,9 +93,15 @@ def test_compiled_kernels_equal_torch_bit_for_bit_on_every_bf16_value(dtype, mon
         untouched = torch.ones(63, dtype=torch.bool)
         untouched[rows] = False
         assert bool((out[untouched] == 5.0).all())
-    with pytest.raises(IndexError):
-        encode_rows(cells, torch.tensor([63]), torch.empty(1, 8, 128, dtype=torch.float8_e4m3fn),
-                    torch.empty(1, 8, 1))
+    for bad_rows in (torch.tensor([63]), torch.tensor([0, -1])):  # checked before any row is touched
+        data = torch.empty(bad_rows.numel(), 8, 128, dtype=torch.float8_e4m3fn)
+        scales = torch.empty(bad_rows.numel(), 8, 1)
+        with pytest.raises(IndexError):
+            encode_rows(cells, bad_rows, data, scales)
+        before = cells.clone()
+        with pytest.raises(IndexError):
+            decode_rows(data, scales, cells, bad_rows)
+        assert torch.equal(cells, before)
 
 
 def test_compiled_kernels_are_built_once_per_machine_and_reused(monkeypatch, tmp_path):
