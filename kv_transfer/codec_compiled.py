@@ -70,10 +70,15 @@ class _Kernels:
 def _check(cells, rows, data, scales, dtype) -> None:
     """The C kernels index raw memory: every shape, dtype, device and layout is checked first (rows in C)."""
     num_rows, (_, groups, elems) = rows.numel(), cells.shape
-    assert cells.dtype == dtype and cells.device.type == "cpu" and cells.is_contiguous()
-    assert rows.dtype == torch.int64 and rows.is_contiguous() and rows.dim() == 1
-    assert data.dtype == FP8 and data.is_contiguous() and tuple(data.shape) == (num_rows, groups, elems)
-    assert scales.dtype == torch.float32 and scales.is_contiguous() and scales.numel() == num_rows * groups
+    checks = {
+        "cells": cells.dtype == dtype and cells.device.type == "cpu" and cells.is_contiguous(),
+        "rows": rows.dtype == torch.int64 and rows.device.type == "cpu" and rows.is_contiguous() and rows.dim() == 1,
+        "data": data.dtype == FP8 and data.is_contiguous() and tuple(data.shape) == (num_rows, groups, elems),
+        "scales": scales.dtype == torch.float32 and scales.is_contiguous() and scales.numel() == num_rows * groups,
+    }
+    wrong = [name for name, ok in checks.items() if not ok]
+    if wrong:  # never an assert: these guard raw memory, and python -O strips asserts
+        raise ValueError(f"fp8 kernel arguments of the wrong dtype, device, layout or shape: {', '.join(wrong)}")
 
 
 def _status(status: int, cells: torch.Tensor) -> int:

@@ -102,6 +102,12 @@ def test_compiled_kernels_equal_torch_bit_for_bit_on_every_bf16_value(dtype, mon
         with pytest.raises(IndexError):
             decode_rows(data, scales, cells, bad_rows)
         assert torch.equal(cells, before)
+    rows = torch.tensor([1, 2])
+    data, scales = torch.empty(2, 8, 128, dtype=torch.float8_e4m3fn), torch.empty(2, 8, 1)
+    for args, wrong in (((cells, rows.int(), data, scales), "rows"), ((cells, rows, data[:1], scales), "data"),
+                        ((cells.transpose(1, 2), rows, data, scales), "cells")):
+        with pytest.raises(ValueError, match=wrong):
+            encode_rows(*args)
 
 
 def test_compiled_kernels_are_built_once_per_machine_and_reused(monkeypatch, tmp_path):
