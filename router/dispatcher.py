@@ -453,7 +453,8 @@ class Dispatcher(Backend):
                     if got is not None:
                         (held if hold else events).extend(got)
                         read_task = asyncio.ensure_future(stream.read())
-                    elif not (hold or deferred):     # (held events may still finish it: checked once they are out)
+                    elif not (hold or deferred or events):
+                        # held, deferred or just-released events may still finish it: checked once they are out
                         raise BackendError("INTERNAL", f"decode stream of {rid} ended without a finish")
                 for i, ev in enumerate(events):
                     last = bool(ev.finish_reason) and num_open == 1

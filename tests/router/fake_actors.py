@@ -64,6 +64,10 @@ class KVHub:
     def stream_done(self, transfer_id: str) -> asyncio.Event:
         return self.streamed.setdefault(transfer_id, asyncio.Event())
 
+    def stream_ended(self, transfer_id: str) -> asyncio.Event:
+        """Set when the decode stream's reader is told it ended (its read after the last token)."""
+        return self.streamed.setdefault(transfer_id + "/end", asyncio.Event())
+
 
 class FakeCache:
     """An engine's prefix cache without the model: a real block manager and its event log."""
@@ -137,7 +141,8 @@ class FakePrefill(FakeActor):
     """Faults: "unavailable" (the call raises), "sender" / "receiver" (a failed transfer of that
     side), "refuse" (a non-retryable rejection), "hang" (never answers), "late" (the result comes
     after the decode actor has streamed its first tokens), "after_finish" (the result comes only
-    once the decode actor has streamed the request's last token)."""
+    once the decode actor has streamed the request's last token), "with_end" (the result comes
+    as the decode stream's reader learns it ended: both land in one wake-up of the router)."""
 
     def __init__(self, actor_id: str, hub: KVHub, kv_blocks: int = 64, block_size: int = 4):
         super().__init__(actor_id, "prefill", kv_blocks, block_size)
@@ -181,6 +186,8 @@ class FakePrefill(FakeActor):
         self.hub.slot(job.transfer_id).set_result((first_token_id, len(prompt)))
         if fault == "late":                  # the result comes after the decode actor has streamed
             await asyncio.sleep(0.05)
+        if fault == "with_end":
+            await self.hub.stream_ended(job.transfer_id).wait()
         if fault == "after_finish":
             await self.hub.stream_done(job.transfer_id).wait()
             for _ in range(10):              # let the router take in the finish before this reply
@@ -202,6 +209,8 @@ class FakeStream:
 
     async def read(self) -> list[wpb.DecodeEvent] | None:
         if self.done:
+            if self.job.transfer_id:
+                self.actor.hub.stream_ended(self.job.transfer_id).set()
             return None
         if self.aborted:
             self.done = True
