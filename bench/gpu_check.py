@@ -478,7 +478,8 @@ def _write_json(path: str, payload: dict) -> None:
     text = json.dumps(payload, indent=2, default=str)
     if path == "-":
         print(text)
-    else:
+    else:  # `make gpu-check` writes build/gpu-check.json: a fresh checkout has no build/ yet
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text + "\n")
 

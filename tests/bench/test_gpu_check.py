@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_without_cuda_it_says_skipped_and_exits_0(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    out = tmp_path / "gpu-check.json"
+    out = tmp_path / "build" / "gpu-check.json"      # as `make gpu-check` on a fresh checkout: no build/ yet
     proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--json", str(out)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
