@@ -55,6 +55,7 @@ class KVHub:
 
     transfers: dict[str, asyncio.Future] = field(default_factory=dict)
     streamed: dict[str, asyncio.Event] = field(default_factory=dict)    # the decode side sent its last event
+    ended: dict[str, asyncio.Event] = field(default_factory=dict)       # ... and its reader was told the end
 
     def slot(self, transfer_id: str) -> asyncio.Future:
         if transfer_id not in self.transfers:
@@ -66,7 +67,7 @@ class KVHub:
 
     def stream_ended(self, transfer_id: str) -> asyncio.Event:
         """Set when the decode stream's reader is told it ended (its read after the last token)."""
-        return self.streamed.setdefault(transfer_id + "/end", asyncio.Event())
+        return self.ended.setdefault(transfer_id, asyncio.Event())
 
 
 class FakeCache:
