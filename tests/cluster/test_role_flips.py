@@ -57,6 +57,7 @@ def test_flips_under_load_lose_no_request_and_leak_no_block(ray_local, tiny_mode
     cfg = cluster_config(tiny_model_dir, "grpc", "none", n_prefill=1, n_decode=2, role_flips="manual")
     prompts, params = prompts_and_params(16, seed=21, max_len=200)
     later, later_params = prompts_and_params(6, seed=22, max_len=200)
+    extra, extra_params = prompts_and_params(8, seed=23, max_len=200)
 
     async def main():
         cluster = await start_cluster(cfg, port=0)
@@ -70,9 +71,12 @@ def test_flips_under_load_lose_no_request_and_leak_no_block(ray_local, tiny_mode
             flips = [await manager.flip("decode-1", "prefill")]          # its decode requests finish first
             await _wait_for(lambda: _view(pools.prefill, "prefill-0").queued_tokens > 0)
             flips.append(await manager.flip("prefill-0", "decode"))      # its prefill sends complete first
+            # more arrivals, so decode-0 holds requests for the third flip even when the first load has
+            # drained during the second (a fast host can finish it in the 0.4 s that flip took)
+            more = asyncio.ensure_future(_generate_all(cluster.address, extra, extra_params, "c"))
             await _wait_for(lambda: _view(pools.decode, "decode-0").running > 0)
             flips.append(await manager.flip("decode-0", "colocated", timeout_s=0.0))   # hands off at once
-            first = await load
+            first = await load + await more
             roles = {s.actor_id: s.role for s in await backend.stats()}
             # now decode-1 is the only prefill actor, prefill-0 decodes, decode-0 is colocated
             second = await _generate_all(cluster.address, later, later_params, "b")
@@ -90,7 +94,7 @@ def test_flips_under_load_lose_no_request_and_leak_no_block(ray_local, tiny_mode
             await cluster.stop()
 
     flips, first, second, roles, stats, prefill_ids, decode_ids = asyncio.run(main())
-    assert _tokens(first) == reference(prompts, params)
+    assert _tokens(first) == reference(prompts + extra, params + extra_params)
     assert _tokens(second) == reference(later, later_params)
     assert all(msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH for msgs in first + second)
     assert roles == {"decode-1": "prefill", "prefill-0": "decode", "decode-0": "colocated"}
