@@ -19,6 +19,10 @@ Before any request finished, the configured workload is the observation (the pla
 With ``routing.role_flips: auto`` and fixed pool counts, the act step flips roles instead: the plan's
 unrounded needs (raised by the backlog) go to `deploy.role_balance.RoleBalancer`, and a flip it calls
 for is run by the pool manager (`PoolManager.flip`) on the least busy actor of the role that gives one up.
+With ``routing.mode: auto`` as well, decode actors prefill the prompts placed local, so only the share of
+prompt tokens that *needed* a prefill actor (`Placement.needs_prefill_actor`, over the window) counts as
+prefill-actor work, the rest as decode-actor work; the prefill pool may go to zero (every actor decodes
+and prefills its own prompts, the colocated layout) and comes back when prompts need it again.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field
 from deploy.planner import SLO, Corrections, Plan, Workload, inputs_from_config, p99_ttft, plan
 from deploy.profiler import Profile
 from deploy.pool_manager import Flip, add_actors, drain_actor
-from deploy.role_balance import TO_PREFILL, RoleBalancer, SplitDecision
+from deploy.role_balance import TO_PREFILL, BalanceSettings, RoleBalancer, SplitDecision
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
@@ -56,6 +60,7 @@ class Observation:
     tpot_s: float | None                # mean of the window
     decode_in_flight: int
     prefill_queued_tokens: int
+    remote_share: float | None = None   # mode auto: prompt tokens that needed a prefill actor / all placed
 
 
 @dataclass(slots=True)
@@ -79,7 +84,9 @@ class Autoscaler:
         self.pools = [name for name, p in cfg.pools.items() if p.is_auto and name in ("prefill", "decode")]
         self.manager = manager
         flips = cfg.routing.role_flips == "auto" and manager is not None and not self.pools
-        self.balancer = (balancer or RoleBalancer()) if flips else None
+        self.auto_placement = cfg.routing.mode == "auto"      # decode actors prefill too: no prefill actor needed
+        balance = BalanceSettings(min_prefill=0 if self.auto_placement else 1)
+        self.balancer = (balancer or RoleBalancer(balance)) if flips else None
         self.corrections = Corrections()
         self.history: list[Decision] = []
         self._want_fewer: dict[str, int] = {}
@@ -132,7 +139,15 @@ class Autoscaler:
         decode_in_flight = sum(v.running for v in self.backend.pools.decode) + self.backend.admission.num_waiting
         queued = sum(v.queued_tokens for v in self.backend.pools.prefill)
         return Observation(workload, len(recent), ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
-                           statistics.fmean(tpots) if tpots else None, decode_in_flight, queued)
+                           statistics.fmean(tpots) if tpots else None, decode_in_flight, queued,
+                           self._remote_share(now) if self.auto_placement else None)
+
+    def _remote_share(self, now: float) -> float | None:
+        """Of the prompt tokens placed in the window, the share that needed a prefill actor (None: none placed)."""
+        placed = [(tokens, needs) for at, tokens, needs in list(getattr(self.backend, "placements", ()))
+                  if now - at <= self.settings.window_s]
+        total = sum(tokens for tokens, _ in placed)
+        return sum(tokens for tokens, needs in placed if needs) / total if total else None
 
     def _correct(self, obs: Observation, slo: SLO) -> Corrections:
         """measured / predicted at the current pool sizes, smoothed and clamped."""
@@ -166,11 +181,16 @@ class Autoscaler:
         return out
 
     def needs(self, result: Plan, obs: Observation, slo: SLO) -> tuple[float, float]:
-        """Actors each role needs (unrounded): the plan's, raised by what the in-flight backlog needs."""
+        """Actors each role needs (unrounded): the plan's, raised by what the in-flight backlog needs. In mode
+        auto the prompts that did not need a prefill actor are decode actors' work (prefilled local)."""
+        need_prefill, need_decode = result.needed_prefill, result.needed_decode
+        if obs.remote_share is not None:
+            need_prefill, need_decode = (need_prefill * obs.remote_share,
+                                         need_decode + need_prefill * (1.0 - obs.remote_share))
         decode_backlog = obs.decode_in_flight / max(result.decode["batch"], 1)
         clear_rate = result.prefill["capacity_tokens_per_s"] * slo.ttft_s
         prefill_backlog = obs.prefill_queued_tokens / clear_rate if clear_rate > 0 else 0.0
-        return max(result.needed_prefill, prefill_backlog), max(result.needed_decode, decode_backlog)
+        return max(need_prefill, prefill_backlog), max(need_decode, decode_backlog)
 
     async def _balance(self, result: Plan, obs: Observation, slo: SLO) -> tuple[SplitDecision, Flip | None]:
         """At a fixed actor count: flip one actor when the balancer calls for another split."""

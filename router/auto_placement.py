@@ -18,6 +18,14 @@ Each option's slack is ``1 - estimate / SLO`` for TTFT and for TPOT. An option *
 both slacks are >= 0. The choice: the options that keep both SLOs first; among them the most headroom
 (TTFT slack + TPOT slack); when neither keeps both, the smaller violation (the larger of the two
 options' worst slack). Ties go local (no transfer, no second actor). No prefill actor: local.
+
+Whether the cluster needs a prefill actor at all is a separate question, asked of every placement:
+a request *needs* one when the local option breaks an SLO and the rule above would send it remote
+(`Placement.needs_prefill_actor`; the autoscaler's role balance weighs prefill actors by the share
+of prompt tokens that need one). With the prefill pool flipped to zero, the remote option is priced
+against a `ShadowPrefill`: the queue a prefill actor would hold had it taken every prompt that
+needed it, drained at the measured prefill rate. The request still runs local; the answer says
+whether flipping an actor back to prefill would have helped.
 """
 from __future__ import annotations
 
@@ -122,8 +130,9 @@ class Placement:
     choice: Choice
     reason: str                  # "keeps_slo" | "least_violation" | "no_prefill_actor"
     local: Estimate
-    remote: Estimate | None
+    remote: Estimate | None      # None: no prefill actor, none shadowed either
     inputs: PlacementInputs
+    needs_prefill_actor: bool = False    # local breaks an SLO and the rule picks remote (or would)
 
     def log_fields(self) -> dict[str, object]:
         """Flat key/values for the request's log line."""
@@ -133,6 +142,7 @@ class Placement:
             "decode_running": self.inputs.decode.running,
             "decode_local_backlog": self.inputs.decode.local_prefill_tokens,
             "decode_cached_tokens": self.inputs.decode.cached_tokens,
+            "needs_prefill_actor": self.needs_prefill_actor,
         }
         if self.remote is not None:
             fields.update(est_remote_ttft_s=self.remote.ttft_s, est_remote_tpot_s=self.remote.tpot_s,
@@ -171,14 +181,44 @@ def estimate_remote(inp: PlacementInputs) -> Estimate | None:
     return _estimate(Choice.REMOTE, ttft, tpot, inp)
 
 
-def place(inp: PlacementInputs) -> Placement:
-    """Remote or local for one request (the rule in the module docstring)."""
+def _choose(local: Estimate, remote: Estimate) -> tuple[Choice, str]:
+    keeping = [e for e in (local, remote) if e.keeps_slo]
+    if keeping:
+        return max(keeping, key=lambda e: (e.headroom, e.choice is Choice.LOCAL)).choice, "keeps_slo"
+    return max((local, remote), key=lambda e: (e.worst_slack, e.choice is Choice.LOCAL)).choice, "least_violation"
+
+
+def place(inp: PlacementInputs, shadow: bool = False) -> Placement:
+    """Remote or local for one request (the rule in the module docstring). `shadow`: `inp.prefill` is a
+    `ShadowPrefill`'s state, not an actor: the request goes local, and the answer says whether it needed one."""
     local, remote = estimate_local(inp), estimate_remote(inp)
     if remote is None:
         return Placement(Choice.LOCAL, "no_prefill_actor", local, None, inp)
-    keeping = [e for e in (local, remote) if e.keeps_slo]
-    if keeping:
-        best = max(keeping, key=lambda e: (e.headroom, e.choice is Choice.LOCAL))
-        return Placement(best.choice, "keeps_slo", local, remote, inp)
-    best = max((local, remote), key=lambda e: (e.worst_slack, e.choice is Choice.LOCAL))
-    return Placement(best.choice, "least_violation", local, remote, inp)
+    choice, reason = _choose(local, remote)
+    needs = choice is Choice.REMOTE and not local.keeps_slo
+    if shadow:
+        return Placement(Choice.LOCAL, "no_prefill_actor", local, remote, inp, needs)
+    return Placement(choice, reason, local, remote, inp, needs)
+
+
+@dataclass(slots=True)
+class ShadowPrefill:
+    """The prefill actor the cluster does not have (mode auto, prefill pool at zero): the prompt tokens
+    it would have queued, had it taken every request that needed it, drained at the prefill rate."""
+
+    queued_tokens: float = 0.0
+    at: float = 0.0              # time.monotonic() of the last update
+
+    def state(self, now: float, tokens_per_s: float) -> PrefillState:
+        """Its queue now, as a prefill actor's state (it caches nothing)."""
+        self._drain(now, tokens_per_s)
+        return PrefillState("shadow", math.ceil(self.queued_tokens), 0)
+
+    def take(self, tokens: int, now: float, tokens_per_s: float) -> None:
+        """A request that needed a prefill actor: its tokens join the shadow queue."""
+        self._drain(now, tokens_per_s)
+        self.queued_tokens += tokens
+
+    def _drain(self, now: float, tokens_per_s: float) -> None:
+        self.queued_tokens = max(self.queued_tokens - max(now - self.at, 0.0) * tokens_per_s, 0.0)
+        self.at = now

@@ -56,7 +56,7 @@ from router.dispatch import pick_prefill, usable_cached_tokens
 from router.kv_event_poller import KVEventPoller
 from router.kv_index import KVIndex
 from router.live_profile import LiveProfile
-from router.auto_placement import Choice, DecodeState, Placement, PlacementInputs, PrefillState, place
+from router.auto_placement import Choice, DecodeState, Placement, PlacementInputs, PrefillState, ShadowPrefill, place
 from router.pools import DecodeView, Pools, PrefillView
 from router.timeline import Timeline
 
@@ -157,6 +157,10 @@ class Dispatcher(Backend):
         self.live = live or LiveProfile(block_size=block_size)
         # finished requests for the autoscaler: (end, prompt_tokens, output_tokens, ttft_s, tpot_s)
         self.completed: deque[tuple[float, int, int, float, float]] = deque(maxlen=4096)
+        # mode auto, every placement, for the autoscaler's role balance: (time, prompt tokens it computes,
+        # whether it needed a prefill actor); without one, `shadow` prices the remote option
+        self.placements: deque[tuple[float, int, bool]] = deque(maxlen=4096)
+        self.shadow = ShadowPrefill()
 
     async def ready(self) -> bool:
         """Some decode actor can take requests (one down while it restarts is not an outage)."""
@@ -349,14 +353,22 @@ class Dispatcher(Backend):
         if mode != "auto":
             uncached = num_prompt - usable_cached_tokens(cached, num_prompt, self.block_size)
             return uncached < self.routing.local_prefill_tokens
-        live = self.live
-        prefill = None if pview is None else PrefillState(pview.actor_id, pview.queued_tokens, cached * self.block_size)
+        live, now, shadow = self.live, time.monotonic(), pview is None
+        if shadow:                   # no prefill actor: would one have helped? (router.auto_placement)
+            prefill = self.shadow.state(now, live.prefill_tokens_per_s)
+        else:
+            prefill = PrefillState(pview.actor_id, pview.queued_tokens, cached * self.block_size)
         decode = DecodeState(view.actor_id, max(view.running - 1, 0), live.local_backlog(view.actor_id),
                              self.kv_index.prefix_blocks(view.actor_id, d.hashes) * self.block_size)
         d.placement = place(PlacementInputs(
             num_prompt, max(live.output_tokens or d.inp.params.max_tokens, 1.0), self.routing.ttft_slo_s,
-            self.routing.tpot_slo_s, decode, live.decode_profile(), prefill, live.prefill_profile(), live.link()))
+            self.routing.tpot_slo_s, decode, live.decode_profile(), prefill, live.prefill_profile(), live.link()),
+            shadow=shadow)
         d.timing.placement = d.placement          # the request's log line carries the last attempt's decision
+        needs = d.placement.needs_prefill_actor
+        self.placements.append((now, max(num_prompt - decode.cached_tokens, 1), needs))
+        if shadow and needs:
+            self.shadow.take(max(num_prompt - prefill.cached_tokens, 1), now, live.prefill_tokens_per_s)
         if self.metrics:
             self.metrics.placement(d.placement.choice.value)
         return d.placement.choice is Choice.LOCAL

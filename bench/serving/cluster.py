@@ -11,6 +11,8 @@ Variants at equal total actors (each with the decode pool's resources):
                         colocated engine, while a prefill actor keeps its own larger chunk)
     auto                the disaggregated actors with ``routing.mode: auto`` (per-request placement:
                         remote prefill or chunked prefill on the decode actor, router/auto_placement.py)
+                        and ``routing.role_flips: auto`` (the autoscaler moves actors between the roles,
+                        the prefill pool down to zero; ``--set routing.role_flips=off`` keeps the split)
 """
 from __future__ import annotations
 
@@ -75,8 +77,8 @@ def bench_config(config_path: str | None, model: str | None, dtype: str | None, 
         overrides = [*overrides, f"pools.prefill.chunk_tokens={colocated_chunk_tokens}"]
     if variant == "disaggregated-no-reuse":
         overrides = [*overrides, "routing.decode_prefix_reuse=false"]
-    elif variant == "auto":
-        overrides = [*overrides, "routing.mode=auto"]
+    elif variant == "auto":         # placement per request, and the split follows the load (prefill pool down to 0)
+        overrides = ["routing.role_flips=auto", *overrides, "routing.mode=auto"]
     for item in overrides:
         key, value = parse_override(item)
         values[key] = value

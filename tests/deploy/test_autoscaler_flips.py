@@ -8,6 +8,8 @@ import time
 from collections import deque
 from types import SimpleNamespace
 
+import pytest
+
 from deploy.autoscaler import Autoscaler, AutoscaleSettings
 from deploy.config import load_config
 from deploy.pool_manager import Flip
@@ -39,13 +41,15 @@ class FakeManager:
         return Flip(actor_id, "decode" if role == "prefill" else "prefill", role, 0.0, 0.0)
 
 
-def make():
+def make(mode: str = "disaggregated"):
     cfg = load_config(None, {"model.name": "tiny", "pools.prefill.count": 1, "pools.decode.count": 3,
-                             "routing.role_flips": "auto", "slo.ttft_p99_ms": 2000, "slo.tpot_p99_ms": 100})
+                             "routing.role_flips": "auto", "routing.mode": mode,
+                             "slo.ttft_p99_ms": 2000, "slo.tpot_p99_ms": 100})
     pools = Pools([PrefillView("prefill-0", None, 512)],
                   [DecodeView(f"decode-{i}", None, f"kv://decode-{i}", 512) for i in range(3)])
     pools.decode[1].running = 2            # the busiest decode actor is flipped last
-    backend = SimpleNamespace(pools=pools, completed=deque(), admission=SimpleNamespace(num_waiting=0))
+    backend = SimpleNamespace(pools=pools, completed=deque(), placements=deque(),
+                              admission=SimpleNamespace(num_waiting=0))
     manager = FakeManager(pools)
     scaler = Autoscaler(cfg, backend, None, Profile(synthetic(flops_per_s=2e10)),
                         AutoscaleSettings(interval_s=1.0, window_s=60.0), manager=manager)
@@ -53,13 +57,17 @@ def make():
     return scaler, backend, manager
 
 
-def ticks(scaler, backend, loads) -> list[str | None]:
-    """One tick per load: the window holds 60 s of finished requests of that shape."""
+def ticks(scaler, backend, loads, needs: list[bool] | None = None) -> list[str | None]:
+    """One tick per load: the window holds 60 s of finished requests of that shape (and in mode auto, of
+    placements that each needed a prefill actor or not, by `needs` per tick)."""
     flips = []
-    for prompt, output, rate in loads:
+    for tick, (prompt, output, rate) in enumerate(loads):
         now = time.monotonic()
         backend.completed.clear()
         backend.completed.extend((now - i / rate, prompt, output, 0.5, 0.02) for i in range(int(60 * rate)))
+        backend.placements.clear()
+        if needs is not None:
+            backend.placements.extend((now - i / rate, prompt, needs[tick]) for i in range(int(60 * rate)))
         decision = asyncio.run(scaler.tick())
         flips.append(decision.split.flip)
     return flips
@@ -81,3 +89,38 @@ def test_a_load_that_oscillates_every_tick_flips_nothing():
     scaler, backend, manager = make()
     flips = ticks(scaler, backend, [PREFILL_HEAVY, DECODE_HEAVY] * 6)
     assert flips == [None] * 12 and manager.flips == []
+
+
+def test_auto_mode_flips_the_last_prefill_actor_when_no_prompt_needs_one_and_brings_it_back():
+    scaler, backend, manager = make("auto")
+    assert scaler.balancer.settings.min_prefill == 0
+    # a prefill-heavy load whose prompts all kept their SLOs on the decode actors (placed local): their
+    # prefill is decode-actor work, so the prefill actor goes; then every prompt needs one again
+    flips = ticks(scaler, backend, [PREFILL_HEAVY] * 11, needs=[False] * 5 + [True] * 6)
+    assert flips == [None, TO_DECODE, None, None, None, None, TO_PREFILL, None, None, None, TO_PREFILL]
+    assert manager.flips[0] == ("prefill-0", "decode")
+    assert scaler.history[2].observation.remote_share == 0.0 and scaler.history[6].observation.remote_share == 1.0
+    assert scaler.history[2].sizes == {"prefill": 0, "decode": 4}
+    assert (len(backend.pools.prefill), len(backend.pools.decode)) == (2, 2)
+
+
+def test_auto_mode_splits_the_prefill_need_by_the_share_that_needed_a_prefill_actor():
+    scaler, backend, _ = make("auto")
+    ticks(scaler, backend, [PREFILL_HEAVY], needs=[True])
+    full = scaler.history[-1]
+    backend.placements.clear()
+    now = time.monotonic()     # a quarter of the prompt tokens needed one
+    backend.placements.extend([(now, 300, True), (now, 900, False)])
+    obs = scaler.observe(now)
+    assert obs.remote_share == 0.25
+    need_p, need_d = scaler.needs(full.plan, obs, SimpleNamespace(ttft_s=2.0))
+    assert need_p == pytest.approx(0.25 * full.plan.needed_prefill)
+    assert need_d == pytest.approx(full.plan.needed_decode + 0.75 * full.plan.needed_prefill)
+
+
+def test_disaggregated_mode_keeps_one_prefill_actor_whatever_the_placements():
+    scaler, backend, manager = make()
+    assert scaler.balancer.settings.min_prefill == 1
+    flips = ticks(scaler, backend, [DECODE_HEAVY] * 6, needs=[False] * 6)
+    assert flips == [None] * 6 and len(backend.pools.prefill) == 1
+    assert scaler.history[-1].observation.remote_share is None

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from router.auto_placement import (Choice, DecodeProfile, DecodeState, LinkProfile, PlacementInputs, PrefillProfile,
-                              PrefillState, estimate_local, estimate_remote, place)
+                                   PrefillState, ShadowPrefill, estimate_local, estimate_remote, place)
 
 # A decode actor: 20 ms + 1 ms per running sequence per step; it prefills 2000 tokens/s between steps in
 # chunks of 512. A prefill actor: 4000 tokens/s, 10 ms overhead. The link: 1 MB/s of KV... per 1 kB token.
@@ -91,3 +91,33 @@ def test_log_fields_name_the_decision_and_its_inputs():
     assert fields["placement"] == "remote" and fields["placement_reason"] == "keeps_slo"
     assert fields["prefill_queued_tokens"] == 100 and fields["decode_running"] == 8
     assert {"est_local_ttft_s", "est_local_tpot_s", "est_remote_ttft_s", "est_remote_tpot_s"} <= set(fields)
+
+
+def test_a_request_needs_a_prefill_actor_only_when_local_breaks_an_slo_and_remote_is_picked():
+    assert not place(inputs(3000, running=8)).needs_prefill_actor          # remote, but local keeps both SLOs
+    assert not place(inputs(24, running=8)).needs_prefill_actor            # local
+    near = place(inputs(1500, running=60, output=32))                      # local breaks TPOT, remote keeps it
+    assert near.choice is Choice.REMOTE and near.needs_prefill_actor
+    slow = dataclasses.replace(DECODE, step_base_s=0.2)
+    assert place(inputs(3000, running=4, decode=slow)).needs_prefill_actor  # the smaller violation is remote
+    swamped = place(inputs(1500, running=60, output=32, prefill_queued=40000))   # 10 s of prefill queue
+    assert swamped.choice is Choice.LOCAL and not swamped.needs_prefill_actor
+    assert not place(inputs(1500, running=60, output=32, prefill=False)).needs_prefill_actor   # nothing to ask
+
+
+def test_a_shadow_prefill_actor_prices_the_remote_option_but_the_request_stays_local():
+    shadowed = place(inputs(1500, running=60, output=32), shadow=True)
+    assert (shadowed.choice, shadowed.reason) == (Choice.LOCAL, "no_prefill_actor")
+    assert shadowed.needs_prefill_actor and shadowed.remote.keeps_slo and not shadowed.local.keeps_slo
+    assert shadowed.log_fields()["needs_prefill_actor"] is True
+    assert not place(inputs(24, running=8), shadow=True).needs_prefill_actor
+
+
+def test_the_shadow_queue_grows_by_what_needed_it_and_drains_at_the_prefill_rate():
+    shadow = ShadowPrefill()
+    assert shadow.state(10.0, 1000.0) == PrefillState("shadow", 0, 0)
+    shadow.take(1500, 10.0, 1000.0)
+    shadow.take(500, 10.5, 1000.0)                 # 1500 - 500 drained + 500
+    assert shadow.queued_tokens == pytest.approx(1500.0)
+    assert shadow.state(11.0, 1000.0).queued_tokens == 1000
+    assert shadow.state(13.0, 1000.0).queued_tokens == 0 and shadow.state(12.0, 1000.0).queued_tokens == 0

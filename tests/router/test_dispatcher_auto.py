@@ -148,3 +148,27 @@ def test_a_request_is_recorded_when_the_consumer_closes_after_its_last_chunk():
         assert d.live.output_tokens == 6
         assert_nothing_held(c)
     run(main())
+
+
+def test_without_a_prefill_actor_auto_prefills_local_and_records_which_prompts_needed_one():
+    async def main():
+        c = fake_cluster(num_prefill=0, kv_blocks=128)
+        d = make(c)
+        tokens, chunks = await collect(d, request("short", max_tokens=6))
+        assert tokens == expected_tokens(request().prompt_token_ids, 6)
+        first = chunks[-1].timing.placement
+        assert (first.choice.value, first.reason, first.needs_prefill_actor) == ("local", "no_prefill_actor", False)
+        assert first.remote is not None and first.inputs.prefill.actor_id == "shadow"
+        assert d.shadow.queued_tokens == 0
+        longer = list(range(1, 401))   # 0.4 s of local prefill over 6 tokens: TPOT 77 ms > 50; a prefill actor keeps it
+        tokens, chunks = await collect(d, request("long", max_tokens=6, prompt=longer))
+        assert tokens == expected_tokens(longer, 6)
+        second = chunks[-1].timing.placement
+        assert (second.choice.value, second.needs_prefill_actor) == ("local", True)
+        assert not second.local.keeps_slo and second.remote.keeps_slo
+        assert d.shadow.queued_tokens == 400                  # the shadow actor would hold its prompt
+        assert [(tokens, needs) for _, tokens, needs in d.placements] == [(len(request().prompt_token_ids), False),
+                                                                           (400, True)]
+        assert d.metrics.placements == ["local", "local"] and d.metrics.local == 2
+        assert_nothing_held(c)
+    run(main())
