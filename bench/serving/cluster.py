@@ -42,6 +42,7 @@ class Target:
     http_url: str | None = None     # the OpenAI-compatible API (``http://host:port/v1``), when served
     apis: tuple[str, ...] = ()      # front doors to load here; empty: every one ``--api`` names
     pools: object | None = None     # embedded: the router's pools (actors per role over time)
+    autoscaler: object | None = None    # embedded, when one runs: its decisions (the split it calls for)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -108,6 +109,7 @@ async def embedded(cfg, variant: str, autoscale=None):
             raise RuntimeError(f"{variant} cluster did not become ready")
         token = cfg.security.token.get_secret_value() if cfg.security.token else None
         url = f"http://{cfg.server.host}:{cfg.server.metrics_port}/metrics"
-        yield Target(variant, cluster.address, url, token, n, cluster.http_url, pools=cluster.backend.pools)
+        yield Target(variant, cluster.address, url, token, n, cluster.http_url, pools=cluster.backend.pools,
+                     autoscaler=cluster.autoscaler)
     finally:
         await cluster.stop()

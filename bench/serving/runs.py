@@ -86,7 +86,8 @@ async def _measure_with(client, target: Target, args: argparse.Namespace, specs:
                            timeout=args.timeout)
         before = scrape(target.metrics_url, target.token)
         roles: list[dict] = []
-        sampler = asyncio.ensure_future(sample_roles(target.pools, roles)) if target.pools is not None else None
+        sampler = (asyncio.ensure_future(sample_roles(target.pools, roles, target.autoscaler))
+                   if target.pools is not None else None)
         try:
             records, duration = await run_load(
                 client, specs, request_rate=rate, burstiness=args.burstiness, concurrency=conc, seed=seed,
@@ -118,16 +119,26 @@ def router_slo(args: argparse.Namespace) -> list[str]:
     return [f"slo.ttft_p99_ms={ttft:.6g}", f"slo.tpot_p99_ms={tpot:.6g}"]
 
 
-async def sample_roles(pools, out: list[dict], interval_s: float = 0.5) -> None:
+async def sample_roles(pools, out: list[dict], autoscaler=None, interval_s: float = 0.5) -> None:
     """Append {t, prefill, decode, colocated} (actors per role, by the router's pools) every interval
-    until cancelled; t in seconds from the start."""
+    until cancelled; t in seconds from the start. With an autoscaler that balances roles, also its last
+    tick's view: `planned_prefill` (of all actors, the planner's needs alone), `ideal_prefill` (what the
+    balancer aimed at: in mode auto, the planner's prefill need split by `remote_share`) and `remote_share`."""
     import time
     start = time.monotonic()
     while True:
         decode = [v for v in pools.decode]
-        out.append({"t": round(time.monotonic() - start, 2), "prefill": len(pools.prefill),
-                    "decode": sum(1 for v in decode if v.endpoint), "colocated": sum(1 for v in decode
-                                                                                      if not v.endpoint)})
+        sample = {"t": round(time.monotonic() - start, 2), "prefill": len(pools.prefill),
+                  "decode": sum(1 for v in decode if v.endpoint), "colocated": sum(1 for v in decode
+                                                                                    if not v.endpoint)}
+        last = autoscaler.history[-1] if autoscaler is not None and autoscaler.history else None
+        if last is not None and last.split is not None:
+            p, d = last.plan.needed_prefill, last.plan.needed_decode
+            actors = sample["prefill"] + sample["decode"] + sample["colocated"]
+            sample.update(planned_prefill=round(actors * p / (p + d), 3) if p + d > 0 else None,
+                          ideal_prefill=round(last.split.ideal_prefill, 3),
+                          remote_share=last.observation.remote_share)
+        out.append(sample)
         await asyncio.sleep(interval_s)
 
 

@@ -19,7 +19,8 @@ def wait_blocks_free(address: str, timeout: float = 10.0):
 
 
 def cluster_config(model_dir: str, transport: str = "grpc", codec: str = "none", n_prefill: int = 1,
-                   n_decode: int = 1, attention: str = "auto", **routing):
+                   n_decode: int = 1, attention: str = "auto", extra: dict | None = None, **routing):
+    """A tiny local cluster's config; `routing` keys go under routing., `extra` takes full dotted keys."""
     from deploy.config import load_config
     overrides = {
         "model.name": model_dir, "model.dtype": "float32",
@@ -30,4 +31,5 @@ def cluster_config(model_dir: str, transport: str = "grpc", codec: str = "none",
         "model.attention": attention,
     }
     overrides.update({f"routing.{k}": v for k, v in routing.items()})
+    overrides.update(extra or {})
     return load_config(None, overrides)

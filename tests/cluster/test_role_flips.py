@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 
+from deploy.autoscaler import AutoscaleSettings
 from deploy.running import start_cluster
 from proto.pdserve.v1 import generation_pb2 as pb
 from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -106,3 +107,40 @@ def test_flips_under_load_lose_no_request_and_leak_no_block(ray_local, tiny_mode
         print(f"flip {f.actor_id} {f.from_role} -> {f.to_role}: {f.seconds:.2f}s "
               f"({f.drain_s:.2f}s draining, {f.handed_off} handed off)")
     assert flips[0].handed_off == 0 and flips[1].handed_off == 0 and flips[2].handed_off > 0
+
+
+@pytest.mark.timeout(300)
+def test_auto_mode_flips_the_last_prefill_actor_to_decode_when_no_prompt_needs_one(ray_local, tiny_model_dir,
+                                                                                     reference):
+    """routing.mode auto + role_flips auto, with SLOs every local prefill keeps: no prompt needs a prefill
+    actor, so the autoscaler takes the prefill pool to zero while requests stream, and both actors then
+    decode and prefill their own prompts (the colocated layout)."""
+    cfg = cluster_config(tiny_model_dir, "grpc", "none", n_prefill=1, n_decode=1, role_flips="auto", mode="auto",
+                         extra={"slo.ttft_p99_ms": 60000, "slo.tpot_p99_ms": 10000})
+    settings = AutoscaleSettings(interval_s=0.2, window_s=10.0)
+    prompts, params = prompts_and_params(24, seed=31, max_len=200)
+    later, later_params = prompts_and_params(8, seed=32, max_len=200)
+
+    async def main():
+        cluster = await start_cluster(cfg, port=0, autoscale=settings)
+        backend, pools = cluster.backend, cluster.backend.pools
+        try:
+            await cluster.server.wait_ready(60)
+            load = asyncio.ensure_future(_generate_all(cluster.address, prompts, params, "a"))
+            await _wait_for(lambda: not pools.prefill and len(pools.decode) == 2, timeout=60)
+            first = await load
+            second = await _generate_all(cluster.address, later, later_params, "b")
+            stats = await _blocks_free(backend)
+            flips = [d.flip for d in cluster.autoscaler.history if d.flip is not None]
+            shares = [d.observation.remote_share for d in cluster.autoscaler.history if d.split is not None]
+            return first, second, stats, flips, shares, sorted(v.actor_id for v in pools.decode)
+        finally:
+            await cluster.stop()
+
+    first, second, stats, flips, shares, decode_ids = asyncio.run(main())
+    assert _tokens(first) == reference(prompts, params)
+    assert _tokens(second) == reference(later, later_params)
+    assert decode_ids == ["decode-0", "prefill-0"]
+    assert [(f.actor_id, f.from_role, f.to_role) for f in flips] == [("prefill-0", "prefill", "decode")]
+    assert {s for s in shares if s is not None} == {0.0}          # every placed prompt kept its SLOs locally
+    assert all(s.kv_blocks_used == 0 for s in stats), stats
