@@ -24,8 +24,9 @@ them (only the rest is shipped). Placement (`_local_prefill`, by ``mode``): "dis
 prefills short uncached prompts (`local_prefill_tokens`: fewer tokens than that left after the
 prefill actor's or the decode actor's cached prefix) on the decode actor; "auto" decides per
 request between remote prefill + transfer and chunked prefill on the decode actor with
-`router.auto_placement` over the live profile (`router.live_profile`); "colocated" prefills every
-request on its decode actor. Migrated requests are always prefilled by the decode actor.
+`router.auto_placement` over the live profile (`router.live_profile`), and records in `placements`
+whether each prompt needed a prefill actor (with none in the pool, `shadow` prices one) for the
+autoscaler's role balance; "colocated" prefills every request on its decode actor. Migrated requests are always prefilled by the decode actor.
 Cancellation aborts the request on both actors. The actors are reached only through
 `router.actor_client` (deploy implements it with Ray).
 

@@ -57,5 +57,7 @@ def test_the_auto_variant_is_disaggregated_with_auto_placement():
     assert variants_of("colocated,disaggregated,auto", "disaggregated") == [
         "colocated", "colocated-chunked", "disaggregated", "auto"]
     assert VARIANTS["auto"] == ("disaggregated", True)
-    assert bench_config(None, "tiny", None, [], "auto").routing.mode == "auto"
+    auto = bench_config(None, "tiny", None, [], "auto").routing
+    assert (auto.mode, auto.role_flips) == ("auto", "auto")
+    assert bench_config(None, "tiny", None, ["routing.role_flips=off"], "auto").routing.role_flips == "off"
     assert bench_config(None, "tiny", None, [], "disaggregated").routing.mode == "disaggregated"
