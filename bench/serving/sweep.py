@@ -89,7 +89,7 @@ async def run_sweep(args: argparse.Namespace) -> dict:
     await run_variants(args, sweep_target)
     os.makedirs(args.plot_dir, exist_ok=True)
     name = args.sweep.replace("-", "_")
-    path = os.path.join(args.plot_dir, f"sweep_{name}.png")
+    path = os.path.join(args.plot_dir, f"sweep_{name}_{args.workload}.png")     # one plot dir serves every workload
     title = f"{args.workload} workload, {args.model or 'default model'}"
     if args.sweep == "rate":
         title += f", {slo_line(slo_record(args))}"
