@@ -26,8 +26,8 @@ prefill actor's or the decode actor's cached prefix) on the decode actor; "auto"
 request between remote prefill + transfer and chunked prefill on the decode actor with
 `router.auto_placement` over the live profile (`router.live_profile`), and records in `placements`
 whether each prompt needed a prefill actor (with none in the pool, `shadow` prices one) for the
-autoscaler's role balance; "colocated" prefills every request on its decode actor. Migrated requests are always prefilled by the decode actor.
-Cancellation aborts the request on both actors. The actors are reached only through
+autoscaler's role balance; "colocated" prefills every request on its decode actor. Migrated
+requests are always prefilled by the decode actor. Cancellation aborts the request on both actors. The actors are reached only through
 `router.actor_client` (deploy implements it with Ray).
 
 What each actor has cached, for placement, comes only from its own cache events: `kv_index`
