@@ -27,8 +27,8 @@ request between remote prefill + transfer and chunked prefill on the decode acto
 `router.auto_placement` over the live profile (`router.live_profile`), and records in `placements`
 whether each prompt needed a prefill actor (with none in the pool, `shadow` prices one) for the
 autoscaler's role balance; "colocated" prefills every request on its decode actor. Migrated
-requests are always prefilled by the decode actor. Cancellation aborts the request on both actors. The actors are reached only through
-`router.actor_client` (deploy implements it with Ray).
+requests are always prefilled by the decode actor. Cancellation aborts the request on both actors.
+The actors are reached only through `router.actor_client` (deploy implements it with Ray).
 
 What each actor has cached, for placement, comes only from its own cache events: `kv_index`
 (router.kv_index), fed by `kv_poller` (router.kv_event_poller: a periodic pull, `run()`, plus a
