@@ -22,15 +22,18 @@ options' worst slack). Ties go local (no transfer, no second actor). No prefill 
 Whether the cluster needs a prefill actor at all is a separate question, asked of every placement:
 a request *needs* one when the local option breaks an SLO and the rule above would send it remote
 (`Placement.needs_prefill_actor`; the autoscaler's role balance weighs prefill actors by the share
-of prompt tokens that need one). With the prefill pool flipped to zero, the remote option is priced
-against a `ShadowPrefill`: the queue a prefill actor would hold had it taken every prompt that
-needed it, drained at the measured prefill rate. The request still runs local; the answer says
-whether flipping an actor back to prefill would have helped.
+of prompt tokens that need one). It is asked at one layout whatever the current split: every actor
+decoding, so the local option sees the decode actor's running batch as it would be spread over all
+actors (`all_decode_running`; with prefill actors in the pool the batch each decode actor carries
+is larger, and asking at the current split would lean toward keeping them). With the prefill pool
+flipped to zero, the remote option is priced against a `ShadowPrefill`: the queue a prefill actor
+would hold had it taken every prompt that needed it, drained at the measured prefill rate. The
+request still runs local; the answer says whether flipping an actor back to prefill would help.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 
@@ -188,14 +191,24 @@ def _choose(local: Estimate, remote: Estimate) -> tuple[Choice, str]:
     return max((local, remote), key=lambda e: (e.worst_slack, e.choice is Choice.LOCAL)).choice, "least_violation"
 
 
-def place(inp: PlacementInputs, shadow: bool = False) -> Placement:
+def needs_prefill_actor(inp: PlacementInputs, all_decode_running: int | None = None) -> bool:
+    """Whether the request needs a prefill actor (module docstring), asked with the decode actor running
+    `all_decode_running` requests (None: as many as it runs now)."""
+    if all_decode_running is not None and all_decode_running != inp.decode.running:
+        inp = replace(inp, decode=replace(inp.decode, running=all_decode_running))
+    local, remote = estimate_local(inp), estimate_remote(inp)
+    return remote is not None and not local.keeps_slo and _choose(local, remote)[0] is Choice.REMOTE
+
+
+def place(inp: PlacementInputs, shadow: bool = False, all_decode_running: int | None = None) -> Placement:
     """Remote or local for one request (the rule in the module docstring). `shadow`: `inp.prefill` is a
-    `ShadowPrefill`'s state, not an actor: the request goes local, and the answer says whether it needed one."""
+    `ShadowPrefill`'s state, not an actor: the request goes local, and the answer says whether it needed one.
+    `all_decode_running`: the decode actor's batch were every actor decoding (for `needs_prefill_actor`)."""
     local, remote = estimate_local(inp), estimate_remote(inp)
     if remote is None:
         return Placement(Choice.LOCAL, "no_prefill_actor", local, None, inp)
     choice, reason = _choose(local, remote)
-    needs = choice is Choice.REMOTE and not local.keeps_slo
+    needs = needs_prefill_actor(inp, all_decode_running)
     if shadow:
         return Placement(Choice.LOCAL, "no_prefill_actor", local, remote, inp, needs)
     return Placement(choice, reason, local, remote, inp, needs)

@@ -364,7 +364,7 @@ class Dispatcher(Backend):
         d.placement = place(PlacementInputs(
             num_prompt, max(live.output_tokens or d.inp.params.max_tokens, 1.0), self.routing.ttft_slo_s,
             self.routing.tpot_slo_s, decode, live.decode_profile(), prefill, live.prefill_profile(), live.link()),
-            shadow=shadow)
+            shadow=shadow, all_decode_running=self._all_decode_running(d, decode.running))
         d.timing.placement = d.placement          # the request's log line carries the last attempt's decision
         needs = d.placement.needs_prefill_actor
         self.placements.append((now, max(num_prompt - decode.cached_tokens, 1), needs))
@@ -373,6 +373,12 @@ class Dispatcher(Backend):
         if self.metrics:
             self.metrics.placement(d.placement.choice.value)
         return d.placement.choice is Choice.LOCAL
+
+    def _all_decode_running(self, d: _Dispatch, running: int) -> int:
+        """A decode actor's batch were the prefill actors decoding too: spread over both pools' actors."""
+        num_decode = sum(1 for v in d.pool if v.healthy and not v.draining)
+        num_prefill = sum(1 for v in self.pools.prefill if v.healthy and not v.draining)
+        return round(running * num_decode / max(num_decode + num_prefill, 1)) if num_decode else running
 
     def _local_done(self, d: _Dispatch, compute_s: float | None) -> None:
         """The attempt's local prefill ended (its first event, or the attempt ended without one)."""

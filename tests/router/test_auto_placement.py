@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from router.auto_placement import (Choice, DecodeProfile, DecodeState, LinkProfile, PlacementInputs, PrefillProfile,
-                                   PrefillState, ShadowPrefill, estimate_local, estimate_remote, place)
+                                   PrefillState, ShadowPrefill, estimate_local, estimate_remote, needs_prefill_actor,
+                                   place)
 
 # A decode actor: 20 ms + 1 ms per running sequence per step; it prefills 2000 tokens/s between steps in
 # chunks of 512. A prefill actor: 4000 tokens/s, 10 ms overhead. The link: 1 MB/s of KV... per 1 kB token.
@@ -121,3 +122,11 @@ def test_the_shadow_queue_grows_by_what_needed_it_and_drains_at_the_prefill_rate
     assert shadow.queued_tokens == pytest.approx(1500.0)
     assert shadow.state(11.0, 1000.0).queued_tokens == 1000
     assert shadow.state(13.0, 1000.0).queued_tokens == 0 and shadow.state(12.0, 1000.0).queued_tokens == 0
+
+
+def test_the_need_is_asked_with_the_decode_batch_spread_over_every_actor():
+    inp = inputs(1500, running=60, output=32)          # local breaks the TPOT SLO at 60 running, not at 15
+    assert needs_prefill_actor(inp) and needs_prefill_actor(inp, 60) and not needs_prefill_actor(inp, 15)
+    spread = place(inp, all_decode_running=15)
+    assert spread.choice is Choice.REMOTE and not spread.local.keeps_slo    # the placement sees the batch it has
+    assert not spread.needs_prefill_actor

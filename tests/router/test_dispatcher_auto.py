@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import SimpleNamespace
 
 from fake_actors import expected_tokens, fake_cluster
 from router.backend import GenerationInput
@@ -172,3 +173,15 @@ def test_without_a_prefill_actor_auto_prefills_local_and_records_which_prompts_n
         assert d.metrics.placements == ["local", "local"] and d.metrics.local == 2
         assert_nothing_held(c)
     run(main())
+
+
+def test_the_need_for_a_prefill_actor_is_asked_with_the_batch_spread_over_both_pools():
+    c = fake_cluster(num_prefill=1, num_decode=3)
+    d = make(c)
+    attempt = SimpleNamespace(pool=c.pools.decode)
+    assert d._all_decode_running(attempt, 8) == 6          # 8 x 3 decode actors / 4 actors
+    c.pools.prefill[0].healthy = False                     # a prefill actor that is down decodes nothing either
+    assert d._all_decode_running(attempt, 8) == 8
+    c.pools.prefill[0].healthy = True
+    c.pools.decode[0].draining = True
+    assert d._all_decode_running(attempt, 9) == 6          # 9 x 2 / 3
