@@ -196,7 +196,10 @@ def needs_prefill_actor(inp: PlacementInputs, all_decode_running: int | None = N
     `all_decode_running` requests (None: as many as it runs now)."""
     if all_decode_running is not None and all_decode_running != inp.decode.running:
         inp = replace(inp, decode=replace(inp.decode, running=all_decode_running))
-    local, remote = estimate_local(inp), estimate_remote(inp)
+    return _needs(estimate_local(inp), estimate_remote(inp))
+
+
+def _needs(local: Estimate, remote: Estimate | None) -> bool:
     return remote is not None and not local.keeps_slo and _choose(local, remote)[0] is Choice.REMOTE
 
 
@@ -208,7 +211,8 @@ def place(inp: PlacementInputs, shadow: bool = False, all_decode_running: int | 
     if remote is None:
         return Placement(Choice.LOCAL, "no_prefill_actor", local, None, inp)
     choice, reason = _choose(local, remote)
-    needs = needs_prefill_actor(inp, all_decode_running)
+    same_batch = all_decode_running is None or all_decode_running == inp.decode.running
+    needs = _needs(local, remote) if same_batch else needs_prefill_actor(inp, all_decode_running)
     if shadow:
         return Placement(Choice.LOCAL, "no_prefill_actor", local, remote, inp, needs)
     return Placement(choice, reason, local, remote, inp, needs)
