@@ -55,29 +55,44 @@ def test_handshake_over_a_few_kib_is_refused(receiver, layout):
     assert receiver.stats.auth_failures == 0
 
 
-def test_calls_over_max_calls_are_refused(layout):
-    receiver = _receiver(layout, max_calls=2)
+def _held_pair_and_a_refused_call(push, metadata) -> bool:
+    """Opens two calls that hold their stream, then calls until one is refused; True when both held
+    calls were the ones in (they finish after release). A held call can lose the race to a probe
+    that is still counted: the service refuses it instead, and the pair is tried again."""
     release = threading.Event()
 
     def held_frames():            # a sender that has opened its stream and not sent a frame yet
         release.wait(30)
         yield END_FRAME
 
+    held = [push.future(held_frames(), metadata=metadata, timeout=30) for _ in range(2)]
+    code, end = grpc.StatusCode.OK, time.monotonic() + 10
+    try:
+        while code == grpc.StatusCode.OK and time.monotonic() < end and not any(call.done() for call in held):
+            try:
+                push(iter([END_FRAME]), metadata=metadata, timeout=10)
+            except grpc.RpcError as exc:
+                code = exc.code()
+    finally:
+        release.set()
+    results = []
+    for call in held:
+        try:
+            results.append(msgpack.unpackb(call.result(timeout=10)))
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED   # refused for the limit, not lost
+            results.append(None)
+    assert code in (grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and results == [{"nbytes": 0}] * 2
+
+
+def test_calls_over_max_calls_are_refused(layout):
+    receiver = _receiver(layout, max_calls=2)
     try:
         with grpc.insecure_channel(receiver.endpoint) as channel:
             push = channel.stream_unary(f"/{SERVICE}/PushKV")
             metadata = ((TOKEN_KEY, TOKEN),)
-            held = [push.future(held_frames(), metadata=metadata, timeout=30) for _ in range(2)]
-            code, end = grpc.StatusCode.OK, time.monotonic() + 20
-            while code == grpc.StatusCode.OK and time.monotonic() < end:   # until both held calls are in
-                try:
-                    push(iter([END_FRAME]), metadata=metadata, timeout=10)
-                except grpc.RpcError as exc:
-                    code = exc.code()
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            release.set()
-            assert all(msgpack.unpackb(call.result(timeout=10)) == {"nbytes": 0} for call in held)
+            assert any(_held_pair_and_a_refused_call(push, metadata) for _ in range(10))
             push(iter([END_FRAME]), metadata=metadata, timeout=10)        # room again once they finished
     finally:
-        release.set()
         receiver.close()
