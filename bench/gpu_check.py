@@ -316,8 +316,9 @@ def check_speed(model_dir: str, peaks: dict) -> list[Row]:
                            f"({engine.block_manager.num_blocks} blocks)")
     bandwidth = peaks["copy_bytes_per_s"]
     peer = f"device copy {bandwidth / 1e9:.0f} GB/s" + (f", datasheet {sheet[1] / 1e9:.0f} GB/s" if sheet else "")
-    rows.append(Row(f"decode step bytes/s ({batch} × {context} ctx)", "info", f"{decode['bytes_per_s'] / 1e9:.0f} GB/s "
-                    f"({decode['bytes_per_s'] / bandwidth:.0%} of copy)", peer, decode))
+    rows.append(Row(f"decode step bytes/s ({batch} × {context} ctx)", "info",
+                    f"{decode['bytes_per_s'] / 1e9:.0f} GB/s ({decode['bytes_per_s'] / bandwidth:.0%} of copy)",
+                    peer, decode))
     prefill = measure_prefill(engine, prompt_len, batch=prompts, repeats=2)
     if prefill is None:
         raise RuntimeError(f"prefill point {PREFILL_POINT} does not fit the KV cache or the context")

@@ -52,8 +52,8 @@ _WORDS = ("the of and to in is that for it as was with be by on not he this are 
           "still own see men work long get here between both life being under never day same another know "
           "while last might us great old year off come since against go came right used take three model "
           "token cache block prefill decode request server cluster memory latency batch stream tensor").split()
-_EXTRA = ["你好世界", "缓存", "模型", "こんにちは", "データ", "é", "ü", "→", "∑", "😀", "def f(x):", "return x + 1",
-          "{\"key\": [1, 2, 3]}", "0123456789", "    ", "\n"]
+_EXTRA = ["你好世界", "缓存", "模型", "こんにちは", "データ", "é", "ü", "→", "∑", "😀",
+          "def f(x):", "return x + 1", "{\"key\": [1, 2, 3]}", "0123456789", "    ", "\n"]
 
 
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]

@@ -3,8 +3,10 @@
 Lifecycle of one request on this worker (each loop step: schedule → run → send KV):
 
     submit(PrefillJob) ──► engine queue (WAITING) ──schedule/run──► each sequence's first token sampled
-    (PREFILLED, blocks held) ──► sender.send(kv_cache[:, blocks[job.skip_blocks:]] + Handoff → job.kv_endpoint)
-    ──► handle DONE/FAILED ──► engine.release (blocks stay in the prefix cache) ──► on_done(PrefillResult)
+    (PREFILLED, blocks held)
+    ──► sender.send(kv_cache[:, blocks[job.skip_blocks:]] + Handoff → job.kv_endpoint)
+    ──► handle DONE/FAILED ──► engine.release (blocks stay in the prefix cache)
+    ──► on_done(PrefillResult)
 
 Layer-wise streaming (``layerwise``, the default): the send starts during the forward pass.
 The engine's layer hook (engine/layer_hook.py) names, after each layer, the blocks of every

@@ -57,7 +57,7 @@ def _bytes_tokens(ch: str) -> list[str]:
 
 
 def _byte_to_symbol() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
     cs = bs[:]
     n = 0
     for b in range(256):
