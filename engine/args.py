@@ -20,6 +20,7 @@ class EngineArgs:
     max_model_len: int | None = None
     attention: str = "auto"
     cuda_graphs: bool = False                   # pure-decode steps as CUDA graphs (Engine; needs flex)
+    weight_layout: str = "auto"                 # projection weights' layout (engine/linear.py; auto: measured)
     torch_threads: int | None = None
 
     def build(self):

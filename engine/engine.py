@@ -100,13 +100,16 @@ class Engine:
             `max_num_seqs` (engine/decode_graphs.py; needs the flex kernel; one KV block is kept as
             the padding's scratch). Off by default: written and CPU-tested without a GPU (on CPU
             the same static-buffer path runs without capture).
+        weight_layout: how the projection weights are stored and multiplied (engine/linear.py):
+            `auto` = the layout measured fastest on this machine (engine/kernel_choice.py; CPU only,
+            row-major elsewhere), or `row-major`, `input-major`, `onednn-packed`.
     """
 
     def __init__(self, model: str = "tiny", *, dtype: str | torch.dtype = "auto", device: str | None = None,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_gib: float = 1.0,
                  max_num_batched_tokens: int = 2048, chunk_size: int | None = 512, max_num_seqs: int = 64,
                  enable_prefix_cache: bool = True, max_model_len: int | None = None, attention: str = "auto",
-                 kv_memory_fraction: float | None = None, cuda_graphs: bool = False):
+                 kv_memory_fraction: float | None = None, cuda_graphs: bool = False, weight_layout: str = "auto"):
         requested = attention
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = pick_dtype(dtype, self.device)
@@ -155,7 +158,7 @@ class Engine:
             raise RuntimeError(f"attention={attention!r} was asked for but the kernel cannot be built here "
                                "(see the log); use attention='eager'")
         self.attention = "compiled" if kernel is not None else attention if flex is not None else "eager"
-        self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device, kernel, flex)
+        self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device, kernel, flex, weight_layout)
         if cuda_graphs and not (graphs and flex is not None):
             log.warning("cuda_graphs needs the flex attention kernel (and a pool above 8 blocks); decoding without")
         elif cuda_graphs:

@@ -1,10 +1,10 @@
 """Per-machine kernel and layout choices: measured at start-up at the model's shapes, cached on disk.
 
-A choice that wins on one CPU can lose on another (input-major float32 weights gave ~40% faster batch-1
-GEMV on an AMD EPYC host; the compiled decode attention against the gather + bmm path). So the engine
-times the alternatives per operation once per machine and shape, keyed by the CPU model and its ISA flags, the torch
-version and the shapes, and keeps the winner in `kernel_choices.json` beside Inductor's
-compiled-kernel cache (`$PDSERVE_CHOICE_CACHE` overrides the file); later engines on the machine read it.
+A choice that wins on one CPU can lose on another (the projection weights' layout, engine/linear.py;
+the compiled decode attention against the gather + bmm path). So the engine times the alternatives
+per operation once per machine and shape, keyed by the CPU model and its ISA flags, the torch version
+and the shapes, and keeps the figures in `kernel_choices.json` beside Inductor's compiled-kernel cache
+(`$PDSERVE_CHOICE_CACHE` overrides the file); later engines on the machine read them.
 """
 from __future__ import annotations
 
@@ -14,13 +14,16 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
+
+from engine.linear import (INPUT_MAJOR, ONEDNN_PACKED, PACKED_WITH_GEMV, ROW_MAJOR, Linear, layouts_for, linear,
+                           relayout)
 
 log = logging.getLogger(__name__)
 CACHE_ENV = "PDSERVE_CHOICE_CACHE"
@@ -146,39 +149,66 @@ def choose(name: str, shapes: tuple, candidates: dict[str, Callable[[], object]]
     return min(seconds, key=seconds.get)
 
 
-PREFILL_SLACK = 1.03      # input-major may cost prefill GEMMs at most 3% for a faster decode GEMV
+PREFILL_SLACK = 1.03      # a weight layout may cost prefill GEMMs at most 3% for a faster decode
+DECODE_ROWS = (1, 8, 32)  # decode batch sizes a layout is timed at (rows of the GEMM)
+SECOND_COPY_MAX_SHARE = 0.125   # PACKED_WITH_GEMV's second copy of the weights: at most this share of RAM
 
 
 def _linears(weights: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
     with torch.inference_mode():
         for w, x in zip(weights, inputs):
-            F.linear(x, w)
+            linear(x, w)
 
 
-def input_major_weights_win(model, prefill_tokens: int = 256) -> bool:
-    """CPU float32: store the weights input-major on this machine?
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
 
-    Measured per operation on one decoder layer's projections in both layouts: the batch-1 decode GEMV
-    and a `prefill_tokens`-row prefill GEMM. Input-major is chosen when it is the faster decode layout
-    and costs prefill at most `PREFILL_SLACK` (one layout serves both: a weight is stored once).
+
+def weight_layout(model, prefill_tokens: int = 256, memory: int | None = None) -> str:
+    """The layout this machine should store the model's projection weights in (engine/linear.py).
+
+    Timed per operation on one decoder layer's projections in each single-copy layout the weights'
+    dtype and device allow: decode GEMMs of `DECODE_ROWS` rows and a `prefill_tokens`-row prefill
+    GEMM (`PACKED_WITH_GEMV` runs 1 row as input-major and more as packed, so it takes those
+    figures). The layout with the fastest decode (geometric mean over the batch sizes, relative to
+    row-major) wins among those that cost prefill at most `PREFILL_SLACK` over row-major;
+    `PACKED_WITH_GEMV` only while its second copy of the weights fits in `SECOND_COPY_MAX_SHARE` of
+    `memory` (default: this machine's RAM).
     """
-    weight = next(model.parameters())
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return False
     layer = model.layers[0]
     weights = [m.weight.detach() for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-    layouts = {"row-major": [w.contiguous() for w in weights],
-               "input-major": [w.t().contiguous().t() for w in weights]}
-    shapes = tuple(tuple(w.shape) for w in weights)
-    seconds = {}
-    for op, rows in (("decode_gemv", 1), ("prefill_gemm", prefill_tokens)):
-        inputs = [torch.randn(rows, w.shape[1]) for w in weights]
+    layouts = layouts_for(weights[0])
+    if len(layouts) == 1:
+        return layouts[0]
+    single = [layout for layout in layouts if layout != PACKED_WITH_GEMV]
+    stored = {layout: [relayout(w, layout) for w in weights] for layout in single}
+    shapes = tuple(tuple(w.shape) for w in weights) + (str(weights[0].dtype),)
+    gen = torch.Generator().manual_seed(0)
 
-        seconds[op] = measure(f"weight_layout/{op}", shapes + (rows,),
-                              {k: functools.partial(_linears, ws, inputs) for k, ws in layouts.items()})
-    decode, prefill = seconds["decode_gemv"], seconds["prefill_gemm"]
-    return decode["input-major"] < decode["row-major"] and \
-        prefill["input-major"] <= PREFILL_SLACK * prefill["row-major"]
+    def seconds_at(name: str, rows: int) -> dict[str, float]:
+        inputs = [torch.randn(rows, w.shape[1], generator=gen).to(w.dtype) for w in weights]
+        seconds = measure(name, shapes + (rows,),
+                          {layout: functools.partial(_linears, ws, inputs) for layout, ws in stored.items()})
+        if PACKED_WITH_GEMV in layouts:
+            seconds = {**seconds, PACKED_WITH_GEMV: seconds[INPUT_MAJOR if rows == 1 else ONEDNN_PACKED]}
+        return seconds
+    decode = [seconds_at("weight_layout/decode", rows) for rows in DECODE_ROWS]
+    prefill = seconds_at("weight_layout/prefill", prefill_tokens)
+
+    def decode_cost(layout: str) -> float:    # geometric mean of the time over row-major's
+        return math.prod(d[layout] / d[ROW_MAJOR] for d in decode) ** (1 / len(decode))
+    second_copy = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                      if isinstance(m, Linear) and m.weight is not model.embed_tokens.weight)
+    memory = _physical_memory() if memory is None else memory
+    allowed = [layout for layout in layouts if prefill[layout] <= PREFILL_SLACK * prefill[ROW_MAJOR]
+               and (layout != PACKED_WITH_GEMV or second_copy <= SECOND_COPY_MAX_SHARE * memory)]
+    choice = min(allowed, key=lambda layout: (decode_cost(layout), layout != ROW_MAJOR))
+    log.info("weight layout %s (decode time vs row-major: %s)", choice,
+             ", ".join(f"{layout} {decode_cost(layout):.2f}" for layout in allowed))
+    return choice
 
 
 def compiled_decode_wins(kernel, layer_cache: torch.Tensor, num_heads: int, batch: int = 16,

@@ -9,6 +9,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
+from engine.linear import ROW_MAJOR, Linear
 from engine.rope import RotaryEmbedding
 
 
@@ -34,10 +35,10 @@ class DecoderLayer(nn.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Qwen3: each head of q and k is RMS-normalised (weights over head_dim) before RoPE.
@@ -69,29 +70,26 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.to(device=device, dtype=dtype)
         self.rope = RotaryEmbedding(cfg, max_positions, device, dtype)
+        self.weight_layout = ROW_MAJOR
 
-    def use_input_major_weights(self) -> None:
-        """Store each projection's weight input-major: same [out, in] tensor, [in, out] in memory.
+    def store_weights(self, layout: str) -> None:
+        """Store every projection's weight in `layout` (engine/linear.py), once, after loading.
 
-        F.linear then hands BLAS a plain (non-transposed) GEMM, which on CPU reads float32
-        weights of a batch-1 decode ~40% faster; large prefill GEMMs are no slower. bfloat16
-        goes the other way (oneDNN's bf16 kernels read row-major weights 2x faster), so
-        it keeps the row-major layout. A tied lm_head keeps the embedding's layout too
-        (lookups want rows).
+        A tied lm_head keeps the embedding's row-major weight (lookups want rows).
         """
-        weight = next(self.parameters())
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        if layout == self.weight_layout:
             return
-        with torch.no_grad():
-            for module in self.modules():
-                w = module.weight if isinstance(module, nn.Linear) else None
-                if w is not None and w is not self.embed_tokens.weight and w.is_contiguous():
-                    w.data = w.t().contiguous().t()
+        if self.weight_layout != ROW_MAJOR:
+            raise RuntimeError(f"weights are already stored {self.weight_layout}; cannot store them {layout}")
+        for module in self.modules():
+            if isinstance(module, Linear) and module.weight is not self.embed_tokens.weight:
+                module.store(layout)
+        self.weight_layout = layout
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

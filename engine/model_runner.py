@@ -8,6 +8,7 @@ import torch
 from engine import kernel_choice
 from engine.attention import build_metadata
 from engine.layer_hook import LayerDone, LayerHook, final_blocks, layer_written
+from engine.linear import layouts_for
 from engine.model import LlamaModel
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
@@ -24,13 +25,18 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, device: torch.device,
-                 decode_kernel=None, flex_kernel=None):
+                 decode_kernel=None, flex_kernel=None, weight_layout: str = "auto"):
         self.model = model
         self.decode_kernel = decode_kernel  # attention_compiled.CompiledDecode, or None for the eager gather
         self.flex_kernel = flex_kernel      # attention_flex.FlexAttention: all attention through it
         self.graphs = None                  # decode_graphs.DecodeGraphs: pure-decode steps replayed
-        if kernel_choice.input_major_weights_win(model):   # measured once per machine (CPU float32 only)
-            model.use_input_major_weights()
+        if weight_layout == "auto":
+            weight_layout = kernel_choice.weight_layout(model)     # measured once per machine (CPU only)
+        elif weight_layout not in layouts_for(model.lm_head.weight):
+            raise ValueError(f"weight_layout {weight_layout!r} is not available for {model.lm_head.weight.dtype} "
+                             f"on {model.lm_head.weight.device.type}; choose one of "
+                             f"{', '.join(('auto',) + layouts_for(model.lm_head.weight))}")
+        model.store_weights(weight_layout)
         self.kv_cache = kv_cache          # [L, NB, 2, Hkv, bs, D]
         self.block_size = block_size
         self.device = device

@@ -74,7 +74,7 @@ def _title(result: dict) -> str:
     w = result["workload"]
     return (f"pdserve engine vs Hugging Face: model {result['model']}, {result['dtype']}, "
             f"{result['torch_threads']} torch threads, {result.get('attention', 'eager')} decode attention, "
-            f"torch {result['torch_version']}, "
+            f"{result.get('weight_layout', 'row-major')} weights, torch {result['torch_version']}, "
             f"load average {result['load_average_start']:.1f} -> {result['load_average_end']:.1f}"
             + (" (quick)" if result["quick"] else "")
             + f"\nworkload: {w['num_requests']} requests, prompts {w['prompt_lens'][0]}-{w['prompt_lens'][1]} tok, "

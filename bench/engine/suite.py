@@ -37,10 +37,12 @@ from bench.engine.report import check_targets, render_markdown, render_text
 from engine import Engine, SamplingParams
 from engine.config import ModelConfig
 from engine.engine import pick_dtype
+from engine.linear import INPUT_MAJOR, ONEDNN_PACKED, ROW_MAJOR
 from engine.presets import resolve_model
 from engine.profile import engine_costs
 
 DTYPES = ("float32", "bfloat16")
+WEIGHT_LAYOUTS = (ROW_MAJOR, INPUT_MAJOR, ONEDNN_PACKED)
 
 
 @dataclass(slots=True)
@@ -175,13 +177,15 @@ def bench_decode(plan: Plan, engine: Engine, hf, cfg: ModelConfig, rng, log) -> 
     return results
 
 
-def bench_workload(plan: Plan, model: str, dtype: str, hf, cfg: ModelConfig, rng, log, attention: str = "auto") -> dict:
+def bench_workload(plan: Plan, model: str, dtype: str, hf, cfg: ModelConfig, rng, log, attention: str = "auto",
+                   weight_layout: str = "auto") -> dict:
     prompts = [random_prompt(rng, rng.randint(*plan.prompt_lens), cfg.vocab_size) for _ in range(plan.num_requests)]
     lens = [rng.randint(*plan.output_lens) for _ in range(plan.num_requests)]
     useful = sum(lens)
     max_len = max(map(len, prompts)) + max(lens)
     engine = Engine(model, dtype=dtype, num_blocks=plan.num_requests * (-(-max_len // 16) + 1),
-                    max_num_batched_tokens=2048, chunk_size=512, max_num_seqs=64, attention=attention)
+                    max_num_batched_tokens=2048, chunk_size=512, max_num_seqs=64, attention=attention,
+                    weight_layout=weight_layout)
     engine.generate([prompts[0][:16]], greedy(4))                              # warm-up
     log(f"workload: {plan.num_requests} requests, {useful} useful output tokens; ours (continuous batching)")
     start = time.perf_counter()
@@ -211,6 +215,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     p.add_argument("--attention", default="auto", choices=["auto", "compiled", "eager", "flex"],
                    help="our engine's decode attention (default: the engine's own choice)")
+    p.add_argument("--weight-layout", default="auto", choices=["auto", *WEIGHT_LAYOUTS],
+                   help="our engine's projection weight layout (default: the one measured fastest here)")
     return p.parse_args(argv)
 
 
@@ -237,16 +243,18 @@ def main(argv: list[str] | None = None) -> int:
     blocks_per_seq = -(-(plan.decode_context + (plan.decode_repeats + 1) * plan.decode_steps + 24) // 16)
     engine = Engine(args.model, dtype=args.dtype, num_blocks=max(plan.decode_batches) * blocks_per_seq
                     + max(plan.prefill_lens) // 16 + 8, max_num_batched_tokens=max(4096, *plan.prefill_lens),
-                    chunk_size=None, max_num_seqs=max(64, *plan.decode_batches), attention=args.attention)
-    engine_attention = engine.attention
+                    chunk_size=None, max_num_seqs=max(64, *plan.decode_batches), attention=args.attention,
+                    weight_layout=args.weight_layout)
+    engine_attention, weight_layout = engine.attention, engine.model.weight_layout
+    log(f"our engine: attention {engine_attention}, weights {weight_layout}")
     prefill = bench_prefill(plan, engine, hf, cfg, rng, log)
     decode = bench_decode(plan, engine, hf, cfg, rng, log)
     del engine
     gc.collect()
-    workload = bench_workload(plan, args.model, args.dtype, hf, cfg, rng, log, args.attention)
+    workload = bench_workload(plan, args.model, args.dtype, hf, cfg, rng, log, args.attention, weight_layout)
 
     result = {"model": args.model, "dtype": args.dtype, "quick": args.quick, "torch_threads": torch.get_num_threads(),
-              "attention": engine_attention,
+              "attention": engine_attention, "weight_layout": weight_layout,
               "torch_version": torch.__version__, "load_average_start": load_start, "load_average_end": load_average(),
               "machine": machine, "prefill": prefill, "decode": decode, "workload": workload}
     result["targets"] = check_targets(result)

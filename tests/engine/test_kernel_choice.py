@@ -63,25 +63,80 @@ def test_the_machine_key_names_cpu_and_torch():
     assert kernel_choice.cpu_identity() in key
 
 
-@pytest.mark.parametrize("decode_s,prefill_s,input_major", [
-    ((2.0, 1.0), (1.00, 1.02), True),       # (row-major, input-major): faster decode, prefill within 3%
-    ((2.0, 1.0), (1.00, 1.10), False),      # faster decode but 10% slower prefill: row-major
-    ((1.0, 2.0), (1.00, 0.90), False),      # slower decode: row-major
-], ids=["input-major", "prefill-too-slow", "decode-slower"])
+# seconds per layout (row-major, input-major, onednn-packed): decode at 1, 8 and 32 rows, then prefill
+_PACKED_AT_8_AND_32 = ((1.0, 0.9, 1.1), (1.0, 1.1, 0.5), (1.0, 1.1, 0.5))
+
+
+@pytest.mark.parametrize("decode_s,prefill_s,memory,layout", [
+    (((2.0, 1.0, 3.0),) * 3, (1.00, 1.02, 1.0), 1 << 40, "input-major"),   # faster decode, prefill within 3%
+    (((2.0, 1.0, 3.0),) * 3, (1.00, 1.10, 1.2), 1 << 40, "row-major"),     # faster decode, prefill 10% slower
+    (((1.0, 2.0, 1.5),) * 3, (1.00, 0.90, 0.9), 1 << 40, "row-major"),     # slower decode
+    (((1.0, 0.9, 0.6),) * 3, (1.00, 1.0, 1.05), 1 << 40, "input-major"),   # packed decodes faster, prefill 5% slower
+    (_PACKED_AT_8_AND_32, (1.00, 1.0, 0.95), 1 << 40, "onednn-packed+input-major"),   # each where it is faster
+    (_PACKED_AT_8_AND_32, (1.00, 1.0, 0.95), 1 << 20, "onednn-packed"),    # no room for a second copy
+], ids=["input-major", "prefill-too-slow", "decode-slower", "packed-prefill-too-slow", "both-copies",
+        "packed-no-room"])
 def test_engine_applies_the_measured_weight_layout(tiny_model_dir, tmp_path, monkeypatch, decode_s, prefill_s,
-                                                   input_major):
-    """Stubbed timings per operation (batch-1 GEMV, 256-row GEMM) and layout; the engine's weights follow."""
-    from engine import Engine
+                                                   memory, layout):
+    """Stubbed timings per operation (decode GEMMs of 1, 8, 32 rows, a 256-row GEMM) and layout; the engine's
+    weights follow, and its outputs stay the row-major engine's."""
+    from engine import Engine, SamplingParams
+    from engine.linear import ONEDNN_PACKED, layouts_for
+    if ONEDNN_PACKED not in layouts_for(torch.zeros(1)):
+        pytest.skip("oneDNN cannot pack float32 weights here")
     monkeypatch.setenv(kernel_choice.CACHE_ENV, str(tmp_path / "choices.json"))
+    monkeypatch.setattr(kernel_choice, "_physical_memory", lambda: memory)
+    rows = {1: 0, 8: 1, 32: 2}
 
     def timer(fn):                              # fn: partial(_linears, layer weights in one layout, inputs)
         weights, inputs = fn.args
-        times = decode_s if inputs[0].shape[0] == 1 else prefill_s
-        return times[0] if weights[0].is_contiguous() else times[1]
+        which = 2 if weights[0].is_mkldnn else 0 if weights[0].is_contiguous() else 1
+        n = inputs[0].shape[0]
+        return decode_s[rows[n]][which] if n in rows else prefill_s[which]
     monkeypatch.setattr(kernel_choice, "best_time", timer)
     engine = Engine(tiny_model_dir, dtype="float32", num_blocks=16, attention="eager")
-    weight = engine.model.layers[0].qkv_proj.weight
-    assert weight.is_contiguous() is not input_major
-    entries = sorted(json.loads((tmp_path / "choices.json").read_text()).values(), key=lambda e: e["name"])
-    assert [e["name"] for e in entries] == ["weight_layout/decode_gemv", "weight_layout/prefill_gemm"]
-    assert entries[0]["seconds"] == dict(zip(("row-major", "input-major"), decode_s))
+    assert engine.model.weight_layout == layout
+    assert {m.layout for m in (engine.model.layers[0].qkv_proj, engine.model.lm_head)} == {layout}
+    entries = json.loads((tmp_path / "choices.json").read_text()).values()
+    assert sorted(e["name"] for e in entries) == ["weight_layout/decode"] * 3 + ["weight_layout/prefill"]
+    assert all(set(e["seconds"]) == {"row-major", "input-major", "onednn-packed"} for e in entries)
+    prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert [c.token_ids for c in engine.generate(prompts, params)] == \
+        [c.token_ids for c in _row_major(tiny_model_dir).generate(prompts, params)]
+
+
+def _row_major(model_dir):
+    from engine import Engine
+    from engine.linear import ROW_MAJOR
+    return Engine(model_dir, dtype="float32", num_blocks=16, attention="eager", weight_layout=ROW_MAJOR)
+
+
+@pytest.mark.parametrize("layout", ["onednn-packed", "onednn-packed+input-major"])
+def test_packed_weights_match_dense(layout):
+    """Packed alone frees the dense weight; with the GEMV copy, 1-row products go through that copy
+    (bit-equal to F.linear on it) and the rest through the packed one; all equal F.linear to rounding."""
+    from engine.linear import ONEDNN_PACKED, Linear, layouts_for, linear
+    if ONEDNN_PACKED not in layouts_for(torch.zeros(1)):
+        pytest.skip("oneDNN cannot pack float32 weights here")
+    torch.manual_seed(0)
+    layer = Linear(48, 80, bias=True)
+    dense_w, dense_b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.store(layout)
+    assert layer.layout == layout
+    assert layer.weight.numel() == (0 if layout == "onednn-packed" else dense_w.numel())
+    with torch.inference_mode():
+        for rows in (0, 1, 7, 32, 300):
+            x = torch.randn(rows, 48)
+            out = layer(x)
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, dense_w, dense_b), rtol=1e-5, atol=1e-5)
+            via = layer.weight if rows == 1 and layout != ONEDNN_PACKED else layer.packed
+            assert torch.equal(out, linear(x, via, layer.bias))
+    with pytest.raises(RuntimeError, match="already packed"):
+        layer.store(layout)
+
+
+def test_an_unavailable_layout_is_refused_by_name(tiny_model_dir):
+    from engine import Engine
+    with pytest.raises(ValueError, match="weight_layout 'sideways' is not available .* choose one of auto, row-major"):
+        Engine(tiny_model_dir, dtype="float32", num_blocks=16, attention="eager", weight_layout="sideways")
