@@ -64,7 +64,8 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str) -> EngineArgs:
     num_blocks = kv.resolve_num_blocks(per_block, CPU_KV_DEFAULT_BYTES)
     args = EngineArgs(model=model_dir, dtype=dtype, block_size=kv.block_size, num_blocks=max(num_blocks, 1),
                       max_model_len=cfg.model.max_model_len, torch_threads=p.resources.threads(),
-                      attention=cfg.model.attention)
+                      attention=cfg.model.attention,
+                      weight_layout=cfg.model.weight_layout if device.type == "cpu" else "auto")
     if device.type == "cuda":
         args.kv_memory_fraction = kv.device_fraction()
     if pool == "prefill":

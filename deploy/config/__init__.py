@@ -7,7 +7,7 @@ its loading, ``base`` for what every section shares. Object tree (pydantic v2
 models, unknown keys forbidden)::
 
     PDServeConfig                       root.py
-      model: ModelSection               model.py        name, dtype, attention, max_model_len
+      model: ModelSection               model.py        name, dtype, attention, weight_layout, max_model_len
       pools: PoolsSection               pools.py        prefill, decode, long_context (optional)
         <pool>: PoolSection                             count, min, max, resources, max_restarts,
                                                         model, kv_cache

@@ -1,4 +1,4 @@
-"""The ``model`` section: which model every pool serves, its dtype and decode attention."""
+"""The ``model`` section: which model every pool serves, its dtype, attention kernels and weight layout."""
 from __future__ import annotations
 
 import os
@@ -36,6 +36,12 @@ class ModelSection(Section):
         "SDPA; eager = gather + bmm; flex = prefill and decode through flex_attention over the paged cache "
         "(compiled, checked at start-up); flex-eager = flex's reference math (slow, for tests); "
         "auto = compiled on CPU, flex on CUDA.")
+    weight_layout: Literal["auto", "row-major", "input-major", "onednn-packed", "onednn-packed+input-major"] = Field(
+        "auto", description="How projection weights are stored and multiplied on CPU (engine/linear.py): "
+        "auto = the layout measured fastest on the machine (it may keep a second, input-major copy of "
+        "the weights for batch-1 decode, when that fits in 1/8 of RAM); onednn-packed = one packed copy "
+        "(the least memory of the fast layouts); row-major / input-major = BLAS on the dense weight. "
+        "GPUs always use row-major.")
     max_model_len: Optional[Int] = Field(
         None, gt=0, description="Longest prompt + output in tokens; default: the model's "
         "max_position_embeddings.")
