@@ -102,7 +102,8 @@ class Engine:
             the same static-buffer path runs without capture).
         weight_layout: how the projection weights are stored and multiplied (engine/linear.py):
             `auto` = the layout measured fastest on this machine (engine/kernel_choice.py; CPU only,
-            row-major elsewhere), or `row-major`, `input-major`, `onednn-packed`.
+            row-major elsewhere), or `row-major`, `input-major`, `onednn-packed`,
+            `onednn-packed+input-major` (a layout the weights' dtype and CPU cannot take is an error).
     """
 
     def __init__(self, model: str = "tiny", *, dtype: str | torch.dtype = "auto", device: str | None = None,
