@@ -154,9 +154,11 @@ DECODE_ROWS = (1, 8, 32)  # decode batch sizes a layout is timed at (rows of the
 SECOND_COPY_MAX_SHARE = 0.125   # PACKED_WITH_GEMV's second copy of the weights: at most this share of RAM
 
 
-def _linears(weights: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+def _linears(layout: str, weights: Callable[[str], list], inputs: Callable[[], list]) -> None:
+    """One layer's projections in `layout`; `weights(layout)` and `inputs()` are built on the first
+    (warm-up) call, so a machine whose figures are cached never builds them."""
     with torch.inference_mode():
-        for w, x in zip(weights, inputs):
+        for w, x in zip(weights(layout), inputs()):
             linear(x, w)
 
 
@@ -184,14 +186,14 @@ def weight_layout(model, prefill_tokens: int = 256, memory: int | None = None) -
     if len(layouts) == 1:
         return layouts[0]
     single = [layout for layout in layouts if layout != PACKED_WITH_GEMV]
-    stored = {layout: [relayout(w, layout) for w in weights] for layout in single}
+    stored = functools.cache(lambda layout: [relayout(w, layout) for w in weights])
     shapes = tuple(tuple(w.shape) for w in weights) + (str(weights[0].dtype),)
     gen = torch.Generator().manual_seed(0)
 
     def seconds_at(name: str, rows: int) -> dict[str, float]:
-        inputs = [torch.randn(rows, w.shape[1], generator=gen).to(w.dtype) for w in weights]
+        inputs = functools.cache(lambda: [torch.randn(rows, w.shape[1], generator=gen).to(w.dtype) for w in weights])
         seconds = measure(name, shapes + (rows,),
-                          {layout: functools.partial(_linears, ws, inputs) for layout, ws in stored.items()})
+                          {layout: functools.partial(_linears, layout, stored, inputs) for layout in single})
         if PACKED_WITH_GEMV in layouts:
             seconds = {**seconds, PACKED_WITH_GEMV: seconds[INPUT_MAJOR if rows == 1 else ONEDNN_PACKED]}
         return seconds

@@ -88,10 +88,10 @@ def test_engine_applies_the_measured_weight_layout(tiny_model_dir, tmp_path, mon
     monkeypatch.setattr(kernel_choice, "_physical_memory", lambda: memory)
     rows = {1: 0, 8: 1, 32: 2}
 
-    def timer(fn):                              # fn: partial(_linears, layer weights in one layout, inputs)
-        weights, inputs = fn.args
-        which = 2 if weights[0].is_mkldnn else 0 if weights[0].is_contiguous() else 1
-        n = inputs[0].shape[0]
+    def timer(fn):                              # fn: partial(_linears, layout, layer weights by layout, inputs)
+        layout, weights, inputs = fn.args
+        which = 2 if weights(layout)[0].is_mkldnn else 0 if weights(layout)[0].is_contiguous() else 1
+        n = inputs()[0].shape[0]
         return decode_s[rows[n]][which] if n in rows else prefill_s[which]
     monkeypatch.setattr(kernel_choice, "best_time", timer)
     engine = Engine(tiny_model_dir, dtype="float32", num_blocks=16, attention="eager")
