@@ -10,7 +10,8 @@ Whole::
 Streamed (SSE): ``chat.completion.chunk`` objects — first one per choice with ``delta: {"role":
 "assistant", "content": ""}``, then one per backend chunk with ``delta: {"content"}`` (``{}``
 when the chunk has no text) and, on a sequence's last, its ``finish_reason`` and
-``stop_reason``; with ``stream_options.include_usage`` every chunk has ``"usage": null`` and a
+``stop_reason``; with ``stream_options.include_usage`` every chunk has ``"usage": null`` (the counts so far
+with ``continuous_usage_stats``: `StreamUsage`) and a
 last one has ``"choices": []`` and the usage; then ``[DONE]``.
 """
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 
 from router.backend import GenerationChunk, GenerationInput, Tokenizer
 from router.openai_api.protocol import ChatCompletionRequest
-from router.openai_api.responses import TokenTexts, chat_logprobs, stop_reason, usage_json, vllm_prompt_logprobs
+from router.openai_api.responses import StreamUsage, TokenTexts, chat_logprobs, stop_reason, usage_json, \
+    vllm_prompt_logprobs
 
 
 class ChatView:
@@ -84,7 +86,7 @@ class ChatView:
 
     async def events(self, chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[dict[str, Any]]:
         """The role delta per choice, one chunk object per backend chunk, then the usage when asked for."""
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        stream_usage = StreamUsage(self.body.stream_options, len(self.inp.prompt_token_ids))
         usage = None
         first = True
         async with contextlib.aclosing(chunks):      # closing the events closes the request's chunks
@@ -94,7 +96,7 @@ class ChatView:
                     for index in range(self.inp.params.n):
                         role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None}
-                        yield self._with_usage(self._object("chat.completion.chunk", [role]), include_usage)
+                        yield stream_usage.stamp(self._object("chat.completion.chunk", [role]))
                 if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
                     continue
                 logprobs = self._logprobs(chunk)
@@ -103,15 +105,11 @@ class ChatView:
                           "finish_reason": chunk.finish_reason}
                 if chunk.finish_reason is not None:
                     choice["stop_reason"] = stop_reason(chunk, self.inp)
-                yield self._with_usage(self._object("chat.completion.chunk", [choice]), include_usage)
+                stream_usage.count(chunk)
+                yield stream_usage.stamp(self._object("chat.completion.chunk", [choice]))
                 usage = chunk.usage or usage
-        if include_usage and usage is not None:
+        if stream_usage.include and usage is not None:
             body = self._object("chat.completion.chunk", [])
             body["usage"] = usage_json(usage)
             yield body
 
-    @staticmethod
-    def _with_usage(body: dict[str, Any], include_usage: bool) -> dict[str, Any]:
-        if include_usage:
-            body["usage"] = None
-        return body

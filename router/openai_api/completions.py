@@ -18,8 +18,8 @@ from typing import Any
 
 from router.backend import GenerationChunk, GenerationInput, Tokenizer
 from router.openai_api.protocol import CompletionRequest
-from router.openai_api.responses import CompletionLogprobs, TokenTexts, merge_completion_logprobs, stop_reason, \
-    usage_json, vllm_prompt_logprobs
+from router.openai_api.responses import CompletionLogprobs, StreamUsage, TokenTexts, merge_completion_logprobs, \
+    stop_reason, usage_json, vllm_prompt_logprobs
 
 
 class CompletionView:
@@ -101,7 +101,7 @@ class CompletionView:
 
     async def events(self, chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[dict[str, Any]]:
         """One stream object per chunk (echoed prompts first), then the usage object when asked for."""
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        stream_usage = StreamUsage(self.body.stream_options, len(self.inp.prompt_token_ids))
         usage = None
         first = True
         async with contextlib.aclosing(chunks):      # closing the events closes the request's chunks
@@ -112,21 +112,17 @@ class CompletionView:
                     self.prompt_logprobs = chunk.prompt_logprobs
                     if self.echo:
                         for index in range(self.inp.params.n):
-                            yield self._with_usage(self._object([self._echo_choice(index)]), include_usage)
+                            yield stream_usage.stamp(self._object([self._echo_choice(index)]))
                     if self.want_prompt_logprobs:
                         prompt_logprobs = vllm_prompt_logprobs(chunk.prompt_logprobs or [], self.texts)
                 choice = self._choice(chunk)
                 if prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs
-                yield self._with_usage(self._object([choice]), include_usage)
+                stream_usage.count(chunk)
+                yield stream_usage.stamp(self._object([choice]))
                 usage = chunk.usage or usage
-        if include_usage and usage is not None:
+        if stream_usage.include and usage is not None:
             body = self._object([])
             body["usage"] = usage_json(usage)
             yield body
 
-    @staticmethod
-    def _with_usage(body: dict[str, Any], include_usage: bool) -> dict[str, Any]:
-        if include_usage:
-            body["usage"] = None
-        return body

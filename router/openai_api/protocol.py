@@ -19,6 +19,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None     # vLLM: usage on every chunk (with include_usage)
 
 
 class _Sampling(_Body):

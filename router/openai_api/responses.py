@@ -52,6 +52,32 @@ def usage_json(usage: Usage) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
 
 
+class StreamUsage:
+    """The ``usage`` a streamed chunk carries.
+
+    Without ``stream_options.include_usage`` chunks carry none. With it, every chunk has
+    ``"usage": null`` and one last chunk has the request's usage; with ``continuous_usage_stats`` too
+    (vLLM's extension, sent by guidellm and aiperf) every chunk carries the counts so far instead of null:
+    the prompt's tokens and the completion tokens of every choice up to and including that chunk.
+    """
+
+    def __init__(self, options, prompt_tokens: int) -> None:
+        self.include = bool(options and options.include_usage)
+        self.continuous = self.include and bool(options.continuous_usage_stats)
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+
+    def count(self, chunk: GenerationChunk) -> None:
+        self.completion_tokens += len(chunk.token_ids)
+
+    def stamp(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.include:
+            body["usage"] = None if not self.continuous else {
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return body
+
+
 def stop_reason(chunk: GenerationChunk, inp: GenerationInput) -> str | int | None:
     """vLLM's stop_reason: the stop string or stop_token_ids entry that ended the sequence, else None."""
     if chunk.finish_reason != "stop" or chunk.matched_stop is None:

@@ -596,3 +596,31 @@ def test_chat_prompt_logprobs_whole_not_streamed(api):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,
                                        extra_body={"prompt_logprobs": 0})
     assert e.value.body["param"] == "prompt_logprobs"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_continuous_usage_stats_puts_running_counts_on_every_chunk(api, endpoint):
+    _, client = api
+    options = {"include_usage": True, "continuous_usage_stats": True}     # what guidellm and aiperf send
+    if endpoint == "chat":
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=12, stream=True, stream_options=options)
+    else:
+        stream = client.completions.create(model=MODEL, prompt="Hi", n=2, max_tokens=12, stream=True,
+                                           stream_options=options)
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    final = chunks[-1]
+    assert final.choices == [] and final.usage.completion_tokens > 0
+    running = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert running == sorted(running) and running[-1] == final.usage.completion_tokens
+    assert {c.usage.prompt_tokens for c in chunks} == {final.usage.prompt_tokens}
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
+
+def test_continuous_usage_stats_without_include_usage_adds_nothing(api):
+    _, client = api
+    stream = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, stream=True,
+                                       stream_options={"continuous_usage_stats": True})
+    chunks = list(stream)
+    assert chunks and all(c.usage is None for c in chunks)
