@@ -42,7 +42,7 @@ from router.openai_api.completions import CompletionView
 from router.openai_api.errors import STATUS_TO_HTTP, APIError
 from router.openai_api.inputs import api_error, chat_input, chat_prompt_ids, completion_input, split_prompts
 from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
-    TokenizeRequest, parse_body
+    TokenizeRequest, ignored_fields, parse_body
 from router.openai_api.responses import usage_json
 from router.openai_api.sse import ClientGone, EventStream, all_or_none, sse_events, until_disconnected
 from router.security import check_http_bearer
@@ -73,6 +73,7 @@ class OpenAIApp:
         self.chat_template = chat_template
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
+        self._ignored_logged: set[tuple[str, ...]] = set()
 
     @property
     def backend(self):
@@ -93,6 +94,7 @@ class OpenAIApp:
     async def completions(self, request: Request) -> Response:
         body: CompletionRequest = parse_body(CompletionRequest, await self._read_body(request))
         self._check_model(body.model)
+        self._note_ignored(body)
         self._check_stream_options(body)
         if body.stream and needs_selection(body.n or 1, body.best_of):
             raise APIError(400, "best_of > n cannot be streamed; set stream to false or best_of to n", "best_of")
@@ -131,6 +133,7 @@ class OpenAIApp:
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await self._read_body(request))
         self._check_model(body.model)
+        self._note_ignored(body)
         self._check_stream_options(body)
         if body.stream and body.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs: not available when stream is true", "prompt_logprobs")
@@ -155,8 +158,7 @@ class OpenAIApp:
                 add = True if body.add_special_tokens is None else body.add_special_tokens
                 tokens = list(await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=add))
             else:
-                tokens = await asyncio.to_thread(chat_prompt_ids, body.messages, self.chat_template, tokenizer,
-                                                 body.add_generation_prompt)
+                tokens = await asyncio.to_thread(chat_prompt_ids, body, self.chat_template, tokenizer)
         except RequestError as e:
             raise api_error(e, body) from None
         return JSONResponse({"count": len(tokens), "max_model_len": self.backend.max_model_len, "tokens": tokens})
@@ -180,6 +182,14 @@ class OpenAIApp:
         if name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
+
+    def _note_ignored(self, body) -> None:
+        """Log, once per set of names, the fields a request sent that have no effect here (as vLLM does)."""
+        names = tuple(ignored_fields(body))
+        if names and names not in self._ignored_logged:
+            self._ignored_logged.add(names)
+            log_event("fields_ignored", logging.WARNING, fields=",".join(names),
+                      note="no effect on this server; logged once")
 
     @staticmethod
     def _check_stream_options(body) -> None:

@@ -115,19 +115,39 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"{path}: chat_template does not compile: {e}") from None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, extra: dict[str, Any] | None = None) -> str:
         """The prompt text for ``messages`` (dicts with ``role`` and ``content``, as the template reads them).
 
+        Args:
+            add_generation_prompt: end with the template's opening of an assistant turn.
+            continue_final_message: end inside the final message, right after its content, so
+                the model continues it (vLLM's prefill of a partial answer); needs
+                ``add_generation_prompt`` False.
+            extra: further template variables (``chat_template_kwargs``: ``enable_thinking``, ...).
+
         Raises:
-            ChatTemplateError: the template raised (``raise_exception``) or failed on these messages.
+            ChatTemplateError: the template raised (``raise_exception``) or failed on these messages,
+                or the final message's content is not in the rendered text.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
+        variables = {**self.special_tokens, **(extra or {}), "messages": messages, "tools": None,
+                     "documents": None, "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            text = self._template.render(**variables)
         except jinja2.TemplateError as e:       # raise_exception, undefined names, sandbox refusals
             raise ChatTemplateError(str(e) or type(e).__name__) from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(f"chat template failed on these messages: {e}") from None
+        if not continue_final_message:
+            return text
+        final = messages[-1]["content"] if messages else ""
+        end = text.rfind(final) if final else -1
+        if end < 0:
+            raise ChatTemplateError("continue_final_message: the final message's content is not in the "
+                                    "rendered prompt, so it cannot be continued")
+        return text[:end + len(final)]
 
 
 def _template_source(value: object) -> str | None:

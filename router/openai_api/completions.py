@@ -47,7 +47,8 @@ class CompletionView:
         self.prompt_logprobs = None
         self._logprobs = [CompletionLogprobs(self.texts) for _ in range(inp.params.n)]
         self._tokenizer = tokenizer
-        self._prompt_text = body.prompt if isinstance(body.prompt, str) else None
+        whole = isinstance(body.prompt, str) and body.truncate_prompt_tokens is None
+        self._prompt_text = body.prompt if whole else None
 
     @property
     def prompt_text(self) -> str:

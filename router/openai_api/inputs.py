@@ -7,10 +7,13 @@ defaults (`Backend.generation_defaults`) are the gRPC front door's. What is HTTP
 - /v1/completions: ``prompt`` is a string (tokenized with the tokenizer's special tokens, e.g.
   BOS), token ids, or a list of either (a batch: one request per prompt, `split_prompts`);
   ``max_tokens`` defaults to 16 (OpenAI's documented default); ``echo`` with ``logprobs`` asks for prompt logprobs too.
-- /v1/chat/completions: the messages go through the chat template, and the text is tokenized
-  without special tokens (the template holds the BOS); ``max_completion_tokens`` (else
+  ``add_special_tokens: false`` tokenizes a string prompt without them (a client that wrote the BOS itself).
+- /v1/chat/completions: the messages go through the chat template (``add_generation_prompt``,
+  ``continue_final_message``, ``chat_template_kwargs`` as in vLLM), and the text is tokenized
+  without special tokens unless ``add_special_tokens`` (the template holds the BOS); ``max_completion_tokens`` (else
   ``max_tokens``) defaults to the context left after the prompt; ``logprobs: true`` +
   ``top_logprobs`` k become ``sampling.logprobs`` k.
+- ``truncate_prompt_tokens`` k keeps the prompt's last k tokens (-1: the last max_model_len).
 - ``top_k: -1`` (vLLM's old "off") is 0; ``logit_bias`` keys are token ids as strings.
 
 Errors name the OpenAI parameter (`api_error`).
@@ -23,7 +26,7 @@ from proto.pdserve.v1 import generation_pb2 as pb
 from router.backend import GenerationInput, Tokenizer
 from router.openai_api.chat_template import ChatTemplate, ChatTemplateError
 from router.openai_api.errors import APIError
-from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest
 from router.validation import RequestError, invalid, validate_request
 
 UINT32_MAX = 2**32 - 1
@@ -60,19 +63,38 @@ def completion_input(body: CompletionRequest, tokenizer: Tokenizer, max_model_le
     [prompt] = split_prompts(body.prompt)
     request = _request(body, request_id, _sampling(body, logprobs=body.logprobs, max_tokens=body.max_tokens,
                                                    best_of=body.best_of, echo=bool(body.echo)))
-    if isinstance(prompt, str):
-        request.prompt = prompt
+    if isinstance(prompt, str) and body.add_special_tokens is not False and body.truncate_prompt_tokens is None:
+        request.prompt = prompt         # validate_request tokenizes it, special tokens (BOS) included
     else:
-        if min(prompt) < 0 or max(prompt) > UINT32_MAX:
+        if isinstance(prompt, str):
+            prompt = list(tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens is not False))
+        elif min(prompt) < 0 or max(prompt) > UINT32_MAX:
             raise invalid("prompt: token ids must be non-negative integers", "prompt")
-        request.token_ids.ids.extend(prompt)
+        request.token_ids.ids.extend(truncate_prompt(prompt, body.truncate_prompt_tokens, max_model_len))
     return validate_request(request, tokenizer, max_model_len, in_flight, None, defaults)
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """``truncate_prompt_tokens``: the prompt's last ``keep`` ids (-1: the last ``max_model_len``; None: all).
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming ``truncate_prompt_tokens``.
+    """
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    if not 1 <= keep <= max_model_len:
+        raise invalid(f"truncate_prompt_tokens must be -1 or in [1, max_model_len ({max_model_len})], got {keep}",
+                      "truncate_prompt_tokens")
+    return ids[-keep:]
 
 
 def chat_input(body: ChatCompletionRequest, template: ChatTemplate, tokenizer: Tokenizer, max_model_len: int,
                defaults: dict, request_id: str, in_flight: Container[str]) -> GenerationInput:
     """Render, tokenize and validate a /v1/chat/completions body (raises `RequestError`)."""
-    prompt_ids = chat_prompt_ids(body.messages, template, tokenizer)
+    prompt_ids = truncate_prompt(chat_prompt_ids(body, template, tokenizer), body.truncate_prompt_tokens,
+                                 max_model_len)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = max_model_len - len(prompt_ids)
@@ -87,16 +109,23 @@ def chat_input(body: ChatCompletionRequest, template: ChatTemplate, tokenizer: T
     return validate_request(request, tokenizer, max_model_len, in_flight, None, defaults)
 
 
-def chat_prompt_ids(messages: list[ChatMessage], template: ChatTemplate, tokenizer: Tokenizer,
-                    add_generation_prompt: bool = True) -> list[int]:
-    """The token ids of the rendered conversation (no special tokens added: the template holds them)."""
-    if not messages:
+def chat_prompt_ids(body: ChatCompletionRequest | TokenizeRequest, template: ChatTemplate,
+                    tokenizer: Tokenizer) -> list[int]:
+    """The token ids of the rendered conversation of ``body``.
+
+    ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` go to the
+    template; the text is tokenized with ``add_special_tokens`` (default False: the template holds
+    the BOS).
+    """
+    if not body.messages:
         raise invalid("messages must not be empty", "messages")
+    extra = body.chat_template_kwargs or {}
     try:
-        text = template.render(template_messages(messages), add_generation_prompt)
+        text = template.render(template_messages(body.messages), body.add_generation_prompt,
+                               body.continue_final_message, extra)
     except ChatTemplateError as e:
         raise invalid(f"messages: {e}", "messages") from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:

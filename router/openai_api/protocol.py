@@ -48,6 +48,22 @@ class _Sampling(_Body):
     skip_special_tokens: bool | None = None
     ignore_eos: bool | None = None
     prompt_logprobs: int | None = None
+    add_special_tokens: bool | None = None      # completions: True (BOS added); chat: False (the template has it)
+    truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens
+    # Accepted and ignored (they have no meaning here), logged once per set of names: `ignored_fields`.
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+
+def ignored_fields(body: BaseModel) -> list[str]:
+    """The fields of ``body`` that were sent but have no effect here (chat's ``echo``, completions' ``suffix``)."""
+    names = [n for n in ("store", "metadata", "service_tier") if getattr(body, n, None) is not None]
+    if isinstance(body, ChatCompletionRequest) and body.echo:
+        names.append("echo")
+    if isinstance(body, CompletionRequest) and body.suffix:
+        names.append("suffix")
+    return names
 
 
 class CompletionRequest(_Sampling):
@@ -57,6 +73,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     logprobs: int | None = None
     echo: bool | None = False
+    suffix: str | None = None
 
 
 class ChatMessage(_Body):
@@ -73,6 +90,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool | None = None
 
 
 class TokenizeRequest(_Body):
@@ -83,6 +104,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):

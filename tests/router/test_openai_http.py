@@ -16,6 +16,7 @@ import pytest
 from openai_support import EOS, REPLIES, SEQ_LOGPROBS, ScriptedBackend
 
 from router import BackendError
+from router.openai_api.chat_template import ChatTemplate
 
 MODEL = "tiny-test"
 
@@ -624,3 +625,68 @@ def test_continuous_usage_stats_without_include_usage_adds_nothing(api):
                                        stream_options={"continuous_usage_stats": True})
     chunks = list(stream)
     assert chunks and all(c.usage is None for c in chunks)
+
+
+def _last_input(running):
+    return list(running.backend.inputs.values())[-1]
+
+
+def test_completion_add_special_tokens_false_and_truncation(api):
+    running, client = api
+    client.completions.create(model=MODEL, prompt="<s>Hi", max_tokens=1, extra_body={"add_special_tokens": False})
+    assert _last_input(running).prompt_token_ids == [256, ord("H"), ord("i")]        # the client's own BOS, once
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 2})
+    assert _last_input(running).prompt_token_ids == [ord("l"), ord("o")]
+    assert out.choices[0].text.startswith("lo") and out.usage.prompt_tokens == 2
+    client.completions.create(model=MODEL, prompt=[7, 8, 9], max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    assert _last_input(running).prompt_token_ids == [7, 8, 9]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, extra_body={"truncate_prompt_tokens": 0})
+    assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_chat_template_fields_change_the_prompt(http):
+    template = ChatTemplate("{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
+                            "{% if add_generation_prompt %}[assistant:{% endif %}"
+                            "{% if shout %}!{% endif %}", {"bos_token": "<s>"})
+    running, client = http(chat_template=template)
+    decode = running.backend.tokenizer.decode
+    user = {"role": "user", "content": "Hi"}
+
+    def prompt(**extra):
+        client.chat.completions.create(model=MODEL, messages=extra.pop("messages", [user]), max_tokens=1,
+                                       extra_body=extra)
+        ids = _last_input(running).prompt_token_ids
+        return decode(ids, skip_special_tokens=False), ids
+
+    assert prompt() == ("[user:Hi][assistant:", [ord(c) for c in "[user:Hi][assistant:"])
+    assert prompt(add_generation_prompt=False)[0] == "[user:Hi]"
+    assert prompt(chat_template_kwargs={"shout": True})[0] == "[user:Hi][assistant:!"
+    assert prompt(add_special_tokens=True)[1][0] == 256                                # BOS added on request
+    partial = [user, {"role": "assistant", "content": "Once upon"}]
+    assert prompt(messages=partial, add_generation_prompt=False, continue_final_message=True)[0] == \
+        "[user:Hi][assistant:Once upon"
+    with pytest.raises(openai.BadRequestError) as e:
+        prompt(messages=partial, continue_final_message=True)                          # both true
+    assert e.value.body["param"] == "messages" and "add_generation_prompt" in e.value.body["message"]
+    r = httpx.post(running.server.http_url + "/tokenize", json={
+        "messages": partial, "add_generation_prompt": False, "continue_final_message": True}).json()
+    assert decode(r["tokens"]) == "[user:Hi][assistant:Once upon"
+
+
+def test_fields_without_effect_are_accepted_and_logged_once(api, caplog):
+    running, client = api
+    caplog.set_level(logging.WARNING, logger="pdserve.router")
+    for _ in range(2):
+        out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, suffix="!",
+                                        extra_body={"store": True, "metadata": {"k": "v"}, "service_tier": "auto"})
+        assert out.choices[0].text == REPLIES[0][:2]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          extra_body={"echo": True, "skip_special_tokens": False})
+    assert chat.choices[0].message.content == REPLIES[0][:2]
+    logged = [r.fields["fields"] for r in caplog.records if getattr(r, "event", "") == "fields_ignored"]
+    assert logged == ["store,metadata,service_tier,suffix", "echo"]
+    with pytest.raises(openai.BadRequestError) as e:                                  # unknown stays refused
+        client.completions.create(model=MODEL, prompt="Hi", extra_body={"no_such_field": 1})
+    assert "Unrecognized request argument supplied: no_such_field" in e.value.body["message"]
