@@ -59,14 +59,14 @@ class CompletionView:
     def _echo_choice(self, index: int) -> dict[str, Any]:
         logprobs = None
         if self.want_logprobs:
-            logprobs = self._logprobs[index].prompt(self.inp.prompt_token_ids, self.prompt_logprobs)
+            logprobs = self._logprobs[index].prompt(self.inp.prompt_token_ids, self.prompt_logprobs, self.prompt_text)
         return {"index": index, "text": self.prompt_text, "logprobs": logprobs, "finish_reason": None,
                 "stop_reason": None}
 
     def _choice(self, chunk: GenerationChunk) -> dict[str, Any]:
         logprobs = None
         if self.want_logprobs and chunk.logprobs is not None:
-            logprobs = self._logprobs[chunk.index].tokens(chunk.token_ids, chunk.logprobs)
+            logprobs = self._logprobs[chunk.index].tokens(chunk.token_ids, chunk.logprobs, chunk.text)
         return {"index": chunk.index, "text": chunk.text, "logprobs": logprobs, "finish_reason": chunk.finish_reason,
                 "stop_reason": stop_reason(chunk, self.inp)}
 

@@ -8,7 +8,8 @@ Per choice (``index`` = the sequence's index; 0..n-1):
 - completions ``logprobs``: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``; each
   ``top_logprobs`` entry maps token text → logprob for the k most likely tokens, plus the sampled
   token (so up to k + 1 entries, as OpenAI). With ``echo`` the prompt comes first, its first
-  token's logprob and alternatives null. ``prompt_logprobs`` (vLLM's field, when asked for):
+  token's logprob and alternatives null. ``text_offset`` indexes the returned text: a special
+  token it omits (the echoed BOS) takes no characters. ``prompt_logprobs`` (vLLM's field, when asked for):
   per prompt token, null for the first, else ``{"<token id>": {"logprob", "decoded_token"}}``.
 - chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
   "logprob", "bytes"}]}]}``.
@@ -38,12 +39,21 @@ class TokenTexts:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._special: dict[int, bool] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
             text = self._cache[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether decoding drops the token when special tokens are skipped (BOS, EOS, ...)."""
+        special = self._special.get(token_id)
+        if special is None:
+            special = self._special[token_id] = \
+                not self._tokenizer.decode([token_id], skip_special_tokens=True) and bool(self(token_id))
+        return special
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
@@ -110,25 +120,44 @@ class CompletionLogprobs:
         self._texts = texts
         self.offset = 0
 
-    def prompt(self, prompt_token_ids: list[int], prompt_logprobs: list[pb.TokenLogprob] | None) -> dict[str, Any]:
+    def prompt(self, prompt_token_ids: list[int], prompt_logprobs: list[pb.TokenLogprob] | None,
+               shown: str) -> dict[str, Any]:
+        """The echoed prompt's entries; ``shown`` is the prompt text the choice returns."""
         out = _CompletionLogprobs()
         scored = {i + 1: lp for i, lp in enumerate(prompt_logprobs or [])}
+        advances = self._advances(prompt_token_ids, shown)
         for i, token_id in enumerate(prompt_token_ids):
-            lp = scored.get(i)
-            self._add(out, token_id, lp)
+            self._add(out, token_id, scored.get(i), advances[i])
         return out.json()
 
-    def tokens(self, token_ids: list[int], logprobs: list[pb.TokenLogprob]) -> dict[str, Any]:
+    def tokens(self, token_ids: list[int], logprobs: list[pb.TokenLogprob], shown: str) -> dict[str, Any]:
+        """The entries of generated tokens; ``shown`` is their text as the choice returns it."""
         out = _CompletionLogprobs()
-        for token_id, lp in zip(token_ids, logprobs):
-            self._add(out, token_id, lp)
+        for token_id, lp, advance in zip(token_ids, logprobs, self._advances(token_ids, shown)):
+            self._add(out, token_id, lp, advance)
         return out.json()
 
-    def _add(self, out: _CompletionLogprobs, token_id: int, lp: pb.TokenLogprob | None) -> None:
+    def _advances(self, token_ids: list[int], shown: str) -> list[int]:
+        """How far each token moves ``text_offset`` in ``shown``: its text's length where ``shown`` holds
+        it there, nothing for a special token the text omits (the BOS of an echoed prompt, a skipped EOS)."""
+        out, pos = [], 0
+        for token_id in token_ids:
+            text = self._texts(token_id)
+            if shown.startswith(text, pos):
+                step = len(text)
+            elif self._texts.is_special(token_id):
+                step = 0
+            else:                           # part of a character: the whole character is on a later token
+                step = min(len(text), len(shown) - pos)
+            out.append(step)
+            pos += step
+        return out
+
+    def _add(self, out: _CompletionLogprobs, token_id: int, lp: pb.TokenLogprob | None, advance: int) -> None:
         text = self._texts(token_id)
         out.tokens.append(text)
         out.text_offset.append(self.offset)
-        self.offset += len(text)
+        self.offset += advance
         if lp is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)

@@ -165,7 +165,8 @@ def test_echo_with_logprobs_puts_the_prompt_first(api):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.token_logprobs[1:3] == [pytest.approx(-1.0), pytest.approx(-2.0)]
     assert lp.token_logprobs[3:] == [pytest.approx(-0.5)] * 3
-    assert lp.text_offset == [0, 3, 4, 5, 6, 7]
+    assert lp.text_offset == [0, 0, 1, 2, 3, 4]                  # the BOS is not in the text: it takes no room
+    assert [choice.text[o:o + len(t)] for o, t in zip(lp.text_offset[1:], lp.tokens[1:])] == lp.tokens[1:]
 
 
 def test_echo_streamed_sends_the_prompt_first(api):
