@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI-compatible API (pydantic; unknown fields are refused).
+"""Request bodies of the OpenAI-compatible API (pydantic, strict: unknown fields and mistyped values
+such as ``"max_tokens": "5"`` are refused, as OpenAI refuses them; an integer is a valid float).
 
 OpenAI's fields, plus the vLLM extensions clients send (top_k, min_p, repetition_penalty,
 min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens, ignore_eos,
@@ -14,7 +15,7 @@ from router.openai_api.errors import APIError
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):

@@ -287,6 +287,8 @@ def test_chat_top_logprobs_needs_logprobs(api):
     ({"extra_body": {"stop_token_ids": [300]}}, "stop_token_ids", "out of range"),
     ({"seed": -1}, "seed", "seed"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ({"max_tokens": "5"}, "max_tokens", "valid integer"),                  # types are not coerced, as OpenAI
+    ({"extra_body": {"echo": "yes"}}, "echo", "valid boolean"),
 ])
 def test_bad_fields_are_400_naming_the_field(api, kwargs, param, words):
     _, client = api
