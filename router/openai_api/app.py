@@ -283,7 +283,7 @@ class OpenAIApp:
             merged = results[0]
             merged["choices"] = [{**c, "index": i * n + c["index"]}
                                  for i, result in enumerate(results) for c in result["choices"]]
-            merged["usage"] = usage_json(_sum_usage([a.record.usage for a in admitted]))
+            merged["usage"] = usage_json(_sum_usage([a.record.usage for a in admitted], body.max_tokens == 0))
             return JSONResponse(merged, headers={"X-Request-Id": admitted[0].inp.request_id})
         streams = [a.chunks() for a in admitted]
         try:
@@ -299,12 +299,13 @@ class OpenAIApp:
             raise
         events = [v.events(_prepend(f, c)) for v, f, c in zip(views, firsts, streams)]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStream(sse_events(_merge_batch(events, admitted, n, include_usage)), finish_all,
+        return EventStream(sse_events(_merge_batch(events, admitted, n, include_usage, body.max_tokens == 0)),
+                           finish_all,
                            {"X-Request-Id": admitted[0].inp.request_id})
 
 
 async def _merge_batch(events: list[AsyncIterator[dict]], admitted: list[AdmittedRequest], n: int,
-                       include_usage: bool) -> AsyncIterator[dict]:
+                       include_usage: bool, score_only: bool) -> AsyncIterator[dict]:
     """The prompts' stream objects as they come, choices renumbered; then the summed usage if asked for."""
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -331,7 +332,8 @@ async def _merge_batch(events: list[AsyncIterator[dict]], admitted: list[Admitte
                 head = head or {k: item[k] for k in ("id", "object", "created", "model")}
                 yield item
         if include_usage:
-            yield {**head, "choices": [], "usage": usage_json(_sum_usage([a.record.usage for a in admitted]))}
+            yield {**head, "choices": [], "usage": usage_json(_sum_usage([a.record.usage for a in admitted],
+                                                                                 score_only))}
     finally:
         for t in tasks:
             t.cancel()
@@ -340,8 +342,10 @@ async def _merge_batch(events: list[AsyncIterator[dict]], admitted: list[Admitte
                 await t
 
 
-def _sum_usage(usages: list) -> Usage:
-    return Usage(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages),
+def _sum_usage(usages: list, score_only: bool = False) -> Usage:
+    """The batch's usage; scoring (``max_tokens: 0``) has no completion tokens."""
+    completion = 0 if score_only else sum(u.completion_tokens for u in usages)
+    return Usage(sum(u.prompt_tokens for u in usages), completion,
                  sum(u.cached_prompt_tokens for u in usages))
 
 

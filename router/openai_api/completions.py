@@ -13,10 +13,11 @@ with ``"choices": []`` and the usage (every other chunk has ``"usage": null``), 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-from router.backend import GenerationChunk, GenerationInput, Tokenizer
+from router.backend import GenerationChunk, GenerationInput, Tokenizer, Usage
 from router.openai_api.protocol import CompletionRequest
 from router.openai_api.responses import CompletionLogprobs, StreamUsage, TokenTexts, merge_completion_logprobs, \
     stop_reason, usage_json, vllm_prompt_logprobs
@@ -42,6 +43,7 @@ class CompletionView:
         self.id = f"cmpl-{inp.request_id}"
         self.texts = TokenTexts(tokenizer)
         self.echo = bool(body.echo)
+        self.score_only = body.max_tokens == 0      # the one token the backend made is left out
         self.want_logprobs = body.logprobs is not None
         self.want_prompt_logprobs = body.prompt_logprobs is not None
         self.prompt_logprobs = None
@@ -64,6 +66,9 @@ class CompletionView:
                 "stop_reason": None}
 
     def _choice(self, chunk: GenerationChunk) -> dict[str, Any]:
+        if self.score_only:
+            return {"index": chunk.index, "text": "", "logprobs": None,
+                    "finish_reason": "length" if chunk.finish_reason else None, "stop_reason": None}
         logprobs = None
         if self.want_logprobs and chunk.logprobs is not None:
             logprobs = self._logprobs[chunk.index].tokens(chunk.token_ids, chunk.logprobs, chunk.text)
@@ -97,8 +102,11 @@ class CompletionView:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_logprobs or [], self.texts)
             choices.append(choice)
         body = self._object(choices)
-        body["usage"] = usage_json(usage)
+        body["usage"] = usage_json(self._usage(usage))
         return body
+
+    def _usage(self, usage: Usage) -> Usage:
+        return dataclasses.replace(usage, completion_tokens=0) if self.score_only else usage
 
     async def events(self, chunks: AsyncIterator[GenerationChunk]) -> AsyncIterator[dict[str, Any]]:
         """One stream object per chunk (echoed prompts first), then the usage object when asked for."""
@@ -119,11 +127,12 @@ class CompletionView:
                 choice = self._choice(chunk)
                 if prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs
-                stream_usage.count(chunk)
+                if not self.score_only:
+                    stream_usage.count(chunk)
                 yield stream_usage.stamp(self._object([choice]))
                 usage = chunk.usage or usage
         if stream_usage.include and usage is not None:
             body = self._object([])
-            body["usage"] = usage_json(usage)
+            body["usage"] = usage_json(self._usage(usage))
             yield body
 

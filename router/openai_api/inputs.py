@@ -6,7 +6,8 @@ defaults (`Backend.generation_defaults`) are the gRPC front door's. What is HTTP
 
 - /v1/completions: ``prompt`` is a string (tokenized with the tokenizer's special tokens, e.g.
   BOS), token ids, or a list of either (a batch: one request per prompt, `split_prompts`);
-  ``max_tokens`` defaults to 16 (OpenAI's documented default); ``echo`` with ``logprobs`` asks for prompt logprobs too.
+  ``max_tokens`` defaults to 16 (OpenAI's documented default); ``echo`` with ``logprobs`` asks for prompt logprobs too,
+  and ``max_tokens: 0`` with ``echo`` scores the prompt alone (no completion text or tokens).
   ``add_special_tokens: false`` tokenizes a string prompt without them (a client that wrote the BOS itself).
 - /v1/chat/completions: the messages go through the chat template (``add_generation_prompt``,
   ``continue_final_message``, ``chat_template_kwargs`` as in vLLM), and the text is tokenized
@@ -61,7 +62,13 @@ def completion_input(body: CompletionRequest, tokenizer: Tokenizer, max_model_le
         RequestError: naming the field.
     """
     [prompt] = split_prompts(body.prompt)
-    request = _request(body, request_id, _sampling(body, logprobs=body.logprobs, max_tokens=body.max_tokens,
+    max_tokens = body.max_tokens
+    if max_tokens == 0:                 # scoring: the echoed prompt's logprobs only (`CompletionView.score_only`)
+        if not body.echo:
+            raise invalid("max_tokens: 0 asks for no output; it is only for scoring the prompt with echo",
+                          "sampling.max_tokens")
+        max_tokens = 1                  # the prompt's pass yields one token, which the answer leaves out
+    request = _request(body, request_id, _sampling(body, logprobs=body.logprobs, max_tokens=max_tokens,
                                                    best_of=body.best_of, echo=bool(body.echo)))
     if isinstance(prompt, str) and body.add_special_tokens is not False and body.truncate_prompt_tokens is None:
         request.prompt = prompt         # validate_request tokenizes it, special tokens (BOS) included

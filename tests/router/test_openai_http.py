@@ -693,3 +693,23 @@ def test_fields_without_effect_are_accepted_and_logged_once(api, caplog):
     with pytest.raises(openai.BadRequestError) as e:                                  # unknown stays refused
         client.completions.create(model=MODEL, prompt="Hi", extra_body={"no_such_field": 1})
     assert "Unrecognized request argument supplied: no_such_field" in e.value.body["message"]
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_only(api):
+    running, client = api
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=0, echo=True, logprobs=1)
+    [choice] = out.choices
+    assert choice.text == "Hi" and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == ["<s>", "H", "i"]
+    assert choice.logprobs.token_logprobs == [None, pytest.approx(-1.0), pytest.approx(-2.0)]
+    assert choice.logprobs.text_offset == [0, 0, 1]
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 0)
+    batch = client.completions.create(model=MODEL, prompt=["Hi", "Yo"], max_tokens=0, echo=True)
+    assert [c.text for c in batch.choices] == ["Hi", "Yo"] and batch.usage.completion_tokens == 0
+    chunks = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=0, echo=True, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "Hi"
+    assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens" and "echo" in e.value.body["message"]
