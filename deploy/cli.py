@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 
 from deploy.config import ConfigError, load_config, parse_override
@@ -20,11 +21,23 @@ SERVE_FLAGS = {  # flag dest -> config key
 }
 
 
+def _config_help(key: str, text: str | None = None) -> str:
+    """A config flag's help: what it sets (the section field's description unless ``text``), the key, and the
+    embedded default's value."""
+    section, field = key.rsplit(".", 1)
+    node = load_config(None)
+    for part in section.split("."):
+        node = getattr(node, part)
+    description = text or type(node).model_fields[field].description or ""
+    default = getattr(node, field)
+    return f"{description.rstrip('.')} (config {key}; default {'none' if default is None else default})"
+
+
 def add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="pools.yaml (default: the embedded default)")
-    p.add_argument("--model", help="embedded model (pydoc: trained, the default; tiny, small: random weights) "
-                   "or a model directory")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--model", help=_config_help("model.name", "embedded model (pydoc: trained; tiny, small: "
+                                                "random weights) or a model directory"))
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help=_config_help("model.dtype"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set kv_cache.num_blocks=2048")
 
@@ -42,11 +55,43 @@ def config_from_args(args: argparse.Namespace):
     return cfg
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def busy_port(cfg) -> str | None:
+    """The first port the router will bind that is taken, as one line naming it and its flag; else None.
+
+    Checked before Ray starts, so a conflict costs a second, not a cluster start-up.
+    """
+    server = cfg.server
+    ports = ((server.port, "--port", "server.port"), (server.http_port, "--http-port", "server.http_port"),
+             (server.metrics_port, "--metrics-port", "server.metrics_port"))
+    for port, flag, key in ports:
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET) as sock:
+            try:
+                sock.bind((server.host, port))
+            except OSError as e:
+                return (f"port {port} on {server.host} is not free ({e.strerror}); choose another with {flag} "
+                        f"(config {key})")
+    return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    cfg = args.cfg
+    problem = busy_port(cfg)
+    if problem:
+        print(f"pdserve serve: {problem}", file=sys.stderr)
+        return 2
     from deploy.running import start_cluster
     from router.log import configure_logging
     from router.server import serve_until_signal
-    cfg = args.cfg
     configure_logging(cfg.server.log_format)
 
     async def main() -> None:
@@ -128,35 +173,40 @@ def _http_port(value: str) -> int | str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="start Ray pools and the gRPC router")
     add_config_flags(p)
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--prefill-actors", type=int)
-    p.add_argument("--decode-actors", type=int)
-    p.add_argument("--transport", choices=["grpc", "tcp", "torch", "ray"])
-    p.add_argument("--kv-compression", choices=["fp8", "none"])
-    p.add_argument("--address", help="Ray address to join (e.g. auto); default: a local Ray on 127.0.0.1")
-    p.add_argument("--metrics-port", type=int)
+    p.add_argument("--host", help=_config_help("server.host"))
+    p.add_argument("--port", type=int, help=_config_help("server.port"))
+    p.add_argument("--prefill-actors", type=int, help=_config_help("pools.prefill.count", "prefill actors"))
+    p.add_argument("--decode-actors", type=int, help=_config_help("pools.decode.count", "decode actors"))
+    p.add_argument("--transport", choices=["grpc", "tcp", "torch", "ray"],
+                   help=_config_help("kv_transfer.transport", "how prefill ships KV blocks to decode"))
+    p.add_argument("--kv-compression", choices=["fp8", "none"],
+                   help=_config_help("kv_transfer.compression", "KV block encoding on the wire"))
+    p.add_argument("--address", help=_config_help("ray.address", "Ray address to join (e.g. auto); none: a local "
+                                                  "Ray on 127.0.0.1"))
+    p.add_argument("--metrics-port", type=int, help=_config_help("server.metrics_port"))
     p.add_argument("--http-port", type=_http_port, metavar="PORT|none",
-                   help="OpenAI-compatible HTTP port (default 8000; 'none' = no HTTP server)")
-    p.add_argument("--log-format", choices=["text", "json"])
+                   help=_config_help("server.http_port", "OpenAI-compatible HTTP port ('none': no HTTP server)"))
+    p.add_argument("--log-format", choices=["text", "json"], help=_config_help("server.log_format"))
     p.set_defaults(fn=cmd_serve)
 
-    p = sub.add_parser("generate", help="stream one completion from a running server")
-    p.add_argument("prompt")
-    p.add_argument("--address", default="127.0.0.1:50051")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append")
-    p.add_argument("--ignore-eos", action="store_true")
+    p = sub.add_parser("generate", help="stream one completion from a running server",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--address", default="127.0.0.1:50051", help="the router's gRPC address")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, help="sampling temperature (0: greedy; unset: the model's default)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens")
+    p.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--token", help="bearer token of the server")
-    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the whole answer")
     p.add_argument("--json", action="store_true", help="print each response message as JSON")
     p.set_defaults(fn=cmd_generate)
 

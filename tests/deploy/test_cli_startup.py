@@ -1,0 +1,56 @@
+"""`pdserve` start-up: --version, flag help with defaults, and a busy port refused before Ray starts."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from deploy.cli import main
+
+
+def _listening() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("pdserve ")
+
+
+def test_serve_help_names_each_flags_key_and_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("config server.port; default 50051", "config server.http_port; default 8000",
+                  "config kv_transfer.compression; default fp8", "config pools.decode.count; default 1"):
+        assert words in text
+
+
+@pytest.mark.parametrize("flag,key", [("--port", "server.port"), ("--http-port", "server.http_port"),
+                                      ("--metrics-port", "server.metrics_port")])
+def test_busy_port_is_one_line_naming_port_and_flag(capsys, monkeypatch, flag, key):
+    import deploy.running
+
+    def never(*args, **kwargs):
+        raise AssertionError("the cluster must not start when a port is taken")
+    monkeypatch.setattr(deploy.running, "start_cluster", never)
+    with _listening() as taken:
+        port = taken.getsockname()[1]
+        ports = {"--port": str(_free_port()), "--http-port": "none", "--metrics-port": str(_free_port())}
+        ports[flag] = str(port)
+        argv = ["serve", "--model", "tiny"] + [x for f, p in ports.items() for x in (f, p)]
+        assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert f"port {port} on 127.0.0.1 is not free" in err[0] and flag in err[0] and key in err[0]
