@@ -28,7 +28,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -400,6 +400,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
 
+async def _client_disconnected(request: Request, exc: Exception) -> Response:
+    """The client went away before its request was read whole: one INFO line, nothing to answer."""
+    log_event("client_disconnected", logging.INFO, request_id=request.headers.get("x-request-id", "-")[:64],
+              api="http", path=request.url.path, stage="reading the request body")
+    return Response(status_code=499)
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("HTTP %s %s failed", request.method, request.url.path, exc_info=exc)
     return JSONResponse(APIError(500, "internal error; see the router log").body(), status_code=500)
@@ -430,7 +437,8 @@ def create_app(core: RequestCore, *, model_name: str, chat_template: ChatTemplat
         Route("/detokenize", api.detokenize, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={
-        APIError: _api_error, HTTPException: _http_error, Exception: _internal_error,
+        APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_disconnected,
+        Exception: _internal_error,
     })
     app.state.api = api
     return BearerAuth(app, token) if token else app

@@ -713,3 +713,16 @@ def test_max_tokens_0_with_echo_scores_the_prompt_only(api):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=0)
     assert e.value.body["param"] == "max_tokens" and "echo" in e.value.body["message"]
+
+
+def test_client_gone_mid_upload_is_one_info_line(api, wait_until, caplog):
+    running, client = api
+    caplog.set_level(logging.INFO)
+    with socket.create_connection(("127.0.0.1", running.server.http_port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\nX-Request-Id: gone-1\r\n\r\n{\"model\": ")
+    wait_until(lambda: any(getattr(r, "event", "") == "client_disconnected" for r in caplog.records))
+    [line] = [r for r in caplog.records if getattr(r, "event", "") == "client_disconnected"]
+    assert line.levelno == logging.INFO and line.fields["request_id"] == "gone-1"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text == REPLIES[0][:2]
