@@ -4,6 +4,8 @@ Who feeds what::
 
     GenerationServicer (per finished request) → request_finished: TTFT, TPOT, ITL, E2E,
                                                 queue seconds, requests_total{finish_reason}
+    RequestCore.rejected (both front doors)   → request_rejected: rejected_requests_total{api,status,reason}
+                                                (bad input, capacity, auth, body size, unknown route)
     Dispatcher hooks                          → kv_transfer, transfer_failed, local_prefill,
                                                 prefix_hit_tokens, placement{choice} (routing.mode auto)
     pool manager (role flips)                 → role_flipped{from_role, to_role}
@@ -39,6 +41,18 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
+# The reason label's values (a bounded set: never client text).
+REJECTION_REASONS = ("capacity", "not_ready", "invalid_input", "duplicate_id", "unknown_model", "body_too_large",
+                     "unknown_route", "missing_token", "invalid_token", "deadline", "other")
+_REASON_OF_STATUS = {"RESOURCE_EXHAUSTED": "capacity", "UNAVAILABLE": "not_ready", "INVALID_ARGUMENT": "invalid_input",
+                     "ALREADY_EXISTS": "duplicate_id", "NOT_FOUND": "unknown_model", "DEADLINE_EXCEEDED": "deadline"}
+
+
+def rejection_reason(status: str) -> str:
+    """The reason label of a refusal with this gRPC status name."""
+    return _REASON_OF_STATUS.get(status, "other")
+
+
 class Metrics:
     """Every pdserve metric, registered in a private `CollectorRegistry`.
 
@@ -69,6 +83,9 @@ class Metrics:
                                      ["actor", "role"], registry=r)
         self.requests = Counter("pdserve_requests", "Finished requests by finish reason (or failure status).",
                                 ["finish_reason"], registry=r)
+        self.rejected = Counter("pdserve_rejected_requests", "Requests refused before generation, by front door "
+                                "(grpc, http), status (the gRPC status name) and reason (`REJECTION_REASONS`).",
+                                ["api", "status", "reason"], registry=r)
         self.transfer_failures = Counter("pdserve_transfer_failures", "Failed prefills or KV transfers.", registry=r)
         self.local_prefills = Counter("pdserve_local_prefills", "Prompts prefilled on their decode actor.",
                                       registry=r)
@@ -99,6 +116,12 @@ class Metrics:
             self.itl.observe(gap)
 
     # ---- Dispatcher hooks -----------------------------------------------------
+    def request_rejected(self, api: str, status: str, reason: str | None = None) -> None:
+        """A request was refused before it reached the backend; ``reason`` is one of `REJECTION_REASONS`
+        (default: the status's, `rejection_reason`)."""
+        reason = reason if reason in REJECTION_REASONS else rejection_reason(status)
+        self.rejected.labels(api, status, reason).inc()
+
     def kv_transfer(self, seconds: float, kv_bytes: int, wire_bytes: int, codec: str) -> None:
         self.kv_transfer_seconds.observe(seconds)
         self.kv_bytes.labels(codec).inc(kv_bytes)

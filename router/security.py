@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,12 +80,17 @@ def check_bind(host: str, token: str | None) -> None:
 class BearerTokenInterceptor(AsyncTokenInterceptor):
     """Reject RPCs whose ``authorization`` metadata is not ``Bearer <token>`` (UNAUTHENTICATED, body unread)."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, on_reject: Callable[[str], None] | None = None) -> None:
         if not token:
             raise ValueError("auth token must not be empty")
+
+        def rejected(method: str, reason: str) -> None:
+            _log_rejected(method, reason)
+            if on_reject is not None:
+                on_reject(reason)
         super().__init__(TokenGate("authorization", f"Bearer {token}", exempt=(HEALTH_METHOD_PREFIX,),
                                    message="{reason} bearer token: send metadata 'authorization: Bearer <token>'",
-                                   on_reject=_log_rejected))
+                                   on_reject=rejected))
 
     @property
     def num_rejected(self) -> int:

@@ -220,7 +220,8 @@ async def start_server(
         chat_template = ChatTemplate.from_model_dir(model_dir)
     core = RequestCore(backend, max_queue, metrics)
     servicer = GenerationServicer(core)
-    interceptors = [BearerTokenInterceptor(token)] if token else []
+    interceptors = [BearerTokenInterceptor(token, lambda reason: core.rejected(
+        "grpc", "UNAUTHENTICATED", "-", "", f"{reason}_token", log=False))] if token else []
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[

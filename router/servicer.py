@@ -144,6 +144,15 @@ class RequestCore:
         except asyncio.TimeoutError:
             return False
 
+    def rejected(self, api: str, status: str, request_id: str, message: str, reason: str | None = None,
+                 log: bool = True) -> None:
+        """Report one refused request: its ``request_rejected`` line (unless ``log`` is False) and the
+        rejected-requests counter (``reason``: one of `router.metrics.REJECTION_REASONS`; default the status's)."""
+        if log:
+            log_event("request_rejected", logging.INFO, request_id=request_id, api=api, status=status, reason=message)
+        if self.metrics is not None:
+            self.metrics.request_rejected(api, status, reason)
+
     def check_open(self) -> None:
         """Raise UNAVAILABLE while draining or before the backend was first ready."""
         if self.draining:
@@ -186,7 +195,7 @@ class RequestCore:
             else:
                 inp = validate(self._in_flight)
         except RequestError as e:
-            log_event("request_rejected", logging.INFO, request_id=peek_id, api=api, status=e.code, reason=e.message)
+            self.rejected(api, e.code, peek_id, e.message)
             raise
         except Exception:  # noqa: BLE001 — e.g. a tokenizer bug; never take the server down
             log.exception("admitting request failed")
@@ -421,8 +430,7 @@ class GenerationServicer:
         peek_id = _peek_request_id(request)
         if isinstance(request, UnparsableRequest):
             error = RequestError("INVALID_ARGUMENT", f"request: not a valid GenerateRequest ({request.error})")
-            log_event("request_rejected", logging.INFO, request_id=peek_id, api="grpc", status=error.code,
-                      reason=error.message)
+            self.core.rejected("grpc", error.code, peek_id, error.message)
             raise error
         remaining = context.time_remaining()
         deadline = received + remaining if remaining is not None else None

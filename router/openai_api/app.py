@@ -366,9 +366,10 @@ async def _prepend(first: GenerationChunk, rest: AsyncIterator[GenerationChunk])
 class BearerAuth:
     """ASGI middleware: ``Authorization: Bearer <token>`` on every path but `PUBLIC_PATHS` (else 401)."""
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    def __init__(self, app: ASGIApp, token: str, on_reject: Callable[[str], None] | None = None) -> None:
         self.app = app
         self.token = token
+        self.on_reject = on_reject          # called with "missing" or "invalid"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
@@ -376,6 +377,8 @@ class BearerAuth:
             presented = header.decode("latin-1") if header is not None else None
             reason = check_http_bearer(presented, self.token, scope["path"])
             if reason is not None:
+                if self.on_reject is not None:
+                    self.on_reject(reason)
                 error = APIError(401, f"{reason} bearer token: send header 'Authorization: Bearer <token>'",
                                  code="invalid_api_key")
                 response = JSONResponse(error.body(), status_code=401,
@@ -387,16 +390,21 @@ class BearerAuth:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    if not exc.logged and request.method == "POST":     # as gRPC: every refused request gets a line
-        log_event("request_rejected", logging.INFO, request_id=request.headers.get("x-request-id", "-")[:64],
-                  api="http", status=HTTP_TO_STATUS.get(exc.status, "INVALID_ARGUMENT"), http_status=exc.status,
-                  path=request.url.path, reason=exc.message)
+    if not exc.logged:                  # (the core reported the refusals it made itself)
+        status = HTTP_TO_STATUS.get(exc.status, "INVALID_ARGUMENT")
+        if request.method == "POST":    # as gRPC: every refused generation request gets a line
+            log_event("request_rejected", logging.INFO, request_id=request.headers.get("x-request-id", "-")[:64],
+                      api="http", status=status, http_status=exc.status, path=request.url.path, reason=exc.message)
+        request.app.state.api.core.rejected("http", status, "-", "", "body_too_large" if exc.status == 413 else None,
+                                            log=False)
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    request.app.state.api.core.rejected("http", HTTP_TO_STATUS.get(exc.status_code, "NOT_FOUND"), "-", "",
+                                        "unknown_route", log=False)
     return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
 
@@ -441,4 +449,7 @@ def create_app(core: RequestCore, *, model_name: str, chat_template: ChatTemplat
         Exception: _internal_error,
     })
     app.state.api = api
-    return BearerAuth(app, token) if token else app
+    if not token:
+        return app
+    return BearerAuth(app, token, lambda reason: core.rejected("http", "UNAUTHENTICATED", "-", "", f"{reason}_token",
+                                                                 log=False))   # check_http_bearer logged it

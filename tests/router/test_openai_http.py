@@ -726,3 +726,54 @@ def test_client_gone_mid_upload_is_one_info_line(api, wait_until, caplog):
     assert line.levelno == logging.INFO and line.fields["request_id"] == "gone-1"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text == REPLIES[0][:2]
+
+
+def test_every_refusal_is_counted_by_door_status_and_reason(http, serve, wait_until):
+    """400s, 401s, 404s, 413s and the at-capacity 429 of both front doors, each in the rejected counter."""
+    import grpc
+
+    from proto.pdserve.v1 import generation_pb2 as pb
+    from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
+    from router.metrics import Metrics
+    metrics = Metrics()
+    backend = ScriptedBackend()
+    backend.release.clear()                       # the first request holds the only slot
+    running, client = http(backend=backend, metrics=metrics, token="s3cret", max_queue=1)
+    url = running.server.http_url
+    auth = {"Authorization": "Bearer s3cret"}
+    holder = threading.Thread(target=lambda: client.completions.create(model=MODEL, prompt="Hi", max_tokens=2))
+    holder.start()
+    wait_until(lambda: len(backend.inputs) == 1)
+    assert httpx.post(url + "/v1/completions", headers=auth, json={"model": MODEL, "prompt": "Hi"}).status_code == 429
+    assert httpx.post(url + "/v1/completions", headers=auth, json={"model": MODEL, "prompt": "Hi",
+                                                                    "top_p": 7}).status_code == 429
+    assert httpx.post(url + "/v1/completions", headers=auth, json={"model": MODEL, "bogus": 1}).status_code == 400
+    assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi"}).status_code == 401
+    assert httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer no"}, json={}).status_code == 401
+    assert httpx.get(url + "/v1/models/other", headers=auth).status_code == 404
+    assert httpx.get(url + "/v1/nowhere", headers=auth).status_code == 404
+    assert httpx.post(url + "/v1/completions", headers=auth, content=b"x" * (5 << 20)).status_code == 413
+    with grpc.insecure_channel(running.server.address) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(prompt="Hi")))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(prompt="Hi"), metadata=[("authorization", "Bearer s3cret")]))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    backend.release.set()
+    holder.join(10)
+    text = metrics.exposition().decode()
+
+    def count(api, status, reason):
+        line = f'pdserve_rejected_requests_total{{api="{api}",reason="{reason}",status="{status}"}}'
+        return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)), 0.0)
+    assert count("http", "RESOURCE_EXHAUSTED", "capacity") == 2          # room is checked before the fields
+    assert count("http", "INVALID_ARGUMENT", "invalid_input") == 1
+    assert count("http", "UNAUTHENTICATED", "missing_token") == 1
+    assert count("http", "UNAUTHENTICATED", "invalid_token") == 1
+    assert count("http", "NOT_FOUND", "unknown_model") == 1
+    assert count("http", "NOT_FOUND", "unknown_route") == 1
+    assert count("http", "INVALID_ARGUMENT", "body_too_large") == 1
+    assert count("grpc", "UNAUTHENTICATED", "missing_token") == 1
+    assert count("grpc", "RESOURCE_EXHAUSTED", "capacity") == 1
