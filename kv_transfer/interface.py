@@ -128,6 +128,7 @@ class ReceiverStats:
     num_cancelled: int = 0
     auth_failures: int = 0
     handshake_failures: int = 0
+    bad_hellos: int = 0     # connections dropped before they authenticated: malformed, too slow, evicted
     bytes_received: int = 0
 
 

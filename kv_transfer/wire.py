@@ -214,7 +214,10 @@ def unpack_small(data: bytes) -> dict:
     """A small msgpack map (handshake, control message), size-checked before unpacking."""
     if len(data) > MAX_HEADER_BYTES:
         raise WireError("handshake message too large")
-    value = msgpack.unpackb(data, raw=False, max_str_len=4096, max_bin_len=0, max_array_len=0, max_map_len=64)
+    try:
+        value = msgpack.unpackb(data, raw=False, max_str_len=4096, max_bin_len=0, max_array_len=0, max_map_len=64)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:   # malformed, truncated, over a limit
+        raise WireError(f"handshake message is not valid msgpack: {type(exc).__name__}") from None
     if not isinstance(value, dict):
         raise WireError("handshake message is not a map")
     return value

@@ -3,6 +3,7 @@ that breaks mid-piece, silent and surplus connections. (The generic transport te
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -117,25 +118,102 @@ def test_connection_broken_mid_piece_frees_blocks_and_the_next_send_reconnects(m
     assert_no_leak(pair.pool, done.dst_block_ids)
 
 
-def test_silent_and_surplus_connections_are_dropped(layout):
+def _tcp_receiver(layout, **kwargs):
     pool = SimpleBlockPool(8)
     dst = torch.zeros(layout.cache_shape(8), dtype=layout.dtype)
-    receiver = make_receiver("tcp", layout, dst, pool, token=TOKEN, hello_timeout_s=0.5, max_connections=2)
-    sender = make_sender("tcp", layout, token=TOKEN)
+    return pool, make_receiver("tcp", layout, dst, pool, token=TOKEN, **kwargs)
+
+
+def _connect(receiver) -> socket.socket:
     host, port = receiver.endpoint.rsplit(":", 1)
-    silent = [socket.create_connection((host, int(port))) for _ in range(3)]
+    conn = socket.create_connection((host, int(port)))
+    assert len(conn.recv(64)) > 0       # the challenge
+    return conn
+
+
+def _transfers(sender, receiver, pool, layout) -> None:
+    handle = sender.send("r", random_cache(layout, 3), [0, 2], receiver.endpoint)
+    assert handle.wait(30) == TransferStatus.DONE, handle
+    owned = receiver.wait(handle.transfer_id, 5).dst_block_ids
+    assert_no_leak(pool, owned)
+    pool.free(owned)                    # as the decode worker does once the request ends
+
+
+def test_silent_and_surplus_connections_are_dropped(layout):
+    pool, receiver = _tcp_receiver(layout, hello_timeout_s=0.5, max_connections=1)
+    sender, other = make_sender("tcp", layout, token=TOKEN), make_sender("tcp", layout, token=TOKEN)
+    silent = [_connect(receiver) for _ in range(3)]
     try:
-        assert silent[2].recv(64) == b""  # over max_connections: closed at once, not even challenged
         assert wait_for(lambda: receiver.num_connections == 0, timeout=10)  # the silent ones, after 0.5 s
-        handle = sender.send("r", random_cache(layout, 3), [0, 2], receiver.endpoint)
-        assert handle.wait(30) == TransferStatus.DONE, handle
-        assert_no_leak(pool, receiver.wait(handle.transfer_id, 5).dst_block_ids)
+        assert receiver.stats.bad_hellos == 3
+        _transfers(sender, receiver, pool, layout)
         assert receiver.num_connections == 1  # the sender keeps its connection for the next piece
+        handle = other.send("r2", random_cache(layout, 3), [1], receiver.endpoint)   # over max_connections
+        assert handle.wait(30) == TransferStatus.FAILED
+        _transfers(sender, receiver, pool, layout)                                     # the first still works
+    finally:
+        for conn in silent:
+            conn.close()
+        sender.close()
+        other.close()
+        receiver.close()
+
+
+def test_a_slow_drip_hello_is_dropped_at_one_deadline(layout):
+    _, receiver = _tcp_receiver(layout, hello_timeout_s=0.6)
+    conn = _connect(receiver)
+    started = time.monotonic()
+    dropped = False
+    try:
+        conn.sendall((100).to_bytes(4, "little"))       # a 100-byte hello ...
+        for _ in range(60):                             # ... a byte each 0.1 s: no single read ever waits long
+            try:
+                conn.sendall(b"\x01")
+            except OSError:
+                dropped = True
+                break
+            if wait_for(lambda: receiver.num_connections == 0, timeout=0.1):
+                dropped = True
+                break
+        assert dropped and time.monotonic() - started < 4       # near 0.6 s, not 100 reads later
+    finally:
+        conn.close()
+        receiver.close()
+    assert receiver.stats.bad_hellos == 1
+
+
+def test_peers_that_never_authenticate_do_not_starve_senders(layout, monkeypatch):
+    monkeypatch.setattr(tcp_receiver, "MAX_HELLOS", 4)
+    pool, receiver = _tcp_receiver(layout, hello_timeout_s=60.0, max_connections=2)
+    sender = make_sender("tcp", layout, token=TOKEN)
+    silent = [_connect(receiver) for _ in range(12)]        # far more than the hello slots, held for 60 s
+    try:
+        assert wait_for(lambda: receiver.num_connections <= 4, timeout=10)
+        _transfers(sender, receiver, pool, layout)
+        silent += [_connect(receiver) for _ in range(12)]   # more after the sender authenticated
+        _transfers(sender, receiver, pool, layout)          # its connection has a slot of its own
     finally:
         for conn in silent:
             conn.close()
         sender.close()
         receiver.close()
+
+
+def test_malformed_hellos_are_one_rate_limited_warning_and_counted(layout, caplog):
+    _, receiver = _tcp_receiver(layout)
+    caplog.set_level(logging.WARNING)
+    try:
+        for garbage in (b"\xc1\xc1\xc1", b"\x92\x01", b"\xff" * 8):        # not msgpack, not a map, junk
+            conn = _connect(receiver)
+            conn.sendall(len(garbage).to_bytes(4, "little") + garbage)
+            assert conn.recv(64) == b""           # closed
+            conn.close()
+        assert wait_for(lambda: receiver.stats.bad_hellos == 3, timeout=10)
+    finally:
+        receiver.close()
+    mine = [r for r in caplog.records if r.name.startswith("kv_transfer")]
+    assert [r.levelno for r in mine] == [logging.WARNING] and not any(r.exc_info for r in mine)
+    assert "before it authenticated" in mine[0].getMessage()
 
 
 def test_bfloat16_cache_round_trip_through_the_rows(make_pair):
