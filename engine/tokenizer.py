@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
+GIL_FREE_CHARS = 4096   # texts this long are encoded with the GIL released (`Tokenizer.encode`)
 # tokenizer_config.json classes transformers loads from tokenizer.json unchanged.
 GENERIC_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
 
@@ -43,6 +44,7 @@ class Tokenizer:
                 raise ValueError(f"{cfg_path}: expected a JSON object")
         self._tok = _pipeline(model_dir, path, tok_cfg.get("tokenizer_class"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._max_token_chars: int | None = None
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
         # Whether encode() prepends the BOS: what the post-processor does to a short text.
@@ -60,8 +62,21 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with the special tokens tokenizer.json's post-processor adds;
-        `add_special_tokens=False` adds none (a chat template already has its BOS)."""
+        `add_special_tokens=False` adds none (a chat template already has its BOS).
+
+        A long text goes through ``encode_batch``, which releases the GIL (``encode`` holds it), so
+        tokenizing it on a worker thread never stalls the event loop's other requests."""
+        if len(text) >= GIL_FREE_CHARS:
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for: the longest token in the vocabulary
+        (a byte-level token's string is at least as long as the text it decodes to)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; `skip_special_tokens=False` keeps special tokens (e.g. `</s>`) in it."""

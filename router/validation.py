@@ -83,6 +83,7 @@ def validate_request(
         _check_budget(len(request.token_ids.ids), params.max_tokens, max_model_len)   # O(1): nothing copied yet
         prompt_token_ids = _copy_token_ids(request.token_ids.ids, tokenizer.vocab_size)
     else:
+        check_text_fits(request.prompt, tokenizer, max_model_len, "prompt")
         prompt_token_ids = list(tokenizer.encode(request.prompt))
         if not prompt_token_ids:
             raise invalid("prompt encodes to zero tokens", "prompt")
@@ -131,6 +132,27 @@ def _request_id(request_id: str, in_flight: Container[str]) -> str:
     if request_id in in_flight:
         raise RequestError("ALREADY_EXISTS", f"request_id {request_id!r} is already in flight", "request_id")
     return request_id
+
+
+# A normaliser may drop characters (accents, controls) before tokenizing: the bound leaves room for that.
+TEXT_SLACK = 2
+
+
+def check_text_fits(text: str, tokenizer: Tokenizer, max_model_len: int, field: str) -> None:
+    """Refuse, from its length alone, a text too long to be a prompt: with a token standing for at most
+    ``tokenizer.max_token_chars`` characters, it would be more than ``max_model_len`` tokens. Costs
+    nothing, so a multi-megabyte prompt is never tokenized (tokenizers without the bound skip it).
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming ``field``.
+    """
+    per_token = getattr(tokenizer, "max_token_chars", None)
+    if not isinstance(per_token, int):
+        return
+    limit = max_model_len * per_token * TEXT_SLACK
+    if len(text) > limit:
+        raise invalid(f"{field}: {len(text)} characters is more than max_model_len ({max_model_len}) tokens "
+                      f"of this model can hold (at most {limit} characters)", field)
 
 
 def _check_budget(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

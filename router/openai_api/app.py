@@ -47,7 +47,7 @@ from router.openai_api.responses import usage_json
 from router.openai_api.sse import ClientGone, EventStream, all_or_none, sse_events, until_disconnected
 from router.security import check_http_bearer
 from router.servicer import THREAD_TOKENIZE_CHARS, AdmittedRequest, RequestCore
-from router.validation import THREAD_TOKEN_IDS, RequestError
+from router.validation import THREAD_TOKEN_IDS, RequestError, check_text_fits
 
 log = logging.getLogger("pdserve.router")
 PUBLIC_PATHS = ("/health",)
@@ -156,9 +156,11 @@ class OpenAIApp:
         try:
             if body.prompt is not None:
                 add = True if body.add_special_tokens is None else body.add_special_tokens
+                check_text_fits(body.prompt, tokenizer, self.backend.max_model_len, "prompt")
                 tokens = list(await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=add))
             else:
-                tokens = await asyncio.to_thread(chat_prompt_ids, body, self.chat_template, tokenizer)
+                tokens = await asyncio.to_thread(chat_prompt_ids, body, self.chat_template, tokenizer,
+                                                 self.backend.max_model_len)
         except RequestError as e:
             raise api_error(e, body) from None
         return JSONResponse({"count": len(tokens), "max_model_len": self.backend.max_model_len, "tokens": tokens})

@@ -28,7 +28,7 @@ from router.backend import GenerationInput, Tokenizer
 from router.openai_api.chat_template import ChatTemplate, ChatTemplateError
 from router.openai_api.errors import APIError
 from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest
-from router.validation import RequestError, invalid, validate_request
+from router.validation import RequestError, check_text_fits, invalid, validate_request
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
@@ -74,6 +74,7 @@ def completion_input(body: CompletionRequest, tokenizer: Tokenizer, max_model_le
         request.prompt = prompt         # validate_request tokenizes it, special tokens (BOS) included
     else:
         if isinstance(prompt, str):
+            check_text_fits(prompt, tokenizer, max_model_len, "prompt")
             prompt = list(tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens is not False))
         elif min(prompt) < 0 or max(prompt) > UINT32_MAX:
             raise invalid("prompt: token ids must be non-negative integers", "prompt")
@@ -100,8 +101,8 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
 def chat_input(body: ChatCompletionRequest, template: ChatTemplate, tokenizer: Tokenizer, max_model_len: int,
                defaults: dict, request_id: str, in_flight: Container[str]) -> GenerationInput:
     """Render, tokenize and validate a /v1/chat/completions body (raises `RequestError`)."""
-    prompt_ids = truncate_prompt(chat_prompt_ids(body, template, tokenizer), body.truncate_prompt_tokens,
-                                 max_model_len)
+    prompt_ids = truncate_prompt(chat_prompt_ids(body, template, tokenizer, max_model_len),
+                                 body.truncate_prompt_tokens, max_model_len)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = max_model_len - len(prompt_ids)
@@ -117,7 +118,7 @@ def chat_input(body: ChatCompletionRequest, template: ChatTemplate, tokenizer: T
 
 
 def chat_prompt_ids(body: ChatCompletionRequest | TokenizeRequest, template: ChatTemplate,
-                    tokenizer: Tokenizer) -> list[int]:
+                    tokenizer: Tokenizer, max_model_len: int) -> list[int]:
     """The token ids of the rendered conversation of ``body``.
 
     ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` go to the
@@ -132,6 +133,7 @@ def chat_prompt_ids(body: ChatCompletionRequest | TokenizeRequest, template: Cha
                                body.continue_final_message, extra)
     except ChatTemplateError as e:
         raise invalid(f"messages: {e}", "messages") from None
+    check_text_fits(text, tokenizer, max_model_len, "messages")
     return list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
 

@@ -71,3 +71,43 @@ def test_completion_prompt_gets_the_bos_and_logprob_texts_are_token_texts(runnin
     assert tokens[0] == "<s>"
     assert tokens[:len(inp.prompt_token_ids)] == [hf.decode([t]) for t in inp.prompt_token_ids]
     assert "".join(tokens[1:len(inp.prompt_token_ids)]) == "snow is white"
+
+
+def test_a_prompt_too_long_for_any_context_is_refused_unread_and_stalls_nothing(running):
+    """Multi-megabyte prompts (under the body limit) are refused from their length, through every door
+    that tokenizes, while the event loop keeps answering others."""
+    import threading
+    import time
+
+    from engine.tokenizer import GIL_FREE_CHARS
+    run, _ = running
+    run.backend.max_model_len = 4096                 # room for a long prompt that fits
+    url = run.server.http_url
+    huge = "word " * 700_000                                          # 3.5 MB
+    gaps, done = [], threading.Event()
+
+    def ping():
+        with httpx.Client() as client:
+            while not done.is_set():
+                started = time.monotonic()
+                assert client.get(url + "/health").status_code == 200
+                gaps.append(time.monotonic() - started)
+    pinger = threading.Thread(target=ping)
+    pinger.start()
+    try:
+        bodies = [("/v1/completions", {"model": "bpe", "prompt": huge, "max_tokens": 1}, "prompt"),
+                  ("/v1/chat/completions", {"model": "bpe", "messages": [{"role": "user", "content": huge}]},
+                   "messages"),
+                  ("/tokenize", {"prompt": huge}, "prompt")]
+        for path, body, param in bodies:
+            r = httpx.post(url + path, json=body, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "characters is more than max_model_len" in r.json()["error"]["message"]
+        fits = "snow " * (GIL_FREE_CHARS // 5 + 10)                       # long, but a prompt: tokenized
+        r = httpx.post(url + "/tokenize", json={"prompt": fits})
+        assert r.status_code == 200 and r.json()["count"] > GIL_FREE_CHARS // 10
+        assert r.json()["tokens"] == run.backend.tokenizer._tok.encode(fits).ids   # encode_batch = encode
+    finally:
+        done.set()
+        pinger.join()
+    assert gaps and max(gaps) < 0.5, f"the event loop stalled {max(gaps):.2f} s"
