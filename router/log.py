@@ -49,19 +49,21 @@ class TextFormatter(logging.Formatter):
 
 
 def configure_logging(fmt: str = "text", level: int = logging.INFO) -> None:
-    """Send ``pdserve.*`` logs to stderr as ``fmt`` ("text" or "json")."""
+    """Send ``pdserve.*`` logs, and those of the ASGI server (``uvicorn.*``), to stderr as ``fmt``
+    ("text" or "json"); uvicorn's levels stay its own (warnings and errors)."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
-    root = logging.getLogger("pdserve")
-    for handler in list(root.handlers):
-        if getattr(handler, "_pdserve", False):
-            root.removeHandler(handler)
     handler = logging.StreamHandler()
     handler._pdserve = True  # type: ignore[attr-defined]
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    root.addHandler(handler)
-    root.setLevel(level)
-    root.propagate = False
+    for name in ("pdserve", "uvicorn"):
+        root = logging.getLogger(name)
+        for old in list(root.handlers):
+            if getattr(old, "_pdserve", False):
+                root.removeHandler(old)
+        root.addHandler(handler)
+        root.propagate = False
+    logging.getLogger("pdserve").setLevel(level)
 
 
 def _text_value(value: object) -> str:

@@ -50,15 +50,19 @@ def test_json_and_text_formatters():
 
 
 def test_configure_logging_json():
-    root = logging.getLogger("pdserve")
-    saved = (list(root.handlers), root.level, root.propagate)
+    loggers = [logging.getLogger(name) for name in ("pdserve", "uvicorn")]
+    saved = [(list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
     try:
         configure_logging("json")
         stream = io.StringIO()
-        root.handlers[-1].setStream(stream)
+        loggers[0].handlers[-1].setStream(stream)
         log_event("started", address="127.0.0.1:9")
-        assert json.loads(stream.getvalue())["address"] == "127.0.0.1:9"
+        logging.getLogger("uvicorn.error").error("Exception in ASGI application")   # the server's own lines too
+        first, second = map(json.loads, stream.getvalue().splitlines())
+        assert first["address"] == "127.0.0.1:9"
+        assert (second["logger"], second["level"]) == ("uvicorn.error", "error")
     finally:
-        root.handlers[:] = saved[0]
-        root.setLevel(saved[1])
-        root.propagate = saved[2]
+        for lg, (handlers, level, propagate) in zip(loggers, saved):
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
+            lg.propagate = propagate
