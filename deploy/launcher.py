@@ -9,6 +9,7 @@ check that every pool agrees on the KV layout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -37,8 +38,15 @@ CPU_KV_DEFAULT_BYTES = 1 << 30
 
 
 def init_ray(address: str | None = None, namespace: str = "pdserve", num_cpus: float | None = None,
-             log_to_driver: bool = True) -> None:
-    """Join `address`, or start a local Ray instance with every listener on 127.0.0.1."""
+             log_to_driver: bool = True, secret_values: tuple[str, ...] = ()) -> None:
+    """Join `address`, or start a local Ray instance with every listener on 127.0.0.1.
+
+    A local instance's processes (GCS, raylet, and through the raylet every worker and actor)
+    inherit this process's environment: a variable whose value holds one of ``secret_values``
+    (the public token, read through ``security.token_env``) is held out of it while they start,
+    so no actor's ``/proc/<pid>/environ`` carries it. Actors get only the internal secret, as an
+    argument.
+    """
     import ray
     if ray.is_initialized():
         return
@@ -49,9 +57,31 @@ def init_ray(address: str | None = None, namespace: str = "pdserve", num_cpus: f
         ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # keep Ray on loopback
-    # address="local": always a fresh instance, never a cluster some other process left behind.
-    ray.init(address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=log_to_driver, configure_logging=False)
+    with environment_without(secret_values):
+        # address="local": always a fresh instance, never a cluster some other process left behind.
+        ray.init(address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", log_to_driver=log_to_driver, configure_logging=False)
+
+
+def init_ray_for(cfg: PDServeConfig, **kwargs) -> None:
+    """`init_ray` for the cluster ``cfg`` describes: its Ray address and namespace; the configured
+    token is kept out of a local instance's environment."""
+    token = cfg.security.token
+    init_ray(cfg.ray.address, cfg.ray.namespace, secret_values=(token.get_secret_value(),) if token else (),
+             **kwargs)
+
+
+@contextlib.contextmanager
+def environment_without(secret_values: tuple[str, ...]):
+    """Remove from ``os.environ`` every variable whose value contains one of ``secret_values``; put them back after."""
+    held = {name: value for name, value in os.environ.items()
+            if any(secret and secret in value for secret in secret_values)}
+    for name in held:
+        del os.environ[name]
+    try:
+        yield
+    finally:
+        os.environ.update(held)
 
 
 def engine_args(cfg: PDServeConfig, pool: str, model_dir: str) -> EngineArgs:

@@ -271,10 +271,10 @@ def profile_cluster(cfg: PDServeConfig, points: dict | None = None, progress: bo
     """Start one actor of each pool (the pools' resources and EngineArgs) on Ray, measure, stop them."""
     import ray
 
-    from deploy.launcher import ActorFactory, cluster_token, init_ray
+    from deploy.launcher import ActorFactory, cluster_token, init_ray_for
 
     async def main() -> dict:
-        init_ray(cfg.ray.address, cfg.ray.namespace)
+        init_ray_for(cfg)
         factory = ActorFactory(cfg, cluster_token(cfg))
         pts = points or plan_points(cfg, factory.model_dir)
         handles = {pool: factory.spawn(pool) for pool in ("prefill", "decode")}

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from deploy.config import PDServeConfig
-from deploy.launcher import (ActorFactory, cluster_token, init_ray, load_generation_defaults, load_tokenizer,
+from deploy.launcher import (ActorFactory, cluster_token, init_ray_for, load_generation_defaults, load_tokenizer,
                              start_pools)
 from deploy.live_seed import live_seed
 from deploy.pool_manager import PoolManager
@@ -78,7 +78,7 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     autoscale: `deploy.autoscaler.AutoscaleSettings` for pools with `count: auto` (default settings
     when None); the autoscaler runs whenever a pool is auto in disaggregated mode.
     """
-    init_ray(cfg.ray.address, cfg.ray.namespace)
+    init_ray_for(cfg)
     factory = ActorFactory(cfg, cluster_token(cfg), mode, chunked)
     pools = await start_pools(factory)
     tokenizer, max_len = load_tokenizer(cfg)
@@ -97,19 +97,19 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     backend = Dispatcher(pools, tokenizer, max_len, cfg.kv_cache.block_size, routing,
                          codec=cfg.kv_transfer.compression, metrics=metrics,
                          generation_defaults=load_generation_defaults(cfg), live=live)
-    token = cfg.security.token.get_secret_value() if cfg.security.token else None
+    public_token = cfg.security.token.get_secret_value() if cfg.security.token else None
     # In flight at the router = running on decode actors + waiting for KV room (routing.max_queue).
     max_in_flight = r.max_queue + cfg.pools.decode.max_batch_size * max(len(pools.decode), 1) + \
         cfg.pools.decode.max_batch_size * len(pools.long_context)
     # port=0 (tests, embedded benchmarks) puts HTTP on a free port too, when it is on at all
     http_port = cfg.server.http_port if port is None or cfg.server.http_port is None else 0
     server = await start_server(backend, cfg.server.host, cfg.server.port if port is None else port,
-                                token=token, tls=tls_of(cfg), max_queue=max_in_flight, metrics=metrics,
+                                token=public_token, tls=tls_of(cfg), max_queue=max_in_flight, metrics=metrics,
                                 http_port=http_port, model_name=served_model_name(cfg.model.name),
                                 model_dir=resolve_model(cfg.model.name))
     metrics_task = None
     if metrics is not None:
-        metrics.serve(cfg.server.host, cfg.server.metrics_port, token)   # with a token, scrapes need it
+        metrics.serve(cfg.server.host, cfg.server.metrics_port, public_token)   # with a token, scrapes need it
         metrics_task = asyncio.get_running_loop().create_task(poll_stats(backend, metrics))
     log.info("pdserve ready on %s:%d (%s) — %d prefill + %d decode actors, model %s, KV %s/%s",
              cfg.server.host, server.port, mode, len(pools.prefill), len(pools.decode), cfg.model.name,

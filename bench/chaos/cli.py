@@ -110,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
 async def _run(cfg, requests, settings: RunSettings, say):
     import ray
 
-    from deploy.launcher import init_ray
+    from deploy.launcher import init_ray_for
     from deploy.running import start_cluster
     started_ray = not ray.is_initialized()
-    init_ray(cfg.ray.address, cfg.ray.namespace, num_cpus=max(2, os.cpu_count() or 2), log_to_driver=False)
+    init_ray_for(cfg, num_cpus=max(2, os.cpu_count() or 2), log_to_driver=False)
     cluster = await start_cluster(cfg, port=0)
     try:
         if not await cluster.server.wait_ready(120):

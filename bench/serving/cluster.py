@@ -90,8 +90,8 @@ def bench_config(config_path: str | None, model: str | None, dtype: str | None, 
 def init_local_ray(cfg, num_cpus: float) -> None:
     """A private local Ray on 127.0.0.1 (never another job's cluster on this machine), unless
     ``ray.address`` says which cluster to join; start_cluster then finds Ray initialized."""
-    from deploy.launcher import init_ray
-    init_ray(cfg.ray.address, cfg.ray.namespace, num_cpus=num_cpus, log_to_driver=False)
+    from deploy.launcher import init_ray_for
+    init_ray_for(cfg, num_cpus=num_cpus, log_to_driver=False)
 
 
 @contextlib.asynccontextmanager
