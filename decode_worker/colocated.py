@@ -97,7 +97,7 @@ class ColocatedWorker:
             raise ValueError(f"transfer_id: {self.role} actor {self.actor_id} receives no KV")
         self.engine.add_request(list(job.prompt_token_ids), params, request_id=job.request_id,
                                 resume_output_ids=list(job.resume_output_ids),
-                                resume_text_chars=job.resume_text_chars)
+                                resume_text_chars=job.resume_text_chars, prompt_kv_lossy=job.prompt_kv_lossy)
         s.adopted = s.registered
 
     def _abort(self, request_id: str) -> None:

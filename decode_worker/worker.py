@@ -33,6 +33,7 @@ from decode_worker.colocated import ColocatedWorker, Stream, error_event
 from engine import Engine, SamplingParams
 from engine.engine import CachedPrefixLost
 from kv_transfer import KVReceiver, TransferResult, TransferStatus
+from kv_transfer.codec import get_codec
 from proto.pdserve.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")
@@ -51,6 +52,10 @@ class DecodeWorker(ColocatedWorker):
         self._waiting_kv: dict[str, str] = {}                     # transfer_id -> request_id
         self._orphans: dict[str, tuple[TransferResult, float]] = {}   # transfer_id -> (DONE result, parked at)
         self.receiver = make_receiver(lambda _result: self.loop.wake())
+        codec = get_codec(self.receiver.codec)
+        if codec.lossy:       # a recomputed prompt goes through the codec its KV first came through
+            kv_cache = engine.kv_cache
+            engine.prompt_kv_roundtrip = lambda index: codec.roundtrip(kv_cache, index)
 
     @property
     def endpoint(self) -> str:

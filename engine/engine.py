@@ -35,6 +35,7 @@ from engine.loader import fingerprint, load_model
 from engine.model_runner import ModelRunner
 from engine.output import OutputProcessor
 from engine.presets import resolve_model
+from engine.prompt_kv import Roundtrip, roundtrip_prompt_blocks, zero_prompt_tails
 from engine.request import Completion, Request, RequestOutput, RequestStatus
 from engine.sampler import child_seed, sample, token_logprobs
 from engine.sampling_params import SamplingParams
@@ -188,7 +189,8 @@ class Engine:
                              f"({params.max_tokens}) = {total} exceeds the context length {self.max_model_len}")
 
     def _new_request(self, request_id: str | None, prompt, params: SamplingParams, prefill_only: bool,
-                     resume_output_ids: list[int] = (), resume_text_chars: int = 0) -> Request:
+                     resume_output_ids: list[int] = (), resume_text_chars: int = 0,
+                     prompt_kv_lossy: bool = False) -> Request:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(ids, params)
         if len(resume_output_ids) >= params.max_tokens:
@@ -201,19 +203,23 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req = Request(request_id, ids, params, seed, prefill_only=prefill_only)
         req.output_token_ids = list(resume_output_ids)
+        req.prompt_kv_lossy = prompt_kv_lossy and self.prompt_kv_roundtrip is not None
         self.output.attach(req, resume_text_chars)
         return req
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prefill_only: bool = False,
-                    resume_output_ids: list[int] = (), resume_text_chars: int = 0) -> str:
+                    resume_output_ids: list[int] = (), resume_text_chars: int = 0,
+                    prompt_kv_lossy: bool = False) -> str:
         """Queue a request. `resume_output_ids`: tokens it already produced elsewhere (migration):
         they are recomputed like after a preemption and generation continues after them, with the
         same seeded draws and penalties as if it had never moved. `resume_text_chars`: how much of
         their text the client already has; the rest (held back for stop strings, or half a UTF-8
-        character) is streamed from here, and stop strings are matched across the seam."""
+        character) is streamed from here, and stop strings are matched across the seam.
+        `prompt_kv_lossy`: the decode actor it resumes from held its prompt KV as the transfer codec
+        delivered it; with `prompt_kv_roundtrip` set, the recomputed prompt goes through the codec too."""
         req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only, resume_output_ids,
-                                resume_text_chars)
+                                resume_text_chars, prompt_kv_lossy)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req.request_id
@@ -292,6 +298,7 @@ class Engine:
                              f"{req.num_prompt_tokens} tokens")
         req.block_table = pinned + list(block_ids)
         req.num_computed_tokens = len(req.prompt_token_ids)
+        req.prompt_kv_lossy = self.prompt_kv_roundtrip is not None    # a recompute (preemption) matches it
         req.num_cached_tokens = num_cached_tokens
         hashes = prompt_block_hashes(req.prompt_token_ids, self.block_size)
         req.block_hashes = hashes
@@ -320,13 +327,19 @@ class Engine:
         self.runner.layer_hook = hook
 
     last_run_done: float = 0.0      # time.monotonic() when the last step's forward pass ended (request timelines)
+    # Set by a decode worker whose KV arrives through a lossy codec: rewrites blocks as the codec
+    # delivers them; requests with prompt_kv_lossy recompute their prompt through it (engine/prompt_kv.py).
+    prompt_kv_roundtrip: Roundtrip | None = None
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        zero_prompt_tails(batch, self.kv_cache, self.block_size)
         run = self.runner.run(batch)
         self.last_run_done = time.monotonic()
+        if self.prompt_kv_roundtrip is not None:
+            roundtrip_prompt_blocks(batch, self.prompt_kv_roundtrip, self.block_size, self.device)
         self.scheduler.commit(batch)
         for req, start, logits in run.prompt_logits:
             self._score_prompt(req, start, logits)
@@ -408,7 +421,8 @@ class Engine:
         children = []
         for i in range(1, k):
             child = Request(root.request_id, root.prompt_token_ids, root.params, child_seed(root.seed, i),
-                            prefill_only=root.prefill_only, arrival_time=root.arrival_time,
+                            prefill_only=root.prefill_only, prompt_kv_lossy=root.prompt_kv_lossy,
+                            arrival_time=root.arrival_time,
                             num_cached_tokens=root.num_cached_tokens, first_scheduled_time=root.first_scheduled_time,
                             index=i, parent=root)
             self.output.attach(child)

@@ -37,6 +37,9 @@ class Request:
     params: SamplingParams
     seed: int                                  # per-request draw seed (params.seed or a random one)
     prefill_only: bool = False
+    # Its prompt KV went through the lossy transfer codec (engine/prompt_kv.py): recomputing the
+    # prompt here goes through the same codec.
+    prompt_kv_lossy: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)

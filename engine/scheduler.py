@@ -68,6 +68,14 @@ class Scheduler:
     def _blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
+    @staticmethod
+    def _remaining(req: Request, num_computed: int) -> int:
+        """Tokens left to compute in one run: a prompt_kv_lossy request computes its prompt apart from
+        its output tokens (engine/prompt_kv.py)."""
+        if req.prompt_kv_lossy and num_computed < req.num_prompt_tokens:
+            return req.num_prompt_tokens - num_computed
+        return req.num_tokens - num_computed
+
     def _size_chunk(self, remaining: int, budget: int, first: bool) -> int:
         if self.chunk_size is not None:
             return min(remaining, self.chunk_size, budget)
@@ -89,7 +97,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._size_chunk(req.num_tokens - req.num_computed_tokens, budget, not out)
+            num_new = self._size_chunk(self._remaining(req, req.num_computed_tokens), budget, not out)
             if num_new == 0:
                 i += 1
                 continue
@@ -112,7 +120,7 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            num_new = self._size_chunk(req.num_tokens - req.num_computed_tokens, budget, not out)
+            num_new = self._size_chunk(self._remaining(req, req.num_computed_tokens), budget, not out)
             out.append(ScheduledRequest(req, num_new))
             budget -= num_new
         return out
@@ -134,9 +142,11 @@ class Scheduler:
         max_hit_blocks = (req.num_tokens - 1) // self.block_size   # leave >= 1 token to compute
         if req.owes_prompt_logprobs:       # every prompt position's logits are needed: no cache hits
             max_hit_blocks = 0
+        if req.prompt_kv_lossy:            # its prompt is recomputed from exact KV, as the prefill side did
+            max_hit_blocks = 0
         hits = bm.match_prefix(hashes[:max_hit_blocks])
         num_computed = len(hits) * self.block_size
-        num_new = self._size_chunk(req.num_tokens - num_computed, budget, first)
+        num_new = self._size_chunk(self._remaining(req, num_computed), budget, first)
         if num_new == 0:
             return False
         need = self._blocks_for(num_computed + num_new) - len(hits)

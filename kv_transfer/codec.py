@@ -48,6 +48,7 @@ class CodecError(ValueError):
 class Codec(ABC):
     name: str
     scale_layout: str  # "none" | "block" | "tensor"
+    lossy: bool = True
 
     @abstractmethod
     def scales_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
@@ -87,6 +88,17 @@ class Codec(ABC):
         """Decode a payload of ``shape`` into ``kv_cache[l0:l1, index]`` (the cache's dtype)."""
         write_blocks(kv_cache[layers[0] : layers[1]], index, self.decode(payload, shape, kv_cache.dtype, scratch))
 
+    def roundtrip(self, kv_cache: torch.Tensor, index: torch.Tensor) -> None:
+        """Rewrite ``kv_cache[:, index]`` (every layer) as a transfer through this codec delivers it.
+
+        Per-block scales (fp8) make this exact for any grouping of blocks; the per-tensor
+        baseline's one scale depends on which blocks a chunk held.
+        """
+        shape = (kv_cache.shape[0], index.numel(), *kv_cache.shape[2:])
+        payload = torch.empty(self.payload_nbytes(shape, kv_cache.dtype), dtype=torch.uint8, device=kv_cache.device)
+        self.encode_from(kv_cache, (0, shape[0]), index, payload)
+        self.decode_into(payload, shape, kv_cache, (0, shape[0]), index)
+
     @abstractmethod
     def encode(self, x: torch.Tensor, out: torch.Tensor, scratch: Scratch | None = None) -> None: ...
 
@@ -99,6 +111,7 @@ class Codec(ABC):
 class NoneCodec(Codec):
     name = "none"
     scale_layout = "none"
+    lossy = False
 
     def scales_shape(self, shape):
         return ()
@@ -112,6 +125,9 @@ class NoneCodec(Codec):
 
     def encode(self, x, out, scratch=None):
         out.view(x.dtype).view(x.shape).copy_(x)
+
+    def roundtrip(self, kv_cache, index):
+        return None       # bit-exact: nothing changes
 
     def decode(self, payload, shape, dtype, scratch=None):
         return self._split(payload, shape, dtype)[1]

@@ -127,6 +127,7 @@ class _Dispatch:
     local_tokens: int = 0                # prompt tokens this attempt prefills on its decode actor, until its first
     batch_at_start: int = 0              # requests running on its decode actor when the attempt began
     recorded: bool = False               # in `completed` (and the live profile) already
+    prompt_kv_lossy: bool = False        # the attempt that streamed `emitted` decoded from transferred KV
 
     @property
     def attempt_id(self) -> str:
@@ -402,6 +403,8 @@ class Dispatcher(Backend):
         if local:
             decode_cached = 0
         transfer_id = "" if local else uuid.uuid4().hex
+        if not d.emitted:           # a migration recomputes the prompt as the KV its stream began from
+            d.prompt_kv_lossy = not local and self.codec != "none"
         d.batch_at_start = view.running
         if local:
             total = len(prompt) + len(d.emitted)
@@ -419,7 +422,7 @@ class Dispatcher(Backend):
         stream = view.client.open_stream(wpb.DecodeJob(
             request_id=rid, prompt_token_ids=prompt, params=params, transfer_id=transfer_id,
             kv_timeout_s=kv_wait_s, resume_output_ids=d.emitted, resume_text_chars=d.emitted_chars,
-            num_cached_blocks=decode_cached))
+            num_cached_blocks=decode_cached, prompt_kv_lossy=bool(d.emitted) and d.prompt_kv_lossy))
         prefill_task = None
         if local and self.metrics:
             self.metrics.local_prefill()

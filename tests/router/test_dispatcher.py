@@ -257,7 +257,27 @@ def test_decode_actor_lost_mid_stream_migrates_without_a_gap_or_a_repeat():
         assert migrated.transfer_id == ""                       # recomputed locally
         assert list(migrated.resume_output_ids) == expected_tokens(PROMPT, 3)
         assert migrated.resume_text_chars == 3                   # one character per fake token
+        assert not migrated.prompt_kv_lossy                      # codec none: the recompute is the KV
         assert not next(v for v in c.pools.decode if v.actor_id == dead.actor_id).healthy
+        assert_nothing_held(c)
+    run(main())
+
+
+@pytest.mark.parametrize("local_prefill_tokens, lossy", [(0, True), (10_000, False)])
+def test_a_migration_recomputes_the_prompt_through_the_codec_its_stream_began_from(local_prefill_tokens, lossy):
+    """fp8: a stream that began from transferred KV resumes through the codec; one prefilled on its
+    decode actor (exact KV) resumes exactly."""
+    async def main():
+        c = fake_cluster()
+        settings = RoutingSettings(max_queue=8, stream_idle_s=2.0, local_prefill_tokens=local_prefill_tokens)
+        d = Dispatcher(c.pools, tokenizer=None, max_model_len=1024, block_size=BLOCK_SIZE, routing=settings,
+                       codec="fp8", metrics=Counts())
+        c.decode[0].faults = ["die_after:3"]
+        tokens, _ = await collect(d, request(max_tokens=8))
+        assert tokens == expected_tokens(PROMPT, 8)
+        first, migrated = (next(a for a in c.decode if a.alive is alive).jobs for alive in (False, True))
+        assert bool(first[-1].transfer_id) is lossy and not first[-1].prompt_kv_lossy
+        assert migrated[-1].transfer_id == "" and migrated[-1].prompt_kv_lossy is lossy
         assert_nothing_held(c)
     run(main())
 

@@ -137,7 +137,7 @@ class Handoff(_message.Message):
     def __init__(self, first_tokens: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ..., num_skipped_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeJob(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "transfer_id", "kv_timeout_s", "resume_output_ids", "resume_text_chars", "num_cached_blocks")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "transfer_id", "kv_timeout_s", "resume_output_ids", "resume_text_chars", "num_cached_blocks", "prompt_kv_lossy")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class DecodeJob(_message.Message):
     RESUME_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_KV_LOSSY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _generation_pb2.SamplingParams
@@ -154,7 +155,8 @@ class DecodeJob(_message.Message):
     resume_output_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_text_chars: int
     num_cached_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    prompt_kv_lossy: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ..., resume_output_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prompt_kv_lossy: _Optional[bool] = ...) -> None: ...
 
 class PrefixQuery(_message.Message):
     __slots__ = ("block_hashes",)
