@@ -53,7 +53,7 @@ class ColocatedActor:
         self.worker.abort(request_id)
 
     async def stats(self) -> dict:
-        return self.worker.stats()
+        return self.stream.add_refusals(self.worker.stats())
 
     async def kv_events(self, request_bytes: bytes) -> bytes:
         """A serialized `KVEventsRequest` in, the engine's `KVEventsResponse` out (engine.kv_events)."""

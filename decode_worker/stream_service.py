@@ -62,6 +62,12 @@ class DecodeStreamServer(worker_pb2_grpc.DecodeStreamServiceServicer):
     def auth_failures(self) -> int:
         return self._gate.num_rejected
 
+    def add_refusals(self, stats: dict) -> dict:
+        """An actor's ``stats()`` with the calls this stream refused added to its refused connections."""
+        refused = dict(stats.get("refused_connections", {}))
+        refused["bad_token"] = refused.get("bad_token", 0) + self.auth_failures
+        return {**stats, "refused_connections": refused}
+
     async def start(self) -> str:
         self._server = grpc.aio.server(interceptors=[AsyncTokenInterceptor(self._gate)],
                                        options=[("grpc.max_receive_message_length", self.max_request_bytes)],

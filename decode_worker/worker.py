@@ -61,6 +61,13 @@ class DecodeWorker(ColocatedWorker):
     def endpoint(self) -> str:
         return self.receiver.endpoint
 
+    def stats(self) -> dict:
+        """`ColocatedWorker.stats`, and the KV connections its receiver refused, by reason."""
+        received = self.receiver.stats
+        return {**super().stats(), "refused_connections": {
+            "bad_token": received.auth_failures, "bad_hello": received.bad_hellos,
+            "handshake_mismatch": received.handshake_failures}}
+
     def stop(self) -> None:
         super().stop()
         self.receiver.close()

@@ -165,7 +165,7 @@ class RoleActor:
         self.worker.abort(request_id)
 
     async def stats(self) -> dict:
-        return self.worker.stats()
+        return self.stream.add_refusals(self.worker.stats())
 
     async def info(self) -> dict:
         if not self.stream.endpoint:        # first call, in the actor's event loop

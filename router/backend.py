@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from engine.sampling_params import SamplingParams
@@ -131,6 +131,9 @@ class ActorStats:
     kv_blocks_used: int
     queued_requests: int
     running_requests: int
+    # Internal connections it refused since it started, by `REFUSAL_REASONS` (decode actors: its KV
+    # receiver and its token stream).
+    refused_connections: dict[str, int] = field(default_factory=dict)
 
 
 class BackendError(Exception):

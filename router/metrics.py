@@ -43,7 +43,8 @@ TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 # The reason label's values (a bounded set: never client text).
 REJECTION_REASONS = ("capacity", "not_ready", "invalid_input", "duplicate_id", "unknown_model", "body_too_large",
-                     "unknown_route", "missing_token", "invalid_token", "deadline", "other")
+                     "unknown_route", "missing_token", "invalid_token", "deadline", "header_too_large",
+                     "header_timeout", "body_timeout", "too_many_connections", "other")
 _REASON_OF_STATUS = {"RESOURCE_EXHAUSTED": "capacity", "UNAVAILABLE": "not_ready", "INVALID_ARGUMENT": "invalid_input",
                      "ALREADY_EXISTS": "duplicate_id", "NOT_FOUND": "unknown_model", "DEADLINE_EXCEEDED": "deadline"}
 
@@ -94,7 +95,12 @@ class Metrics:
                                   ["choice"], registry=r)
         self.role_flips = Counter("pdserve_role_flips", "Actors switched to another role at run time.",
                                   ["from_role", "to_role"], registry=r)
+        self.refused_connections = Counter(
+            "pdserve_internal_refused_connections", "Connections an actor's internal endpoints (KV receiver, "
+            "token stream) refused: bad_token, bad_hello (malformed, too slow or evicted before it "
+            "authenticated), handshake_mismatch.", ["actor", "role", "reason"], registry=r)
         self._actors: set[tuple[str, str]] = set()
+        self._refused_seen: dict[tuple[str, str, str], int] = {}   # an actor's own totals at the last poll
         self._http = None
 
     # ---- router hooks ---------------------------------------------------------
@@ -156,6 +162,7 @@ class Metrics:
         for s in stats:
             self.blocks_used(s.actor_id, s.role, s.kv_blocks_used, s.kv_blocks_total)
             seen.add((s.actor_id, s.role))
+            self._count_refused(s)
         for gone in self._actors - seen:
             for gauge in (self.blocks, self.blocks_capacity):
                 try:
@@ -163,6 +170,15 @@ class Metrics:
                 except KeyError:
                     pass
         self._actors = seen
+
+    def _count_refused(self, s) -> None:
+        """Add what an actor refused since the last poll (a total that went down: the actor restarted)."""
+        for reason, total in s.refused_connections.items():
+            key = (s.actor_id, s.role, reason)
+            last = self._refused_seen.get(key, 0)
+            if total != last:
+                self.refused_connections.labels(*key).inc(total - last if total > last else total)
+                self._refused_seen[key] = total
 
     # ---- exposition -----------------------------------------------------------
     def exposition(self) -> bytes:

@@ -66,3 +66,28 @@ def test_every_metric_exported_after_one_request(cluster):
     assert 'pdserve_requests_total{finish_reason="length"} 1.0' in text
     assert 'pdserve_kv_transfer_bytes_total{codec="fp8"}' in text
     assert 'pdserve_kv_blocks_used{actor="prefill-0",role="prefill"}' in text
+
+
+def test_internal_connections_a_decode_actor_refused_are_counted(cluster):
+    """A KV handshake with a wrong secret, then a token-stream call with one: both in one counter."""
+    import grpc
+    import torch
+
+    from kv_transfer import KVLayout
+    from tls_support import handshake_code
+    port = cluster.cluster.cfg.server.metrics_port
+    view = cluster.cluster.backend.pools.decode[0]
+    layout = KVLayout(num_layers=1, num_kv_heads=1, block_size=4, head_dim=8, dtype=torch.float32,
+                      model_fingerprint="x")
+    assert handshake_code(grpc.insecure_channel(view.endpoint), layout, "forged", "fp8") == \
+        grpc.StatusCode.UNAUTHENTICATED
+    with grpc.insecure_channel(view.client.stream_endpoint) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(channel.unary_stream("/pdserve.v1.DecodeStreamService/Decode")(b"", metadata=(("x-pdserve-token", "forged"),),
+                                                                           timeout=10))
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    line = 'pdserve_internal_refused_connections_total{actor="decode-0",reason="bad_token",role="decode"} 2.0'
+    end = time.monotonic() + 10
+    while line not in (text := scrape(port)):   # the counter follows a 1 s poll of the actors
+        assert time.monotonic() < end, [x for x in text.splitlines() if "refused_connections" in x]
+        time.sleep(0.2)

@@ -90,7 +90,7 @@ def scraped() -> str:
     metrics.transfer_failed()
     metrics.local_prefill()
     metrics.prefix_hit_tokens(16)
-    metrics.observe_stats([ActorStats("decode-0", "decode", 64, 7, 0, 1)])
+    metrics.observe_stats([ActorStats("decode-0", "decode", 64, 7, 0, 1, {"bad_hello": 1})])
     with socket.socket() as probe:                   # a free port
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -129,3 +129,12 @@ def test_promtool_check_metrics_passes(scraped):
     result = subprocess.run(["promtool", "check", "metrics"], input=scraped, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), result
+
+
+def test_refused_connections_add_what_each_poll_adds_across_an_actor_restart():
+    metrics = Metrics()
+    for seen in ({"bad_token": 2}, {"bad_token": 5, "bad_hello": 1}, {"bad_token": 1}):   # restarted at the third
+        metrics.observe_stats([ActorStats("decode-0", "decode", 64, 0, 0, 0, seen)])
+    counted = {s.labels["reason"]: s.value for s in metrics.refused_connections.collect()[0].samples
+               if s.name.endswith("_total")}
+    assert counted == {"bad_token": 6.0, "bad_hello": 1.0}
