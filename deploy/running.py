@@ -15,6 +15,7 @@ from router.dispatcher import Dispatcher, RoutingSettings
 from router.live_profile import LiveProfile
 from router.metrics import Metrics, poll_stats
 from router.openai_api import served_model_name
+from router.openai_api.http_limits import HTTPLimits
 from router.security import TLSConfig
 from router.server import RouterServer, start_server
 
@@ -106,7 +107,8 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     server = await start_server(backend, cfg.server.host, cfg.server.port if port is None else port,
                                 token=public_token, tls=tls_of(cfg), max_queue=max_in_flight, metrics=metrics,
                                 http_port=http_port, model_name=served_model_name(cfg.model.name),
-                                model_dir=resolve_model(cfg.model.name))
+                                model_dir=resolve_model(cfg.model.name),
+                                http_limits=HTTPLimits(**cfg.server.http_limits.model_dump()))
     metrics_task = None
     if metrics is not None:
         metrics.serve(cfg.server.host, cfg.server.metrics_port, public_token)   # with a token, scrapes need it

@@ -39,6 +39,7 @@ from proto.pdserve.v1 import generation_pb2 as pb
 from router.backend import Backend
 from router.log import log_event
 from router.openai_api import ChatTemplate, HTTPServer, create_app
+from router.openai_api.http_limits import HTTPLimits
 from router.security import BearerTokenInterceptor, TLSConfig, check_bind, is_loopback
 from router.servicer import SERVICE_NAME, GenerationServicer, RequestCore, parse_generate_request
 
@@ -186,6 +187,7 @@ async def start_server(
     model_name: str = "pdserve",
     model_dir: str | None = None,
     chat_template: ChatTemplate | None = None,
+    http_limits: HTTPLimits | None = None,
 ) -> RouterServer:
     """Start the router's gRPC server on the running event loop.
 
@@ -205,6 +207,8 @@ async def start_server(
         model_name: the served model's name in the HTTP API (``router.openai_api.served_model_name``).
         model_dir: the model directory whose tokenizer_config.json holds the chat template.
         chat_template: the chat template (default: from ``model_dir``, else ChatML).
+        http_limits: the HTTP connections' bounds (header size and time, body pace, idle keep-alive,
+            connections per client address; default `HTTPLimits()`).
 
     Returns:
         The running `RouterServer`; health is SERVING while the backend is ready.
@@ -251,7 +255,8 @@ async def start_server(
     if http_port is not None:
         app = create_app(core, model_name=model_name, chat_template=chat_template, token=token,
                          max_body_bytes=max_message_bytes, is_serving=lambda: router.is_ready)
-        router.http = HTTPServer(app, host, http_port, tls)
+        router.http = HTTPServer(app, host, http_port, tls, http_limits, lambda refusal: core.rejected(
+            "http", refusal.status_name, "-", "", refusal.value, log=False))    # the guard logs, rate limited
         try:
             await router.http.start()
         except BaseException:

@@ -1,4 +1,5 @@
-"""The ``server`` section: the router's public endpoints (gRPC, OpenAI HTTP), its metrics port and log format."""
+"""The ``server`` section: the router's public endpoints (gRPC, OpenAI HTTP), the HTTP connections' limits,
+its metrics port and log format."""
 from __future__ import annotations
 
 import ipaddress
@@ -6,7 +7,26 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from deploy.config.base import FieldProblem, Int, Section
+from deploy.config.base import FieldProblem, Float, Int, Section
+
+
+class HTTPLimitsSection(Section):
+    """``server.http_limits``: what one connection of the OpenAI HTTP port may cost
+    (`router.openai_api.http_limits.HTTPLimits`, the same fields)."""
+
+    max_header_bytes: Int = Field(64 * 1024, ge=1024, le=16 << 20, description="Request line + headers, in "
+                                  "all; more get 431 and the connection is closed.")
+    header_timeout_s: Float = Field(10.0, gt=0, description="The request line and headers must arrive within "
+                                    "this of the connection's start (or of the request's first byte after an idle "
+                                    "keep-alive); else 408 and closed (a connection that sent nothing is closed).")
+    body_timeout_s: Float = Field(10.0, gt=0, description="The body's allowance after the headers; when it runs "
+                                  "out, 408 and closed.")
+    min_body_bytes_per_s: Int = Field(16 * 1024, ge=0, description="Each this many body bytes received add 1 s "
+                                      "to the body's allowance (0: the whole body within body_timeout_s).")
+    keep_alive_timeout_s: Float = Field(5.0, gt=0, description="An idle connection between requests is closed "
+                                        "after this.")
+    max_connections_per_client: Int = Field(256, ge=1, description="Open connections per client IP address; "
+                                            "more are answered 503 and closed at once.")
 
 
 class ServerSection(Section):
@@ -17,6 +37,8 @@ class ServerSection(Section):
     http_port: Optional[Int] = Field(8000, ge=0, le=65535, description="OpenAI-compatible HTTP port "
                                      "(/v1/completions, /v1/chat/completions, ...; same token and TLS as gRPC); "
                                      "null = no HTTP server; 0 = a free port.")
+    http_limits: HTTPLimitsSection = Field(default_factory=HTTPLimitsSection, description="Bounds on each "
+                                           "connection of the HTTP port.")
     metrics_port: Optional[Int] = Field(None, ge=1, le=65535, description="Prometheus "
                                         "/metrics port; unset = no metrics server.")
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")

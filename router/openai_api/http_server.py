@@ -3,19 +3,23 @@
 The socket is bound here, before uvicorn starts (so port 0 gives a real port at once, and a
 bind failure is an ``OSError`` from `HTTPServer.start`); uvicorn's signal handling is off (the
 router's `serve_until_signal` owns SIGTERM/SIGINT), and so is its access log (the router logs
-one line per request itself).
+one line per request itself). Each connection is bounded by `router.openai_api.http_limits`: header
+size and time, body pace, idle keep-alive, connections per client address.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import ssl
+from collections.abc import Callable
 
 import uvicorn
 from starlette.types import ASGIApp
 
+from router.openai_api.http_limits import BoundedHttpToolsProtocol, ConnectionGuard, HTTPLimits, Refusal
 from router.security import TLSConfig
 
 log = logging.getLogger("pdserve.router")
@@ -30,16 +34,27 @@ class _Uvicorn(uvicorn.Server):
 class HTTPServer:
     """One uvicorn server on a socket bound at `start`.
 
+    Args:
+        app: the ASGI app.
+        host: the host to bind.
+        port: the port to bind (0: a free one).
+        tls: the server certificate and key (and a client CA for mTLS); None = plain HTTP.
+        limits: the per-connection bounds (default `HTTPLimits()`).
+        on_refused: called with each `Refusal` a limit made (e.g. to count it).
+
     Attributes:
         host: the bound host.
         port: the bound port (the real one when asked for port 0).
+        guard: the connections' shared `ConnectionGuard` (open connections per client address).
     """
 
-    def __init__(self, app: ASGIApp, host: str, port: int, tls: TLSConfig | None = None) -> None:
+    def __init__(self, app: ASGIApp, host: str, port: int, tls: TLSConfig | None = None,
+                 limits: HTTPLimits | None = None, on_refused: Callable[[Refusal], None] | None = None) -> None:
         self.app = app
         self.host = host
         self.port = port
         self.tls = tls
+        self.guard = ConnectionGuard(limits or HTTPLimits(), on_refused)
         self._server: _Uvicorn | None = None
         self._task: asyncio.Task | None = None
         self._sock: socket.socket | None = None
@@ -66,9 +81,11 @@ class HTTPServer:
             kwargs = dict(ssl_certfile=str(self.tls.cert_path), ssl_keyfile=str(self.tls.key_path))
             if self.tls.client_ca_path:
                 kwargs.update(ssl_ca_certs=str(self.tls.client_ca_path), ssl_cert_reqs=ssl.CERT_REQUIRED)
-        config = uvicorn.Config(self.app, http="httptools", lifespan="off", access_log=False, log_level="warning",
-                                log_config=None,
-                                timeout_graceful_shutdown=5, server_header=False, **kwargs)
+        protocol = functools.partial(BoundedHttpToolsProtocol, guard=self.guard)
+        config = uvicorn.Config(self.app, http=protocol, ws="none", lifespan="off", access_log=False,
+                                log_level="warning", log_config=None, timeout_graceful_shutdown=5,
+                                timeout_keep_alive=self.guard.limits.keep_alive_timeout_s, server_header=False,
+                                **kwargs)
         try:
             config.load()       # reads the TLS files now, so that a bad one fails the start
         except (OSError, ssl.SSLError) as e:
