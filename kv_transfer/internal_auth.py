@@ -59,12 +59,15 @@ class TokenGate:
         exempt: method-name prefixes let through without a token (the health check).
         message: the UNAUTHENTICATED details; ``{reason}`` becomes "missing" or "invalid".
         on_reject: called with (method, reason) for every refused call (counters, logs).
+        canonical: maps a presented value to the form ``expected`` is written in before the
+            comparison (the bearer scheme's spelling, `router.security.bearer_canonical`).
     """
 
     def __init__(self, key: str, expected: str, *, exempt: Sequence[str] = (), message: str = "{reason} token",
-                 on_reject: Callable[[str, str], None] | None = None) -> None:
+                 on_reject: Callable[[str, str], None] | None = None,
+                 canonical: Callable[[str], str] | None = None) -> None:
         self.key, self.expected, self.exempt = key, expected, tuple(exempt)
-        self.message, self.on_reject = message, on_reject
+        self.message, self.on_reject, self.canonical = message, on_reject, canonical
         self.num_rejected = 0
 
     def refusal(self, details: grpc.HandlerCallDetails) -> str | None:
@@ -77,6 +80,8 @@ class TokenGate:
             if key == self.key:
                 presented = value
                 break
+        if presented and self.canonical is not None:
+            presented = self.canonical(presented)
         if token_matches(presented, self.expected):
             return None
         reason = "missing" if not presented else "invalid"

@@ -32,7 +32,7 @@ from engine.latency import time_per_output_token
 from kv_transfer.internal_auth import token_matches
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import choose_encoder
-from router.security import is_loopback
+from router.security import bearer_canonical, is_loopback
 
 log = logging.getLogger("pdserve.router")
 
@@ -220,7 +220,8 @@ class _MetricsHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 — http.server's method name
         if urlsplit(self.path).path not in ("/metrics", "/"):
             self._reply(404, b"not found: scrape /metrics\n", "text/plain; charset=utf-8")
-        elif self.expected is not None and not token_matches(self.headers.get("Authorization"), self.expected):
+        elif self.expected is not None and not token_matches(bearer_canonical(self.headers.get("Authorization") or ""),
+                                                              self.expected):
             self._reply(401, b"missing or invalid bearer token\n", "text/plain; charset=utf-8",
                         {"WWW-Authenticate": 'Bearer realm="pdserve-metrics"'})
         else:

@@ -90,11 +90,20 @@ class BearerTokenInterceptor(AsyncTokenInterceptor):
                 on_reject(reason)
         super().__init__(TokenGate("authorization", f"Bearer {token}", exempt=(HEALTH_METHOD_PREFIX,),
                                    message="{reason} bearer token: send metadata 'authorization: Bearer <token>'",
-                                   on_reject=rejected))
+                                   on_reject=rejected, canonical=bearer_canonical))
 
     @property
     def num_rejected(self) -> int:
         return self.gate.num_rejected
+
+
+def bearer_canonical(authorization: str) -> str:
+    """``Bearer <credentials>`` for an ``Authorization`` value whose scheme is ``Bearer`` in any case,
+    with any run of spaces after it (RFC 7235: the scheme is case-insensitive); other values as they are."""
+    scheme, _, credentials = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not credentials.strip(" "):
+        return authorization
+    return f"Bearer {credentials.lstrip(' ')}"
 
 
 def check_http_bearer(authorization: str | None, token: str, path: str) -> str | None:
@@ -103,7 +112,7 @@ def check_http_bearer(authorization: str | None, token: str, path: str) -> str |
     Returns:
         None when it matches; else "missing" or "invalid" (logged as ``auth_rejected``).
     """
-    if token_matches(authorization, f"Bearer {token}"):
+    if authorization and token_matches(bearer_canonical(authorization), f"Bearer {token}"):
         return None
     reason = "missing" if not authorization else "invalid"
     _log_rejected(path, reason)

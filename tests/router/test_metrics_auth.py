@@ -33,12 +33,13 @@ def metrics():
 
 def test_with_a_token_every_scrape_needs_the_bearer_token(metrics):
     port = metrics.serve("127.0.0.1", 0, token=TOKEN)
-    for authorization in (None, "", TOKEN, f"Bearer {TOKEN}x", f"bearer {TOKEN}", "Bearer "):
+    for authorization in (None, "", TOKEN, f"Bearer {TOKEN}x", f"Basic {TOKEN}", "Bearer "):
         status, body, headers = _get(port, authorization=authorization)
         assert status == 401 and "pdserve" not in body, authorization
         assert headers["WWW-Authenticate"].startswith("Bearer")
-    status, body, _ = _get(port, authorization=f"Bearer {TOKEN}")
-    assert status == 200 and 'pdserve_requests_total{finish_reason="stop"} 1.0' in body
+    for authorization in (f"Bearer {TOKEN}", f"bearer {TOKEN}"):      # the scheme is case-insensitive
+        status, body, _ = _get(port, authorization=authorization)
+        assert status == 200 and 'pdserve_requests_total{finish_reason="stop"} 1.0' in body
     assert _get(port, "/elsewhere", f"Bearer {TOKEN}")[0] == 404
 
 

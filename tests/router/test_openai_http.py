@@ -343,6 +343,16 @@ def test_token_is_required_except_for_health(http):
     assert httpx.get(running.server.http_url + "/health").status_code == 200
 
 
+def test_the_bearer_scheme_is_case_insensitive_and_the_token_is_not(http):
+    """RFC 7235: `bearer` and `BEARER` name the same scheme; the credentials must match exactly."""
+    running, _ = http(token="s3cret")
+    url = running.server.http_url + "/v1/models"
+    for good in ("Bearer s3cret", "bearer s3cret", "BEARER s3cret", "Bearer   s3cret"):
+        assert httpx.get(url, headers={"Authorization": good}).status_code == 200, good
+    for bad in ("Bearer S3CRET", "Basic s3cret", "s3cret", "Bearers3cret", "Bearer", "Bearer s3cret x"):
+        assert httpx.get(url, headers={"Authorization": bad}).status_code == 401, bad
+
+
 def test_over_max_queue_is_429_and_shared_with_grpc(http, wait_until):
     backend = ScriptedBackend()
     backend.release.clear()

@@ -42,6 +42,18 @@ def test_token_accepted_and_wrong_or_missing_rejected(serve):
     assert not running.backend.inputs or set(running.backend.inputs) == set(running.backend.finished)
 
 
+def test_grpc_bearer_scheme_is_case_insensitive(serve):
+    running = serve(token=TOKEN)
+    with grpc.insecure_channel(running.address) as ch:
+        stub = running.stub(ch)
+        for scheme in ("bearer", "BEARER", "Bearer "):
+            call = stub.Generate(build_request("abc", max_tokens=3), metadata=(("authorization", f"{scheme} {TOKEN}"),),
+                                 timeout=5)
+            assert "".join(r.text for r in call) == "cba"
+        call = stub.Generate(build_request("abc"), metadata=(("authorization", f"bearer {TOKEN.upper()}"),), timeout=5)
+        assert _code(lambda: list(call)) == grpc.StatusCode.UNAUTHENTICATED
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost"])
 def test_loopback_hosts(host):
     assert is_loopback(host)
