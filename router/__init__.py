@@ -2,28 +2,29 @@
 
 The router is plain asyncio + grpc.aio and never imports ray; the cluster
 plugs in by implementing `Backend` and passing it to `start_server`.
+Names are imported on first use, so a client (`from router.client import
+generate`) starts without loading the server, the engine or torch.
 """
-from router.backend import (
-    ActorStats,
-    Backend,
-    BackendError,
-    GenerationChunk,
-    GenerationInput,
-    Timing,
-    Tokenizer,
-    Usage,
-)
-from router.client import AsyncGenerationClient, ClientTLS, build_request, generate, get_stats
-from router.log import configure_logging
-from router.security import TLSConfig
-from router.server import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_QUEUE, RouterServer, serve_until_signal, start_server
-from router.servicer import SERVICE_NAME, GenerationServicer
-from router.validation import RequestError, validate_request
+from __future__ import annotations
 
-__all__ = [
-    "ActorStats", "AsyncGenerationClient", "Backend", "BackendError", "ClientTLS",
-    "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_MAX_QUEUE", "GenerationChunk", "GenerationInput",
-    "GenerationServicer", "RequestError", "RouterServer", "SERVICE_NAME", "TLSConfig", "Timing",
-    "Tokenizer", "Usage", "build_request", "configure_logging", "generate", "get_stats",
-    "serve_until_signal", "start_server", "validate_request",
-]
+import importlib
+
+_EXPORTS = {
+    "router.backend": ("ActorStats", "Backend", "BackendError", "GenerationChunk", "GenerationInput", "Timing",
+                       "Tokenizer", "Usage"),
+    "router.client": ("AsyncGenerationClient", "ClientTLS", "build_request", "generate", "get_stats"),
+    "router.log": ("configure_logging",),
+    "router.security": ("TLSConfig",),
+    "router.server": ("DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_MAX_QUEUE", "RouterServer", "serve_until_signal",
+                      "start_server"),
+    "router.servicer": ("SERVICE_NAME", "GenerationServicer"),
+    "router.validation": ("RequestError", "validate_request"),
+}
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'router' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOME[name]), name)

@@ -54,3 +54,22 @@ def test_busy_port_is_one_line_naming_port_and_flag(capsys, monkeypatch, flag, k
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert f"port {port} on 127.0.0.1 is not free" in err[0] and flag in err[0] and key in err[0]
+
+
+def test_the_client_path_loads_neither_the_server_nor_torch():
+    """`pdserve generate` imports the gRPC client alone: it starts in well under a second, even when
+    the server is down (an import of torch costs seconds)."""
+    import subprocess
+    import sys
+    code = ("import sys; from deploy.cli import main; from router.client import generate; "
+            "heavy = [m for m in ('torch', 'ray', 'router.server', 'engine.engine') if m in sys.modules]; "
+            "print(heavy); sys.exit(1 if heavy else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+def test_generate_against_a_closed_port_fails_in_one_line(capsys):
+    port = _free_port()
+    assert main(["generate", "--address", f"127.0.0.1:{port}", "--timeout", "5", "hi"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: UNAVAILABLE"), err
