@@ -1,6 +1,6 @@
 """Multi-node placement: two simulated Ray nodes (custom resources `prefill_node`,
 `decode_node`); prefill actors land on one and decode actors on the other, every listener is
-on 127.0.0.1 (the torch transport's TCPStore listens on a socket bound to the host), and greedy output
+on 127.0.0.1 (the torch transport's rendezvous listens on a socket bound to the host), and greedy output
 equals the colocated Engine over the grpc and torch transports.
 
 The cluster runs in a subprocess (multinode_main.py) so it never meets the session's local Ray.

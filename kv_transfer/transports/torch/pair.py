@@ -1,15 +1,13 @@
 """torch.distributed pair plumbing shared by TorchSender and TorchReceiver.
 
 Message kinds and limits of the pair protocol (see ``kv_transfer.transports.torch``),
-the rendezvous keys and proofs, process-group construction (NCCL on CUDA,
-gloo on CPU over the endpoint's interface) and small helpers. Imports
+process-group construction over the pair's own store (NCCL on CUDA, gloo on
+CPU over the endpoint's interface) and small helpers. Imports
 torch.distributed only.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import struct
 from datetime import timedelta
@@ -34,33 +32,6 @@ MAX_PENDING_DECODES = 2  # received chunks waiting for decode, per pair
 # its timeout. An idle pair waits in recv up to IDLE_TIMEOUT (peer death or teardown wakes it).
 IDLE_TIMEOUT = timedelta(days=1)
 TEARDOWN_TIMEOUT = timedelta(seconds=2)  # for the close message of a pair being torn down
-
-# Rendezvous: the receiver challenges each claimed slot with a fresh nonce; the sender answers with
-# an HMAC under a key derived from the token, so the store never holds the token or the key.
-RENDEZVOUS_CONTEXT = b"pdserve-kv-rendezvous-v1"
-NONCE_BYTES = 16
-HELLO_TIMEOUT_S = 5.0  # a claimed slot whose hello has not come by then is skipped
-MAX_OPEN_SLOTS = 64  # claimed slots awaiting a hello; a burst of claims beyond it skips the oldest
-
-
-def rendezvous_key(token: str) -> bytes:
-    """HMAC-SHA256(token, RENDEZVOUS_CONTEXT): the key proofs are made with; it never leaves the process."""
-    return hmac.new(token.encode(), RENDEZVOUS_CONTEXT, hashlib.sha256).digest()
-
-
-def rendezvous_proof(key: bytes, index: int, nonce: str) -> str:
-    """The answer to slot ``index``'s challenge: bound to that slot and its nonce, so it cannot be replayed."""
-    return hmac.new(key, f"hello|{index}|{nonce}".encode(), hashlib.sha256).hexdigest()
-
-
-def slot_key(kind: str, index: int) -> str:
-    """Store key of one rendezvous message: kind is challenge, hello or reply."""
-    return f"{kind}/{index}"
-
-
-def pair_prefix(index: int) -> str:
-    """Store prefix under which the pair of slot ``index`` builds its process group."""
-    return f"pair/{index}/"
 
 
 def control_tensor(kind: int, header: bytes, payload_len: int, is_last: bool, device,
@@ -90,20 +61,20 @@ def split_host_port(endpoint: str) -> tuple[str, int]:
 
 
 def make_group(store, rank: int, backend: str, setup_timeout: timedelta, device_host: str, interface: str | None):
-    """The pair's 2-rank group; gloo connects now and gives up after ``setup_timeout``.
+    """The pair's 2-rank group over ``store`` (the pair's own key space: no prefix, which a Store written in
+    Python could not take anyway); gloo connects now and gives up after ``setup_timeout``.
 
     NCCL connects at the first operation (bounded by that operation's wait); its own timeout stays
     IDLE_TIMEOUT, since its watchdog would tear down a pair that merely waits for the next send.
     """
-    prefix_store = dist.PrefixStore("pg/", store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = IDLE_TIMEOUT
-        return dist.ProcessGroupNCCL(prefix_store, rank, 2, options)
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
     options = dist.ProcessGroupGloo._Options()
     options._devices = [_gloo_device(device_host, interface)]
     options._timeout = setup_timeout
-    return dist.ProcessGroupGloo(prefix_store, rank, 2, options)
+    return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
 def wait_work(work, timeout: timedelta | None) -> None:

@@ -1,54 +1,68 @@
 """TorchReceiver: the decode side of the torch.distributed transport.
 
-Hosts the TCPStore at its endpoint, challenges each claimed pair slot and
-answers its hello (proof of the token, layout, backend), skips slots that
-stay silent, and serves each accepted pair on its own thread: chunks are received into
-pooled buffers and decoded on a small pool while the next one arrives; the
-last chunk of each send() is acked. A broken pair fails its in-flight
-transfers (their blocks are freed) and its thread ends.
+Listens at its endpoint (bound to ``host`` only). Each connection first passes the rendezvous
+(``rendezvous.py``): one deadline, ``hello_timeout_s``, for the whole hello, in one of ``MAX_HELLOS``
+slots of its own (``HelloSlots``: a new one drops the oldest, so silent peers never keep a sender
+out); a malformed or late hello is counted in ``stats.bad_hellos``, a wrong proof in
+``stats.auth_failures``, and neither stores anything. An accepted hello opens a pair (at most
+``max_groups``): its own bounded key space (``store.KeySpace``), which the same connection serves to
+the sender as a store while this side's rank reads it in process, and a thread that builds the
+pair's group and serves it: chunks are received into pooled buffers and decoded on a small pool
+while the next one arrives; the last chunk of each send() is acked. The connection stays open
+while the pair lives (NCCL reads the store at its first operation); when the pair ends, or its
+set-up fails, or the sender closes the connection during set-up, the key space is dropped. A
+broken pair fails its in-flight transfers (their blocks are freed) and its thread ends.
 """
 
 from __future__ import annotations
 
 import contextlib
-import secrets
+import logging
 import socket
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 
-import msgpack
 import torch
-import torch.distributed as dist
 
 from kv_transfer.buffers import payload_pool
 from kv_transfer.interface import FailedSide, TransferError
 from kv_transfer.layout import HandshakeError
 from kv_transfer.receiver import BaseReceiver
+from kv_transfer.transports.tcp.protocol import HELLO_TIMEOUT_S, new_nonce, recv_small, send_small, tune
+from kv_transfer.transports.tcp.receiver import MAX_HELLOS
+from kv_transfer.transports.torch.hello_slots import HelloSlots
 from kv_transfer.transports.torch.pair import (
     CONTROL_BYTES,
     IDLE_TIMEOUT,
     KIND_ABORT,
     KIND_CLOSE,
-    HELLO_TIMEOUT_S,
-    MAX_OPEN_SLOTS,
     MAX_PENDING_DECODES,
-    NONCE_BYTES,
     TEARDOWN_TIMEOUT,
     destroy_group,
     make_group,
-    pair_prefix,
     parse_control,
-    rendezvous_key,
-    rendezvous_proof,
-    slot_key,
     wait_work,
 )
-from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header, unpack_small
+from kv_transfer.transports.torch.rendezvous import hello_proof, rendezvous_key, reply_mac
+from kv_transfer.transports.torch.store import KeySpace, PairStore, serve_store
+from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header
 
-ACCEPT_POLL_S = 0.02  # how often the accept loop looks for new claims and hellos
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _ServedPair:
+    """What this side holds for one pair, from its accepted hello until it ends."""
+
+    index: int
+    space: KeySpace
+    conn: socket.socket
+    thread: threading.Thread | None = None
+    group: object = None  # once built
 
 
 class TorchReceiver(BaseReceiver):
@@ -61,138 +75,131 @@ class TorchReceiver(BaseReceiver):
         self._op_timeout = None if self.backend == "nccl" else IDLE_TIMEOUT  # see pair.wait_work
         self.max_groups, self.interface, self.hello_timeout_s = max_groups, interface, hello_timeout_s
         self.host = host
-        # TCPStore alone listens on every interface; hand it a socket bound to `host` only.
-        listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                        backlog=128)
-        self._port = listener.getsockname()[1]
-        self._store = dist.TCPStore(host, self._port, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=30), master_listen_fd=listener.fileno(),
-                                    use_libuv=True)
-        listener.detach()                # the store owns the descriptor now
-        self._endpoint = f"{host}:{self._port}"
+        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                              backlog=128)
+        self._endpoint = f"{host}:{self._listener.getsockname()[1]}"
         self._key = rendezvous_key(self.token)
         self._closed = threading.Event()
         self._decoders = ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="kv-torch-decode")
-        # pairs by slot index, each entry removed when its pair ends: its thread (from the accepted
-        # hello on), its group (once built)
-        self._pair_threads: dict[int, threading.Thread] = {}
-        self._groups: dict[int, object] = {}
+        self._slots = HelloSlots("torch KV receiver", hello_timeout_s, self._count_bad_hello, MAX_HELLOS)
+        self._pairs: dict[int, _ServedPair] = {}  # by index, each removed when its pair ends
+        self._next_index = 0
         self._lock = threading.Lock()
-        # accept-loop state: slot index -> (nonce, hello deadline); reply index -> when an unread reply is deleted
-        self._slots: dict[int, tuple[str, float]] = {}
-        self._replies: dict[int, float] = {}
-        self._next_slot = 0
-        threading.Thread(target=self._accept_loop, name="kv-torch-accept", daemon=True).start()
+        self._accepter = threading.Thread(target=self._accept_loop, name="kv-torch-accept", daemon=True)
+        self._accepter.start()
 
     # --- rendezvous ---------------------------------------------------------
     def _accept_loop(self) -> None:
-        """Challenge each claimed slot, answer the hellos that come, skip the slots that stay silent."""
-        while not self._closed.wait(ACCEPT_POLL_S):
+        while not self._closed.is_set():
             try:
-                self._open_slots()
-                for index in list(self._slots):
-                    self._poll_slot(index)
-                self._expire_replies()
-            except Exception:  # store shutting down
-                continue
+                conn, _ = self._listener.accept()
+            except OSError:  # the listener was closed
+                return
+            self._slots.admit(conn)
+            threading.Thread(target=self._serve_connection, args=(conn,), name="kv-torch-rendezvous",
+                             daemon=True).start()
 
-    def _open_slots(self) -> None:
-        claimed = self._store.add("pairs", 0)
-        for index in range(max(self._next_slot, claimed - MAX_OPEN_SLOTS), claimed):
-            nonce = secrets.token_hex(NONCE_BYTES)
-            self._store.set(slot_key("challenge", index), msgpack.packb({"nonce": nonce}))
-            self._slots[index] = (nonce, time.monotonic() + self.hello_timeout_s)
-        self._next_slot = max(self._next_slot, claimed)
-        while len(self._slots) > MAX_OPEN_SLOTS:
-            self._close_slot(min(self._slots))
-
-    def _poll_slot(self, index: int) -> None:
-        nonce, hello_deadline = self._slots[index]
-        hello_key = slot_key("hello", index)
-        if self._store.check([hello_key]):
-            hello = self._store.get(hello_key)
-            self._close_slot(index)
-            self._answer(index, hello, nonce)
-        elif time.monotonic() > hello_deadline:  # claimed, then silent (or killed): later slots go on
-            self._close_slot(index)
-
-    def _close_slot(self, index: int) -> None:
-        del self._slots[index]
-        for kind in ("challenge", "hello"):
-            self._store.delete_key(slot_key(kind, index))
-
-    def _expire_replies(self) -> None:
-        """Forget replies their sender read (it deletes them); delete the ones nobody read in time."""
-        for index, expires_at in list(self._replies.items()):
-            key = slot_key("reply", index)
-            if not self._store.check([key]):
-                del self._replies[index]
-            elif time.monotonic() > expires_at:
-                self._store.delete_key(key)
-                del self._replies[index]
-
-    def _answer(self, index: int, hello: bytes, nonce: str) -> None:
-        reply = {"ok": False, "error": "", "layout": self.describe()}
+    def _serve_connection(self, conn: socket.socket) -> None:
+        """The hello, then (accepted) the pair's store calls until the sender closes the connection."""
+        pair, why = None, "the sender closed its torch rendezvous connection"
         try:
-            message = unpack_small(hello)
-            if not self.check_token(message.get("proof"), rendezvous_proof(self._key, index, nonce)):
+            tune(conn)
+            conn.settimeout(self.hello_timeout_s)  # each read; HelloSlots bounds the whole hello
+            pair = self._hello(conn)
+            if not self._slots.release(conn) or pair is None:  # refused (the reply said why), or out of time
+                why = "the torch rendezvous hello ran out of time"
+                return
+            conn.settimeout(None)  # the pair's set-up bounds the calls: its end closes the connection
+            serve_store(conn, pair.space)
+        except (OSError, WireError) as exc:  # a hello that broke (counted, logged rarely), or a pair's calls
+            why = f"torch rendezvous connection: {type(exc).__name__}: {exc}"
+            self._slots.drop(conn, why)
+        except Exception:  # a bug: say so
+            log.exception("torch KV rendezvous connection failed")
+        finally:
+            self._slots.release(conn)
+            if pair is not None:  # a group not built yet gives up now
+                pair.space.close(why)
+            conn.close()
+
+    def _hello(self, conn: socket.socket) -> _ServedPair | None:
+        """Challenge, check the proof (counted on failure), the layout and the backend; open the pair; reply.
+
+        -> the pair, None when refused. Raises WireError on a malformed hello, OSError when it breaks.
+        """
+        server_nonce = new_nonce()
+        conn.sendall(server_nonce)
+        hello = recv_small(conn)
+        client_nonce, layout = hello.get("nonce"), hello.get("layout")
+        if not isinstance(client_nonce, str) or not isinstance(layout, dict):
+            raise WireError("torch rendezvous hello without a nonce or a layout")
+        reply, pair = {"ok": False, "error": "", "layout": self.describe(), "index": -1}, None
+        try:
+            if not self.check_token(hello.get("proof"), hello_proof(self._key, server_nonce, client_nonce)):
                 raise TransferError("receiver rejected the cluster token", FailedSide.RECEIVER)
-            self.check_handshake(message.get("layout") or {})
-            if message.get("backend") != self.backend:
-                raise HandshakeError(f"KV handshake mismatch on backend: sender={message.get('backend')!r} "
+            self.check_handshake(layout)
+            if hello.get("backend") != self.backend:
+                raise HandshakeError(f"KV handshake mismatch on backend: sender={hello.get('backend')!r} "
                                      f"receiver={self.backend!r}")
-            with self._lock:
-                if len(self._pair_threads) >= self.max_groups:
-                    raise TransferError(f"receiver has {len(self._pair_threads)} peer groups (max {self.max_groups})",
-                                        FailedSide.RECEIVER)
-                self._pair_threads[index] = threading.Thread(target=self._serve_pair, args=(index,),
-                                                             name=f"kv-torch-pair-{index}", daemon=True)
-            reply["ok"] = True
-        except Exception as exc:
+            pair = self._open_pair(conn)
+            reply.update(ok=True, index=pair.index)
+        except (TransferError, HandshakeError) as exc:
             reply["error"] = str(exc)
-        self._store.set(slot_key("reply", index), msgpack.packb(reply))
-        self._replies[index] = time.monotonic() + self.hello_timeout_s
-        if reply["ok"]:
-            self._pair_threads[index].start()
+        reply["mac"] = reply_mac(self._key, server_nonce, client_nonce, reply)
+        try:
+            send_small(conn, reply)
+        except BaseException:
+            if pair is not None:
+                pair.space.close("the torch rendezvous reply could not be sent")
+            raise
+        return pair
+
+    def _open_pair(self, conn: socket.socket) -> _ServedPair:
+        """A key space and a thread for an accepted hello; TransferError when ``max_groups`` pairs are open."""
+        with self._lock:
+            if len(self._pairs) >= self.max_groups:
+                raise TransferError(f"receiver has {len(self._pairs)} peer groups (max {self.max_groups})",
+                                    FailedSide.RECEIVER)
+            pair = _ServedPair(self._next_index, KeySpace(), conn)
+            self._next_index += 1
+            pair.thread = threading.Thread(target=self._serve_pair, args=(pair,), name=f"kv-torch-pair-{pair.index}",
+                                           daemon=True)
+            self._pairs[pair.index] = pair
+        pair.thread.start()  # its group waits in the key space for the sender's keys
+        return pair
+
+    def _count_bad_hello(self) -> int:
+        with self._cond:
+            self._stats.bad_hellos += 1
+            return self._stats.bad_hellos
 
     # --- one pair -----------------------------------------------------------
-    def _serve_pair(self, index: int) -> None:
+    def _serve_pair(self, pair: _ServedPair) -> None:
         in_flight: set[str] = set()
-        group = None
         try:
             # Set-up is bounded by this receiver's transfer deadline: a sender that read its reply and
-            # never joins costs that long, then frees its group slot. A store client of its own, so a
-            # group waiting for its peer in the store does not hold up the accept loop's calls.
+            # never joins costs that long (or until it closes its connection), then frees its group slot.
             setup = timedelta(seconds=self.default_timeout_s)
-            client = dist.TCPStore(self.host, self._port, is_master=False, timeout=setup)
-            group = make_group(dist.PrefixStore(pair_prefix(index), client), 1, self.backend, setup, self.host,
-                               self.interface)
+            group = make_group(PairStore(pair.space, setup), 1, self.backend, setup, self.host, self.interface)
             with self._lock:
-                self._groups[index] = group
-            self._serve(group, in_flight, index)
+                pair.group = group
+            self._serve(group, in_flight)
         except Exception as exc:  # peer died, never joined, or the pair broke
             for transfer_id in in_flight:
                 self.fail(transfer_id, f"sender connection lost: {str(exc)[:200]}")
         finally:
             with self._lock:
-                self._groups.pop(index, None)
-                self._pair_threads.pop(index, None)
-            destroy_group(group)
-            self._delete_pair_keys(index)
-
-    def _delete_pair_keys(self, index: int) -> None:
-        """The keys the pair's group set up with (its peers are connected, or gone) and an unread reply."""
-        with contextlib.suppress(Exception):  # the store is closing
-            self._store.delete_key(slot_key("reply", index))
-            list_keys = getattr(self._store, "list_keys", None)  # torch from late 2025; older leaves pair/n/
-            for key in list_keys() if list_keys is not None else ():
-                if key.startswith(pair_prefix(index)):
-                    self._store.delete_key(key)
+                self._pairs.pop(pair.index, None)
+            destroy_group(pair.group)
+            pair.group = None
+            pair.space.close("the torch pair ended")
+            with contextlib.suppress(OSError):
+                pair.conn.shutdown(socket.SHUT_RDWR)  # ends its connection's thread
 
     @property
     def num_groups(self) -> int:
         with self._lock:
-            return len(self._pair_threads)
+            return len(self._pairs)
 
     def _post_control(self, group):
         slot = torch.empty(CONTROL_BYTES, dtype=torch.uint8, device=self.device)
@@ -204,7 +211,7 @@ class TorchReceiver(BaseReceiver):
         payload = payload_pool.acquire(nbytes, self.device)
         return payload, group.recv([payload], 0, 0)
 
-    def _serve(self, group, in_flight: set[str], index: int) -> None:
+    def _serve(self, group, in_flight: set[str]) -> None:
         """Receive chunks; ack the last chunk of each send(); return on a close message.
 
         Receives are posted ahead of the data (gloo holds a send until its
@@ -218,12 +225,8 @@ class TorchReceiver(BaseReceiver):
         pending: deque[Future] = deque()
         slot, work = self._post_control(group)
         ahead = None  # (buffer, work): the next payload, posted when the previous control announced it
-        keys_left = True
         while not self._closed.is_set():
             wait_work(work, self._op_timeout)
-            if keys_left:  # a first message: both ends are connected, the set-up keys are spent
-                self._delete_pair_keys(index)
-                keys_left = False
             kind, header_bytes, payload_len, is_last, next_len = parse_control(slot)  # WireError: drop the pair
             if kind == KIND_CLOSE:
                 return
@@ -293,18 +296,27 @@ class TorchReceiver(BaseReceiver):
 
     def close(self) -> None:
         self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (close alone does not)
+        self._listener.close()
+        self._accepter.join(timeout=2)
+        self._slots.close()
         # A pair thread ends when its sender says close or dies; give closing senders a moment
         # (a thread still blocked in recv at interpreter exit takes gloo down with it), then
-        # destroy the groups left (NCCL wakes their threads; gloo's go when their sender does).
+        # destroy the groups left (NCCL wakes their threads; gloo's go when their sender does)
+        # and close their key spaces and connections.
         end = time.monotonic() + TEARDOWN_TIMEOUT.total_seconds()
         with self._lock:
-            threads = list(self._pair_threads.values())
-        for thread in threads:
-            if thread.is_alive():
-                thread.join(timeout=max(0.0, end - time.monotonic()))
+            pairs = list(self._pairs.values())
+        for pair in pairs:
+            if pair.thread.is_alive():
+                pair.thread.join(timeout=max(0.0, end - time.monotonic()))
         with self._lock:
-            groups = list(self._groups.values())
-        for group in groups:
-            destroy_group(group)
+            pairs = list(self._pairs.values())
+        for pair in pairs:
+            destroy_group(pair.group)
+            pair.space.close("receiver closed")
+            with contextlib.suppress(OSError):
+                pair.conn.shutdown(socket.SHUT_RDWR)
         self._decoders.shutdown(wait=False)
         super().close()

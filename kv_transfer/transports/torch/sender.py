@@ -1,10 +1,12 @@
 """TorchSender: the prefill side of the torch.distributed transport.
 
-Builds a pair lazily per destination (answers the receiver's challenge
-over its TCPStore, then a 2-rank group), keeps at most ``max_groups`` (LRU;
-evicted pairs get a close message), posts each chunk's sends while the
-previous chunk's complete, and reads the receiver's ack after the last
-chunk. A pair that breaks is dropped (the next send builds a fresh one).
+Builds a pair lazily per destination (passes the receiver's rendezvous,
+``rendezvous.dial``, then builds a 2-rank group over the pair's store, whose
+calls travel on the rendezvous connection), keeps at most ``max_groups``
+(LRU; evicted pairs get a close message, then their group and connection
+close), posts each chunk's sends while the previous chunk's complete, and
+reads the receiver's ack after the last chunk. A pair that breaks is dropped
+(the next send builds a fresh one).
 """
 
 from __future__ import annotations
@@ -16,9 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from datetime import timedelta
 
-import msgpack
 import torch
-import torch.distributed as dist
 
 from kv_transfer.chunker import EncodedChunk
 from kv_transfer.codec import CodecError
@@ -33,18 +33,15 @@ from kv_transfer.transports.torch.pair import (
     control_tensor,
     destroy_group,
     make_group,
-    pair_prefix,
-    rendezvous_key,
-    rendezvous_proof,
-    slot_key,
     split_host_port,
     wait_work,
 )
-from kv_transfer.wire import unpack_small
+from kv_transfer.transports.torch.rendezvous import dial, rendezvous_key
+from kv_transfer.transports.torch.store import PairStore, RemoteSpace
 
 
 class _Pair:
-    def __init__(self, store, group, index: int, layout: dict) -> None:
+    def __init__(self, store: PairStore, group, index: int, layout: dict) -> None:
         self.store, self.group, self.index, self.layout = store, group, index, layout
         self.lock = threading.Lock()
 
@@ -93,14 +90,19 @@ class TorchSender(BaseSender):
                 raise TimeoutError("no time left")
             return timedelta(seconds=remaining)
 
+        space = None  # the pair's store calls travel on the rendezvous connection
         try:
-            store = dist.TCPStore(host, port, is_master=False, timeout=left())
-            index, layout = self._rendezvous(store, left)
-            group = make_group(dist.PrefixStore(pair_prefix(index), store), 0, self.backend, left(), host,
-                               self.interface)
+            sock, reply = dial(host, port, self._key, {"layout": self.describe(), "backend": self.backend}, left)
+            space = RemoteSpace(sock)
+            index, layout = reply["index"], reply["layout"]
+            check_compatible(self.describe(), layout)
+            store = PairStore(space, left())
+            group = make_group(store, 0, self.backend, left(), host, self.interface)
         except (TransferError, HandshakeError):
+            _close_space(space)
             raise
         except Exception as exc:
+            _close_space(space)
             if time.monotonic() < end:
                 raise  # refused or broken before the time was up: the error says it
             by_deadline = deadline_at is not None and deadline_at <= start + self.connect_timeout_s
@@ -116,34 +118,6 @@ class TorchSender(BaseSender):
             self._close_pair(old)
         return pair, layout
 
-    def _rendezvous(self, store, left) -> tuple[int, dict]:
-        """Claim a slot, answer its challenge, read the reply: -> (slot index, the receiver's layout).
-
-        The hello carries an HMAC of the receiver's nonce for this slot, never the token. ``left()``
-        gives the time left for each wait.
-        """
-        index = store.add("pairs", 1) - 1
-        challenge_key, hello_key, reply_key = (slot_key(kind, index) for kind in ("challenge", "hello", "reply"))
-        store.wait([challenge_key], left())
-        nonce = str(unpack_small(store.get(challenge_key)).get("nonce", ""))
-        hello = {"proof": rendezvous_proof(self._key, index, nonce), "layout": self.describe(),
-                 "backend": self.backend}
-        store.set(hello_key, msgpack.packb(hello))
-        try:
-            store.wait([reply_key], left())
-        except Exception:
-            with contextlib.suppress(Exception):
-                store.delete_key(hello_key)  # nobody answered: leave nothing behind
-            raise
-        reply = unpack_small(store.get(reply_key))
-        store.delete_key(reply_key)
-        if not reply.get("ok"):
-            error = str(reply.get("error"))
-            raise HandshakeError(error) if "mismatch" in error else TransferError(error, FailedSide.RECEIVER)
-        layout = reply.get("layout") or {}
-        check_compatible(self.describe(), layout)
-        return index, layout
-
     def _close_pair(self, pair: _Pair) -> None:
         """Say close (bounded by TEARDOWN_TIMEOUT: the receiver may be gone or hung), then destroy the group."""
         with pair.lock:
@@ -155,8 +129,9 @@ class TorchSender(BaseSender):
 
     @staticmethod
     def _destroy(pair: _Pair) -> None:
-        """Caller holds ``pair.lock``."""
+        """Caller holds ``pair.lock``. Closing the store's connection drops the pair's keys on the receiver."""
         destroy_group(pair.group)
+        _close_space(pair.store.space if pair.store is not None else None)
         pair.group = pair.store = None
 
     def _drop(self, dest: str, pair: _Pair) -> None:
@@ -259,3 +234,8 @@ class TorchSender(BaseSender):
             pairs, self._pairs = list(self._pairs.values()), OrderedDict()
         for pair in pairs:
             self._close_pair(pair)
+
+
+def _close_space(space: RemoteSpace | None) -> None:
+    if space is not None:
+        space.close()

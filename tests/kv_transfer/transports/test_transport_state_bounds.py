@@ -1,48 +1,52 @@
 """Receivers keep no state for senders that died: after failed, silent or killed senders, the torch
-receiver's maps and its TCPStore's keys, and the ray receiver's piece state and inbox acks, return to empty."""
+receiver's pairs (their threads, groups and rendezvous key spaces) and hello slots, and the ray receiver's
+piece state and inbox acks, return to empty."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from datetime import timedelta
 
-import msgpack
 import torch
-import torch.distributed as dist
 from kv_helpers import TOKEN, assert_no_leak, random_cache, wait_for
 
 from kv_transfer import SimpleBlockPool, TransferStatus, get_codec, make_receiver, make_sender
 from kv_transfer.chunker import encode_chunks
+from kv_transfer.transports.tcp.protocol import NONCE_BYTES, recv_exact, send_small
 from kv_transfer.transports.torch import sender as torch_sender
 
 HELPER = os.path.join(os.path.dirname(__file__), "kv_killed_sender.py")
 
 
 def torch_state(receiver) -> dict:
-    """Entries the torch receiver holds, and the store keys besides the slot counter."""
-    return {"pair_threads": len(receiver._pair_threads), "groups": len(receiver._groups),
-            "open_slots": len(receiver._slots), "replies": len(receiver._replies),
-            "transfers": receiver.num_active, "keys": sorted(set(receiver._store.list_keys()) - {"pairs"})}
+    """Entries the torch receiver holds: pairs (thread, group, key space, connection), hellos, transfers."""
+    spaces = [pair.space for pair in receiver._pairs.values()]
+    return {"pairs": len(receiver._pairs), "groups": receiver.num_groups, "hellos": len(receiver._slots),
+            "stored_bytes": sum(space.nbytes for space in spaces), "transfers": receiver.num_active}
 
 
-def test_torch_receiver_state_and_store_keys_return_to_empty_after_dead_senders(layout, monkeypatch):
+def rogue_connection(endpoint: str) -> socket.socket:
+    host, _, port = endpoint.rpartition(":")
+    conn = socket.create_connection((host, int(port)), timeout=10)
+    recv_exact(conn, NONCE_BYTES)  # the challenge
+    return conn
+
+
+def test_torch_receiver_state_returns_to_empty_after_dead_senders(layout, monkeypatch):
     pool = SimpleBlockPool(16)
     cache = torch.zeros(layout.cache_shape(16), dtype=layout.dtype)
     receiver = make_receiver("torch", layout, cache, pool, token=TOKEN, hello_timeout_s=0.5, default_timeout_s=3.0)
-    host, _, port = receiver.endpoint.rpartition(":")
-    rogue = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    silent = rogue_connection(receiver.endpoint)  # reads the challenge, never says hello
+    forged = rogue_connection(receiver.endpoint)  # says hello, never reads the reply
+    send_small(forged, {"nonce": "00", "proof": "forged", "layout": {}, "backend": "gloo"})
     killed = [subprocess.Popen([sys.executable, HELPER, "torch", receiver.endpoint, TOKEN, f"killed-{i}"],
                                stdout=subprocess.PIPE, text=True) for i in range(2)]
     sender = make_sender("torch", layout, token=TOKEN)
     try:
-        rogue.add("pairs", 1)  # claims a slot, never says hello
-        index = rogue.add("pairs", 1) - 1
-        rogue.set(f"hello/{index}", msgpack.packb({"proof": "forged"}))  # says hello, never reads the reply
-
         def dies(*args, **kwargs):
             raise RuntimeError("the sender died before joining its group")
 
@@ -54,19 +58,23 @@ def test_torch_receiver_state_and_store_keys_return_to_empty_after_dead_senders(
         for process in killed:  # senders killed mid-transfer
             assert process.stdout.readline().strip() == "SENT"
         assert wait_for(lambda: all(receiver.status(f"killed-{i}") == TransferStatus.TRANSFERRING for i in range(2)))
+        assert wait_for(lambda: torch_state(receiver)["pairs"] == 2)  # the dead sender's pair is gone
         for process in killed:
             process.send_signal(signal.SIGKILL)
         ok = sender.send("r", random_cache(layout, 4), [2, 3], receiver.endpoint)  # and one that closes cleanly
         assert ok.wait(20) == TransferStatus.DONE, ok
         owned = receiver.wait(ok.transfer_id, 5).dst_block_ids
         sender.close()
-        empty = {"pair_threads": 0, "groups": 0, "open_slots": 0, "replies": 0, "transfers": 0, "keys": []}
+        empty = {"pairs": 0, "groups": 0, "hellos": 0, "stored_bytes": 0, "transfers": 0}
         assert wait_for(lambda: torch_state(receiver) == empty, timeout=15), torch_state(receiver)
+        assert receiver.stats.bad_hellos == 1 and receiver.stats.auth_failures == 1
         assert_no_leak(pool, owned)
     finally:
         for process in killed:
             process.kill()
             process.wait()
+        silent.close()
+        forged.close()
         sender.close()
         receiver.close()
 
