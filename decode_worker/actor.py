@@ -6,6 +6,7 @@ in the actor's event loop by the first `info()` call.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
 import uuid
@@ -35,6 +36,7 @@ class ColocatedActor:
             import ray
             bind_host = ray.util.get_node_ip_address()
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        faulthandler.enable()    # a native crash leaves its traceback in the log (deploy/actor_death.py)
         self.incarnation = uuid.uuid4().hex     # changes when Ray restarts the actor
         release_gil_in_compiled_kernels()  # compiled CPU kernels then leave the other threads running
         engine = engine_args.build()

@@ -268,7 +268,7 @@ class ActorFactory:
         else:
             client = RayDecodeClient(actor_id, handle, info["stream_endpoint"], self.streams)
             view = DecodeView(actor_id, client, info["endpoint"], info["kv_blocks_total"])
-        view.incarnation = info["incarnation"]
+        view.incarnation, view.pid = info["incarnation"], info.get("pid", 0)
         return view
 
 

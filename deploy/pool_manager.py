@@ -20,6 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from deploy.actor_death import death_report
 from deploy.launcher import ActorFactory
 from router.dispatcher import Dispatcher
 from router.pools import POOL_NAMES, DecodeView, PrefillView
@@ -161,11 +162,14 @@ class PoolManager:
                 view.healthy = False
                 since = self._silent_since.setdefault(id(view), now)
                 if since == now:
-                    log.warning("%s actor %s is not answering; taking it out of rotation", name, view.actor_id)
+                    why = await asyncio.to_thread(death_report, view.client.handle._actor_id.hex(), view.pid)
+                    log.warning("%s actor %s is not answering: %s; taking it out of rotation", name,
+                                view.actor_id, why)
                 if dead or now - since >= self.replace_after_s:
                     await self._replace(name, view)
                 continue
             self._silent_since.pop(id(view), None)
+            view.pid = info.get("pid", view.pid)
             if info["incarnation"] != view.incarnation:
                 view.incarnation = info["incarnation"]
                 if isinstance(view, DecodeView):

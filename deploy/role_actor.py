@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import faulthandler
 import logging
 import os
 import time
@@ -68,6 +69,7 @@ class RoleActor:
             if transfer.bind_host == "auto":
                 transfer = dataclasses.replace(transfer, bind_host=node_ip)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        faulthandler.enable()    # a native crash leaves its traceback in the log (deploy/actor_death.py)
         self.actor_id, self.transfer, self.limits = actor_id, transfer, limits
         self.incarnation = uuid.uuid4().hex
         release_gil_in_compiled_kernels()

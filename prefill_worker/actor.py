@@ -5,6 +5,7 @@ nothing the router and the actor exchange is pickled.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import uuid
@@ -25,6 +26,7 @@ class PrefillActor:
 
     def __init__(self, engine_args: EngineArgs, transfer: TransferSettings, actor_id: str):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        faulthandler.enable()    # a native crash leaves its traceback in the log (deploy/actor_death.py)
         self.incarnation = uuid.uuid4().hex     # changes when Ray restarts the actor
         release_gil_in_compiled_kernels()  # compiled CPU kernels then leave the other threads running
         engine = engine_args.build()

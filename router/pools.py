@@ -28,6 +28,7 @@ class PrefillView:
     healthy: bool = True
     draining: bool = False
     incarnation: str = ""
+    pid: int = 0                       # its process, as it last said (death reports)
 
     @property
     def busy(self) -> bool:
@@ -45,6 +46,7 @@ class DecodeView:
     healthy: bool = True
     draining: bool = False
     incarnation: str = ""
+    pid: int = 0                       # its process, as it last said (death reports)
     num_failures: int = 0              # consecutive requests that failed here (its receiver or its stream)
     quarantined_until: float = 0.0     # time.monotonic(): alive but failing; skipped until then
 
