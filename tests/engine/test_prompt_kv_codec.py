@@ -48,6 +48,17 @@ def _transfer(src: Engine, blocks: list[int], dst: Engine) -> list[int]:
     return dst_blocks
 
 
+def _adopted(model_dir: str) -> tuple[Engine, Engine, list[int], int]:
+    """PROMPT prefilled, shipped through fp8 and adopted: (prefill engine, decode engine, the decode
+    engine's blocks for it, the first token)."""
+    prefill, blocks, first = _prefill(model_dir)
+    decode = _engine(model_dir, lossy=True)
+    decode.expect_kv("r", PROMPT, GREEDY, transfer_id="t", deadline=float("inf"))
+    held = _transfer(prefill, blocks, decode)
+    decode.adopt("r", [first], held)
+    return prefill, decode, held, first
+
+
 def _prompt_kv(engine: Engine, blocks: list[int]) -> torch.Tensor:
     """The prompt's KV, [L, tokens, 2, H, D]: the slots after the prompt are left out."""
     kv = engine.kv_cache[:, blocks].permute(0, 1, 4, 2, 3, 5).flatten(1, 2)
@@ -62,11 +73,7 @@ def test_an_encoded_prompt_leaves_a_zero_tail_in_its_last_block(tiny_model_dir):
 
 
 def test_a_migrated_stream_resumes_from_the_kv_the_first_decode_engine_held(tiny_model_dir):
-    prefill, blocks, first = _prefill(tiny_model_dir)
-    decode = _engine(tiny_model_dir, lossy=True)
-    decode.expect_kv("r", PROMPT, GREEDY, transfer_id="t", deadline=float("inf"))
-    held = _transfer(prefill, blocks, decode)
-    decode.adopt("r", [first], held)
+    prefill, decode, held, first = _adopted(tiny_model_dir)
     held_kv = _prompt_kv(decode, held)
     stream = [first]
     while decode.has_unfinished():
@@ -78,7 +85,7 @@ def test_a_migrated_stream_resumes_from_the_kv_the_first_decode_engine_held(tiny
     req = target.requests["m"]
     target.step()                                # the prompt alone, then through the codec
     assert req.num_computed_tokens == len(PROMPT)
-    assert torch.equal(_prompt_kv(target, req.block_table[:len(blocks)]), held_kv)
+    assert torch.equal(_prompt_kv(target, req.block_table[:len(held)]), held_kv)
     tokens = stream[:resumed]
     while target.has_unfinished():
         tokens += [t for out in target.step() for t in out.new_token_ids]
@@ -90,24 +97,16 @@ def test_a_migrated_stream_resumes_from_the_kv_the_first_decode_engine_held(tiny
 
 def test_without_the_codec_the_recomputed_prompt_kv_differs(tiny_model_dir):
     """The control: recomputed in full precision, the prompt KV is not what the decode engine held."""
-    prefill, blocks, first = _prefill(tiny_model_dir)
-    decode = _engine(tiny_model_dir, lossy=True)
-    decode.expect_kv("r", PROMPT, GREEDY, transfer_id="t", deadline=float("inf"))
-    held = _transfer(prefill, blocks, decode)
-    decode.adopt("r", [first], held)
+    prefill, decode, held, first = _adopted(tiny_model_dir)
     exact = _engine(tiny_model_dir, lossy=False)
     exact.add_request(PROMPT, GREEDY, request_id="m", resume_output_ids=[first], prompt_kv_lossy=True)
     assert not exact.requests["m"].prompt_kv_lossy        # no codec on this engine: nothing to go through
     exact.step()
-    assert not torch.equal(_prompt_kv(exact, exact.requests["m"].block_table[:len(blocks)]), _prompt_kv(decode, held))
+    assert not torch.equal(_prompt_kv(exact, exact.requests["m"].block_table[:len(held)]), _prompt_kv(decode, held))
 
 
 def test_a_preempted_adopted_request_recomputes_its_prompt_through_the_codec(tiny_model_dir):
-    prefill, blocks, first = _prefill(tiny_model_dir)
-    decode = _engine(tiny_model_dir, lossy=True)
-    decode.expect_kv("r", PROMPT, GREEDY, transfer_id="t", deadline=float("inf"))
-    held = _transfer(prefill, blocks, decode)
-    decode.adopt("r", [first], held)
+    prefill, decode, held, first = _adopted(tiny_model_dir)
     held_kv = _prompt_kv(decode, held)
     req = decode.requests["r"]
     assert req.prompt_kv_lossy
@@ -116,4 +115,4 @@ def test_a_preempted_adopted_request_recomputes_its_prompt_through_the_codec(tin
     decode.scheduler._preempt(req)               # as the scheduler does when blocks run out
     decode.step()                                # its own prompt blocks are cached, but not taken
     assert req.num_computed_tokens == len(PROMPT)
-    assert torch.equal(_prompt_kv(decode, req.block_table[:len(blocks)]), held_kv)
+    assert torch.equal(_prompt_kv(decode, req.block_table[:len(held)]), held_kv)
