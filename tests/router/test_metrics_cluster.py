@@ -83,8 +83,8 @@ def test_internal_connections_a_decode_actor_refused_are_counted(cluster):
         grpc.StatusCode.UNAUTHENTICATED
     with grpc.insecure_channel(view.client.stream_endpoint) as channel:
         with pytest.raises(grpc.RpcError) as refused:
-            list(channel.unary_stream("/pdserve.v1.DecodeStreamService/Decode")(b"", metadata=(("x-pdserve-token", "forged"),),
-                                                                           timeout=10))
+            decode = channel.unary_stream("/pdserve.v1.DecodeStreamService/Decode")
+            list(decode(b"", metadata=(("x-pdserve-token", "forged"),), timeout=10))
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     line = 'pdserve_internal_refused_connections_total{actor="decode-0",reason="bad_token",role="decode"} 2.0'
     end = time.monotonic() + 10
