@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The default model: the trained `pydoc` (engine/weights/pydoc, rebuilt by `python -m engine.train`).
+# `make demo DEMO_FLAGS=--verbose` streams the actors' logs to the terminal instead of the log file it names.
 demo: $(STAMP)
-	$(BIN)/pdserve demo
+	$(BIN)/pdserve demo $(DEMO_FLAGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -131,7 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from deploy.demo import run_demo
-    return run_demo(args.cfg)
+    return run_demo(args.cfg, verbose=args.verbose)
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:
@@ -212,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="start the embedded cluster, run a few requests, stop")
     add_config_flags(p)
+    p.add_argument("--verbose", action="store_true",
+                   help="stream the actors' output and every log line here (default: to a log file it names)")
     p.set_defaults(fn=cmd_demo)
 
     for name, fn, helptext in (("plan", cmd_plan, "size the pools from a profile"),
