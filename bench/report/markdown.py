@@ -171,6 +171,9 @@ def render_markdown(result: dict, plots: dict[str, str]) -> str:
         "pdserve bench serve --address 127.0.0.1:50051 --metrics-url http://127.0.0.1:9090/metrics --workload chat",
         "```",
         "",
+        "guidellm and aiperf against `pdserve serve`, with their exact commands and figures: "
+        "[benchmarks/load-generators.md](benchmarks/load-generators.md).",
+        "",
     ]
     return "\n".join(out)
 

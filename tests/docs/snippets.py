@@ -1,4 +1,4 @@
-"""Fenced code blocks of README.md and docs/*.md, and the shell syntax the docs use, taken apart.
+"""Fenced code blocks of README.md and docs/**/*.md, and the shell syntax the docs use, taken apart.
 
 `extract_blocks` finds every fenced block (tag, text, file, line, and the reason of a preceding
 ``<!-- not run: <reason> -->`` marker). `shell_commands` turns a shell block into simple commands
@@ -40,7 +40,7 @@ class Command:
 
 
 def doc_files() -> list[Path]:
-    return [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    return [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
 
 
 def extract_blocks(path: Path) -> list[Block]:

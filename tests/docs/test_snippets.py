@@ -1,4 +1,4 @@
-"""Every fenced block of README.md and docs/*.md is run, checked, or marked as not runnable here.
+"""Every fenced block of README.md and docs/**/*.md is run, checked, or marked as not runnable here.
 
 Each block goes to exactly one rule (`rule_for`); a block no rule takes fails with its file:line.
 
