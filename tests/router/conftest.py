@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import threading
-import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ import grpc
 import pytest
 
 from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from waiting import wait_until
 from router import (
     ActorStats,
     Backend,
@@ -164,15 +164,6 @@ class Running:
 
     def stub(self, channel: grpc.Channel) -> pb_grpc.GenerationServiceStub:
         return pb_grpc.GenerationServiceStub(channel)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll ``predicate`` until true; fail the test on timeout."""
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError("condition not met within %.1fs" % timeout)
-        time.sleep(0.005)
 
 
 @pytest.fixture

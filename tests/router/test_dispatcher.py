@@ -13,6 +13,7 @@ from fake_actors import FakeCluster, expected_tokens, fake_cluster, text_of
 from proto.pdserve.v1 import worker_pb2 as wpb
 from router.backend import BackendError, GenerationInput, Timing, Usage
 from router.dispatcher import Dispatcher, RoutingSettings
+from waiting import settle, until
 
 BLOCK_SIZE = 4
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
@@ -360,8 +361,7 @@ def test_client_cancel_aborts_on_both_actors_and_releases_the_reservation():
             a.faults = ["hang"]
         gen = d.generate(request())
         task = asyncio.ensure_future(gen.__anext__())
-        await asyncio.sleep(0.05)
-        assert sum(v.running for v in c.pools.decode) == 1
+        await until(lambda: sum(v.running for v in c.pools.decode) == 1)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -417,8 +417,7 @@ def test_admission_waits_for_room_and_refuses_past_its_bound():
         d = make(c, max_queue=1)
         c.pools.decode[0].reserved_blocks = 8               # full
         waiter = asyncio.ensure_future(collect(d, request("w")))
-        await asyncio.sleep(0.05)
-        assert d.admission.num_waiting == 1
+        await until(lambda: d.admission.num_waiting == 1)
         with pytest.raises(BackendError) as e:              # the queue (1) is full: refused at once
             await collect(d, request("x"))
         assert e.value.code == "RESOURCE_EXHAUSTED"
@@ -478,8 +477,7 @@ def test_a_late_abort_never_hits_a_request_that_reuses_the_id():
         assert tokens == expected_tokens(PROMPT, 8) and chunks[-1].finish_reason == "length"
         ids = [j.request_id for j in c.decode[0].jobs]
         assert len(set(ids)) == 2 and all(i.startswith("same~") for i in ids)
-        await asyncio.sleep(0.01)                        # let the late abort land before the leak check
-        assert_nothing_held(c)
+        await until(lambda: assert_nothing_held(c))      # the late abort lands, then nothing is held
     run(main())
 
 
@@ -566,7 +564,7 @@ def test_admission_is_first_come_first_served():
             await asyncio.sleep(0.001)
         view.reserved_blocks = 16 - 4                           # room for small, not for big
         await d.admission.notify()
-        await asyncio.sleep(0.02)
+        await settle()                                          # every woken waiter has had its turns
         assert d.admission.num_waiting == 2 and not order       # small does not jump the queue
         view.reserved_blocks = 0
         await d.admission.notify()
