@@ -1,6 +1,6 @@
 """`make gpu-check` (``python -m bench.gpu_check``): one prepared run on one CUDA GPU, one summary table.
 
-Run it whenever a GPU is lent, and copy the table into the README. It checks, each figure beside
+Run it on a machine with a GPU, and copy the table into the README. It checks, each figure beside
 its peer:
 
 - engine vs HF transformers on the GPU in bfloat16: logits at every prompt position within the

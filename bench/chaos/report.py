@@ -11,7 +11,7 @@ A request ends as one of:
                or CANCELLED the client did not ask for
     hung       still open at the end, or stopped only by its safety deadline (the server never ended it)
 
-Who was hit by a fault (the issue's target: >= 99 % of them exact, the rest a clear status):
+Who was hit by a fault (the target: >= 99 % of them exact, the rest a clear status):
 
     server-side faults  a steady request in flight during one (`drills.SERVER_FAULTS`, from injection
                         to `window_end`) is exposed; it was hit when the router retried or migrated it,
@@ -192,7 +192,7 @@ def _fault_row(f: FaultRecord, rows: list[dict], i: int, t0: float, outcomes: di
 
 
 def contract(figures: dict) -> list[tuple[str, bool, str]]:
-    """The issue's targets: (name, met, the figure)."""
+    """The chaos run's targets: (name, met, the figure)."""
     fg = figures
     rate = fg["fault_hit_exact_rate"]
     rest = fg["fault_hit"] - fg["fault_hit_exact"]

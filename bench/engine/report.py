@@ -1,7 +1,7 @@
 """Tables for `bench.engine`: the measured figures beside their peers, and the targets PASS/MISS."""
 from __future__ import annotations
 
-# (name, figure, goal text, passes?) — the issue's targets for the engine.
+# (name, figure, goal text, passes?) — the engine's targets.
 TARGETS = [
     ("prefill 512: time vs HF", lambda r: r["prefill"]["512"]["ratio"], "<= 1.10x HF", lambda v: v <= 1.10),
     ("prefill 2048: time vs HF", lambda r: r["prefill"]["2048"]["ratio"], "<= 1.10x HF", lambda v: v <= 1.10),

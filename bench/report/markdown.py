@@ -112,7 +112,7 @@ def render_markdown(result: dict, plots: dict[str, str]) -> str:
         "",
         table(loaded, ratio_of="disaggregated", markdown=True),
         "",
-        "### The issue's targets",
+        "### Targets",
         "",
         "| target | measured | |", "|---|---|---|",
     ]
@@ -231,7 +231,7 @@ def _reading(result: dict, checks: list) -> list[str]:
             "workload (`pdserve plan`).")
     missed = [s for s, _, ok in checks if not ok]
     if missed:
-        lines.append("- **Targets not met here:** " + "; ".join(missed) + ". These are the issue's goals for a "
+        lines.append("- **Targets not met here:** " + "; ".join(missed) + ". These are goals for a "
                      "real deployment; on this machine they are reported as measured, not tuned for.")
     lines.append("")
     return lines

@@ -6,7 +6,7 @@
 Per serving variant (one embedded cluster each, equal total actors):
 
 1. low load: `mixed`, one request at a time (TTFT without queueing);
-2. loaded: `mixed` at a Poisson rate — the side-by-side table and the issue's targets;
+2. loaded: `mixed` at a Poisson rate — the side-by-side table and the targets;
 3. SLO attainment and goodput against the request rate (PNG);
 4. `shared-prefix`, cold then warm prefix cache (disaggregated);
 5. sweeps of output length, prompt length and concurrency, TTFT/TPOT per variant (PNGs);

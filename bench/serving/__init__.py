@@ -7,7 +7,7 @@
     workloads.py       the requests: chat, rag, mixed, shared-prefix or a JSONL file
     load.py            the load generator and each request's client-side record
     metrics.py         the figures of a run (TTFT, TPOT, ITL, goodput) and the router's counters
-    tables.py          text and Markdown tables of runs, the issue's targets
+    tables.py          text and Markdown tables of runs, the serving targets
     plots.py           PNG plots of sweeps
     hf.py              the peer: Hugging Face `generate` with static batching
     plan_check.py      the planner's predictions against a running cluster

@@ -98,7 +98,7 @@ def max_rate_at_attainment(points: list[dict], goal: float = 0.9) -> tuple[float
 
 def targets(runs: dict[str, dict], low_load: dict[str, dict] | None = None,
             rates: dict[str, list[dict]] | None = None) -> list[tuple[str, str, bool | None]]:
-    """The issue's three targets on `mixed`: (statement, measured, met?).
+    """The three serving targets on `mixed`: (statement, measured, met?).
 
     Goodput is judged both ways: per run at the loaded rate (requests/s meeting both SLOs)
     and, given the rate curve, as DistServe's highest rate held at >= 90% attainment."""

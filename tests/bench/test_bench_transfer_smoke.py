@@ -1,4 +1,4 @@
-"""Smoke test of the transfer benchmark: one loopback pair end to end, the JSON the issue names.
+"""Smoke test of the transfer benchmark: one loopback pair end to end, every field of its JSON.
 
 No timing assertions: the targets are judged in the README from full runs.
 """

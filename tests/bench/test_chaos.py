@@ -1,10 +1,10 @@
-"""The chaos run of issue #13 at small scale: `pdserve bench chaos` with 80 requests.
+"""The chaos run at small scale: `pdserve bench chaos` with 80 requests.
 
 2 prefill + 2 decode actors (tiny model, float32, half a CPU each) serve seeded, stop-string
 requests while every drill fires once, each when its victim has requests in flight: an admission
 burst, kill -9 of a prefill actor, a stalled, a corrupted and a dropped KV transfer, kill -9 of a
 decode actor mid-stream, a hung decode loop; client cancels and deadlines throughout. Each test
-asserts one target of the issue against the run's figures (printed with the report; `pytest -s`).
+asserts one of the chaos run's targets against the run's figures (printed with the report; `pytest -s`).
 """
 from __future__ import annotations
 

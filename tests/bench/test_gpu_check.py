@@ -1,7 +1,7 @@
 """`make gpu-check` on a machine without CUDA: it skips cleanly; its helpers and checks work on CPU.
 
 The checks themselves run on the device `bench.gpu_check.DEVICE` names; here on "cpu" at toy sizes,
-so a renamed engine or transport API fails here, not first on a lent GPU.
+so a renamed engine or transport API fails here, not first on a GPU.
 """
 from __future__ import annotations
 

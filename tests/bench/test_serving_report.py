@@ -58,7 +58,7 @@ def test_plots_and_page(tmp_path):
               "machine": {"cpu": "cpu", "cores": 2, "memory_gib": 1, "os": "os", "python": "3", "torch": "t",
                           "ray": "r", "grpcio": "g", "transformers": "x", "commit": "c", "load_before": [1, 1, 1]}}
     page = render_markdown(result, {"rate": "img/rate.png", "concurrency": "img/c.png"})
-    assert "![SLO attainment vs rate](img/rate.png)" in page and "### The issue's targets" in page
+    assert "![SLO attainment vs rate](img/rate.png)" in page and "### Targets" in page
     assert ("| disaggregated goodput ≥ 1.3× the better colocated variant (per run, requests/s meeting both SLOs "
             "at the loaded rate) | 1.00× | **not met** |") in page
 

@@ -119,7 +119,7 @@ def test_bad_requests_invalid_argument_and_still_serving(cluster, kwargs, field)
 
 
 def test_first_token_completing_a_stop_string_is_cut_as_colocated(cluster, tiny_model_dir):
-    """Issue #13 defect 8: a request that ends at its first token because that token completes a stop
+    """A request that ends at its first token because that token completes a stop
     string gets the text the colocated engine emits ("" here), not the token's text."""
     from engine import Engine
     engine = Engine(tiny_model_dir, dtype="float32", num_blocks=64)

@@ -95,7 +95,7 @@ def _settle(cluster):
         time.sleep(0.2)
     stats = wait_blocks_free(cluster.address, timeout=20)
     assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
-    # issue #13 defect 12: the router holds a token-stream channel only for endpoints actors serve now
+    # the router holds a token-stream channel only for endpoints actors serve now
     streams = cluster.cluster.factory.streams
     live = {v.client.stream_endpoint for v in backend.pools.decode}
     assert set(streams._stubs) <= live, (set(streams._stubs), live)

@@ -1,4 +1,4 @@
-"""Actors Ray cannot place (issue #13, defect 14) on a local Ray with 2 CPUs: three actors of 1 CPU
+"""Actors Ray cannot place, on a local Ray with 2 CPUs: three actors of 1 CPU
 fit by fractional CPUs (said once in the log) and serve; an impossible custom resource fails
 within ray.placement_timeout_s with an error naming the pool, what it asks and what Ray has."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 14 end to end on Ray clusters: every sampling and output field gives identical responses
+"""End to end on Ray clusters, every sampling and output field gives identical responses
 disaggregated (1 prefill + 1 decode actor, codec none, every prompt prefilled remotely) and colocated,
 and greedy logprobs / prompt logprobs equal HF transformers' log-softmax on the same checkpoint."""
 from __future__ import annotations

@@ -63,7 +63,7 @@ def _emitted_after(engine: Engine, prompt, params, k: int) -> str:
 
 
 def test_migration_keeps_held_back_text_and_finds_a_stop_string_across_the_seam(worker, tiny_model_dir):
-    """Issue #13 defect 3: after a migration the client's text must equal an undisturbed run's, and a
+    """After a migration the client's text must equal an undisturbed run's, and a
     stop string that straddles the migration point must still end the request."""
     engine = Engine(tiny_model_dir, dtype="float32", num_blocks=256)
     tok = engine.tokenizer

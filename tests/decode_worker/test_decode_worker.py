@@ -89,8 +89,8 @@ def test_duplicate_and_bad_jobs_are_refused(pair):
 
 
 def test_an_unexpected_error_while_adopting_frees_the_blocks_and_ends_the_request(pair, reference):
-    """Issue #13 defect 10: only ValueError was caught, so any other error stranded the request and
-    leaked the transfer's blocks (and dropped the rest of the poll batch)."""
+    """Any error while adopting, not only ValueError, ends the request and frees the transfer's blocks
+    (and the rest of the poll batch is still adopted)."""
     prefill, decode, _ = pair
     real_adopt = decode.engine.adopt
 
@@ -115,8 +115,8 @@ def test_an_unexpected_error_while_adopting_frees_the_blocks_and_ends_the_reques
 
 
 def test_adopted_requests_never_exceed_the_batch_bound(tiny_model_dir, reference):
-    """Issue #13 defect 5: adopted requests joined the running batch regardless of max_num_seqs
-    (GetStats showed 32 running with max_batch_size 4); now at most 4 run and the rest queue."""
+    """Adopted requests join the running batch only up to max_num_seqs: with max_batch_size 4, at
+    most 4 run and the rest queue."""
     from worker_support import worker_pair
     prefill, decode, _ = worker_pair(tiny_model_dir, num_blocks=512, max_num_seqs=4)
     try:

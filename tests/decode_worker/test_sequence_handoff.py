@@ -1,4 +1,4 @@
-"""Issue 14 across the handoff: every sampling and output field gives the same events disaggregated
+"""Across the handoff, every sampling and output field gives the same events disaggregated
 (prefill worker → fake transport, codec none → decode worker) as on a colocated worker — n sequences
 forked over one shipped prompt, logprobs of the first token sampled on the prefill side, prompt
 logprobs, stop token ids — and every block comes back on both sides."""

@@ -1,4 +1,4 @@
-"""Divisors of the sampler (temperature, repetition_penalty) have a floor (issue #13, defect 13):
+"""Divisors of the sampler (temperature, repetition_penalty) have a floor:
 a positive denormal would divide the logits to inf and the softmax to NaN."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue #14 sampling fields: validation naming the field, proto round trip, defaults for unset fields."""
+"""The sampling fields: validation naming the field, proto round trip, defaults for unset fields."""
 from __future__ import annotations
 
 import pytest

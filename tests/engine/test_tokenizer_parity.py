@@ -104,7 +104,7 @@ def test_encode_equals_auto_tokenizer(dirs, name):
         assert ours.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"], text
     bos = STYLES[name][1]
     first = ours.encode("Hello world")[0]
-    assert (first == bos) == (name != "qwen") == ours.add_bos       # the BOS the issue is about
+    assert (first == bos) == (name != "qwen") == ours.add_bos       # a BOS for every tokenizer but qwen's
 
 
 @pytest.mark.parametrize("name", list(STYLES))

@@ -21,7 +21,7 @@ def test_sender_drops_the_cache_after_done(make_pair, layout):
 
 
 def test_a_sender_keeps_state_for_a_bounded_number_of_destinations(layout, monkeypatch):
-    """Issue #13 defect 12: per-destination state (handshakes, gRPC channels) only grew."""
+    """Per-destination state (handshakes, gRPC channels) stays bounded: only the newest destinations keep it."""
     from kv_transfer import sender as sender_module
     from kv_transfer.transports.grpc import GrpcSender
     monkeypatch.setattr(sender_module, "MAX_DESTINATIONS", 3)

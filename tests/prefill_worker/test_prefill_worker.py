@@ -75,7 +75,7 @@ def test_request_that_ends_at_its_first_token_ships_nothing(pair, reference):
 
 
 def test_first_token_that_completes_a_stop_string_emits_what_the_engine_emits(pair, tiny_model_dir):
-    """Issue #13 defect 8: the router used to decode the first token alone, ignoring the stop string."""
+    """A first token that completes a stop string gets the colocated engine's text, not the token decoded alone."""
     from engine import Engine
     prefill, decode, _ = pair
     engine = Engine(tiny_model_dir, dtype="float32", num_blocks=64)

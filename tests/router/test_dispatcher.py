@@ -214,8 +214,8 @@ def test_receiver_failure_on_the_only_decode_actor_retries_there():
 
 
 def test_a_black_hole_decode_actor_is_quarantined_and_requests_complete_elsewhere():
-    """Issue #13 defect 2: an alive decode actor whose receiver fails everything stayed the 'freest'
-    choice and requests burned every attempt there (UNAVAILABLE)."""
+    """An alive decode actor whose receiver fails everything, though still the 'freest' choice, is
+    quarantined: requests complete elsewhere instead of burning every attempt there (UNAVAILABLE)."""
     async def main():
         c = fake_cluster(kv_blocks=64)
         # most_free_blocks: kv_aware would prefer decode-1 once it caches the prompt (it serves the retries)
@@ -464,7 +464,7 @@ def test_prefill_job_is_a_typed_message():
 
 
 def test_a_late_abort_never_hits_a_request_that_reuses_the_id():
-    """Issue #13 defect 9: cancel a stream after its first token and resend the same request_id at
+    """Cancel a stream after its first token and resend the same request_id at
     once; the first dispatch's abort lands after the second registered and must not end it."""
     async def main():
         c = fake_cluster(num_decode=1)
@@ -497,7 +497,7 @@ def test_client_ids_with_separators_never_collide_with_attempt_ids():
 
 
 def test_every_request_gets_a_seed_that_survives_migration():
-    """Issue #13 defect 13: an unseeded request gets a server-chosen seed, so a migrated request
+    """An unseeded request gets a server-chosen seed, so a migrated request
     redraws exactly the tokens it would have drawn."""
     async def main():
         c = fake_cluster()
@@ -513,8 +513,8 @@ def test_every_request_gets_a_seed_that_survives_migration():
 
 
 def test_cancel_while_migrating_releases_the_reservation_once():
-    """Issue #13 defect 4: the old decode actor's reservation was released before the migration
-    awaited a new one, and again when the cancelled request unwound: counts went negative."""
+    """A request cancelled while its migration waits for room releases the old decode actor's
+    reservation exactly once, not again when it unwinds: the counts never go negative."""
     async def main():
         c = fake_cluster(kv_blocks=16)
         d = make(c)
@@ -545,7 +545,7 @@ async def collect_gen(gen) -> list:
 
 
 def test_admission_is_first_come_first_served():
-    """Issue #13 defect 5: a newcomer that fits could take room ahead of an older, larger waiter."""
+    """A newcomer that fits never takes room ahead of an older, larger waiter."""
     async def main():
         c = fake_cluster(num_decode=1, kv_blocks=16)
         d = make(c)
@@ -610,9 +610,8 @@ def test_admission_bounds_the_prefill_backlog():
 
 
 def test_the_decode_actor_waits_for_the_transfer_to_begin_as_long_as_the_router_waits_for_prefill():
-    """Issue #13 defect 5: the KV wait started at registration and was the transfer deadline, so
-    prefill queueing ate it; now the transfer deadline runs from the send and the decode side waits
-    for the transfer to begin as long as the router waits for the prefill."""
+    """Prefill queueing does not eat the transfer deadline: the deadline runs from the send, and the
+    decode side waits for the transfer to begin as long as the router waits for the prefill."""
     async def main():
         c = fake_cluster()
         d = make(c, transfer_deadline_s=2.0, stream_idle_s=50.0)
@@ -646,7 +645,7 @@ def test_stats_leave_out_an_actor_that_hangs_and_answer_in_bounded_time():
     run(main())
 
 
-# ---- issue 14: n sequences, logprobs, prompt logprobs, matched stop --------------------------------
+# ---- n sequences, logprobs, prompt logprobs, matched stop ------------------------------------------
 
 def _by_index(chunks) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}

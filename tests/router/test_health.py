@@ -1,4 +1,4 @@
-"""Health follows the backend's readiness for as long as the router runs (issue #13, defect 13):
+"""Health follows the backend's readiness for as long as the router runs:
 SERVING, NOT_SERVING once every decode actor is gone, SERVING again when one is back."""
 from __future__ import annotations
 

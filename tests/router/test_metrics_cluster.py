@@ -1,4 +1,4 @@
-"""Every metric the issue names is exported over HTTP after one request through an embedded cluster."""
+"""Every metric in METRICS is exported over HTTP after one request through an embedded cluster."""
 from __future__ import annotations
 
 import socket

@@ -1,4 +1,4 @@
-"""The committed generated code is fresh, the public contract (issue 4) is intact,
+"""The committed generated code is fresh, the public contract is intact,
 and the proto passes `buf lint` when buf is installed."""
 from __future__ import annotations
 

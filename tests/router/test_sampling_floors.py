@@ -1,4 +1,4 @@
-"""Denormal temperature / repetition_penalty (issue #13, defect 13): the router refuses them
+"""Denormal temperature / repetition_penalty: the router refuses them
 INVALID_ARGUMENT naming the field and its floor, before anything reaches the backend."""
 from __future__ import annotations
 

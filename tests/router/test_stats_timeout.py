@@ -1,4 +1,4 @@
-"""A backend whose stats() never returns (issue #13, defect 13): GetStats still answers within its
+"""A backend whose stats() never returns: GetStats still answers within its
 bound (without actor stats, logged once), and the metrics poll keeps polling."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Huge `token_ids` (issue #13, defect 6): refused at once by their count, validated without
+"""Huge `token_ids`: refused at once by their count, validated without
 blocking the event loop, while a small request on the same router keeps streaming."""
 from __future__ import annotations
 
