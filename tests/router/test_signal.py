@@ -20,7 +20,7 @@ from router import build_request
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent("""
     import asyncio, sys
-    sys.path.insert(0, "tests/router")
+    sys.path[:0] = ["tests/router", "tests"]
     from conftest import FakeBackend
     from router import configure_logging, serve_until_signal, start_server
 
