@@ -21,12 +21,13 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def death_report(actor_id: str, pid: int, logs_dir: str | None = None) -> str:
-    """``"<what happened>; ray: <its death cause>; last lines: <…> | <…>"`` (parts Ray or the log lack are left out)."""
+    """``"<what happened>; ray: <its death cause>; last lines: <…> | <…>"``; parts Ray or the log lack are
+    left out."""
     logs_dir = logs_dir or _local_logs_dir()
+    if logs_dir and pid and _running(pid):    # on this node, and still there: nothing to ask Ray or the log
+        return f"its process {pid} is alive but does not answer (hung, or too busy to)"
     cause = ray_death_cause(actor_id)
     tail = log_tail(pid, logs_dir)
-    if logs_dir and pid and _running(pid):    # on this node, and still there
-        return f"its process {pid} is alive but does not answer (hung, or too busy to)"
     parts = [verdict(cause, tail)]
     if cause:
         parts.append(f"ray: {cause}")
