@@ -268,7 +268,7 @@ def check_cluster(model_dir: str, n: int) -> list[Row]:
 
 
 def check_transfer(payload_mib: int) -> list[Row]:
-    from kv_transfer import KVLayout, SimpleBlockPool, TransferStatus, make_receiver, make_sender
+    from kv_transfer import KVLayout, KVPiece, SimpleBlockPool, TransferStatus, make_receiver, make_sender
     layout = KVLayout(num_layers=16, num_kv_heads=8, block_size=16, head_dim=128, dtype=torch.bfloat16,
                       model_fingerprint="gpu-check")
     blocks = max(1, payload_mib * MIB // layout.block_nbytes)
@@ -286,7 +286,7 @@ def check_transfer(payload_mib: int) -> list[Row]:
         try:
             times = []
             for rep in range(4):                                    # the first one warms up
-                handle = sender.send(f"r{rep}", src, ids, receiver.endpoint, deadline_s=120)
+                handle = sender.send(KVPiece(f"r{rep}", src, ids, deadline_s=120), receiver.endpoint)
                 if handle.wait(120) != TransferStatus.DONE:
                     raise RuntimeError(f"transfer failed: {handle}")
                 times.append(handle.elapsed_s)

@@ -33,7 +33,7 @@ from engine.attention import build_metadata
 from engine.presets import resolve_model
 from engine.train.passages import load_passages
 from kv_transfer import codec_compiled
-from kv_transfer import FakeHub, TransferResult, TransferStatus, layout_of, make_receiver, make_sender
+from kv_transfer import FakeHub, KVPiece, TransferResult, TransferStatus, layout_of, make_receiver, make_sender
 
 PROMPT_TOKENS = 128
 CONTINUATION_TOKENS = 64
@@ -112,8 +112,9 @@ class KVLink:
 
     def ship(self, request_id: str, block_ids: list[int], num_tokens: int, first_token_id: int) -> TransferResult:
         """Send the prompt's blocks; returns the DONE result (its dst_block_ids now belong to the caller)."""
-        handle = self.sender.send(request_id, self.prefill.kv_cache, block_ids, self.receiver.endpoint,
-                                  num_tokens=num_tokens, first_token_id=first_token_id, deadline_s=120.0)
+        piece = KVPiece(request_id, self.prefill.kv_cache, block_ids, num_tokens=num_tokens,
+                        first_token_id=first_token_id, deadline_s=120.0)
+        handle = self.sender.send(piece, self.receiver.endpoint)
         if handle.wait(120.0) is not TransferStatus.DONE:
             raise RuntimeError(f"{self.codec} transfer of {request_id} did not finish: {handle}")
         result = self.receiver.wait(handle.transfer_id, 120.0)

@@ -28,7 +28,8 @@ TOKEN = "pdserve-link-profile"
 
 def measure_link(cfg: PDServeConfig, model_dir: str, reps: int = 3, timeout_s: float = 120.0) -> dict:
     """Send one mean-length prompt's KV blocks ``reps`` times over the configured transport (see the module)."""
-    from kv_transfer import KVLayout, SimpleBlockPool, TransferStatus, codec_compiled, make_receiver, make_sender
+    from kv_transfer import (KVLayout, KVPiece, SimpleBlockPool, TransferStatus, codec_compiled, make_receiver,
+                             make_sender)
 
     t = cfg.kv_transfer
     result: dict = {"transport": t.transport, "codec": t.compression, "where": "loopback"}
@@ -50,8 +51,8 @@ def measure_link(cfg: PDServeConfig, model_dir: str, reps: int = 3, timeout_s: f
         codec_compiled.wait_ready(timeout_s)  # measure the codec a warm serving process runs
         best, wire_bytes = float("inf"), 0
         for rep in range(reps + 1):
-            handle = sender.send(f"link-{rep}", src, list(range(num_blocks)), receiver.endpoint,
-                                 deadline_s=timeout_s)
+            piece = KVPiece(f"link-{rep}", src, list(range(num_blocks)), deadline_s=timeout_s)
+            handle = sender.send(piece, receiver.endpoint)
             if handle.wait(timeout_s) != TransferStatus.DONE:
                 raise RuntimeError(f"transfer failed: {handle.error or handle.status.value}")
             if receiver.wait(handle.transfer_id, timeout_s) is None:

@@ -21,6 +21,7 @@ from kv_transfer.codec_compiled import release_gil_in_compiled_kernels
 from kv_transfer.interface import (
     BlockAllocator,
     FailedSide,
+    KVPiece,
     KVReceiver,
     KVSender,
     ReceiverStats,
@@ -46,6 +47,7 @@ __all__ = [
     "FakeHub",
     "HandshakeError",
     "KVLayout",
+    "KVPiece",
     "KVReceiver",
     "KVSender",
     "ReceiverStats",

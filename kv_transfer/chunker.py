@@ -1,6 +1,6 @@
 """Sender-side pipeline: split a transfer into chunks, encode them ahead.
 
-A transfer covers ``kv_cache[layers, src_block_ids]``. Chunks are
+A transfer covers ``kv_cache[layers, block_ids]``. Chunks are
 rectangles of (layer, block) cells: several whole layers when a layer's
 blocks fit in ``chunk_bytes``, otherwise one layer and a run of blocks.
 ``pipeline`` encodes the next chunks on worker threads while the transport
@@ -20,8 +20,9 @@ import torch
 
 from kv_transfer.buffers import payload_pool, scratch_pool
 from kv_transfer.codec import Codec, pin_transfer_thread
+from kv_transfer.interface import KVPiece
 from kv_transfer.layout import KVLayout
-from kv_transfer.wire import ChunkHeader, host_checksum, pack_header
+from kv_transfer.wire import DEFAULT_CHUNK_BYTES, ChunkHeader, host_checksum, pack_header
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,36 +88,55 @@ def pipeline_chunk_bytes(total_nbytes: int, chunk_bytes: int) -> int:
     return min(chunk_bytes, max(MIN_CHUNK_BYTES, total_nbytes // MIN_CHUNKS))
 
 
-def encode_jobs(
-    kv_cache: torch.Tensor,  # [num_layers, num_blocks, 2, H, B, D]
-    src_block_ids: list[int],
-    layout: KVLayout,
-    codec: Codec,
-    *,
-    request_id: str,
-    transfer_id: str,
-    layers: tuple[int, int],
-    deadline_at: float,  # time.monotonic() deadline
-    chunk_bytes: int,
-    num_tokens: int = 0,
-    first_token_id: int = -1,
-    handoff: bytes = b"",
-    blocks: tuple[int, int] | None = None,
-) -> list[ChunkJob]:
-    """One job per chunk; each gathers, encodes and checksums its rectangle when called.
+def chunk_header(piece: KVPiece, layout: KVLayout, codec: Codec, plan: ChunkPlan, chunk_index: int,
+                 num_chunks: int, payload_len: int, checksum: int, deadline_at: float) -> ChunkHeader:
+    """The header of chunk ``chunk_index`` of ``num_chunks`` of ``piece``, covering ``plan``."""
+    return ChunkHeader(
+        request_id=piece.request_id,
+        transfer_id=piece.transfer_id,
+        model_fingerprint=layout.model_fingerprint,
+        num_layers=layout.num_layers,
+        layer_start=plan.layer_start,
+        layer_end=plan.layer_end,
+        num_blocks=len(piece.block_ids),
+        block_start=plan.block_start,
+        block_end=plan.block_end,
+        block_size=layout.block_size,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=layout.dtype_name,
+        codec=codec.name,
+        scale_layout=codec.scale_layout,
+        chunk_index=chunk_index,
+        num_chunks=num_chunks,
+        payload_len=payload_len,
+        checksum=checksum,
+        deadline_ms=max(0, int((deadline_at - time.monotonic()) * 1000)),
+        num_tokens=piece.num_tokens,
+        first_token_id=piece.first_token_id,
+        handoff=piece.handoff,
+    )
 
-    The chunks cover ``kv_cache[layers, src_block_ids[blocks]]`` (``blocks``: a range into
-    ``src_block_ids``, default all); their headers index blocks into the whole ``src_block_ids``.
-    Every chunk carries its checksum, taken on a host copy when the cache is on a device, since
-    receivers refuse chunks without one.
+
+def piece_plans(piece: KVPiece, cell_nbytes: int, chunk_bytes: int) -> list[ChunkPlan]:
+    """The chunks of a resolved ``piece`` (see ``pipeline_chunk_bytes``)."""
+    total_nbytes = piece_nbytes(piece.layers, piece.blocks, cell_nbytes)
+    return plan_chunks(piece.layers, len(piece.block_ids), cell_nbytes,
+                       pipeline_chunk_bytes(total_nbytes, chunk_bytes), piece.blocks)
+
+
+def encode_jobs(piece: KVPiece, layout: KVLayout, codec: Codec, deadline_at: float,  # time.monotonic()
+                chunk_bytes: int) -> list[ChunkJob]:
+    """One job per chunk of a resolved ``piece``; each gathers, encodes and checksums its rectangle when called.
+
+    The chunks cover ``kv_cache[layers, block_ids[blocks]]``; their headers index blocks into the whole
+    ``block_ids``. Every chunk carries its checksum, taken on a host copy when the cache is on a device,
+    since receivers refuse chunks without one.
     """
-    num_blocks = len(src_block_ids)
-    blocks = blocks or (0, num_blocks)
+    kv_cache = piece.kv_cache  # [num_layers, num_blocks, 2, H, B, D]
     cell_shape = (1, 1, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)
-    cell_nbytes = codec.payload_nbytes(cell_shape, layout.dtype)
-    total_nbytes = piece_nbytes(layers, blocks, cell_nbytes)
-    plans = plan_chunks(layers, num_blocks, cell_nbytes, pipeline_chunk_bytes(total_nbytes, chunk_bytes), blocks)
-    index = torch.tensor(src_block_ids, dtype=torch.long, device=kv_cache.device)
+    plans = piece_plans(piece, codec.payload_nbytes(cell_shape, layout.dtype), chunk_bytes)
+    index = torch.tensor(piece.block_ids, dtype=torch.long, device=kv_cache.device)
 
     def nbytes(plan: ChunkPlan) -> int:
         shape = (plan.layer_end - plan.layer_start, plan.block_end - plan.block_start, *cell_shape[2:])
@@ -128,39 +148,18 @@ def encode_jobs(
             codec.encode_from(kv_cache, (plan.layer_start, plan.layer_end), index[plan.block_start : plan.block_end],
                               payload, scratch)
         crc = host_checksum(payload)  # on every device: receivers refuse a chunk without one
-        header = ChunkHeader(
-            request_id=request_id,
-            transfer_id=transfer_id,
-            model_fingerprint=layout.model_fingerprint,
-            num_layers=layout.num_layers,
-            layer_start=plan.layer_start,
-            layer_end=plan.layer_end,
-            num_blocks=num_blocks,
-            block_start=plan.block_start,
-            block_end=plan.block_end,
-            block_size=layout.block_size,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            dtype=layout.dtype_name,
-            codec=codec.name,
-            scale_layout=codec.scale_layout,
-            chunk_index=chunk_index,
-            num_chunks=len(plans),
-            payload_len=payload.numel(),
-            checksum=crc,
-            deadline_ms=max(0, int((deadline_at - time.monotonic()) * 1000)),
-            num_tokens=num_tokens,
-            first_token_id=first_token_id,
-            handoff=handoff,
-        )
+        header = chunk_header(piece, layout, codec, plan, chunk_index, len(plans), payload.numel(), crc, deadline_at)
         return EncodedChunk(header, pack_header(header), payload)
 
     return [ChunkJob(functools.partial(job, chunk_index, plan), nbytes(plan)) for chunk_index, plan in enumerate(plans)]
 
 
-def encode_chunks(*args, **kwargs) -> Iterator[EncodedChunk]:
-    """Encode chunk by chunk on this thread (same arguments as ``encode_jobs``)."""
-    for job in encode_jobs(*args, **kwargs):
+def encode_chunks(piece: KVPiece, layout: KVLayout, codec: Codec, deadline_at: float | None = None,
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[EncodedChunk]:
+    """Encode a piece chunk by chunk on this thread (``deadline_at`` default: ``piece.deadline_s`` from now)."""
+    piece = piece.resolved(layout.num_layers)
+    deadline_at = time.monotonic() + piece.deadline_s if deadline_at is None else deadline_at
+    for job in encode_jobs(piece, layout, codec, deadline_at, chunk_bytes):
         yield job()
 
 

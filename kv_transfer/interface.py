@@ -1,17 +1,16 @@
 """The KV transfer interface: one ABC per side, a status enum, typed results.
 
 Prefill side (``KVSender``, owned by a prefill actor):
-    send(request_id, kv_cache, src_block_ids, dest, *, transfer_id, layers, blocks,
-         deadline_s, num_tokens, first_token_id, handoff, ready) -> SendHandle
-        Ship ``kv_cache[layers, src_block_ids[blocks]]`` to ``dest`` in the background.
-        Call once with all layers and blocks, or once per piece (layer range x
-        block range) as prefill produces them (same ``transfer_id``, same
-        ``src_block_ids``: the transfer's whole block list); the receiver gets
-        the same bytes. The receiver reports DONE once every cell arrived, with
-        the handoff of the chunks that carry one (layer-wise streaming sends it
-        with the last piece). The source blocks must stay unchanged until the
-        handle is done; after DONE or FAILED the sender holds no reference to
-        the cache.
+    send(piece: KVPiece, dest) -> SendHandle
+        Ship ``piece.kv_cache[piece.layers, piece.block_ids[piece.blocks]]`` to
+        ``dest`` in the background. Call once with all layers and blocks, or
+        once per piece (layer range x block range) as prefill produces them
+        (same ``transfer_id``, same ``block_ids``: the transfer's whole block
+        list); the receiver gets the same bytes. The receiver reports DONE once
+        every cell arrived, with the handoff of the chunks that carry one
+        (layer-wise streaming sends it with the last piece). The source blocks
+        must stay unchanged until the handle is done; after DONE or FAILED the
+        sender holds no reference to the cache.
     handshake(dest) -> None
         Compare layouts with the receiver now (``send`` does it lazily once per
         destination). Raises HandshakeError naming both values on a mismatch.
@@ -58,8 +57,9 @@ from __future__ import annotations
 import enum
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -118,6 +118,47 @@ class TransferResult:
     done_at: float = 0.0
     receive_s: float = 0.0
     receive_tail_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class KVPiece:
+    """What one ``send`` ships: the cells ``kv_cache[layers, block_ids[blocks]]`` of one transfer.
+
+    ``block_ids`` is the transfer's whole block list, in token order (any ids; every piece of a
+    transfer passes the same list); ``layers`` and ``blocks`` (a range into ``block_ids``) pick this
+    piece's rectangle, None meaning all. ``num_tokens``, ``first_token_id`` and ``handoff`` reach the
+    receiver's TransferResult (``handoff``: opaque bytes for the decode side, in every chunk header);
+    pieces sent before the first token is known leave them unset and a later piece sets them.
+    ``deadline_s`` bounds the whole transfer, and the receiver expires it too. ``ready``: None, or an
+    event (``.synchronize()``) marking the rows' device writes done; the sender's thread waits on it
+    before reading them (never the caller's stream).
+    """
+
+    request_id: str
+    kv_cache: torch.Tensor  # [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
+    block_ids: tuple[int, ...] | list[int]
+    transfer_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    layers: tuple[int, int] | None = None
+    blocks: tuple[int, int] | None = None
+    deadline_s: float = 30.0
+    num_tokens: int = 0
+    first_token_id: int = -1
+    handoff: bytes = b""
+    ready: object | None = None
+
+    def resolved(self, num_layers: int) -> KVPiece:
+        """This piece with its ranges made explicit (``layers``/``blocks`` None -> all) and ids a tuple."""
+        return replace(self, block_ids=tuple(self.block_ids), layers=tuple(self.layers or (0, num_layers)),
+                       blocks=tuple(self.blocks or (0, len(self.block_ids))))
+
+    def check(self, num_layers: int) -> None:
+        """ValueError naming the range that does not fit the cache (call on a resolved piece)."""
+        if not (0 <= self.layers[0] < self.layers[1] <= num_layers):
+            raise ValueError(f"bad layer range {self.layers} for {num_layers} layers")
+        if not self.block_ids or min(self.block_ids) < 0 or max(self.block_ids) >= self.kv_cache.shape[1]:
+            raise ValueError(f"block_ids must be non-empty ids in [0, {self.kv_cache.shape[1]})")
+        if not (0 <= self.blocks[0] < self.blocks[1] <= len(self.block_ids)):
+            raise ValueError(f"bad block range {self.blocks} for {len(self.block_ids)} blocks")
 
 
 @dataclass(slots=True)
@@ -181,41 +222,11 @@ class SendHandle:
 
 class KVSender(ABC):
     @abstractmethod
-    def send(
-        self,
-        request_id: str,
-        kv_cache: torch.Tensor,  # [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
-        src_block_ids: list[int],
-        dest: str,
-        *,
-        transfer_id: str | None = None,
-        layers: tuple[int, int] | None = None,
-        deadline_s: float = 30.0,
-        num_tokens: int = 0,
-        first_token_id: int = -1,
-        handoff: bytes = b"",
-        blocks: tuple[int, int] | None = None,
-        ready: object | None = None,
-    ) -> SendHandle:
-        """Ship ``kv_cache[layers, src_block_ids[blocks]]`` to ``dest`` in the background.
+    def send(self, piece: KVPiece, dest: str) -> SendHandle:
+        """Ship ``piece`` to the receiver at ``dest`` (its ``endpoint`` string) in the background.
 
-        Args:
-            request_id: the request the KV belongs to (reported back by the receiver).
-            kv_cache: the engine's cache tensor (CPU or CUDA).
-            src_block_ids: the request's blocks, in token order (any ids).
-            dest: the receiver's ``endpoint`` string.
-            transfer_id: reuse one id across layer-range sends; default a new uuid.
-            layers: ``(start, end)`` layer range; default all layers.
-            deadline_s: the whole transfer's deadline; the receiver expires it too.
-            num_tokens, first_token_id, handoff: carried to the receiver's TransferResult
-                (``handoff``: opaque bytes for the decode side, in every chunk header); pieces sent
-                before the first token is known leave them unset, a later piece sets them.
-            blocks: ``(start, end)`` range into ``src_block_ids`` this piece covers; default all.
-            ready: None, or an event (``.synchronize()``) marking the rows' device writes done:
-                the sender's thread waits on it before reading them (never the caller's stream).
-        Returns:
-            A SendHandle; never raises for transfer errors (see handle.status,
-            handle.failed_side, handle.error).
+        Returns a SendHandle; never raises for transfer errors (see handle.status,
+        handle.failed_side, handle.error).
         """
 
     @abstractmethod

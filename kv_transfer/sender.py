@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kv_transfer.buffers import tune_malloc
 from kv_transfer.chunker import ChunkJob, EncodedChunk, encode_jobs, pipeline
 from kv_transfer.codec import CodecError, get_codec
-from kv_transfer.interface import FailedSide, KVSender, SendHandle, TransferError, TransferStatus
+from kv_transfer.interface import FailedSide, KVPiece, KVSender, SendHandle, TransferError, TransferStatus
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES
 
@@ -74,66 +73,29 @@ class BaseSender(KVSender):
         with self._lock:
             self._handshaken.pop(dest, None)
 
-    def send(
-        self,
-        request_id,
-        kv_cache,
-        src_block_ids,
-        dest,
-        *,
-        transfer_id=None,
-        layers=None,
-        deadline_s=30.0,
-        num_tokens=0,
-        first_token_id=-1,
-        handoff=b"",
-        blocks=None,
-        ready=None,
-    ) -> SendHandle:
-        transfer_id = transfer_id or uuid.uuid4().hex
-        handle = SendHandle(request_id, transfer_id)
-        layers = layers or (0, self.layout.num_layers)
-        blocks = blocks or (0, len(src_block_ids))
+    def send(self, piece: KVPiece, dest: str) -> SendHandle:
+        handle = SendHandle(piece.request_id, piece.transfer_id)
         try:
-            self.layout.check_cache(kv_cache)
-            if not (0 <= layers[0] < layers[1] <= self.layout.num_layers):
-                raise ValueError(f"bad layer range {layers} for {self.layout.num_layers} layers")
-            if not src_block_ids or min(src_block_ids) < 0 or max(src_block_ids) >= kv_cache.shape[1]:
-                raise ValueError(f"src_block_ids must be non-empty ids in [0, {kv_cache.shape[1]})")
-            if not (0 <= blocks[0] < blocks[1] <= len(src_block_ids)):
-                raise ValueError(f"bad block range {blocks} for {len(src_block_ids)} blocks")
+            piece = piece.resolved(self.layout.num_layers)
+            self.layout.check_cache(piece.kv_cache)
+            piece.check(self.layout.num_layers)
         except ValueError as exc:
             handle._finish(TransferStatus.FAILED, str(exc), FailedSide.SENDER)
             return handle
-        self.codec.prepare(kv_cache)  # fast kernels build in the background; until then, the eager codec
-        deadline_at = time.monotonic() + deadline_s
-        job = dict(
-            kv_cache=kv_cache,
-            src_block_ids=list(src_block_ids),
-            layout=self.layout,
-            codec=self.codec,
-            request_id=request_id,
-            transfer_id=transfer_id,
-            layers=tuple(layers),
-            deadline_at=deadline_at,
-            chunk_bytes=self.chunk_bytes,
-            num_tokens=num_tokens,
-            first_token_id=first_token_id,
-            handoff=handoff,
-            blocks=tuple(blocks),
-        )
-        self._pool.submit(self._run, handle, dest, job, ready)
+        self.codec.prepare(piece.kv_cache)  # fast kernels build in the background; until then, the eager codec
+        deadline_at = time.monotonic() + piece.deadline_s
+        self._pool.submit(self._run, handle, dest, [piece], deadline_at)
         return handle
 
-    def _run(self, handle: SendHandle, dest: str, job: dict, ready=None) -> None:
-        deadline_at = job["deadline_at"]
+    def _run(self, handle: SendHandle, dest: str, held: list[KVPiece], deadline_at: float) -> None:
+        """``held``: the piece, in a list this thread empties once the chunk jobs hold what they need,
+        so that the pool's record of the call does not keep the cache alive."""
         try:
             self.handshake(dest)
             handle.status = TransferStatus.TRANSFERRING
-            if ready is not None:  # the rows' writes are queued on a device stream: wait for them here
-                ready.synchronize()
-            jobs = self._jobs(job)
-            job.clear()  # the jobs hold the cache until they end; we do not
+            if held[0].ready is not None:  # the rows' writes are queued on a device stream: wait for them here
+                held[0].ready.synchronize()
+            jobs = self._jobs(held.pop(), deadline_at)  # the jobs hold the cache until they end; we do not
             chunks = _timed(handle, pipeline(jobs, self._encoders, self._prepare, self.prefetch_depth))
             handle.wire_bytes = self._ship(dest, chunks, deadline_at, handle.transfer_id, [job.nbytes for job in jobs])
             handle._finish(TransferStatus.DONE)
@@ -146,12 +108,12 @@ class BaseSender(KVSender):
         except Exception as exc:  # transport bug or connection problem
             handle._finish(TransferStatus.FAILED, f"{type(exc).__name__}: {exc}", FailedSide.TRANSPORT)
         finally:
-            job.clear()
+            held.clear()
 
-    def _jobs(self, job: dict) -> list[ChunkJob]:
-        """The piece's chunk jobs (``encode_jobs``'s keywords in ``job``); a transport that sends some chunks
-        another way (straight from the cache's rows) builds its own."""
-        return encode_jobs(**job)
+    def _jobs(self, piece: KVPiece, deadline_at: float) -> list[ChunkJob]:
+        """The piece's chunk jobs; a transport that sends some chunks another way (straight from the
+        cache's rows) builds its own."""
+        return encode_jobs(piece, self.layout, self.codec, deadline_at, self.chunk_bytes)
 
     def _prepare(self, chunk: EncodedChunk):
         """Per-chunk work a transport wants done on the encode thread (e.g. framing)."""

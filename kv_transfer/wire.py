@@ -5,7 +5,7 @@ One chunk on a byte transport (gRPC message, Ray object) is a frame:
     u32 little-endian header length | msgpack header | payload
 
 where payload = codec scales ++ codec data for
-``kv_cache[layer_start:layer_end, src_block_ids[block_start:block_end]]``.
+``kv_cache[layer_start:layer_end, block_ids[block_start:block_end]]``.
 The torch transport sends the same header and payload as separate tensors.
 Headers are size-checked and type-checked before the receiver allocates
 anything; the payload length must equal what the header's shape implies.

@@ -4,7 +4,7 @@ Lifecycle of one request on this worker (each loop step: schedule → run → se
 
     submit(PrefillJob) ──► engine queue (WAITING) ──schedule/run──► each sequence's first token sampled
     (PREFILLED, blocks held)
-    ──► sender.send(kv_cache[:, blocks[job.skip_blocks:]] + Handoff → job.kv_endpoint)
+    ──► sender.send(KVPiece(kv_cache[:, blocks[job.skip_blocks:]] + Handoff), job.kv_endpoint)
     ──► handle DONE/FAILED ──► engine.release (blocks stay in the prefix cache)
     ──► on_done(PrefillResult)
 
@@ -49,7 +49,7 @@ from engine.events import output_event
 from engine.layer_hook import LayerDone
 from engine.loop import EngineLoop, on_event_loop
 from engine.request import RequestOutput
-from kv_transfer import FailedSide, KVSender, SendHandle, TransferStatus
+from kv_transfer import FailedSide, KVPiece, KVSender, SendHandle, TransferStatus
 from proto.pdserve.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")
@@ -216,13 +216,12 @@ class PrefillWorker:
         # the transfer's whole block list (the stream's table covers every entry a piece of this step
         # reads); entries past those computed so far are placeholders this piece never reads
         table = p.stream.table[skip:]
-        src_block_ids = table + table[-1:] * (num_blocks - len(table))
-        handle = self.sender.send(p.job.request_id, self.engine.kv_cache, src_block_ids, p.job.kv_endpoint,
-                                  transfer_id=p.job.transfer_id, layers=layers,
-                                  blocks=(blocks[0] - skip, blocks[1] - skip),
-                                  deadline_s=max(p.stream.deadline_at - time.monotonic(), 1e-3),
-                                  num_tokens=num_tokens, first_token_id=first_token_id,
-                                  handoff=handoff, ready=ready)
+        block_ids = table + table[-1:] * (num_blocks - len(table))
+        piece = KVPiece(p.job.request_id, self.engine.kv_cache, block_ids, transfer_id=p.job.transfer_id,
+                        layers=layers, blocks=(blocks[0] - skip, blocks[1] - skip),
+                        deadline_s=max(p.stream.deadline_at - time.monotonic(), 1e-3),
+                        num_tokens=num_tokens, first_token_id=first_token_id, handoff=handoff, ready=ready)
+        handle = self.sender.send(piece, p.job.kv_endpoint)
         self._watch(p, handle)
 
     def _watch(self, p: _Pending, handle: SendHandle) -> None:
@@ -269,10 +268,10 @@ class PrefillWorker:
         handoff = wpb.Handoff(first_tokens=firsts, num_skipped_blocks=skip).SerializeToString()
         self._sending[head.request_id] = p
         if not streamed:
-            handle = self.sender.send(head.request_id, cache, block_ids, p.job.kv_endpoint,
-                                      transfer_id=p.job.transfer_id, deadline_s=p.job.transfer_deadline_s,
-                                      num_tokens=head.num_prompt_tokens, first_token_id=head.new_token_ids[0],
-                                      handoff=handoff)
+            piece = KVPiece(head.request_id, cache, block_ids, transfer_id=p.job.transfer_id,
+                            deadline_s=p.job.transfer_deadline_s, num_tokens=head.num_prompt_tokens,
+                            first_token_id=head.new_token_ids[0], handoff=handoff)
+            handle = self.sender.send(piece, p.job.kv_endpoint)
             self._watch(p, handle)
             return
         if p.failed() is not None:               # the transfer failed already: reported once its pieces end

@@ -27,7 +27,7 @@ import torch
 
 from bench.transfer import netns
 from bench.transfer.peer import LAYOUT, MIB, num_blocks_for
-from kv_transfer import DEFAULT_CHUNK_BYTES, codec_compiled, get_codec
+from kv_transfer import DEFAULT_CHUNK_BYTES, KVPiece, codec_compiled, get_codec
 from kv_transfer.buffers import scratch_pool
 from kv_transfer.chunker import encode_jobs, pipeline
 from kv_transfer.codec import pin_transfer_thread
@@ -66,9 +66,8 @@ def codec_gbps(codec_name: str, payload_mib: float, reps: int = 3, workers: int 
     best_encode = best_decode = float("inf")
 
     def jobs():
-        return encode_jobs(cache, ids, LAYOUT, codec, request_id="b", transfer_id="b",
-                           layers=(0, LAYOUT.num_layers), deadline_at=time.monotonic() + 60,
-                           chunk_bytes=DEFAULT_CHUNK_BYTES)
+        piece = KVPiece("b", cache, ids, transfer_id="b").resolved(LAYOUT.num_layers)
+        return encode_jobs(piece, LAYOUT, codec, time.monotonic() + 60, DEFAULT_CHUNK_BYTES)
 
     def decode(item) -> None:
         pin_transfer_thread()

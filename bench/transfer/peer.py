@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from kv_transfer import KVLayout, SimpleBlockPool, TransferStatus, codec_compiled, make_receiver, make_sender
+from kv_transfer import KVLayout, KVPiece, SimpleBlockPool, TransferStatus, codec_compiled, make_receiver, make_sender
 
 LAYOUT = KVLayout(num_layers=16, num_kv_heads=4, block_size=16, head_dim=64, dtype=torch.bfloat16,
                   model_fingerprint="bench")
@@ -68,12 +68,12 @@ class SendPeer:
             self.sender.codec.prepare(cache)
             codec_compiled.wait_ready()  # measure the codec a serving process runs once warm
             block_ids = list(range(1, num_blocks + 1))
-            warm = self.sender.send("warm", cache, block_ids, dest, deadline_s=120)
+            warm = self.sender.send(KVPiece("warm", cache, block_ids, deadline_s=120), dest)
             if warm.wait(120) != TransferStatus.DONE:
                 raise RuntimeError(f"warm-up send failed: {warm}")
             times = []
             for rep in range(reps):
-                handle = self.sender.send(f"r{rep}", cache, block_ids, dest, deadline_s=120)
+                handle = self.sender.send(KVPiece(f"r{rep}", cache, block_ids, deadline_s=120), dest)
                 if handle.wait(120) != TransferStatus.DONE:
                     raise RuntimeError(f"send failed: {handle}")
                 times.append(handle.elapsed_s)

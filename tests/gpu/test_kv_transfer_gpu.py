@@ -18,6 +18,7 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 from kv_transfer import (  # noqa: E402
     FakeHub,
     KVLayout,
+    KVPiece,
     SimpleBlockPool,
     TransferError,
     TransferStatus,
@@ -65,7 +66,7 @@ def test_device_caches_round_trip(kind, codec):
     try:
         src = cache(16)
         ids = [9, 1, 14, 4]
-        handle = sender.send("r", src, ids, receiver.endpoint)
+        handle = sender.send(KVPiece("r", src, ids), receiver.endpoint)
         assert handle.wait(30) == TransferStatus.DONE, handle
         result = receiver.wait(handle.transfer_id, 10)
         got, expected = dst[:, result.dst_block_ids], src[:, ids]
@@ -100,7 +101,7 @@ def test_chunks_from_a_cuda_cache_carry_checksums_and_corruption_is_refused():
 
     hub.tamper = corrupt_chunk_1
     try:
-        handle = sender.send("r", cache(16), [9, 1, 14, 4], receiver.endpoint)
+        handle = sender.send(KVPiece("r", cache(16), [9, 1, 14, 4]), receiver.endpoint)
         assert handle.wait(30) == TransferStatus.FAILED, handle
         assert "checksum mismatch in chunk 1" in handle.error
         assert len(checksums) >= 2 and min(checksums) >= 0  # no chunk goes out unchecked
@@ -117,9 +118,8 @@ def test_a_corrupted_device_payload_is_refused_before_it_is_written():
     dst = torch.zeros(LAYOUT.cache_shape(8), dtype=LAYOUT.dtype, device="cuda")
     receiver = BaseReceiver(LAYOUT, dst, pool)
     try:
-        chunk = next(encode_chunks(cache(4), [0, 1, 2], LAYOUT, get_codec("none"), request_id="r", transfer_id="t",
-                                   layers=(0, LAYOUT.num_layers), deadline_at=time.monotonic() + 30,
-                                   chunk_bytes=1 << 20))
+        chunk = next(encode_chunks(KVPiece("r", cache(4), [0, 1, 2], transfer_id="t"), LAYOUT, get_codec("none"),
+                                   deadline_at=time.monotonic() + 30, chunk_bytes=1 << 20))
         assert chunk.payload.is_cuda and chunk.header.checksum >= 0
         payload = chunk.payload.clone()
         payload[payload.numel() // 2] ^= 0x5A
@@ -153,7 +153,7 @@ def test_nccl_pair_round_trip():
         endpoint = queue.get(timeout=60)
         src = cache(8, device="cuda:0")
         sender = make_sender("torch", LAYOUT, token=TOKEN, device="cuda:0")
-        handle = sender.send("r", src, [3, 6, 1], endpoint)
+        handle = sender.send(KVPiece("r", src, [3, 6, 1]), endpoint)
         queue.put(handle.transfer_id)
         assert handle.wait(60) == TransferStatus.DONE, handle
         status, got = queue.get(timeout=60)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from kv_helpers import assert_no_leak, random_cache, wait_for
 
-from kv_transfer import TransferStatus
+from kv_transfer import KVPiece, TransferStatus
 
 
 CASES = [(kind, codec) for kind in ("fake", "grpc", "tcp", "torch") for codec in ("none", "fp8")] + [("ray", "none")]
@@ -21,7 +21,8 @@ def test_only_the_trailing_blocks_travel_and_are_reserved(make_pair, layout, kin
     skip = 4                                         # the decode side holds (pinned) the first four
     pair = make_pair(kind, layout, codec=codec, num_dst_blocks=16, chunk_bytes=300)
     pinned = pair.pool.allocate(skip)                # what the decode worker pinned before the transfer
-    handle = pair.sender.send("r", src, prompt_blocks[skip:], pair.dest, num_tokens=num_tokens, first_token_id=7)
+    piece = KVPiece("r", src, prompt_blocks[skip:], num_tokens=num_tokens, first_token_id=7)
+    handle = pair.sender.send(piece, pair.dest)
     assert handle.wait(30) == TransferStatus.DONE, handle
     result = pair.receiver.wait(handle.transfer_id, 10)
     assert result.status == TransferStatus.DONE and result.num_tokens == num_tokens
@@ -42,7 +43,7 @@ def test_a_cancelled_skipping_transfer_frees_only_what_it_reserved(make_pair, la
     pair = make_pair(kind, layout, num_dst_blocks=16, chunk_bytes=64)
     pinned = pair.pool.allocate(3)
     pair.receiver.cancel(transfer_id="t-c")         # the decode worker dropped the request first
-    handle = pair.sender.send("r", src, [1, 2], pair.dest, transfer_id="t-c", num_tokens=5 * layout.block_size)
+    handle = pair.sender.send(KVPiece("r", src, [1, 2], transfer_id="t-c", num_tokens=5 * layout.block_size), pair.dest)
     assert handle.wait(30) == TransferStatus.FAILED
     assert wait_for(lambda: pair.pool.used_ids == set(pinned))
     assert_no_leak(pair.pool, pinned)

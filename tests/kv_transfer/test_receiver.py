@@ -11,7 +11,7 @@ import time
 import torch
 from kv_helpers import assert_no_leak, random_cache
 
-from kv_transfer import SimpleBlockPool, TransferError, TransferStatus
+from kv_transfer import KVPiece, SimpleBlockPool, TransferError, TransferStatus
 from kv_transfer.chunker import encode_chunks
 from kv_transfer.codec import NoneCodec, get_codec
 from kv_transfer.receiver import BaseReceiver
@@ -31,9 +31,8 @@ def test_a_failure_frees_blocks_only_after_the_writes_into_them(layout, monkeypa
         real(self, *args, **kwargs)
 
     monkeypatch.setattr(NoneCodec, "decode_into", slow_decode_into)
-    chunk = next(encode_chunks(random_cache(layout, 3), [0, 1, 2], layout, get_codec("none"), request_id="r",
-                               transfer_id="t", layers=(0, layout.num_layers), deadline_at=time.monotonic() + 30,
-                               chunk_bytes=1 << 20))
+    chunk = next(encode_chunks(KVPiece("r", random_cache(layout, 3), [0, 1, 2], transfer_id="t"), layout,
+                               get_codec("none"), deadline_at=time.monotonic() + 30, chunk_bytes=1 << 20))
     refused = []
 
     def write() -> None:
@@ -61,10 +60,12 @@ def test_a_failure_frees_blocks_only_after_the_writes_into_them(layout, monkeypa
 def test_partial_layers_stay_pending_until_all_arrive(make_pair, layout):
     pair = make_pair("fake", layout)
     src = random_cache(layout, 4)
-    assert pair.sender.send("r", src, [1, 2], pair.dest, transfer_id="t", layers=(0, 2)).wait(5) == TransferStatus.DONE
+    first = KVPiece("r", src, [1, 2], transfer_id="t", layers=(0, 2))
+    assert pair.sender.send(first, pair.dest).wait(5) == TransferStatus.DONE
     assert pair.receiver.status("t") == TransferStatus.TRANSFERRING
     assert pair.receiver.poll() == []
-    assert pair.sender.send("r", src, [1, 2], pair.dest, transfer_id="t", layers=(2, 3)).wait(5) == TransferStatus.DONE
+    rest = KVPiece("r", src, [1, 2], transfer_id="t", layers=(2, 3))
+    assert pair.sender.send(rest, pair.dest).wait(5) == TransferStatus.DONE
     [result] = pair.receiver.poll()
     assert (result.transfer_id, result.status, result.dst_block_ids) == ("t", TransferStatus.DONE, [0, 1])
 
@@ -73,8 +74,8 @@ def test_partial_layers_stay_pending_until_all_arrive(make_pair, layout):
 def test_cancel_by_request_and_by_transfer_id(make_pair, layout):
     pair = make_pair("fake", layout)
     src = random_cache(layout, 6)
-    pair.sender.send("victim", src, [0, 1], pair.dest, transfer_id="a", layers=(0, 1)).wait(5)
-    pair.sender.send("other", src, [2, 3, 4], pair.dest, transfer_id="b", layers=(0, 1)).wait(5)
+    pair.sender.send(KVPiece("victim", src, [0, 1], transfer_id="a", layers=(0, 1)), pair.dest).wait(5)
+    pair.sender.send(KVPiece("other", src, [2, 3, 4], transfer_id="b", layers=(0, 1)), pair.dest).wait(5)
     assert pair.pool.num_used == 5
     assert pair.receiver.cancel(request_id="victim") == ["a"]
     assert_no_leak(pair.pool, [2, 3, 4])
@@ -84,7 +85,7 @@ def test_cancel_by_request_and_by_transfer_id(make_pair, layout):
                                                                          ("b", TransferStatus.CANCELLED)}
     # cancelling before the first chunk arrives: later chunks are refused, nothing is reserved
     assert pair.receiver.cancel(transfer_id="c") == []
-    late = pair.sender.send("x", src, [0], pair.dest, transfer_id="c")
+    late = pair.sender.send(KVPiece("x", src, [0], transfer_id="c"), pair.dest)
     assert late.wait(5) == TransferStatus.FAILED and "cancelled" in late.error
     assert_no_leak(pair.pool)
 
@@ -94,7 +95,7 @@ def test_done_blocks_belong_to_the_decode_worker(make_pair, layout):
     pair = make_pair("fake", layout)
     seen = []
     pair.receiver.on_complete = seen.append
-    handle = pair.sender.send("r", random_cache(layout, 3), [2, 0], pair.dest, transfer_id="t")
+    handle = pair.sender.send(KVPiece("r", random_cache(layout, 3), [2, 0], transfer_id="t"), pair.dest)
     assert handle.wait(5) == TransferStatus.DONE
     assert pair.receiver.cancel(transfer_id="t") == []  # DONE is final: cancel frees nothing
     assert pair.pool.used_ids == {0, 1}

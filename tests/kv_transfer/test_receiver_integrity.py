@@ -15,7 +15,7 @@ import pytest
 import torch
 from kv_helpers import assert_no_leak, random_cache
 
-from kv_transfer import FailedSide, SimpleBlockPool, TransferError, TransferStatus
+from kv_transfer import FailedSide, KVPiece, SimpleBlockPool, TransferError, TransferStatus
 from kv_transfer.chunker import encode_chunks
 from kv_transfer.codec import get_codec
 from kv_transfer.receiver import BaseReceiver
@@ -31,9 +31,8 @@ class LooksCuda(torch.Tensor):
 
 
 def first_chunk(layout):
-    return next(encode_chunks(random_cache(layout, 3), [0, 1, 2], layout, get_codec("none"), request_id="r",
-                              transfer_id="t", layers=(0, layout.num_layers), deadline_at=time.monotonic() + 30,
-                              chunk_bytes=1 << 20))
+    return next(encode_chunks(KVPiece("r", random_cache(layout, 3), [0, 1, 2], transfer_id="t"), layout,
+                              get_codec("none"), deadline_at=time.monotonic() + 30, chunk_bytes=1 << 20))
 
 
 @pytest.fixture
@@ -86,12 +85,12 @@ def test_senders_checksum_every_chunk_whatever_the_cache_device(make_pair, layou
     checksums every chunk, on a host copy for device payloads (tests/gpu runs that branch)."""
     pair = make_pair("fake", layout, chunk_bytes=200)
     src = random_cache(layout, 5)
-    ok = pair.sender.send("r", src, [0, 1], pair.dest)
+    ok = pair.sender.send(KVPiece("r", src, [0, 1]), pair.dest)
     assert ok.wait(10) == TransferStatus.DONE, ok
     owned = pair.receiver.wait(ok.transfer_id, 5).dst_block_ids
     assert torch.equal(pair.dst_cache[:, owned], src[:, [0, 1]])
     pair.receiver.hub.tamper = flip_a_byte_of_chunk(1)
-    handle = pair.sender.send("r", src, [2, 3, 4], pair.dest)
+    handle = pair.sender.send(KVPiece("r", src, [2, 3, 4]), pair.dest)
     assert handle.wait(10) == TransferStatus.FAILED, handle
     assert handle.failed_side == FailedSide.RECEIVER and "checksum mismatch in chunk 1" in handle.error
     assert pair.receiver.wait(handle.transfer_id, 5).status == TransferStatus.FAILED

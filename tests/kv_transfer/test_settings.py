@@ -10,6 +10,7 @@ import torch
 from kv_helpers import TOKEN, assert_no_leak, random_cache
 
 from kv_transfer import (
+    KVPiece,
     DEFAULT_CHUNK_BYTES,
     FakeHub,
     KVLayout,
@@ -37,7 +38,7 @@ def test_settings_give_both_ends_their_codec_token_and_deadline(layout):
         assert (receiver.codec, receiver.token, receiver.default_timeout_s) == ("none", TOKEN, 7.5)
         assert (sender.codec.name, sender.token, sender.chunk_bytes) == ("none", TOKEN, 200)
         src = random_cache(layout, 4)
-        handle = sender.send("r", src, [3, 1], receiver.endpoint, num_tokens=8, first_token_id=5)
+        handle = sender.send(KVPiece("r", src, [3, 1], num_tokens=8, first_token_id=5), receiver.endpoint)
         assert handle.wait(10) == TransferStatus.DONE, handle
         result = receiver.wait(handle.transfer_id, 5)
         assert seen == [result] and (result.num_tokens, result.first_token_id, result.codec) == (8, 5, "none")

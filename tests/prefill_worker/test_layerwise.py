@@ -32,10 +32,10 @@ class Spy:
         self.sender, self.pieces, self.lock = sender, [], threading.Lock()
         clean = sender.send
 
-        def send(request_id, kv_cache, src_block_ids, dest, **kw):
+        def send(piece, dest):
             with self.lock:
-                self.pieces.append((request_id, kw.get("layers"), kw.get("blocks"), bool(kw.get("handoff"))))
-            return clean(request_id, kv_cache, src_block_ids, dest, **kw)
+                self.pieces.append((piece.request_id, piece.layers, piece.blocks, bool(piece.handoff)))
+            return clean(piece, dest)
         sender.send = send
 
     def of(self, request_id):

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from kv_transfer.chunker import ChunkJob, EncodedChunk, piece_nbytes, pipeline_chunk_bytes, plan_chunks
-from kv_transfer.interface import FailedSide, TransferError, TransferStatus
+from kv_transfer.chunker import ChunkJob, EncodedChunk, chunk_header, piece_plans
+from kv_transfer.interface import FailedSide, KVPiece, TransferError, TransferStatus
 from kv_transfer.internal_auth import InternalTLS
 from kv_transfer.layout import HandshakeError, check_compatible
 from kv_transfer.sender import BaseSender
@@ -49,7 +49,7 @@ from kv_transfer.transports.tcp.protocol import (
     tune,
 )
 from kv_transfer.transports.tcp.rows import cache_bytes, cell_nbytes, cell_runs, checksum_of, views
-from kv_transfer.wire import ChunkHeader, WireError, pack_header
+from kv_transfer.wire import WireError, pack_header
 
 MAX_IDLE = 8  # idle connections kept per destination
 CONNECT_TIMEOUT_S = 10.0
@@ -149,34 +149,21 @@ class TcpSender(BaseSender):
         return layout
 
     # --- chunks --------------------------------------------------------------------
-    def _jobs(self, job: dict) -> list[ChunkJob]:
+    def _jobs(self, piece: KVPiece, deadline_at: float) -> list[ChunkJob]:
         """Codec none on a contiguous CPU cache: chunks straight from the rows; otherwise the encode pipeline."""
-        rows = cache_bytes(job["kv_cache"])
+        rows = cache_bytes(piece.kv_cache)
         if self.codec.name != "none" or rows is None:
-            return super()._jobs(job)
-        kv_cache, src_block_ids, layers = job["kv_cache"], job["src_block_ids"], job["layers"]
-        blocks = job["blocks"] or (0, len(src_block_ids))
-        cell_bytes = cell_nbytes(kv_cache)
-        total_nbytes = piece_nbytes(layers, blocks, cell_bytes)
-        plans = plan_chunks(layers, len(src_block_ids), cell_bytes,
-                            pipeline_chunk_bytes(total_nbytes, job["chunk_bytes"]), blocks)
-        layout, codec, deadline_at = self.layout, self.codec, job["deadline_at"]
-        ids = dict(request_id=job["request_id"], transfer_id=job["transfer_id"], num_tokens=job["num_tokens"],
-                   first_token_id=job["first_token_id"], handoff=job["handoff"])  # the caller clears `job`
+            return super()._jobs(piece, deadline_at)
+        cell_bytes = cell_nbytes(piece.kv_cache)
+        plans = piece_plans(piece, cell_bytes, self.chunk_bytes)
+        layout, codec, num_cache_blocks = self.layout, self.codec, piece.kv_cache.shape[1]
 
         def frame(chunk_index: int, plan) -> _Frame:
-            buffers = views(rows, cell_runs(kv_cache.shape[1], cell_bytes, (plan.layer_start, plan.layer_end),
-                                            src_block_ids[plan.block_start : plan.block_end]))
+            buffers = views(rows, cell_runs(num_cache_blocks, cell_bytes, (plan.layer_start, plan.layer_end),
+                                            piece.block_ids[plan.block_start : plan.block_end]))
             nbytes = sum(len(buffer) for buffer in buffers)
-            header = ChunkHeader(
-                **ids, model_fingerprint=layout.model_fingerprint, num_layers=layout.num_layers,
-                layer_start=plan.layer_start, layer_end=plan.layer_end, num_blocks=len(src_block_ids),
-                block_start=plan.block_start, block_end=plan.block_end, block_size=layout.block_size,
-                num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype_name,
-                codec=codec.name, scale_layout=codec.scale_layout, chunk_index=chunk_index,
-                num_chunks=len(plans), payload_len=nbytes, checksum=checksum_of(buffers),
-                deadline_ms=max(0, int((deadline_at - time.monotonic()) * 1000)),
-            )
+            header = chunk_header(piece, layout, codec, plan, chunk_index, len(plans), nbytes, checksum_of(buffers),
+                                  deadline_at)
             return _Frame(pack_header(header), buffers, nbytes)
 
         def nbytes(plan) -> int:

@@ -61,10 +61,10 @@ class TorchSender(BaseSender):
         self._key = rendezvous_key(self.token)
         self._sending = threading.local()  # .deadline_at of the send this worker thread runs
 
-    def _run(self, handle, dest: str, job: dict, ready=None) -> None:
-        self._sending.deadline_at = job["deadline_at"]  # the handshake that builds a pair keeps to it
+    def _run(self, handle, dest: str, held: list, deadline_at: float) -> None:
+        self._sending.deadline_at = deadline_at  # the handshake that builds a pair keeps to it
         try:
-            super()._run(handle, dest, job, ready)
+            super()._run(handle, dest, held, deadline_at)
         finally:
             self._sending.deadline_at = None
 

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirna
 
 import torch  # noqa: E402
 
-from kv_transfer import KVLayout, get_codec  # noqa: E402
+from kv_transfer import KVLayout, KVPiece, get_codec  # noqa: E402
 from kv_transfer.chunker import encode_chunks  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, block_size=4, head_dim=8, dtype=torch.float32,
@@ -28,8 +28,8 @@ LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, block_size=4, head_dim=8, dtype=
 def first_chunk(transfer_id: str):
     cache = torch.randn(LAYOUT.cache_shape(4))
     chunks = encode_chunks(
-        cache, [0, 1, 2], LAYOUT, get_codec("none"), request_id="victim", transfer_id=transfer_id,
-        layers=(0, 3), deadline_at=time.monotonic() + 120, chunk_bytes=200,
+        KVPiece("victim", cache, [0, 1, 2], transfer_id=transfer_id, layers=(0, 3)), LAYOUT, get_codec("none"),
+        deadline_at=time.monotonic() + 120, chunk_bytes=200,
     )
     return next(chunks)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kv_helpers import TOKEN, assert_no_leak, random_cache
 
-from kv_transfer import TransferStatus, make_sender
+from kv_transfer import KVPiece, TransferStatus, make_sender
 
 NUM_TRANSFERS = 16
 
@@ -34,7 +34,7 @@ def test_sixteen_concurrent_transfers(make_pair, layout, kind):
     extra = {"hub": pair.receiver.hub} if kind == "fake" else {}
     senders = [pair.sender] + [make_sender(kind, layout, token=TOKEN, chunk_bytes=200, max_workers=4, **extra)
                                for _ in range(3)]
-    handles = [senders[i % 4].send(f"req-{i}", sources[i], block_ids[i], pair.dest, num_tokens=100 + i)
+    handles = [senders[i % 4].send(KVPiece(f"req-{i}", sources[i], block_ids[i], num_tokens=100 + i), pair.dest)
                for i in range(NUM_TRANSFERS)]
     for handle in handles:
         assert handle.wait(60) == TransferStatus.DONE, handle

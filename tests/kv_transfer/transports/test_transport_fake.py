@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kv_helpers import Pair, assert_no_leak, random_cache
-from kv_transfer import FakeHub, KVLayout, TransferStatus
+from kv_transfer import FakeHub, KVLayout, KVPiece, TransferStatus
 from kv_transfer.wire import FRAME_PREFIX, WIRE_VERSION
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, block_size=4, head_dim=8, dtype=torch.float32)
@@ -31,7 +31,7 @@ def test_malformed_frames_fail_cleanly(make_pair, layout, tamper, message):
         return tamper(frame) if count[0] == 2 else frame
 
     pair.receiver.hub.tamper = second_frame_tampered
-    handle = pair.sender.send("r", random_cache(layout, 5), [0, 1, 2, 3], pair.dest)
+    handle = pair.sender.send(KVPiece("r", random_cache(layout, 5), [0, 1, 2, 3]), pair.dest)
     assert handle.wait(10) == TransferStatus.FAILED and message in handle.error, handle
     assert pair.receiver.wait(handle.transfer_id, 5).status == TransferStatus.FAILED
     assert_no_leak(pair.pool)
@@ -79,7 +79,7 @@ def _check_one(pair: Pair, m, which: int, num_blocks: int) -> None:
         return _mutate(frame, m) if seen[0] - 1 == which else frame
     pair.sender.hub.tamper = tamper
     rid = uuid.uuid4().hex
-    handle = pair.sender.send(rid, src, list(range(num_blocks)), pair.dest, deadline_s=1.0)
+    handle = pair.sender.send(KVPiece(rid, src, list(range(num_blocks)), deadline_s=1.0), pair.dest)
     handle.wait(5)
     assert handle.done()
     results = _results(pair, handle.transfer_id, 3.0 if handle.status is TransferStatus.DONE else 0.05, rid)

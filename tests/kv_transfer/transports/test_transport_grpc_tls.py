@@ -9,7 +9,8 @@ import torch
 from kv_helpers import TOKEN, assert_no_leak, random_cache
 from tls_support import handshake_code, make_certs
 
-from kv_transfer import FailedSide, SimpleBlockPool, TransferSettings, TransferStatus, make_receiver, make_sender
+from kv_transfer import (FailedSide, KVPiece, SimpleBlockPool, TransferSettings, TransferStatus, make_receiver,
+                         make_sender)
 from kv_transfer.internal_auth import InternalTLS
 
 
@@ -49,12 +50,12 @@ def test_plaintext_client_is_refused_and_mutual_tls_transfers(layout, certs):
         src = random_cache(layout, 4)
         plain = make_sender("grpc", layout, codec="none", token=TOKEN)
         senders.append(plain)
-        handle = plain.send("plain", src, [0, 1], endpoint)
+        handle = plain.send(KVPiece("plain", src, [0, 1]), endpoint)
         assert handle.wait(30) == TransferStatus.FAILED and handle.failed_side == FailedSide.TRANSPORT, handle
 
         sender = make_sender(settings, layout)          # the node certificate, as a client
         senders.append(sender)
-        handle = sender.send("tls", src, [2, 0, 3], endpoint, num_tokens=9)
+        handle = sender.send(KVPiece("tls", src, [2, 0, 3], num_tokens=9), endpoint)
         assert handle.wait(30) == TransferStatus.DONE, handle
         result = receiver.wait(handle.transfer_id, 10)
         assert result.status == TransferStatus.DONE and result.num_tokens == 9

@@ -8,7 +8,7 @@ from kv_helpers import TOKEN, assert_no_leak, random_cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kv_transfer import KVLayout, TransferStatus
+from kv_transfer import KVLayout, KVPiece, TransferStatus
 
 EXAMPLES = {"fake": 25, "grpc": 10, "tcp": 10, "torch": 4, "ray": 3}
 
@@ -37,8 +37,8 @@ def _roundtrip(make_pair, kind, case):
     pair.pool.take(taken)
     num_tokens = (len(src_ids) - 1) * layout.block_size + 1  # fewest tokens that fill the blocks (checked)
     handoff = bytes(range(256)) * 3            # opaque bytes for the decode side, in every header
-    handle = pair.sender.send("req", src, src_ids, pair.dest, num_tokens=num_tokens, first_token_id=42,
-                              handoff=handoff)
+    piece = KVPiece("req", src, src_ids, num_tokens=num_tokens, first_token_id=42, handoff=handoff)
+    handle = pair.sender.send(piece, pair.dest)
     assert handle.wait(30) == TransferStatus.DONE, handle
     result = pair.receiver.wait(handle.transfer_id, 10)
     assert result.status == TransferStatus.DONE and (result.num_tokens, result.first_token_id) == (num_tokens, 42)
@@ -69,12 +69,13 @@ def test_layer_by_layer_equals_one_shot(make_pair, kind, codec, layout):
     src = random_cache(layout, 8, seed=3)
     src_ids = [6, 0, 3, 5]
     one_shot = make_pair(kind, layout, codec=codec, chunk_bytes=200)
-    handle = one_shot.sender.send("r", src, src_ids, one_shot.dest)
+    handle = one_shot.sender.send(KVPiece("r", src, src_ids), one_shot.dest)
     assert handle.wait(30) == TransferStatus.DONE, handle
     first = one_shot.receiver.wait(handle.transfer_id, 10)
 
     layered = make_pair(kind, layout, codec=codec, chunk_bytes=200)
-    handles = [layered.sender.send("r", src, src_ids, layered.dest, transfer_id="t-layers", layers=(layer, layer + 1))
+    handles = [layered.sender.send(KVPiece("r", src, src_ids, transfer_id="t-layers", layers=(layer, layer + 1)),
+                                   layered.dest)
                for layer in (2, 0, 1)]
     for h in handles:
         assert h.wait(30) == TransferStatus.DONE, h
@@ -92,17 +93,17 @@ def test_pieces_by_layer_and_block_range_with_a_late_handoff(make_pair, kind, co
     src = random_cache(layout, 8, seed=4)
     src_ids = [6, 0, 3, 5, 1]
     one_shot = make_pair(kind, layout, codec=codec, chunk_bytes=200)
-    assert one_shot.sender.send("r", src, src_ids, one_shot.dest).wait(30) == TransferStatus.DONE
+    assert one_shot.sender.send(KVPiece("r", src, src_ids), one_shot.dest).wait(30) == TransferStatus.DONE
     pieces = make_pair(kind, layout, codec=codec, chunk_bytes=200)
     early = [((layer, layer + 1), blocks) for layer in (1, 0, 2) for blocks in ((0, 2), (2, 4))]
     early += [((0, 2), (4, 5))]
-    handles = [pieces.sender.send("r", src, src_ids, pieces.dest, transfer_id="t", layers=layers, blocks=blocks,
-                                  num_tokens=20) for layers, blocks in early]
+    handles = [pieces.sender.send(KVPiece("r", src, src_ids, transfer_id="t", layers=layers, blocks=blocks,
+                                          num_tokens=20), pieces.dest) for layers, blocks in early]
     for h in handles:
         assert h.wait(30) == TransferStatus.DONE, h
     assert pieces.receiver.status("t") == TransferStatus.TRANSFERRING       # one cell still missing
-    last = pieces.sender.send("r", src, src_ids, pieces.dest, transfer_id="t", layers=(2, 3), blocks=(4, 5),
-                              num_tokens=20, first_token_id=7, handoff=b"first tokens")
+    last = pieces.sender.send(KVPiece("r", src, src_ids, transfer_id="t", layers=(2, 3), blocks=(4, 5), num_tokens=20,
+                                      first_token_id=7, handoff=b"first tokens"), pieces.dest)
     assert last.wait(30) == TransferStatus.DONE, last
     result = pieces.receiver.wait("t", 10)
     assert result.status == TransferStatus.DONE and result.dst_block_ids == [0, 1, 2, 3, 4]
@@ -114,7 +115,7 @@ def test_a_bad_block_range_fails_on_the_sender_side(make_pair, layout):
     pair = make_pair("fake", layout)
     src = random_cache(layout, 4)
     for blocks in ((0, 3), (1, 1), (-1, 1)):
-        handle = pair.sender.send("r", src, [0, 1], pair.dest, blocks=blocks)
+        handle = pair.sender.send(KVPiece("r", src, [0, 1], blocks=blocks), pair.dest)
         assert handle.wait(5) == TransferStatus.FAILED and "bad block range" in handle.error
     assert pair.pool.num_used == 0
 
@@ -124,7 +125,7 @@ def test_fp8_round_trip_is_close(make_pair, kind):
     layout = KVLayout(2, 2, 16, 64, torch.bfloat16, "m")
     pair = make_pair(kind, layout, codec="fp8")
     src = random_cache(layout, 6)
-    handle = pair.sender.send("r", src, [4, 1], pair.dest)
+    handle = pair.sender.send(KVPiece("r", src, [4, 1]), pair.dest)
     assert handle.wait(10) == TransferStatus.DONE
     result = pair.receiver.wait(handle.transfer_id, 5)
     got, expected = pair.dst_cache[:, result.dst_block_ids].float(), src[:, [4, 1]].float()

@@ -14,7 +14,7 @@ import time
 import torch
 from kv_helpers import TOKEN, assert_no_leak, random_cache, wait_for
 
-from kv_transfer import SimpleBlockPool, TransferStatus, get_codec, make_receiver, make_sender
+from kv_transfer import KVPiece, SimpleBlockPool, TransferStatus, get_codec, make_receiver, make_sender
 from kv_transfer.chunker import encode_chunks
 from kv_transfer.transports.tcp.protocol import NONCE_BYTES, recv_exact, send_small
 from kv_transfer.transports.torch import sender as torch_sender
@@ -52,7 +52,8 @@ def test_torch_receiver_state_returns_to_empty_after_dead_senders(layout, monkey
 
         monkeypatch.setattr(torch_sender, "make_group", dies)  # reads its reply, never joins
         dead = make_sender("torch", layout, token=TOKEN)
-        assert dead.send("r", random_cache(layout, 4), [0, 1], receiver.endpoint).wait(10) == TransferStatus.FAILED
+        doomed = KVPiece("r", random_cache(layout, 4), [0, 1])
+        assert dead.send(doomed, receiver.endpoint).wait(10) == TransferStatus.FAILED
         dead.close()
         monkeypatch.undo()
         for process in killed:  # senders killed mid-transfer
@@ -61,7 +62,7 @@ def test_torch_receiver_state_returns_to_empty_after_dead_senders(layout, monkey
         assert wait_for(lambda: torch_state(receiver)["pairs"] == 2)  # the dead sender's pair is gone
         for process in killed:
             process.send_signal(signal.SIGKILL)
-        ok = sender.send("r", random_cache(layout, 4), [2, 3], receiver.endpoint)  # and one that closes cleanly
+        ok = sender.send(KVPiece("r", random_cache(layout, 4), [2, 3]), receiver.endpoint)  # one that closes cleanly
         assert ok.wait(20) == TransferStatus.DONE, ok
         owned = receiver.wait(ok.transfer_id, 5).dst_block_ids
         sender.close()
@@ -88,7 +89,7 @@ def test_ray_inbox_drops_acks_nobody_waits_for(make_pair, layout):
     ray.get(inbox.ack.remote("late", b"reply"))  # ...and its ack came after
     assert ray.get(inbox.wait_ack.remote("late", 0.01)) is None, "the late ack was kept"
     assert ray.get(inbox.num_entries.remote()) == 0
-    ok = pair.sender.send("r", random_cache(layout, 4), [0, 1], pair.dest)  # acks still reach live senders
+    ok = pair.sender.send(KVPiece("r", random_cache(layout, 4), [0, 1]), pair.dest)  # acks still reach live senders
     assert ok.wait(30) == TransferStatus.DONE, ok
     assert ray.get(inbox.num_entries.remote()) == 0
 
@@ -99,9 +100,9 @@ def test_ray_receiver_forgets_the_pieces_of_dead_senders(make_pair, layout):
     pair = make_pair("ray", layout, receiver_options={"default_timeout_s": 0.5})
     inbox = ray.get_actor(pair.dest[len("ray://"):])
     for i in range(3):  # each sender pushes one chunk of a piece and dies before its last one
-        chunk = next(encode_chunks(random_cache(layout, 4), [0, 1], layout, get_codec("none"), request_id="victim",
-                                   transfer_id=f"dead-{i}", layers=(0, 3), deadline_at=time.monotonic() + 60,
-                                   chunk_bytes=200))
+        chunk = next(encode_chunks(KVPiece("victim", random_cache(layout, 4), [0, 1], transfer_id=f"dead-{i}",
+                                           layers=(0, 3)), layout, get_codec("none"),
+                                   deadline_at=time.monotonic() + 60, chunk_bytes=200))
         ref = ray.put(chunk.payload.numpy())
         ray.get(inbox.push.remote(["chunk", f"piece-{i}", TOKEN, chunk.header_bytes, [ref], False]))
     assert wait_for(lambda: all(pair.receiver.status(f"dead-{i}") == TransferStatus.EXPIRED for i in range(3)))

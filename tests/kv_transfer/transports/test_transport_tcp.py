@@ -13,7 +13,7 @@ import torch
 from kv_helpers import TOKEN, assert_no_leak, random_cache, wait_for
 from tls_support import make_certs
 
-from kv_transfer import FailedSide, KVLayout, SimpleBlockPool, TransferSettings, TransferStatus, make_receiver
+from kv_transfer import FailedSide, KVLayout, KVPiece, SimpleBlockPool, TransferSettings, TransferStatus, make_receiver
 from kv_transfer import make_sender
 from kv_transfer.codec import NoneCodec
 from kv_transfer.internal_auth import InternalTLS
@@ -47,7 +47,7 @@ def test_codec_none_never_gathers_nor_scatters_a_copy(make_pair, layout, monkeyp
     pair = make_pair("tcp", layout, chunk_bytes=200)
     pair.pool.take([1, 4])
     src = random_cache(layout, 8, seed=5)
-    handle = pair.sender.send("r", src, [7, 2, 3, 0, 6], pair.dest, num_tokens=20, handoff=b"h")
+    handle = pair.sender.send(KVPiece("r", src, [7, 2, 3, 0, 6], num_tokens=20, handoff=b"h"), pair.dest)
     assert handle.wait(30) == TransferStatus.DONE, handle
     result = pair.receiver.wait(handle.transfer_id, 10)
     assert result.dst_block_ids == [0, 2, 3, 5, 6] and result.handoff == b"h"
@@ -70,9 +70,9 @@ def test_mutual_tls_refuses_plaintext_and_transfers(layout, certs, codec):
         assert receiver.endpoint.startswith("127.0.0.1:")
         src = random_cache(layout, 4)
         for refused in senders[:2]:  # plaintext; a certificate of another CA
-            handle = refused.send("r", src, [0, 1], receiver.endpoint)
+            handle = refused.send(KVPiece("r", src, [0, 1]), receiver.endpoint)
             assert handle.wait(30) == TransferStatus.FAILED and handle.failed_side == FailedSide.TRANSPORT, handle
-        handle = senders[2].send("tls", src, [2, 0, 3], receiver.endpoint, num_tokens=9, handoff=b"x")
+        handle = senders[2].send(KVPiece("tls", src, [2, 0, 3], num_tokens=9, handoff=b"x"), receiver.endpoint)
         assert handle.wait(30) == TransferStatus.DONE, handle
         result = receiver.wait(handle.transfer_id, 10)
         assert result.status == TransferStatus.DONE and (result.num_tokens, result.handoff) == (9, b"x")
@@ -105,13 +105,13 @@ def test_connection_broken_mid_piece_frees_blocks_and_the_next_send_reconnects(m
 
     monkeypatch.setattr(tcp_receiver, "recv_buffers", breaks_on_the_third_chunk)
     src = random_cache(layout, 6)
-    handle = pair.sender.send("r", src, [1, 2, 3, 4], pair.dest)
+    handle = pair.sender.send(KVPiece("r", src, [1, 2, 3, 4]), pair.dest)
     assert handle.wait(30) == TransferStatus.FAILED and handle.failed_side == FailedSide.TRANSPORT, handle
     result = pair.receiver.wait(handle.transfer_id, 10)
     assert result.status == TransferStatus.FAILED and "disconnected" in result.error
     assert_no_leak(pair.pool)
     monkeypatch.undo()
-    ok = pair.sender.send("r2", src, [5, 0], pair.dest)
+    ok = pair.sender.send(KVPiece("r2", src, [5, 0]), pair.dest)
     assert ok.wait(30) == TransferStatus.DONE, ok
     done = pair.receiver.wait(ok.transfer_id, 10)
     assert torch.equal(pair.dst_cache[:, done.dst_block_ids], src[:, [5, 0]])
@@ -132,7 +132,7 @@ def _connect(receiver) -> socket.socket:
 
 
 def _transfers(sender, receiver, pool, layout) -> None:
-    handle = sender.send("r", random_cache(layout, 3), [0, 2], receiver.endpoint)
+    handle = sender.send(KVPiece("r", random_cache(layout, 3), [0, 2]), receiver.endpoint)
     assert handle.wait(30) == TransferStatus.DONE, handle
     owned = receiver.wait(handle.transfer_id, 5).dst_block_ids
     assert_no_leak(pool, owned)
@@ -148,7 +148,7 @@ def test_silent_and_surplus_connections_are_dropped(layout):
         assert receiver.stats.bad_hellos == 3
         _transfers(sender, receiver, pool, layout)
         assert receiver.num_connections == 1  # the sender keeps its connection for the next piece
-        handle = other.send("r2", random_cache(layout, 3), [1], receiver.endpoint)   # over max_connections
+        handle = other.send(KVPiece("r2", random_cache(layout, 3), [1]), receiver.endpoint)   # over max_connections
         assert handle.wait(30) == TransferStatus.FAILED
         _transfers(sender, receiver, pool, layout)                                     # the first still works
     finally:
@@ -221,7 +221,7 @@ def test_bfloat16_cache_round_trip_through_the_rows(make_pair):
     pair = make_pair("tcp", layout)
     src = random_cache(layout, 40, seed=9)
     ids = list(range(3, 35))  # 32 blocks x 2 layers x 8 KiB: several 1 MiB chunks, contiguous runs
-    handle = pair.sender.send("r", src, ids, pair.dest)
+    handle = pair.sender.send(KVPiece("r", src, ids), pair.dest)
     assert handle.wait(30) == TransferStatus.DONE, handle
     result = pair.receiver.wait(handle.transfer_id, 10)
     assert torch.equal(pair.dst_cache[:, result.dst_block_ids].view(torch.uint8), src[:, ids].view(torch.uint8))
@@ -238,7 +238,7 @@ def test_a_stalled_receiver_expires_the_send_at_its_deadline(make_pair, layout, 
 
     monkeypatch.setattr(tcp_receiver.TcpReceiver, "_receive_into_rows", stalled)
     start = time.monotonic()
-    handle = pair.sender.send("r", random_cache(layout, 3), [0, 1], pair.dest, deadline_s=1.0)
+    handle = pair.sender.send(KVPiece("r", random_cache(layout, 3), [0, 1], deadline_s=1.0), pair.dest)
     assert handle.wait(30) == TransferStatus.EXPIRED and handle.failed_side == FailedSide.TRANSPORT, handle
     assert 0.9 < time.monotonic() - start < 10 and "deadline" in handle.error
     stall.set()
@@ -260,7 +260,7 @@ def test_caches_without_addressable_rows_take_the_staged_path(layout):
     try:
         assert receiver._rows is None
         src = random_cache(layout, 12, seed=4)[:, ::2]  # 6 blocks, strided
-        handle = sender.send("r", src, [5, 0, 2], receiver.endpoint)
+        handle = sender.send(KVPiece("r", src, [5, 0, 2]), receiver.endpoint)
         assert handle.wait(30) == TransferStatus.DONE, handle
         result = receiver.wait(handle.transfer_id, 10)
         assert torch.equal(dst[:, result.dst_block_ids], src[:, [5, 0, 2]])

@@ -12,7 +12,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 from kv_helpers import TOKEN, assert_no_leak, random_cache
 
-from kv_transfer import FailedSide, SimpleBlockPool, TransferStatus, make_receiver, make_sender
+from kv_transfer import FailedSide, KVPiece, SimpleBlockPool, TransferStatus, make_receiver, make_sender
 
 
 def receiver(layout, pool):
@@ -28,7 +28,7 @@ def test_groups_are_lazy_bounded_and_evicted_lru(layout):
         assert sender.num_groups == 0  # nothing until the first send
         src = random_cache(layout, 4)
         for r in receivers + receivers[:1]:
-            handle = sender.send("r", src, [1, 2], r.endpoint)
+            handle = sender.send(KVPiece("r", src, [1, 2]), r.endpoint)
             assert handle.wait(20) == TransferStatus.DONE, handle
         assert sender.num_groups == 2
         assert list(sender._pairs) == [receivers[2].endpoint, receivers[0].endpoint]  # receiver 1 was evicted
@@ -42,7 +42,7 @@ def test_groups_are_lazy_bounded_and_evicted_lru(layout):
 def test_unreachable_receiver_is_a_transport_failure(layout):
     sender = make_sender("torch", layout, token=TOKEN, connect_timeout_s=1)
     try:
-        handle = sender.send("r", random_cache(layout, 2), [0], "127.0.0.1:1")  # nobody listens there
+        handle = sender.send(KVPiece("r", random_cache(layout, 2), [0]), "127.0.0.1:1")  # nobody listens there
         assert handle.wait(30) == TransferStatus.FAILED and handle.failed_side == FailedSide.TRANSPORT, handle
         assert sender.num_groups == 0
     finally:
@@ -67,10 +67,10 @@ def test_receiver_process_death_fails_the_send_and_drops_the_group(layout, tmp_p
     try:
         endpoint = process.stdout.readline().strip()
         src = random_cache(layout, 4)
-        assert sender.send("r", src, [0, 1], endpoint).wait(30) == TransferStatus.DONE
+        assert sender.send(KVPiece("r", src, [0, 1]), endpoint).wait(30) == TransferStatus.DONE
         process.kill()
         process.wait()
-        handle = sender.send("r", src, [0, 1], endpoint)
+        handle = sender.send(KVPiece("r", src, [0, 1]), endpoint)
         assert handle.wait(30) == TransferStatus.FAILED and handle.failed_side == FailedSide.TRANSPORT, handle
         assert sender.num_groups == 0
     finally:
@@ -135,13 +135,13 @@ def test_the_pair_protocol_keeps_nccl_order(layout, monkeypatch):
     sender = make_sender("torch", layout, codec="fp8", token=TOKEN, chunk_bytes=200)
     try:
         src = random_cache(layout, 4)
-        first = sender.send("a", src, [0, 1, 2, 3], receiver.endpoint, deadline_s=10)
+        first = sender.send(KVPiece("a", src, [0, 1, 2, 3], deadline_s=10), receiver.endpoint)
         assert first.wait(15) == TransferStatus.DONE, first              # many chunks, each announced ahead
         bad = src.clone()
         bad[2, 3, 1, 0, 0, 0] = float("nan")                            # fails mid-piece: abort + filler
-        aborted = sender.send("b", bad, [0, 1, 2, 3], receiver.endpoint, deadline_s=10)
+        aborted = sender.send(KVPiece("b", bad, [0, 1, 2, 3], deadline_s=10), receiver.endpoint)
         assert aborted.wait(15) == TransferStatus.FAILED and "NaN" in aborted.error
-        again = sender.send("c", src, [2, 3], receiver.endpoint, deadline_s=10)
+        again = sender.send(KVPiece("c", src, [2, 3], deadline_s=10), receiver.endpoint)
         assert again.wait(15) == TransferStatus.DONE, again             # the pair is still in step
         done = [receiver.wait(h.transfer_id, 5) for h in (first, again)]
         assert all(r.status == TransferStatus.DONE for r in done)

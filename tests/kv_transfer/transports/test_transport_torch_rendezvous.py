@@ -18,7 +18,7 @@ import pytest
 import torch
 from kv_helpers import TOKEN, assert_no_leak, random_cache, wait_for
 
-from kv_transfer import FailedSide, SimpleBlockPool, TransferStatus, make_receiver, make_sender
+from kv_transfer import FailedSide, KVPiece, SimpleBlockPool, TransferStatus, make_receiver, make_sender
 from kv_transfer.transports.tcp.protocol import NONCE_BYTES, recv_exact, recv_small, send_small
 from kv_transfer.transports.torch import receiver as torch_receiver
 from kv_transfer.transports.torch import rendezvous
@@ -93,7 +93,7 @@ def closed_by_peer(conn: socket.socket) -> bool:
 def exact_transfer(sender, receiver, pool, layout, seed: int = 0) -> None:
     """A transfer that lands bit for bit; its blocks go back to the pool after."""
     src, block_ids = random_cache(layout, 4, seed=seed), [3, 0, 2]
-    handle = sender.send("r", src, block_ids, receiver.endpoint, deadline_s=10)
+    handle = sender.send(KVPiece("r", src, block_ids, deadline_s=10), receiver.endpoint)
     assert handle.wait(15) == TransferStatus.DONE, handle
     result = receiver.wait(handle.transfer_id, 5)
     received = receiver.kv_cache[:, result.dst_block_ids]
@@ -160,7 +160,7 @@ def test_a_wrong_token_is_refused_and_a_replayed_hello_too(layout, new_receiver,
     wrong = make_sender("torch", layout, token="not-the-token", connect_timeout_s=5)
     sender = make_sender("torch", layout, token=TOKEN)
     try:
-        refused = wrong.send("r", random_cache(layout, 4), [0, 1], receiver.endpoint)
+        refused = wrong.send(KVPiece("r", random_cache(layout, 4), [0, 1]), receiver.endpoint)
         assert refused.wait(15) == TransferStatus.FAILED, refused
         assert refused.failed_side == FailedSide.RECEIVER and refused.error == "receiver rejected the cluster token"
         assert receiver.stats.auth_failures == 1 and wrong.num_groups == 0
@@ -216,7 +216,7 @@ def test_a_sender_builds_no_group_on_a_reply_the_receiver_did_not_make(layout, c
     fake = _FakeReceiver(forged)
     sender = make_sender("torch", layout, token=TOKEN, connect_timeout_s=5)
     try:
-        handle = sender.send("r", random_cache(layout, 4), [0, 1], fake.endpoint, deadline_s=5)
+        handle = sender.send(KVPiece("r", random_cache(layout, 4), [0, 1], deadline_s=5), fake.endpoint)
         assert handle.wait(10) == TransferStatus.FAILED and handle.failed_side == FailedSide.TRANSPORT, handle
         assert "not authenticated" in handle.error and fake.num_hellos == 1 and sender.num_groups == 0
     finally:
@@ -301,7 +301,7 @@ def test_a_pair_over_its_store_bounds_fails_clearly_and_leaves_nothing(layout, n
     monkeypatch.setattr(torch_sender, "make_group", greedy)
     sender = make_sender("torch", layout, token=TOKEN)
     try:
-        handle = sender.send("r", random_cache(layout, 4), [0, 1], receiver.endpoint, deadline_s=10)
+        handle = sender.send(KVPiece("r", random_cache(layout, 4), [0, 1], deadline_s=10), receiver.endpoint)
         assert handle.wait(15) == TransferStatus.FAILED and handle.failed_side == FailedSide.TRANSPORT, handle
         assert f"store over its bound: {why}" in handle.error, handle.error
         assert wait_for(lambda: rendezvous_state(receiver) == EMPTY, timeout=5), rendezvous_state(receiver)

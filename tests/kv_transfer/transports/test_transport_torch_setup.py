@@ -11,7 +11,7 @@ import pytest
 import torch
 from kv_helpers import TOKEN, assert_no_leak, random_cache, wait_for
 
-from kv_transfer import FailedSide, SimpleBlockPool, TransferStatus, make_receiver, make_sender
+from kv_transfer import FailedSide, KVPiece, SimpleBlockPool, TransferStatus, make_receiver, make_sender
 from kv_transfer.transports.torch import receiver as torch_receiver
 from kv_transfer.transports.torch import sender as torch_sender
 
@@ -42,7 +42,7 @@ def test_a_peer_that_never_joins_the_group_fails_the_send_within_its_deadline(la
     sender = make_sender("torch", layout, token=TOKEN, connect_timeout_s=30)
     try:
         start = time.monotonic()
-        handle = sender.send("r", random_cache(layout, 4), [0, 1], receiver.endpoint, deadline_s=2.0)
+        handle = sender.send(KVPiece("r", random_cache(layout, 4), [0, 1], deadline_s=2.0), receiver.endpoint)
         assert handle.wait(2.0 + SLACK_S) in (TransferStatus.FAILED, TransferStatus.EXPIRED), handle
         assert time.monotonic() - start < 2.0 + SLACK_S
         assert handle.failed_side == FailedSide.TRANSPORT and "set-up" in handle.error, handle
@@ -67,12 +67,14 @@ def test_a_sender_that_never_joins_frees_the_receivers_group_slot(layout, monkey
     dead = make_sender("torch", layout, token=TOKEN)
     sender = make_sender("torch", layout, token=TOKEN, connect_timeout_s=30)
     try:
-        assert dead.send("r", random_cache(layout, 4), [0, 1], receiver.endpoint).wait(10) == TransferStatus.FAILED
+        doomed = KVPiece("r", random_cache(layout, 4), [0, 1])
+        assert dead.send(doomed, receiver.endpoint).wait(10) == TransferStatus.FAILED
         monkeypatch.undo()
         src = random_cache(layout, 4)
 
         def pairs() -> bool:  # refused ("1 peer groups") until the dead pair's set-up gives up
-            return sender.send("r", src, [0, 1], receiver.endpoint, deadline_s=10).wait(10) == TransferStatus.DONE
+            piece = KVPiece("r", src, [0, 1], deadline_s=10)
+            return sender.send(piece, receiver.endpoint).wait(10) == TransferStatus.DONE
 
         assert wait_for(pairs, timeout=1.0 + SLACK_S), "the dead sender's group slot was never freed"
     finally:
