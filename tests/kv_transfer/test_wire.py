@@ -119,16 +119,16 @@ def test_checked_payload_verifies_the_checksum_before_use():
         checked_payload(header(payload_len=40, checksum=-1), b"\x00" * 40)
 
 
-def test_the_proto_documents_the_header_the_code_sends():
-    """kv_transfer.proto's ChunkHeader and KVLayoutDescription name exactly the fields the wire carries,
-    and its version is the code's."""
+def test_the_proto_defines_the_header_the_code_sends():
+    """The code's ChunkHeader has exactly the proto's fields (it is built from them), the handshake keys are
+    KVLayoutDescription's, and the proto's documented version is the code's."""
     import re
     from dataclasses import fields
     from pathlib import Path
 
     from kv_transfer.wire import HANDSHAKE_KEYS, WIRE_VERSION, ChunkHeader
     from proto.pdserve.v1 import kv_transfer_pb2
-    assert {f.name for f in kv_transfer_pb2.ChunkHeader.DESCRIPTOR.fields} == {f.name for f in fields(ChunkHeader)}
+    assert [f.name for f in fields(ChunkHeader)] == [f.name for f in kv_transfer_pb2.ChunkHeader.DESCRIPTOR.fields]
     assert {f.name for f in kv_transfer_pb2.KVLayoutDescription.DESCRIPTOR.fields} == set(HANDSHAKE_KEYS)
     proto = (Path(__file__).resolve().parents[2] / "proto/pdserve/v1/kv_transfer.proto").read_text()
     assert re.search(r"Wire format version \(kv_transfer/wire.py WIRE_VERSION\): (\d+)", proto).group(1) == \
