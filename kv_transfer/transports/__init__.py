@@ -6,6 +6,8 @@
     ray     payloads through the Ray object store (same node); ray is imported on first use
     fake    in-process hub for tests and warm-up: the real wire format, no socket
 
+``hello_slots.HelloSlots`` bounds the tcp and torch listeners' connections that have not authenticated yet.
+
 ``TRANSPORTS`` maps a config name to (module, sender class, receiver class);
 ``load`` imports a transport's module on demand, so asking for ``grpc`` never
 imports ray and ``fake`` needs neither grpc nor torch.distributed.

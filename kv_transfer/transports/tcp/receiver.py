@@ -4,7 +4,7 @@ Listens on ``host:port`` (127.0.0.1 and a free port by default) and serves each
 connection on its own thread (at most ``max_connections``; more are closed at
 once). A connection first passes the hello (proof of the internal secret for a
 fresh nonce, then the layout check; one deadline, ``HELLO_TIMEOUT_S``, bounds the
-whole hello, and hellos have slots of their own, `MAX_HELLOS`, apart from the
+whole hello, and hellos have slots of their own, ``MAX_HELLOS``, apart from the
 authenticated connections'), then carries send() pieces one after another:
 
     CHUNK ... CHUNK END -> ACK        (or ... ABORT -> ACK: the sender gave up)
@@ -63,13 +63,12 @@ from kv_transfer.transports.tcp.protocol import (
     set_timeout,
     tune,
 )
+from kv_transfer.transports.hello_slots import MAX_HELLOS, HelloSlots
 from kv_transfer.transports.tcp.rows import cache_bytes, cell_nbytes, cell_runs, checksum_of, views
 from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256  # a sender keeps at most one connection per send() in flight (max_workers, 4 by default)
-MAX_HELLOS = 32  # connections still in their hello; beyond, the oldest is dropped to make room
-BAD_HELLO_LOG_S = 60.0  # at most one WARNING per this many seconds about dropped hellos
 MAX_PENDING_DECODES = 2  # staged chunks of one connection waiting for decode (bounds memory)
 DRAIN_BYTES = 1 << 20
 
@@ -101,9 +100,8 @@ class TcpReceiver(BaseReceiver):
         self._endpoint = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         self._closed = threading.Event()
         self._connections: dict[int, socket.socket] = {}   # authenticated
-        self._hellos: dict[int, socket.socket] = {}        # still in their hello, oldest first
         self._lock = threading.Lock()
-        self._bad_hello_logged = -BAD_HELLO_LOG_S
+        self._slots = HelloSlots("tcp KV receiver", hello_timeout_s, self._count_bad_hello, MAX_HELLOS)
         self._accepter = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
         self._accepter.start()
 
@@ -111,46 +109,34 @@ class TcpReceiver(BaseReceiver):
     def num_connections(self) -> int:
         """Connections open: authenticated ones and those still in their hello."""
         with self._lock:
-            return len(self._connections) + len(self._hellos)
+            return len(self._connections) + len(self._slots)
 
     # --- connections -----------------------------------------------------------
     def _accept_loop(self) -> None:
         """Hellos and authenticated connections have separate slots, so peers that never authenticate
-        cannot starve the senders that do: a hello beyond `MAX_HELLOS` drops the oldest one."""
+        cannot starve the senders that do (``HelloSlots``: a new hello drops the oldest)."""
         while not self._closed.is_set():
             try:
                 conn, _ = self._listener.accept()
             except OSError:  # the listener was closed
                 return
-            with self._lock:
-                oldest = self._hellos.pop(next(iter(self._hellos))) if len(self._hellos) >= MAX_HELLOS else None
-                self._hellos[id(conn)] = conn
-            if oldest is not None:
-                self._bad_hello("a newer connection needed its hello slot")
-                _shut(oldest)
+            self._slots.admit(conn)
             threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        key = id(conn)
-        # One deadline for the whole hello (TLS handshake included), however slowly its bytes drip.
-        watchdog = threading.Timer(self.hello_timeout_s, self._hello_expired, (key,))
-        watchdog.daemon = True
-        watchdog.start()
-        authenticated = False
+        key, authenticated = id(conn), False
         try:
             tune(conn)
-            conn.settimeout(self.hello_timeout_s)
+            conn.settimeout(self.hello_timeout_s)  # each read; HelloSlots bounds the whole hello
             if self._context is not None:
-                conn = self._context.wrap_socket(conn, server_side=True)
-                with self._lock:
-                    if key in self._hellos:
-                        self._hellos[key] = conn
-            if not self._hello(conn):
-                return
-            watchdog.cancel()
-            with self._lock:
-                if self._hellos.pop(key, None) is None:  # dropped meanwhile
+                wrapped = self._context.wrap_socket(conn, server_side=True)
+                if not self._slots.swap(conn, wrapped):  # out of time during the TLS handshake
+                    wrapped.close()
                     return
+                conn = wrapped
+            if not self._hello(conn) or not self._slots.release(conn):  # refused, or out of time
+                return
+            with self._lock:
                 if len(self._connections) >= self.max_connections:
                     log.warning("tcp KV receiver: %d connections open, the limit; closing a new one",
                                 len(self._connections))
@@ -159,39 +145,25 @@ class TcpReceiver(BaseReceiver):
             authenticated = True
             self._pieces(conn)
         except (OSError, ConnectionError, WireError, ssl.SSLError) as exc:
-            with self._lock:        # (an evicted hello was counted when it was evicted)
-                mine = self._hellos.pop(key, None) is not None
-            if not authenticated and mine and not self._closed.is_set():   # logged rarely, never a traceback
-                self._bad_hello(f"{type(exc).__name__}: {exc}")
+            if not authenticated:  # counted and logged rarely, never a traceback (unless dropped before)
+                self._slots.drop(conn, f"{type(exc).__name__}: {exc}")
             # else: the connection broke or spoke out of turn: _pieces failed what it carried
         except Exception:  # a bug: say so; _pieces failed what the connection carried
             log.exception("tcp KV connection failed")
         finally:
-            watchdog.cancel()
+            self._slots.release(conn)
             with self._lock:
                 self._connections.pop(key, None)
-                self._hellos.pop(key, None)
             try:
                 conn.close()
             except OSError:
                 pass
 
-    def _hello_expired(self, key: int) -> None:
-        with self._lock:
-            conn = self._hellos.get(key)
-        if conn is not None:
-            _shut(conn)     # its read fails at once; _serve counts it
-
-    def _bad_hello(self, why: str) -> None:
-        """Count a connection dropped before it authenticated; one WARNING per `BAD_HELLO_LOG_S` at most."""
+    def _count_bad_hello(self) -> int:
+        """Count a connection dropped before it authenticated; how many so far."""
         with self._cond:
             self._stats.bad_hellos += 1
-            count = self._stats.bad_hellos
-        now = time.monotonic()
-        if now - self._bad_hello_logged >= BAD_HELLO_LOG_S:
-            self._bad_hello_logged = now
-            log.warning("tcp KV receiver: dropped a connection before it authenticated (%s); %d so far; "
-                        "logged at most once per %.0f s", why[:200], count, BAD_HELLO_LOG_S)
+            return self._stats.bad_hellos
 
     def _hello(self, conn: socket.socket) -> bool:
         """Challenge, check the proof (counted on failure), then the layout; reply. True when accepted."""
@@ -321,8 +293,9 @@ class TcpReceiver(BaseReceiver):
         except OSError:
             pass
         self._listener.close()
+        self._slots.close()
         with self._lock:
-            connections = [*self._connections.values(), *self._hellos.values()]
+            connections = list(self._connections.values())
         for conn in connections:  # wakes each connection's thread; they fail what they carried
             _shut(conn)
         self._accepter.join(timeout=2)

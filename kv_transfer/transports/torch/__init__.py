@@ -3,7 +3,6 @@
     pair.py         the pair protocol's constants, control slots and group construction
     rendezvous.py   the authenticated handshake that opens a pair (sender side: ``dial``)
     store.py        a pair's bounded key space and the torch.distributed Store over it
-    hello_slots.py  slots and one deadline for the connections still in their hello
     sender.py       TorchSender (prefill side): builds pairs, posts chunks, reads acks
     receiver.py     TorchReceiver (decode side): the listener, each pair's key space and thread
 

@@ -33,8 +33,7 @@ from kv_transfer.interface import FailedSide, TransferError
 from kv_transfer.layout import HandshakeError
 from kv_transfer.receiver import BaseReceiver
 from kv_transfer.transports.tcp.protocol import HELLO_TIMEOUT_S, new_nonce, recv_small, send_small, tune
-from kv_transfer.transports.tcp.receiver import MAX_HELLOS
-from kv_transfer.transports.torch.hello_slots import HelloSlots
+from kv_transfer.transports.hello_slots import MAX_HELLOS, HelloSlots
 from kv_transfer.transports.torch.pair import (
     CONTROL_BYTES,
     IDLE_TIMEOUT,

@@ -18,6 +18,7 @@ from kv_transfer import make_sender
 from kv_transfer.codec import NoneCodec
 from kv_transfer.internal_auth import InternalTLS
 from kv_transfer.transports.tcp import receiver as tcp_receiver
+from kv_transfer.transports.tcp.protocol import client_context
 from kv_transfer.transports.tcp.rows import cell_runs
 
 
@@ -124,9 +125,11 @@ def _tcp_receiver(layout, **kwargs):
     return pool, make_receiver("tcp", layout, dst, pool, token=TOKEN, **kwargs)
 
 
-def _connect(receiver) -> socket.socket:
+def _connect(receiver, tls: InternalTLS | None = None) -> socket.socket:
     host, port = receiver.endpoint.rsplit(":", 1)
     conn = socket.create_connection((host, int(port)))
+    if tls is not None:
+        conn = client_context(tls).wrap_socket(conn, server_hostname=host)
     assert len(conn.recv(64)) > 0       # the challenge
     return conn
 
@@ -159,9 +162,11 @@ def test_silent_and_surplus_connections_are_dropped(layout):
         receiver.close()
 
 
-def test_a_slow_drip_hello_is_dropped_at_one_deadline(layout):
-    _, receiver = _tcp_receiver(layout, hello_timeout_s=0.6)
-    conn = _connect(receiver)
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_slow_drip_hello_is_dropped_at_one_deadline(layout, certs, tls):
+    """Over TLS too: the deadline that started on the plain socket reaches the TLS socket made from it."""
+    _, receiver = _tcp_receiver(layout, hello_timeout_s=0.6, tls=node_tls(certs) if tls else None)
+    conn = _connect(receiver, node_tls(certs) if tls else None)
     started = time.monotonic()
     dropped = False
     try:
