@@ -17,7 +17,7 @@ from decode_worker.stream_service import DecodeStreamServer
 from decode_worker.worker import DecodeWorker
 from engine.args import EngineArgs
 from kv_transfer import TransferSettings, codec_compiled, layout_of, make_receiver, release_gil_in_compiled_kernels
-from kv_transfer.internal_auth import InternalTLS
+from proto.internal_auth import InternalTLS
 from proto.pdserve.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(f"pdserve.{__name__}")

@@ -6,7 +6,7 @@ actor serves `Decode`: the request carries a `DecodeJob`, each response every
 `DecodeEvent` produced since the last one. Cancelling the call aborts the request on the actor.
 
 The internal secret travels in metadata (``TOKEN_KEY``) and is checked by an interceptor before
-the request is read (`kv_transfer.internal_auth`); a request is at most `max_job_bytes` of the
+the request is read (`proto.internal_auth`); a request is at most `max_job_bytes` of the
 actor's ``max_model_len``, an actor serves at most `MAX_DECODE_STREAMS` calls at once (more get
 RESOURCE_EXHAUSTED), and with ``tls`` (an `InternalTLS`) both ends speak mutual TLS only.
 """
@@ -22,7 +22,7 @@ import grpc
 from decode_worker.colocated import ColocatedWorker
 from engine.loop import on_event_loop
 from kv_transfer import TOKEN_KEY
-from kv_transfer.internal_auth import AsyncTokenInterceptor, InternalTLS, TokenGate, add_port, open_channel
+from proto.internal_auth import AsyncTokenInterceptor, InternalTLS, TokenGate, add_port, open_channel
 from proto.pdserve.v1 import generation_pb2, worker_pb2 as wpb, worker_pb2_grpc
 
 log = logging.getLogger(f"pdserve.{__name__}")

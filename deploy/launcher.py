@@ -27,7 +27,7 @@ from engine.generation_config import GenerationConfig
 from engine.presets import resolve_model
 from engine.tokenizer import Tokenizer
 from kv_transfer import HandshakeError, TransferSettings, check_compatible
-from kv_transfer.internal_auth import internal_secret
+from proto.internal_auth import internal_secret
 from router.pools import DecodeView, Pools, PrefillView
 
 log = logging.getLogger(f"pdserve.{__name__}")

@@ -34,7 +34,7 @@ from decode_worker.worker import DecodeWorker
 from engine.args import EngineArgs
 from kv_transfer import TransferSettings, codec_compiled, get_codec, layout_of, make_receiver, make_sender
 from kv_transfer import release_gil_in_compiled_kernels
-from kv_transfer.internal_auth import InternalTLS
+from proto.internal_auth import InternalTLS
 from prefill_worker.worker import PrefillWorker
 from proto.pdserve.v1 import worker_pb2 as wpb
 

@@ -26,7 +26,7 @@ import torch
 
 from kv_transfer.buffers import scratch_pool, tune_malloc
 from kv_transfer.codec import get_codec, pin_transfer_thread
-from kv_transfer.internal_auth import token_matches
+from proto.internal_auth import token_matches
 from kv_transfer.interface import (
     BlockAllocator,
     FailedSide,

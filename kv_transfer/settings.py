@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kv_transfer.interface import BlockAllocator, KVReceiver, KVSender, TransferResult
-from kv_transfer.internal_auth import InternalTLS
+from proto.internal_auth import InternalTLS
 from kv_transfer.layout import KVLayout
 from kv_transfer.transports import load
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES

@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from engine.latency import time_per_output_token
-from kv_transfer.internal_auth import token_matches
+from proto.internal_auth import token_matches
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import choose_encoder
 from router.security import bearer_canonical, is_loopback

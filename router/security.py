@@ -4,7 +4,7 @@
   check (load balancers and probes call it without credentials), and on every
   HTTP request except ``GET /health`` (`check_http_bearer`):
   metadata ``authorization: Bearer <token>``, compared in constant time by the
-  check every pdserve server shares (`kv_transfer.internal_auth`), before the
+  check every pdserve server shares (`proto.internal_auth`), before the
   request body is read. Internal endpoints take a secret derived from the
   token instead (`internal_secret`), never the token itself.
 - Binding to a non-loopback address without a token is refused at start.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from kv_transfer.internal_auth import AsyncTokenInterceptor, TokenGate, token_matches
+from proto.internal_auth import AsyncTokenInterceptor, TokenGate, token_matches
 from router.log import log_event
 
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"

@@ -1,7 +1,7 @@
 """The ``security`` section: the shared token, the public TLS files and the internal mutual TLS files.
 
 The router's public port takes the token; internal endpoints (KV service, decode token stream)
-take a secret derived from it (`kv_transfer.internal_auth.internal_secret`). ``tls_*`` secure the
+take a secret derived from it (`proto.internal_auth.internal_secret`). ``tls_*`` secure the
 public port; ``internal_tls_*`` put every internal gRPC channel (and the tcp KV transport) under
 mutual TLS: each node presents ``internal_tls_cert`` as server and as client certificate, and accepts only peers whose
 certificate chains to ``internal_tls_ca``. The files must exist at the same path on every node.
@@ -14,6 +14,7 @@ from typing import Optional
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from deploy.config.base import FieldProblem, Section, existing_file
+from proto.internal_auth import InternalTLS
 
 INTERNAL_TLS_FILES = ("internal_tls_cert", "internal_tls_key", "internal_tls_ca")
 
@@ -72,9 +73,8 @@ class SecuritySection(Section):
         return self
 
     def internal_tls(self):
-        """The internal mutual-TLS files as a `kv_transfer.internal_auth.InternalTLS`, or None (plaintext)."""
+        """The internal mutual-TLS files as a `proto.internal_auth.InternalTLS`, or None (plaintext)."""
         if self.internal_tls_cert is None:
             return None
-        from kv_transfer.internal_auth import InternalTLS  # the config stays free of torch (kv_transfer's package)
         return InternalTLS(self.internal_tls_cert, self.internal_tls_key, self.internal_tls_ca,
                            self.internal_tls_server_name or "")

@@ -7,7 +7,7 @@ proto/pdserve/v1/kv_transfer.proto) with raw-bytes handlers — a protobuf
     PushKV     client stream of frames (u32 len | msgpack header | payload),
                closed by an END frame (u32 0) -> msgpack {"nbytes": int}
 The internal secret travels in metadata ``x-pdserve-token`` (``TOKEN_KEY``); an interceptor
-checks it before a message is read (``kv_transfer.internal_auth``), a wrong one is answered
+checks it before a message is read (``proto.internal_auth``), a wrong one is answered
 UNAUTHENTICATED and counted. Bounds: a Handshake body of ``MAX_HANDSHAKE_BYTES``, a PushKV
 frame of ``MAX_MESSAGE_BYTES`` (the wire's largest frame), ``max_calls`` calls at once (more get
 RESOURCE_EXHAUSTED; ``max_streams`` of them run, the rest wait unread). With ``tls`` (an
@@ -28,7 +28,7 @@ import grpc
 import msgpack
 
 from kv_transfer.chunker import EncodedChunk
-from kv_transfer.internal_auth import InternalTLS, TokenGate, TokenInterceptor, add_port, open_channel
+from proto.internal_auth import InternalTLS, TokenGate, TokenInterceptor, add_port, open_channel
 from kv_transfer.interface import FailedSide, TransferError, TransferStatus
 from kv_transfer.layout import HandshakeError
 from kv_transfer.receiver import BaseReceiver

@@ -12,7 +12,7 @@ from tls_support import make_certs
 
 from decode_worker.stream_service import DecodeStreamClient, DecodeStreamServer, max_job_bytes
 from kv_transfer import TOKEN_KEY
-from kv_transfer.internal_auth import InternalTLS
+from proto.internal_auth import InternalTLS
 from proto.pdserve.v1 import generation_pb2, worker_pb2 as wpb
 
 SECRET = "internal-secret"

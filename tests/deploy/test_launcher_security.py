@@ -12,7 +12,7 @@ from decode_worker.stream_service import DecodeStreamClient, DecodeStreamServer
 from deploy.config import load_config
 from deploy.launcher import ActorFactory, transfer_settings
 from kv_transfer import KVLayout, SimpleBlockPool, make_receiver
-from kv_transfer.internal_auth import internal_secret
+from proto.internal_auth import internal_secret
 from proto.pdserve.v1 import worker_pb2 as wpb
 from tls_support import handshake_code
 

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from kv_transfer import TOKEN_KEY
-from kv_transfer.internal_auth import internal_secret
+from proto.internal_auth import internal_secret
 from kv_transfer.transports.grpc import SERVICE
 from router.client import generate
 

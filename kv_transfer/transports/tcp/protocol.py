@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import msgpack
 
-from kv_transfer.internal_auth import InternalTLS
+from proto.internal_auth import InternalTLS
 from kv_transfer.wire import WireError, unpack_small
 
 KIND_CHUNK, KIND_END, KIND_ABORT = 1, 2, 3

@@ -40,7 +40,7 @@ import torch
 from kv_transfer.buffers import payload_pool
 from kv_transfer.codec import pin_transfer_thread
 from kv_transfer.interface import TransferError
-from kv_transfer.internal_auth import InternalTLS
+from proto.internal_auth import InternalTLS
 from kv_transfer.layout import HandshakeError
 from kv_transfer.receiver import BaseReceiver
 from kv_transfer.transports.tcp.protocol import (

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from kv_transfer.chunker import ChunkJob, EncodedChunk, chunk_header, piece_plans
 from kv_transfer.interface import FailedSide, KVPiece, TransferError, TransferStatus
-from kv_transfer.internal_auth import InternalTLS
+from proto.internal_auth import InternalTLS
 from kv_transfer.layout import HandshakeError, check_compatible
 from kv_transfer.sender import BaseSender
 from kv_transfer.transports.tcp.protocol import (

@@ -24,7 +24,7 @@ from datetime import timedelta
 import msgpack
 
 from kv_transfer.interface import FailedSide, TransferError
-from kv_transfer.internal_auth import token_matches
+from proto.internal_auth import token_matches
 from kv_transfer.layout import HandshakeError
 from kv_transfer.transports.tcp.protocol import LENGTH, NONCE_BYTES, recv_exact, recv_small, send_small, tune
 

@@ -11,7 +11,7 @@ from tls_support import handshake_code, make_certs
 
 from kv_transfer import (FailedSide, KVPiece, SimpleBlockPool, TransferSettings, TransferStatus, make_receiver,
                          make_sender)
-from kv_transfer.internal_auth import InternalTLS
+from proto.internal_auth import InternalTLS
 
 
 @pytest.fixture(scope="module")

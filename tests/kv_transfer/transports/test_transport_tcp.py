@@ -16,7 +16,7 @@ from tls_support import make_certs
 from kv_transfer import FailedSide, KVLayout, KVPiece, SimpleBlockPool, TransferSettings, TransferStatus, make_receiver
 from kv_transfer import make_sender
 from kv_transfer.codec import NoneCodec
-from kv_transfer.internal_auth import InternalTLS
+from proto.internal_auth import InternalTLS
 from kv_transfer.transports.tcp import receiver as tcp_receiver
 from kv_transfer.transports.tcp.protocol import client_context
 from kv_transfer.transports.tcp.rows import cell_runs

@@ -1,5 +1,9 @@
-"""Who may call a pdserve gRPC server: one token check, interceptors that run it before a body is read,
+"""Who may call a pdserve server: one token check, interceptors that run it before a body is read,
 the internal secret, and the mutual TLS of the internal endpoints (KV service, decode token stream).
+
+It is part of the contract between pdserve processes, like the messages beside it: the router, the
+KV transports, the decode stream and the launcher all import it from here, and it needs neither
+torch nor ray.
 
     secret = internal_secret(cluster_token)            # what internal peers present, never the token itself
     gate = TokenGate(TOKEN_KEY, secret, message="receiver rejected the cluster token")

@@ -1,4 +1,4 @@
-"""kv_transfer/internal_auth.py: the one token check, the derived secret, and the interceptors (sync
+"""proto/internal_auth.py: the one token check, the derived secret, and the interceptors (sync
 and aio) that refuse a call before its handler runs or its body is read."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from kv_transfer.internal_auth import (
+from proto.internal_auth import (
     AsyncTokenInterceptor,
     TokenGate,
     TokenInterceptor,
