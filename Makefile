@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The default model: the trained `pydoc` (engine/weights/pydoc, rebuilt by `python -m engine.train`).
+# The default model: the trained `pydoc` (engine/weights/pydoc, rebuilt by `python -m bench.train`).
 # `make demo DEMO_FLAGS=--verbose` streams the actors' logs to the terminal instead of the log file it names.
 demo: $(STAMP)
 	$(BIN)/pdserve demo $(DEMO_FLAGS)
@@ -32,8 +32,8 @@ test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -x --durations=15 tests
 
 bench: $(STAMP)
-	$(BIN)/python -m bench.engine --markdown docs/engine-bench.md
-	$(BIN)/python -m bench.transfer --json docs/transfer-bench.json
+	$(BIN)/python -m bench.engine --markdown build/engine-bench.md
+	$(BIN)/python -m bench.transfer --json docs/results/transfer-bench.json
 	$(BIN)/python -m bench.kv_quality --model small
 	$(BIN)/python -m bench.report --preset small
 

@@ -1,5 +1,5 @@
 """Benchmarks, one sub-package each: engine/ (engine vs HF), transfer/ (KV transfer), serving/
-(latency, goodput, baselines, plan check, stream latency), report/ (docs/benchmarks.md); kv_quality.py
+(latency, goodput, baselines, plan check, stream latency), report/ (docs/benchmarks/serving.md); kv_quality.py
 (fp8 KV accuracy).
 
 Benchmarks run on one machine: a Ray instance they start keeps every listener

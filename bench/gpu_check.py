@@ -1,6 +1,6 @@
 """`make gpu-check` (``python -m bench.gpu_check``): one prepared run on one CUDA GPU, one summary table.
 
-Run it on a machine with a GPU, and copy the table into the README. It checks, each figure beside
+Run it on a machine with a GPU, and copy the table into docs/benchmarks/. It checks, each figure beside
 its peer:
 
 - engine vs HF transformers on the GPU in bfloat16: logits at every prompt position within the
@@ -171,8 +171,8 @@ def device_peaks() -> dict:
 def check_engine_vs_hf(model_dir: str, prompts: int, new_tokens: int) -> list[Row]:
     import transformers
 
-    from engine import Engine, SamplingParams
-    engine = Engine(model_dir, dtype="bfloat16", device=DEVICE, num_blocks=1024, block_size=16)
+    from engine import Engine, EngineArgs, SamplingParams
+    engine = Engine(EngineArgs(model_dir, dtype="bfloat16", device=DEVICE, num_blocks=1024, block_size=16))
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
     g = torch.Generator().manual_seed(5)
     batch = [torch.randint(2, engine.vocab_size, (int(n),), generator=g).tolist()
@@ -302,11 +302,12 @@ def check_transfer(payload_mib: int) -> list[Row]:
 
 
 def check_speed(model_dir: str, peaks: dict) -> list[Row]:
-    from engine import Engine
+    from engine import Engine, EngineArgs
     from engine.profile import measure_decode, measure_prefill
     (batch, context), (prompts, prompt_len) = DECODE_POINT, PREFILL_POINT
-    engine = Engine(model_dir, dtype="bfloat16", device=DEVICE, kv_memory_fraction=0.5, block_size=16,
-                    max_num_batched_tokens=prompts * prompt_len, max_num_seqs=max(batch, prompts), attention="eager")
+    engine = Engine(EngineArgs(model_dir, dtype="bfloat16", device=DEVICE, kv_memory_fraction=0.5, block_size=16,
+                               max_num_batched_tokens=prompts * prompt_len, max_num_seqs=max(batch, prompts),
+                               attention="eager"))
     sheet = datasheet(_device_name())
     rows = [Row("KV budget from the device", "info", f"{engine.block_manager.num_blocks} blocks",
                 "memory_fraction 0.5", asdict(engine.kv_budget) if engine.kv_budget else {})]
@@ -342,7 +343,7 @@ FLEX_REPEATS = 5            # timed decode steps (best of)
 def check_flex(model_dir: str, perf_model_dir: str) -> list[Row]:
     """The flex paged kernel (and decode CUDA graphs) vs the eager path: exactness in float32 on chunked,
     prefix-cached, mixed batches; then decode step and prefill times of the ~1B model in bf16."""
-    from engine import Engine, SamplingParams
+    from engine import Engine, EngineArgs, SamplingParams
     from engine.profile import measure_decode, measure_prefill
     g = torch.Generator().manual_seed(9)
     base = torch.randint(2, 200, (64,), generator=g).tolist()
@@ -352,9 +353,9 @@ def check_flex(model_dir: str, perf_model_dir: str) -> list[Row]:
     params = SamplingParams(max_tokens=FLEX_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = {}
     for mode, graphs in (("eager", False), (FLEX_MODE, False), (FLEX_MODE, True)):
-        engine = Engine(model_dir, dtype="float32", device=DEVICE, num_blocks=FLEX_NUM_BLOCKS, block_size=16,
-                        chunk_size=48,
-                        max_num_batched_tokens=128, max_num_seqs=16, attention=mode, cuda_graphs=graphs)
+        engine = Engine(EngineArgs(model_dir, dtype="float32", device=DEVICE, num_blocks=FLEX_NUM_BLOCKS, block_size=16,
+                                   chunk_size=48,
+                                   max_num_batched_tokens=128, max_num_seqs=16, attention=mode, cuda_graphs=graphs))
         done = engine.generate(prompts[:num_fresh], params) + engine.generate(prompts[num_fresh:], params)
         outs[mode, graphs] = ([c.token_ids for c in done], [lp.logprob for c in done for lp in c.logprobs],
                               engine.attention, engine.runner.graphs is not None)
@@ -372,9 +373,10 @@ def check_flex(model_dir: str, perf_model_dir: str) -> list[Row]:
     times = {}
     for mode, graphs in (("eager", False), (FLEX_MODE, False), (FLEX_MODE, True)):
         sizing = {"kv_memory_fraction": 0.5} if DEVICE == "cuda" else {"num_blocks": FLEX_NUM_BLOCKS}
-        engine = Engine(perf_model_dir, dtype="bfloat16", device=DEVICE, block_size=16, **sizing,
-                        max_num_batched_tokens=num_prompts * prompt_len, max_num_seqs=max(batch, num_prompts),
-                        attention=mode, cuda_graphs=graphs)
+        engine = Engine(EngineArgs(perf_model_dir, dtype="bfloat16", device=DEVICE, block_size=16, **sizing,
+                                   max_num_batched_tokens=num_prompts * prompt_len, max_num_seqs=max(batch,
+                                   num_prompts),
+                                   attention=mode, cuda_graphs=graphs))
         decode = measure_decode(engine, batch=batch, context=context, repeats=FLEX_REPEATS)
         prefill = measure_prefill(engine, prompt_len, batch=num_prompts, repeats=1) if not graphs else None
         times[mode, graphs] = (decode and decode["seconds"], prefill and prefill["seconds"])
@@ -402,7 +404,7 @@ def check_gpu_tests(timeout_s: float) -> list[Row]:
 
 
 def perf_model_dir() -> str:
-    from engine.presets import cache_root, hf_config, write_model_dir
+    from engine.model.presets import cache_root, hf_config, write_model_dir
     path = os.path.join(cache_root(), "models", "gpu-check-1b")
     if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
         write_model_dir(path, hf_config(PERF_ARCH, torch_dtype="bfloat16"), seed=3, tokenizer_vocab=300)
@@ -423,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_checks(args) -> tuple[list[Row], dict]:
-    from engine.presets import resolve_model
+    from engine.model.presets import resolve_model
     start = time.monotonic()
     model_dir = resolve_model(args.model)
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,

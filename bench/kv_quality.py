@@ -14,8 +14,8 @@ import sys
 
 import torch
 
-from engine import Engine, SamplingParams
-from engine.attention import build_metadata
+from engine import Engine, EngineArgs, SamplingParams
+from engine.model.attention import build_metadata
 from kv_transfer.codec import get_codec
 
 
@@ -35,8 +35,8 @@ def _first_step_logits(engine: Engine, prompt: list[int], first: int, blocks: li
 def measure(model: str = "tiny", num_requests: int = 32, max_tokens: int = 32, dtype: str = "float32",
             codecs: tuple[str, ...] = ("fp8", "fp8_tensor"), seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
-    prefill = Engine(model, dtype=dtype, num_blocks=2048, enable_prefix_cache=False)
-    decode = Engine(model, dtype=dtype, num_blocks=2048, enable_prefix_cache=False)
+    prefill = Engine(EngineArgs(model, dtype=dtype, num_blocks=2048, enable_prefix_cache=False))
+    decode = Engine(EngineArgs(model, dtype=dtype, num_blocks=2048, enable_prefix_cache=False))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     stats = {c: {"same_tokens": 0, "same_sequences": 0, "rel_l2": [], "max_abs": []} for c in codecs}
     total_tokens = 0

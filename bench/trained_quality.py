@@ -2,7 +2,7 @@
 
 1. Held-out bits per byte of the committed weights, scored by our engine's model and by HF
    transformers on the same directory (every held-out token, fresh context per 512-token
-   window); they must agree to 1e-3. Needs the corpus (`apt-get download`, see engine.train);
+   window); they must agree to 1e-3. Needs the corpus (`apt-get download`, see bench.train);
    `--no-bpb` skips it.
 2. FP8 KV on the fixed held-out passages (`heldout_passages.json`): each passage's first
    `prompt_len` tokens are prefilled on a prefill engine; the prompt KV goes through each
@@ -28,10 +28,10 @@ import time
 import torch
 
 from bench.kv_quality import _drain
-from engine import Engine, SamplingParams
-from engine.attention import build_metadata
-from engine.presets import resolve_model
-from engine.train.passages import load_passages
+from engine import Engine, EngineArgs, SamplingParams
+from engine.model.attention import build_metadata
+from engine.model.presets import resolve_model
+from bench.train.passages import load_passages
 from kv_transfer import codec_compiled
 from kv_transfer import FakeHub, KVPiece, TransferResult, TransferStatus, layout_of, make_receiver, make_sender
 
@@ -59,7 +59,7 @@ def engine_nll(engine: Engine, windows: list[list[int]]) -> tuple[float, int]:
 def hf_nll(model_dir: str, windows: list[list[int]]) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
 
-    from engine.train.trainer import nll_sum
+    from bench.train.trainer import nll_sum
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return nll_sum(model, windows), sum(len(w) - 1 for w in windows)
 
@@ -70,8 +70,8 @@ def heldout_bits_per_byte(model_dir: str, engine: Engine, cache: str | None = No
 
     from tokenizers import Tokenizer
 
-    from engine.train.corpus import load_corpus
-    from engine.train.trainer import Recipe, encode_documents, heldout_windows
+    from bench.train.corpus import load_corpus
+    from bench.train.trainer import Recipe, encode_documents, heldout_windows
     corpus = load_corpus(cache or os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "corpus"))
     with open(os.path.join(model_dir, "training.json"), encoding="utf-8") as f:
         record = json.load(f)
@@ -168,8 +168,8 @@ def kv_codec_quality(model: str = "pydoc", num_passages: int = 64, codecs: tuple
     cache (what a bf16 deployment holds), to show how often a harmless rounding flips greedy paths."""
     model_dir = resolve_model(model)
     passages = load_passages(model_dir)[:num_passages]
-    prefill = Engine(model_dir, dtype=dtype, num_blocks=256, enable_prefix_cache=False, attention=attention)
-    decode = Engine(model_dir, dtype=dtype, num_blocks=256, enable_prefix_cache=False, attention=attention)
+    prefill = Engine(EngineArgs(model_dir, dtype=dtype, num_blocks=256, enable_prefix_cache=False, attention=attention))
+    decode = Engine(EngineArgs(model_dir, dtype=dtype, num_blocks=256, enable_prefix_cache=False, attention=attention))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     names = ("none", *codecs, *(("bf16_ref",) if bf16_reference else ()))
     links = {c: KVLink(prefill, decode, c, transport) for c in ("none", *codecs)}
@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     model_dir = resolve_model(args.model)
     if not args.no_bpb:
-        engine = Engine(model_dir, dtype="float32", num_blocks=64, enable_prefix_cache=False, attention="eager")
+        engine = Engine(EngineArgs(model_dir, dtype="float32", num_blocks=64, enable_prefix_cache=False,
+                                   attention="eager"))
         bpb = result["bits_per_byte"] = heldout_bits_per_byte(model_dir, engine, args.cache)
         ok = bpb["abs_diff"] < 1e-3
         print(f"held-out bits/byte over {bpb['tokens']} tokens / {bpb['bytes']} bytes: engine "

@@ -11,13 +11,16 @@ turns it on through the actor.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
-from decode_worker.colocated import ColocatedWorker
+if TYPE_CHECKING:
+    from decode_worker.colocated import ColocatedWorker
+    from decode_worker.worker import DecodeWorker
 
 FAULTS = ("hang",)
 
 
-def set_fault(worker: ColocatedWorker, kind: str | None, seconds: float = 0.0) -> None:
+def set_fault(worker: DecodeWorker | ColocatedWorker, kind: str | None, seconds: float = 0.0) -> None:
     release = worker.__dict__.pop("_fault_release", None)
     if release is not None:                     # end an earlier hang
         release.set()

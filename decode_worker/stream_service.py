@@ -1,7 +1,7 @@
 """The token stream from a decode actor to the router: `pdserve.v1.DecodeStreamService` (worker.proto).
 
-Measured against a Ray streaming generator on this machine (bench/serving/stream_latency.py),
-a gRPC server stream adds ~8x less per-token delay, so each decode (and colocated)
+A gRPC server stream adds less per-token delay than a Ray streaming generator
+(bench/serving/stream_latency.py measures both), so each decode (and colocated)
 actor serves `Decode`: the request carries a `DecodeJob`, each response every
 `DecodeEvent` produced since the last one. Cancelling the call aborts the request on the actor.
 
@@ -16,14 +16,18 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 
-from decode_worker.colocated import ColocatedWorker
-from engine.loop import on_event_loop
+from engine.scheduling.loop import on_event_loop
 from kv_transfer import TOKEN_KEY
 from proto.internal_auth import AsyncTokenInterceptor, InternalTLS, TokenGate, add_port, open_channel
 from proto.pdserve.v1 import generation_pb2, worker_pb2 as wpb, worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from decode_worker.colocated import ColocatedWorker
+    from decode_worker.worker import DecodeWorker
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
@@ -49,8 +53,9 @@ class DecodeStreamServer(worker_pb2_grpc.DecodeStreamServiceServicer):
         max_request_bytes: the request limit (default `max_job_bytes` of the engine's ``max_model_len``).
     """
 
-    def __init__(self, worker: ColocatedWorker, token: str, host: str = "127.0.0.1", *, tls: InternalTLS | None = None,
-                 max_streams: int = MAX_DECODE_STREAMS, max_request_bytes: int | None = None):
+    def __init__(self, worker: DecodeWorker | ColocatedWorker, token: str, host: str = "127.0.0.1", *,
+                 tls: InternalTLS | None = None, max_streams: int = MAX_DECODE_STREAMS,
+                 max_request_bytes: int | None = None):
         self.worker, self.token, self.host, self.tls = worker, token, host, tls
         self.max_streams = max_streams
         self.max_request_bytes = max_request_bytes or max_job_bytes(worker.engine.max_model_len)

@@ -13,8 +13,8 @@ Lifecycle of one request on this worker (each loop step: receive KV → schedule
         ─► the engine frees every block the request held (its full blocks, prompt and output,
         stay in the prefix cache, LRU: a later turn of the conversation pins them)
 
-A job without a transfer_id is prefilled here (conditional disaggregation, migration):
-that is the `ColocatedWorker` path this class builds on. KV that arrives for a
+A job without a transfer_id is prefilled here (conditional disaggregation, migration), through
+the colocated worker's local-prefill path (`prefill_locally`). KV that arrives for a
 request nobody waits for (aborted, or not yet registered) is parked for
 `orphan_lease_s` and then freed: no block outlives its request. An unclaimed transfer whose
 handoff says every sequence ended at its first token (streamed layer by layer before the
@@ -29,9 +29,11 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from decode_worker.colocated import ColocatedWorker, Stream, error_event
+from decode_worker.colocated import prefill_locally
+from decode_worker.streams import Stream, TokenStreams, error_event, worker_stats
 from engine import Engine, SamplingParams
 from engine.engine import CachedPrefixLost
+from engine.scheduling.loop import EngineLoop
 from kv_transfer import KVReceiver, TransferResult, TransferStatus
 from kv_transfer.codec import get_codec
 from proto.pdserve.v1 import worker_pb2 as wpb
@@ -39,15 +41,18 @@ from proto.pdserve.v1 import worker_pb2 as wpb
 log = logging.getLogger(f"pdserve.{__name__}")
 
 
-class DecodeWorker(ColocatedWorker):
-    """Plain class (unit-testable without Ray); `decode_worker.actor` wraps it."""
+class DecodeWorker:
+    """Plain class (unit-testable without Ray); `deploy.actor.ServingActor` wraps it."""
 
     role = "decode"
 
     def __init__(self, engine: Engine, make_receiver: Callable[[Callable], KVReceiver],
                  actor_id: str = "decode-0", orphan_lease_s: float = 10.0):
         """make_receiver(on_complete) builds the KV receiver; its completions wake the loop."""
-        super().__init__(engine, actor_id)
+        self.engine = engine
+        self.actor_id = actor_id
+        self.streams = TokenStreams(engine, actor_id, drop=self._drop)
+        self.loop = EngineLoop(f"{actor_id}-loop", self._step)
         self.orphan_lease_s = orphan_lease_s
         self._waiting_kv: dict[str, str] = {}                     # transfer_id -> request_id
         self._orphans: dict[str, tuple[TransferResult, float]] = {}   # transfer_id -> (DONE result, parked at)
@@ -61,15 +66,30 @@ class DecodeWorker(ColocatedWorker):
     def endpoint(self) -> str:
         return self.receiver.endpoint
 
+    # ---- called from any thread ----------------------------------------
+    def start(self) -> None:
+        self.loop.start()
+
+    def submit(self, job: wpb.DecodeJob, emit: Callable[[wpb.DecodeEvent], None]) -> None:
+        stream = Stream(job, emit, time.monotonic())      # received: the timeline's queue starts
+        self.loop.call(lambda: self.streams.open(stream, self._accept))
+
+    def abort(self, request_id: str) -> None:
+        self.loop.call(lambda: self.streams.abort(request_id))
+
     def stats(self) -> dict:
-        """`ColocatedWorker.stats`, and the KV connections its receiver refused, by reason."""
+        """The load report, and the KV connections its receiver refused, by reason."""
         received = self.receiver.stats
-        return {**super().stats(), "refused_connections": {
+        return {**worker_stats(self.engine, self.actor_id, self.role, self.num_queued()), "refused_connections": {
             "bad_token": received.auth_failures, "bad_hello": received.bad_hellos,
             "handshake_mismatch": received.handshake_failures}}
 
+    def cached_prefix(self, query: wpb.PrefixQuery) -> wpb.PrefixHits:
+        """How many leading blocks of the query's prompt this actor's prefix cache holds (any thread)."""
+        return wpb.PrefixHits(num_cached_blocks=self.engine.cached_prefix_blocks(list(query.block_hashes)))
+
     def stop(self) -> None:
-        super().stop()
+        self.loop.stop()
         self.receiver.close()
         # The loop has stopped: no request can claim KV that arrived (parked, or not yet polled) now.
         done = [r for r in self.receiver.poll() if r.status is TransferStatus.DONE]
@@ -81,7 +101,7 @@ class DecodeWorker(ColocatedWorker):
     def _accept(self, s: Stream, params: SamplingParams) -> None:
         job = s.job
         if not job.transfer_id:
-            super()._accept(s, params)           # prefill here
+            prefill_locally(self.engine, s, params)
             return
         if job.resume_output_ids:
             raise ValueError("resume_output_ids: a migrated request is prefilled here, not sent a transfer")
@@ -89,7 +109,7 @@ class DecodeWorker(ColocatedWorker):
             self.engine.expect_kv(job.request_id, list(job.prompt_token_ids), params, job.transfer_id,
                                   s.registered + job.kv_timeout_s, num_cached_blocks=job.num_cached_blocks)
         except CachedPrefixLost as e:        # nothing is held; the router asks again and prefills again
-            del self._streams[job.request_id]
+            self.streams.forget(job.request_id)
             self.receiver.cancel(transfer_id=job.transfer_id)      # its chunks are refused, nothing reserved
             orphan = self._orphans.pop(job.transfer_id, None)      # (or it came first: its blocks go back now)
             if orphan is not None:
@@ -105,11 +125,16 @@ class DecodeWorker(ColocatedWorker):
         req = self.engine.requests.get(request_id)
         if req is not None and self._waiting_kv.pop(req.kv_transfer_id or "", None) is not None:
             self.receiver.cancel(transfer_id=req.kv_transfer_id)
-        super()._drop(request_id)
+        self.engine.abort(request_id)
+
+    def evict(self, reason: str) -> int:
+        """Loop thread: end every open request with a retryable error, so the router migrates it; returns
+        how many. Used when the actor must give up its work (a role flip that ran out of time)."""
+        return self.streams.evict(reason)
 
     def _step(self) -> float:
-        self._receive_kv()
-        return super()._step()
+        self._receive_kv()                       # receive KV → schedule → run → stream
+        return self.streams.step()
 
     def _receive_kv(self) -> None:
         for result in self.receiver.poll():
@@ -119,7 +144,8 @@ class DecodeWorker(ColocatedWorker):
                 log.exception("handling KV transfer %s failed", result.transfer_id)
                 rid = self._waiting_kv.pop(result.transfer_id, None)
                 if rid is not None:
-                    self._fail(rid, error_event(grpc.StatusCode.INTERNAL, "KV handoff failed; see the actor log"))
+                    self.streams.fail(rid, error_event(grpc.StatusCode.INTERNAL,
+                                                       "KV handoff failed; see the actor log"))
         self._expire(time.monotonic())
 
     def _on_transfer(self, result: TransferResult) -> None:
@@ -131,7 +157,7 @@ class DecodeWorker(ColocatedWorker):
                 self._orphans[result.transfer_id] = (result, time.monotonic())
             return
         if result.status is not TransferStatus.DONE:
-            self._fail(rid, error_event(grpc.StatusCode.UNAVAILABLE, f"KV transfer {result.transfer_id} "
+            self.streams.fail(rid, error_event(grpc.StatusCode.UNAVAILABLE, f"KV transfer {result.transfer_id} "
                                         f"{result.status.value}: {result.error}", retryable=True))
             return
         try:
@@ -149,23 +175,23 @@ class DecodeWorker(ColocatedWorker):
                 log.exception("adopting the KV of %s failed", rid)
             req = self.engine.requests.get(rid)
             owned = req is not None and set(result.dst_block_ids) <= set(req.block_table)
-            if not owned:                    # else the request owns them: _fail frees them (and its pinned ones)
+            if not owned:                    # else the request owns them: streams.fail frees them (and its pinned ones)
                 self.engine.block_manager.free(result.dst_block_ids)
-            self._fail(rid, error_event(grpc.StatusCode.INTERNAL, f"cannot adopt KV: {e}"))
+            self.streams.fail(rid, error_event(grpc.StatusCode.INTERNAL, f"cannot adopt KV: {e}"))
             return
-        s = self._streams[rid]
+        s = self.streams.get(rid)
         s.adopted = time.monotonic()
         s.stages = wpb.ActorStages(kv_receive_s=result.receive_tail_s, kv_receive_total_s=result.receive_s,
                                    adopt_s=max(s.adopted - result.done_at, 0.0) if result.done_at else 0.0)
         for out in outs:
-            self._stream(out)
+            self.streams.stream(out)
 
     def _expire(self, now: float) -> None:
         for tid, rid in list(self._waiting_kv.items()):
             req = self.engine.requests[rid]
             if now > req.kv_deadline and self.receiver.status(tid) is None:    # begun: its own deadline rules
-                timeout = self._streams[rid].job.kv_timeout_s
-                self._fail(rid, error_event(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer {tid} did not "
+                timeout = self.streams.get(rid).job.kv_timeout_s
+                self.streams.fail(rid, error_event(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer {tid} did not "
                                             f"begin within {timeout:.1f}s", retryable=True))
         for tid, (result, parked) in list(self._orphans.items()):
             if now - parked > self.orphan_lease_s:
@@ -174,7 +200,7 @@ class DecodeWorker(ColocatedWorker):
                 log.info("freed %d blocks of unclaimed transfer %s", len(result.dst_block_ids), tid)
 
     def num_queued(self) -> int:
-        return len(self._waiting_kv) + super().num_queued()
+        return len(self._waiting_kv) + self.engine.scheduler.num_queued
 
 
 def _ends_at_first_token(result: TransferResult) -> bool:

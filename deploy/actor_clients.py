@@ -1,4 +1,4 @@
-"""The router's actor protocol (`router.actor_client`) over Ray actor handles.
+"""The router's actor protocol (`router.actor_protocol`) over Ray actor handles.
 
 Prefill jobs travel as serialized `PrefillJob` bytes in a Ray call; decode jobs
 open a gRPC stream (`DecodeStreamService.Decode`) on the decode actor, which
@@ -12,7 +12,7 @@ import ray
 
 from decode_worker.stream_service import DecodeStreamClient
 from proto.pdserve.v1 import kv_events_pb2 as kpb, worker_pb2 as wpb
-from router.actor_client import ActorUnavailable
+from router.actor_protocol import ActorUnavailable
 from router.backend import ActorStats
 
 

@@ -2,7 +2,7 @@
 
 Every `interval_s`:
 
-    observe  ─ finished requests of the last `window_s` (Dispatcher.completed): arrival
+    observe  ─ finished requests of the last `window_s` (Dispatcher.recent_finished): arrival
                rate, mean prompt/output lengths, measured TTFT and TPOT; in-flight work
                (decode requests running or waiting for admission, queued prefill tokens)
     correct  ─ correction = measured / predicted TTFT and TPOT (smoothed, clamped), so the
@@ -20,9 +20,10 @@ With ``routing.role_flips: auto`` and fixed pool counts, the act step flips role
 unrounded needs (raised by the backlog) go to `deploy.role_balance.RoleBalancer`, and a flip it calls
 for is run by the pool manager (`PoolManager.flip`) on the least busy actor of the role that gives one up.
 With ``routing.mode: auto`` as well, decode actors prefill the prompts placed local, so only the share of
-prompt tokens that *needed* a prefill actor (`Placement.needs_prefill_actor`, over the window) counts as
-prefill-actor work, the rest as decode-actor work; the prefill pool may go to zero (every actor decodes
-and prefills its own prompts, the colocated layout) and comes back when prompts need it again.
+prompt tokens that *needed* a prefill actor (`Placement.needs_prefill_actor`, over the window:
+Dispatcher.recent_placements) counts as prefill-actor work, the rest as decode-actor work; the prefill pool
+may go to zero (every actor decodes and prefills its own prompts, the colocated layout) and comes back when
+prompts need it again.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 from deploy.planner import SLO, Corrections, Plan, Workload, inputs_from_config, p99_ttft, plan
 from deploy.profiler import Profile
-from deploy.pool_manager import Flip, add_actors, drain_actor
+from deploy.pool_manager import Flip, drain_actor
 from deploy.role_balance import TO_PREFILL, BalanceSettings, RoleBalancer, SplitDecision
 
 log = logging.getLogger(f"pdserve.{__name__}")
@@ -106,7 +107,7 @@ class Autoscaler:
 
     async def tick(self) -> Decision:
         obs = self.observe(time.monotonic())
-        kv_blocks = min((v.kv_blocks_total for v in self.backend.pools.decode), default=1)
+        kv_blocks = min((v.kv_blocks_total for v in self.backend.views("decode")), default=1)
         _, slo, limits = inputs_from_config(self.cfg, kv_blocks)
         self.corrections = self._correct(obs, slo)
         result = plan(self.profile, obs.workload, slo, limits, self.corrections)
@@ -116,7 +117,7 @@ class Autoscaler:
             await self._scale(name, targets[name])
         if self.balancer is not None:
             decision.split, decision.flip = await self._balance(result, obs, slo)
-        decision.sizes = {name: len(self.backend.pools.get(name)) for name in ("prefill", "decode")}
+        decision.sizes = {name: len(self.backend.views(name)) for name in ("prefill", "decode")}
         self.history.append(decision)
         del self.history[:-1000]
         return decision
@@ -124,30 +125,30 @@ class Autoscaler:
     # ---- observe / correct / plan ---------------------------------------
     def observe(self, now: float) -> Observation:
         window = self.settings.window_s
-        recent = [r for r in list(self.backend.completed) if now - r[0] <= window]
+        recent = self.backend.recent_finished(window, now)
         span = max(min(window, now - self._started), self.settings.interval_s, 1e-3)
         w = self.cfg.workload
         if recent:
-            self._last_lengths = (statistics.fmean(r[1] for r in recent), statistics.fmean(r[2] for r in recent))
-        if self._last_lengths is None and not self.backend.completed:
+            self._last_lengths = (statistics.fmean(r.num_prompt_tokens for r in recent),
+                                  statistics.fmean(r.num_output_tokens for r in recent))
+        if self._last_lengths is None and not self.backend.recent_finished(math.inf, now):
             workload = Workload(w.input_tokens_mean, w.output_tokens_mean, w.arrival_rate_rps)   # the prior
         else:
             s_in, s_out = self._last_lengths or (w.input_tokens_mean, w.output_tokens_mean)
             workload = Workload(s_in, max(s_out, 1.0), max(len(recent) / span, 1e-6))
-        ttfts = sorted(r[3] for r in recent)
-        tpots = [r[4] for r in recent if r[2] > 1]
-        decode_in_flight = sum(v.running for v in self.backend.pools.decode) + self.backend.admission.num_waiting
-        queued = sum(v.queued_tokens for v in self.backend.pools.prefill)
+        ttfts = sorted(r.ttft_s for r in recent)
+        tpots = [r.tpot_s for r in recent if r.num_output_tokens > 1]
+        decode_in_flight = sum(v.running for v in self.backend.views("decode")) + self.backend.num_waiting
+        queued = sum(v.queued_tokens for v in self.backend.views("prefill"))
         return Observation(workload, len(recent), ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
                            statistics.fmean(tpots) if tpots else None, decode_in_flight, queued,
                            self._remote_share(now) if self.auto_placement else None)
 
     def _remote_share(self, now: float) -> float | None:
         """Of the prompt tokens placed in the window, the share that needed a prefill actor (None: none placed)."""
-        placed = [(tokens, needs) for at, tokens, needs in list(getattr(self.backend, "placements", ()))
-                  if now - at <= self.settings.window_s]
-        total = sum(tokens for tokens, _ in placed)
-        return sum(tokens for tokens, needs in placed if needs) / total if total else None
+        placed = self.backend.recent_placements(self.settings.window_s, now)
+        total = sum(p.num_prompt_tokens for p in placed)
+        return sum(p.num_prompt_tokens for p in placed if p.needs_prefill_actor) / total if total else None
 
     def _correct(self, obs: Observation, slo: SLO) -> Corrections:
         """measured / predicted at the current pool sizes, smoothed and clamped."""
@@ -157,12 +158,12 @@ class Autoscaler:
         w = obs.workload
         if obs.ttft_s is not None:
             t_p = self.profile.prefill_seconds(w.input_tokens)
-            n = max(len(self.backend.pools.prefill), 1)
+            n = max(len(self.backend.views("prefill")), 1)
             util = min(w.arrival_rate_rps * t_p / n, 0.95)
             predicted = p99_ttft(t_p, util)
             ttft = (1 - a) * ttft + a * min(max(obs.ttft_s / predicted, lo), hi)
         if obs.tpot_s is not None:
-            n = max(len(self.backend.pools.decode), 1)
+            n = max(len(self.backend.views("decode")), 1)
             concurrency = max(w.arrival_rate_rps * w.output_tokens * obs.tpot_s / n, 1.0)
             predicted = self.profile.decode_step_seconds(concurrency, w.input_tokens + w.output_tokens / 2)
             tpot = (1 - a) * tpot + a * min(max(obs.tpot_s / predicted, lo), hi)
@@ -194,21 +195,21 @@ class Autoscaler:
 
     async def _balance(self, result: Plan, obs: Observation, slo: SLO) -> tuple[SplitDecision, Flip | None]:
         """At a fixed actor count: flip one actor when the balancer calls for another split."""
-        pools = self.backend.pools
+        prefill, decode = self.backend.views("prefill"), self.backend.views("decode")
         need_prefill, need_decode = self.needs(result, obs, slo)
-        split = self.balancer.decide(need_prefill, need_decode, len(pools.prefill), len(pools.decode))
+        split = self.balancer.decide(need_prefill, need_decode, len(prefill), len(decode))
         if split.flip is None:
             return split, None
         if split.flip == TO_PREFILL:
-            open_ = [v for v in pools.decode if v.healthy and not v.draining]
+            open_ = [v for v in decode if v.healthy and not v.draining]
             actor, role = min(open_, key=lambda v: v.running, default=None), "prefill"
         else:
-            open_ = [v for v in pools.prefill if v.healthy and not v.draining]
+            open_ = [v for v in prefill if v.healthy and not v.draining]
             actor, role = min(open_, key=lambda v: v.queued_tokens, default=None), "decode"
         if actor is None:
             return split, None
         log.info("autoscaler: load calls for %.2f of %d actors prefilling (needs: prefill %.2f, decode %.2f); "
-                 "flipping %s to %s", split.ideal_prefill, len(pools.prefill) + len(pools.decode), need_prefill,
+                 "flipping %s to %s", split.ideal_prefill, len(prefill) + len(decode), need_prefill,
                  need_decode, actor.actor_id, role)
         try:
             return split, await self.manager.flip(actor.actor_id, role, self.settings.drain_timeout_s)
@@ -218,7 +219,7 @@ class Autoscaler:
 
     # ---- act ------------------------------------------------------------
     async def _scale(self, name: str, target: int) -> None:
-        current = len(self.backend.pools.get(name))
+        current = len(self.backend.views(name))
         if target > current:
             self._want_fewer[name] = 0
             await self.grow(name, target - current)
@@ -233,14 +234,14 @@ class Autoscaler:
     async def grow(self, name: str, count: int) -> None:
         handles = [(name, self.factory.spawn(name)) for _ in range(count)]
         views = await self.factory.views(handles)
-        await add_actors(self.backend, name, views)
-        log.info("autoscaler: %s pool grew by %d to %d (%s)", name, count, len(self.backend.pools.get(name)),
+        await self.backend.add_actors(name, views)
+        log.info("autoscaler: %s pool grew by %d to %d (%s)", name, count, len(self.backend.views(name)),
                  ", ".join(v.actor_id for v in views))
 
     async def shrink(self, name: str) -> bool:
         """Drain the least busy actor (its in-flight requests finish), then kill it."""
         import ray
-        pool = [v for v in self.backend.pools.get(name) if not v.draining]
+        pool = [v for v in self.backend.views(name) if not v.draining]
         lo, _ = getattr(self.cfg.pools, name).bounds()
         if len(pool) <= lo:
             return False
@@ -252,7 +253,7 @@ class Autoscaler:
                         view.actor_id, self.settings.drain_timeout_s)
         ray.kill(view.client.handle, no_restart=True)
         await view.client.retire()
-        log.info("autoscaler: %s pool shrank to %d (removed %s)", name, len(self.backend.pools.get(name)),
+        log.info("autoscaler: %s pool shrank to %d (removed %s)", name, len(self.backend.views(name)),
                  view.actor_id)
         return drained
 
@@ -274,7 +275,6 @@ async def start_autoscaler(cfg, backend, factory, settings: AutoscaleSettings | 
                 data = None
     if data is None:
         log.info("autoscaler: no profile for this config yet; measuring the first actors (quick)")
-        pools = backend.pools
-        handles = {"prefill": pools.prefill[0].client.handle, "decode": pools.decode[0].client.handle}
+        handles = {name: backend.views(name)[0].client.handle for name in ("prefill", "decode")}
         data = await profile_actors(handles, plan_points(cfg, factory.model_dir, quick=True), progress=False)
     return Autoscaler(cfg, backend, factory, Profile(data), settings, manager)

@@ -135,7 +135,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:
-    from engine.presets import init_preset
+    from engine.model.presets import init_preset
     path = init_preset(args.name, args.dir)
     print(f"wrote preset {args.name!r} to {path}")
     return 0

@@ -1,7 +1,7 @@
 """`pdserve demo`: the embedded cluster, a handful of concurrent requests, what happened to each.
 
 The tour, top to bottom: one line per start-up phase; each prompt with its completion as text; a
-table of each request's stages (the router's per-request timeline, router/timeline.py, grouped into
+table of each request's stages (the router's per-request timeline, router/timing.py, grouped into
 `TTFT_PARTS`) and its legend; TTFT and TPOT, p50 and max. What the cluster logs besides —
 its actors' output, the router's and Ray's log records — goes to a log file whose path it prints
 (deploy/demo_log.py); ``verbose`` streams all of it to the terminal instead, as Ray forwards it.
@@ -33,7 +33,7 @@ PROMPTS = [
 ]
 FIRST_SEED = 7
 
-# The timeline's stages (router/timeline.py STAGES) as the table's columns: together they are the TTFT.
+# The timeline's stages (router/timing.py STAGES) as the table's columns: together they are the TTFT.
 TTFT_PARTS = (
     ("queue", ("router_queue_s", "prefill_queue_s")),
     ("prefill", ("prefill_compute_s", "sampling_s")),

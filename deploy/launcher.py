@@ -1,7 +1,7 @@
 """Start the cluster a config describes: Ray, the prefill/decode actor pools, the router.
 
-This is the one place that applies Ray to the plain worker classes
-(`ray.remote(PrefillActor)`, `ray.remote(DecodeActor)`) with resources from
+This is the one place that applies Ray to the actor class that wraps the plain
+workers (`ray.remote(ServingActor)`, deploy/actor.py) with resources from
 pools.yaml — scaled to fit a local Ray instance, and waited for no longer
 than ``ray.placement_timeout_s`` (deploy/placement.py) — and the startup
 check that every pool agrees on the KV layout.
@@ -21,10 +21,10 @@ from deploy.actor_clients import RayDecodeClient, RayPrefillClient
 from deploy.config import PDServeConfig
 from deploy.placement import cpu_scale, scaled_cpus, wait_placed
 from engine.args import EngineArgs
-from engine.config import ModelConfig
 from engine.engine import pick_dtype
-from engine.generation_config import GenerationConfig
-from engine.presets import resolve_model
+from engine.model.config import ModelConfig
+from engine.model.presets import resolve_model
+from engine.sampling.generation_config import GenerationConfig
 from engine.tokenizer import Tokenizer
 from kv_transfer import HandshakeError, TransferSettings, check_compatible
 from proto.internal_auth import internal_secret
@@ -112,8 +112,8 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str) -> EngineArgs:
 
 def role_engine_args(cfg: PDServeConfig, model_dir: str) -> tuple[EngineArgs, dict]:
     """A role-flippable actor's engine (the decode pool's KV cache and attention; room for the largest
-    batch of any role) and the scheduler limits of each role (`deploy.role_actor.RoleLimits`)."""
-    from deploy.role_actor import RoleLimits
+    batch of any role) and the scheduler limits of each role (`deploy.actor.RoleLimits`)."""
+    from deploy.actor import RoleLimits
     args = engine_args(cfg, "decode", model_dir)
     prefill, decode = cfg.pools.prefill, cfg.pools.decode
     defaults = EngineArgs()
@@ -193,37 +193,38 @@ class ActorFactory:
                      ", ".join(f"{n} {pool} x {per_actor[pool]:g}" for pool, n in most.items()), self.cpu_fraction,
                      ", ".join(f"{pool} {scaled_cpus(c, self.cpu_fraction):g}" for pool, c in per_actor.items()))
 
+    def flippable(self, pool: str) -> bool:
+        """Whether the actors of `pool` start able to change role (``routing.role_flips`` manual or auto)."""
+        return self.mode != "colocated" and self.cfg.routing.role_flips != "off" and pool in ("prefill", "decode")
+
     def spawn(self, pool: str):
         """Start one actor of `pool` ("prefill" | "decode" | "long_context"); returns its handle.
         In colocated mode every actor is a colocated engine with the decode pool's resources."""
         import ray
 
-        from decode_worker.actor import ColocatedActor, DecodeActor
-        from prefill_worker.actor import PrefillActor
+        from deploy.actor import log_named
         if self.cpu_fraction is None:
             self.fit_local(self.most_actors())
         index = self._next_index.get(pool, 0)
         self._next_index[pool] = index + 1
+        limits, transfer = None, self.transfer
         if self.mode == "colocated":
+            role, resources_of = "colocated", "decode"
             args = engine_args(self.cfg, "decode", self.model_dir)
             args.chunk_size = args.chunk_size if self.chunked else None
             args.max_num_batched_tokens = self.cfg.pools.prefill.max_batch_tokens
-            actor_id = f"colocated-{index}"
-            options = _actor_options(self.cfg, "decode", self._name(actor_id), self.cpu_fraction)
-            actor = ray.remote(ColocatedActor).options(**options)
-            return actor.remote(args, actor_id, self.token, self.bind_host, self.tls)
-        actor_id = f"{pool}-{index}"
-        options = _actor_options(self.cfg, pool, self._name(actor_id), self.cpu_fraction)
-        if self.cfg.routing.role_flips != "off" and pool in ("prefill", "decode"):
-            from deploy.role_actor import RoleActor
-            args, limits = role_engine_args(self.cfg, self.model_dir)
-            return ray.remote(RoleActor).options(**options).remote(args, self.transfer, actor_id, self.token, pool,
-                                                                   limits, self.bind_host, self.tls)
-        args = engine_args(self.cfg, pool, self.model_dir)
-        if pool == "prefill":
-            return ray.remote(PrefillActor).options(**options).remote(args, self.transfer, actor_id)
-        return ray.remote(DecodeActor).options(**options).remote(args, self.transfer, actor_id, self.token,
-                                                                 self.bind_host)
+            transfer = None                  # a colocated engine ships no KV
+        else:
+            role, resources_of = ("prefill" if pool == "prefill" else "decode"), pool
+            if self.flippable(pool):
+                args, limits = role_engine_args(self.cfg, self.model_dir)
+            else:
+                args = engine_args(self.cfg, pool, self.model_dir)
+        actor_id = f"{role if role == 'colocated' else pool}-{index}"
+        options = _actor_options(self.cfg, resources_of, self._name(actor_id), self.cpu_fraction)
+        return ray.remote(log_named(role)).options(**options).remote(
+            args, actor_id, role, transfer=transfer, stream_token=self.token, bind_host=self.bind_host, tls=self.tls,
+            limits=limits)
 
     def _name(self, actor_id: str) -> str:
         return f"pdserve-{actor_id}-{self.suffix}"
@@ -311,12 +312,9 @@ def cluster_token(cfg: PDServeConfig) -> str:
 
 
 def load_tokenizer(cfg: PDServeConfig) -> tuple[Tokenizer, int]:
-    """The router's tokenizer (EOS ids of config.json and generation_config.json) and context length."""
-    model_dir = resolve_model(cfg.model.name)
-    mcfg = ModelConfig.from_dir(model_dir)
-    max_len = min(cfg.model.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-    eos = dict.fromkeys((*mcfg.eos_token_ids, *GenerationConfig.from_dir(model_dir).eos_token_ids))
-    return Tokenizer(model_dir, tuple(eos), mcfg.bos_token_id), max_len
+    """The router's tokenizer and context length, derived as the actors' engines derive them (`EngineArgs`)."""
+    args = EngineArgs(model=resolve_model(cfg.model.name), max_model_len=cfg.model.max_model_len)
+    return args.load_tokenizer(), args.context_length()
 
 
 def load_generation_defaults(cfg: PDServeConfig) -> dict[str, object]:

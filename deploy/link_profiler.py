@@ -20,7 +20,7 @@ import torch
 
 from deploy.config import PDServeConfig
 from deploy.launcher import engine_args
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 from engine.engine import pick_dtype
 
 TOKEN = "pdserve-link-profile"

@@ -1,4 +1,4 @@
-"""The starting point of the router's live profile (`router.live_profile`) for `routing.mode: auto`.
+"""The starting point of the router's live profile (`router.placement.live_profile`) for `routing.mode: auto`.
 
 From the config's cached measured profile (`pdserve profile`, `deploy.profiler.default_profile_path`)
 when there is one: prefill tokens/s at the workload's prompt length, the decode step's line through
@@ -15,9 +15,9 @@ import torch
 
 from deploy.config import PDServeConfig
 from deploy.profiler import Profile, default_profile_path, load_profile
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 from engine.engine import pick_dtype
-from router.live_profile import ProfileSeed
+from router.placement.live_profile import ProfileSeed
 
 log = logging.getLogger(f"pdserve.{__name__}")
 

@@ -18,8 +18,8 @@ from deploy.launcher import engine_args
 from deploy.planner import Network, Plan, inputs_from_config, link_kv_bytes_per_s, plan
 from deploy.profiler import (Profile, default_profile_path, load_profile, profile_cluster, profile_local,
                              save_profile)
-from engine.config import ModelConfig
-from engine.presets import resolve_model
+from engine.model.config import ModelConfig
+from engine.model.presets import resolve_model
 
 
 def measure(cfg: PDServeConfig, local: bool = False, progress: bool = True) -> dict:

@@ -8,7 +8,7 @@ restarts left), or that has not answered for `replace_after_s`, is replaced
 by a fresh actor of the same pool.
 
 `PoolManager.flip(actor_id, role)` switches a role-flippable actor (``routing.role_flips``,
-`deploy.role_actor`) between prefill, decode and colocated while the cluster serves: the actor
+`deploy.actor`) between prefill, decode and colocated while the cluster serves: the actor
 leaves its pool, its in-flight requests end (or are handed off past the timeout), the actor
 re-reads its role, and a fresh view joins the new role's pool (colocated actors serve in the
 decode pool, prefilling every request themselves).
@@ -23,15 +23,9 @@ from dataclasses import dataclass
 from deploy.actor_death import death_report
 from deploy.launcher import ActorFactory
 from router.dispatcher import Dispatcher
-from router.pools import POOL_NAMES, DecodeView, PrefillView
+from router.pools import POOL_NAMES, POOL_OF_ROLE, ROLE_NAMES, ROLE_OF_NAME, DecodeView, PrefillView, role_of
 
 log = logging.getLogger(f"pdserve.{__name__}")
-
-
-async def add_actors(backend: Dispatcher, name: str, views: list) -> None:
-    """New actors take traffic from now on."""
-    backend.pools.get(name).extend(views)
-    await backend.admission.notify()
 
 
 async def drain_actor(backend: Dispatcher, name: str, view, timeout: float = 300.0) -> bool:
@@ -45,20 +39,8 @@ async def drain_actor(backend: Dispatcher, name: str, view, timeout: float = 300
     end = time.monotonic() + timeout
     while view.busy and time.monotonic() < end:
         await asyncio.sleep(0.05)
-    if view in backend.pools.get(name):
-        backend.pools.get(name).remove(view)
+    backend.remove_actor(name, view)
     return not view.busy
-
-
-ROLES = ("prefill", "decode", "colocated")
-POOL_OF_ROLE = {"prefill": "prefill", "decode": "decode", "colocated": "decode"}
-
-
-def role_of(name: str, view) -> str:
-    """The role of an actor in pool `name`: a decode-pool actor without a KV receiver is colocated."""
-    if name == "prefill":
-        return "prefill"
-    return "decode" if view.endpoint else "colocated"
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,8 +57,9 @@ class Flip:
 
 class PoolManager:
     def __init__(self, backend: Dispatcher, factory: ActorFactory, interval_s: float = 1.0,
-                 timeout_s: float = 5.0, replace_after_s: float = 120.0):
-        self.backend, self.factory = backend, factory
+                 timeout_s: float = 5.0, replace_after_s: float = 120.0, metrics=None):
+        """metrics: None, or an object with ``role_flipped(from_role, to_role)`` (router.metrics.Metrics)."""
+        self.backend, self.factory, self.metrics = backend, factory, metrics
         self.interval_s, self.timeout_s, self.replace_after_s = interval_s, timeout_s, replace_after_s
         self._silent_since: dict[int, float] = {}
         self._owed: dict[str, int] = {}        # pool -> replacements that could not start yet (retried)
@@ -95,28 +78,28 @@ class PoolManager:
             ValueError: an unknown role, or the flip would leave the decode pool empty.
             RuntimeError: the actor is not role-flippable, or refused the flip (it is put back).
         """
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        found = [(name, v) for name in ("prefill", "decode") for v in self.backend.pools.get(name)
+        if role not in ROLE_OF_NAME:
+            raise ValueError(f"role must be one of {', '.join(ROLE_OF_NAME)}, got {role!r}")
+        found = [(name, v) for name in ("prefill", "decode") for v in self.backend.views(name)
                  if v.actor_id == actor_id]
         if not found:
             raise KeyError(f"no prefill or decode actor {actor_id!r}")
         name, view = found[0]
-        from_role = role_of(name, view)
+        from_role = ROLE_NAMES[role_of(name, view)]
         if from_role == role:
             return Flip(actor_id, from_role, role, 0.0, 0.0)
-        pool = self.backend.pools.get(name)
-        if POOL_OF_ROLE[role] != name and name == "decode" and len(pool) == 1:
+        new_pool = POOL_OF_ROLE[ROLE_OF_NAME[role]]
+        if new_pool != name and name == "decode" and len(self.backend.views(name)) == 1:
             raise ValueError(f"{actor_id} is the last decode actor; flip another actor to decode first")
-        if not hasattr(view.client.handle, "set_role"):
+        if not self.factory.flippable(name):
             raise RuntimeError(f"{actor_id} cannot change role (start the cluster with routing.role_flips: "
                                "manual or auto)")
         start = time.monotonic()
-        pool.remove(view)                       # no new work of the old role from here on
+        self.backend.remove_actor(name, view)   # no new work of the old role from here on
         view.draining = True
         if name == "prefill":
             view.healthy = False
-        await self.backend.admission.notify()
+        await self.backend.pools_changed()
         end = start + timeout_s
         while view.busy and time.monotonic() < end:
             await asyncio.sleep(0.02)
@@ -125,17 +108,14 @@ class PoolManager:
             info = await view.client.handle.set_role.remote(role, max(end - time.monotonic(), 0.0))
         except Exception as e:
             view.draining, view.healthy = False, True
-            pool.append(view)
-            await self.backend.admission.notify()
+            await self.backend.add_actors(name, [view])
             raise RuntimeError(f"{actor_id} did not flip to {role}: {e}") from None
-        new_pool = POOL_OF_ROLE[role]
         fresh = self.factory.view_of(new_pool, view.client.handle, info)
-        self.backend.live.forget(actor_id)
-        await add_actors(self.backend, new_pool, [fresh])
+        self.backend.forget_actor(actor_id)
+        await self.backend.add_actors(new_pool, [fresh])
         flip = Flip(actor_id, from_role, role, time.monotonic() - start, drain_s, info.get("handed_off", 0))
-        hook = getattr(self.backend.metrics, "role_flipped", None)
-        if hook is not None:
-            hook(from_role, role)
+        if self.metrics is not None:
+            self.metrics.role_flipped(from_role, role)
         self.flips.append(flip)
         log.info("actor %s flipped %s -> %s in %.2fs (%.2fs draining, %d requests handed off)", actor_id,
                  from_role, role, flip.seconds, drain_s, flip.handed_off)
@@ -154,7 +134,7 @@ class PoolManager:
             self._owed.pop(name)
             for _ in range(count):
                 await self._spawn_replacement(name, "an earlier replacement")
-        checks = [(name, view) for name in POOL_NAMES for view in list(self.backend.pools.get(name))]
+        checks = [(name, view) for name in POOL_NAMES for view in self.backend.views(name)]
         results = await asyncio.gather(*(self._info(v) for _, v in checks))
         now = time.monotonic()
         for (name, view), (info, dead) in zip(checks, results):
@@ -179,7 +159,7 @@ class PoolManager:
                 log.info("%s actor %s restarted by Ray; back in rotation", name, view.actor_id)
             if not view.draining:
                 view.healthy = True
-        await self.backend.admission.notify()
+        await self.backend.pools_changed()
 
     async def _info(self, view) -> tuple[dict | None, bool]:
         """(info, dead for good): a restarting actor is silent but not dead."""
@@ -194,8 +174,7 @@ class PoolManager:
     async def _replace(self, name: str, view) -> None:
         import ray
         self._silent_since.pop(id(view), None)
-        if view in self.backend.pools.get(name):
-            self.backend.pools.get(name).remove(view)
+        self.backend.remove_actor(name, view)
         try:
             ray.kill(view.client.handle, no_restart=True)
         except Exception:
@@ -213,6 +192,6 @@ class PoolManager:
             self._owed[name] = self._owed.get(name, 0) + 1
             log.error("%s actor to replace %s could not start (%s); retrying on the next check", name, replaces, e)
             return
-        await add_actors(self.backend, name, [new])
+        await self.backend.add_actors(name, [new])
         self.replaced += 1
         log.warning("%s actor %s replaced by %s", name, replaces, new.actor_id)

@@ -3,8 +3,7 @@
 Measuring: prefill FLOP/s vs prompt length, decode step time vs batch size and context length
 (→ bytes/s), and the KV link: one prompt's KV through the configured transport and codec
 (`deploy.link_profiler`, on this host's loopback). The engine measurements run on the actual
-pool actors (`PrefillActor.profile`, `DecodeActor.profile`, one point per call so progress shows) or, with
-`local=True`, on
+pool actors (`ServingActor.profile`, one point per call so progress shows) or, with `local=True`, on
 in-process engines built from the same `EngineArgs`; `engine.profile` takes each point and
 `engine.cost_model` counts its FLOPs and bytes.
 
@@ -37,7 +36,7 @@ from collections.abc import Callable
 from deploy.config import PDServeConfig
 from deploy.launcher import engine_args
 from engine.cost_model import ModelCosts
-from engine.presets import cache_root, resolve_model
+from engine.model.presets import cache_root, resolve_model
 
 PROFILE_VERSION = 1
 PREFILL_LENS = (128, 512)
@@ -218,6 +217,7 @@ def _assemble(source: str, engines: dict, results: dict) -> dict:
 
 def profile_local(cfg: PDServeConfig, points: dict | None = None, progress: bool = True) -> dict:
     """Measure in-process engines built with each pool's EngineArgs (no Ray)."""
+    from engine import Engine
     from engine.profile import describe, run_point
     model_dir = resolve_model(cfg.model.name)
     points = points or plan_points(cfg, model_dir)
@@ -225,7 +225,7 @@ def profile_local(cfg: PDServeConfig, points: dict | None = None, progress: bool
     engines, results = {}, {}
     try:
         for pool in ("prefill", "decode"):
-            engine = engine_args(cfg, pool, model_dir).build()
+            engine = Engine(engine_args(cfg, pool, model_dir))
             engines[pool] = describe(engine)
             run_point(engine, {"kind": "prefill", "prompt_len": 16})     # warm-up
             results[pool] = []

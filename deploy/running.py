@@ -10,12 +10,13 @@ from deploy.launcher import (ActorFactory, cluster_token, init_ray_for, load_gen
                              start_pools)
 from deploy.live_seed import live_seed
 from deploy.pool_manager import PoolManager
-from engine.presets import resolve_model
-from router.dispatcher import Dispatcher, RoutingSettings
-from router.live_profile import LiveProfile
+from engine.model.presets import resolve_model
+from router.dispatcher import Dispatcher
 from router.metrics import Metrics, poll_stats
 from router.openai_api import served_model_name
 from router.openai_api.http_limits import HTTPLimits
+from router.placement import LiveProfile
+from router.routing import RoutingSettings
 from router.security import TLSConfig
 from router.server import RouterServer, start_server
 
@@ -34,7 +35,7 @@ class RunningCluster:
     manager_task: asyncio.Task | None = None
     autoscaler: object | None = None          # deploy.autoscaler.Autoscaler when a pool is `count: auto`
     autoscaler_task: asyncio.Task | None = None
-    kv_poller_task: asyncio.Task | None = None   # the router's KV event poller (router.kv_event_poller)
+    kv_poller_task: asyncio.Task | None = None   # Dispatcher.poll_kv_events (router.placement.kv_event_poller)
 
     @property
     def address(self) -> str:
@@ -61,7 +62,7 @@ class RunningCluster:
         if self.metrics is not None:
             self.metrics.stop()
         await self.factory.streams.close()
-        for view in self.backend.pools.all():
+        for view in self.backend.views():
             ray.kill(view.client.handle, no_restart=True)
         log.info("cluster stopped")
 
@@ -116,10 +117,10 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     log.info("pdserve ready on %s:%d (%s) — %d prefill + %d decode actors, model %s, KV %s/%s",
              cfg.server.host, server.port, mode, len(pools.prefill), len(pools.decode), cfg.model.name,
              cfg.kv_transfer.transport, cfg.kv_transfer.compression)
-    manager = PoolManager(backend, factory)
+    manager = PoolManager(backend, factory, metrics=metrics)
     manager_task = asyncio.get_running_loop().create_task(manager.run())
     cluster = RunningCluster(cfg, backend, server, factory, metrics, metrics_task, manager, manager_task)
-    cluster.kv_poller_task = asyncio.get_running_loop().create_task(backend.kv_poller.run())
+    cluster.kv_poller_task = asyncio.get_running_loop().create_task(backend.poll_kv_events())
     if mode == "disaggregated" and (any(p.is_auto for _, p in cfg.pools.items()) or r.role_flips == "auto"):
         from deploy.autoscaler import start_autoscaler
         cluster.autoscaler = await start_autoscaler(cfg, backend, factory, autoscale, manager)

@@ -1,35 +1,88 @@
-"""Engine construction arguments as one plain, picklable settings object."""
+"""The engine's configuration: one plain, picklable settings object that `Engine` is built from."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.model.config import ModelConfig
+    from engine.sampling.generation_config import GenerationConfig
+    from engine.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
 class EngineArgs:
-    model: str = "small"
-    dtype: str = "auto"
+    """Args:
+        model: a preset name (`tiny`, `small`, `pydoc`) or a Hugging Face model directory.
+        dtype: `auto` (bf16 on CUDA, float32 on CPU), `float32`, `bfloat16`, `float16` (or a torch dtype).
+        device: `cuda` or `cpu` (default: CUDA when available).
+        block_size: tokens per KV block.
+        num_blocks: KV blocks in the pool (default: from `kv_cache_gib`).
+        kv_cache_gib: the pool's size when `num_blocks` is not given.
+        kv_memory_fraction: on a CUDA device, size the KV cache from the device instead of
+            `num_blocks`/`kv_cache_gib`: this share of its memory less the weights, a profiled
+            largest step's activations and a reserve (engine/kv_cache/memory_budget.py); ignored on CPU.
+        max_num_batched_tokens: per-step token budget shared by prefill chunks and decodes.
+        chunk_size: most prompt tokens one request computes per step; None disables chunking.
+        max_num_seqs: most requests in the running batch.
+        enable_prefix_cache: reuse full blocks of earlier prompts.
+        max_model_len: context limit (default, and at most: the model's max_position_embeddings).
+        attention: `compiled`: decode reads K/V through the block table in one Inductor kernel
+            (compiled at start-up, cached on disk), prefill through SDPA; `eager` gathers the decode
+            blocks and runs bmm; `flex`: prefill and decode both through `flex_attention` over the
+            paged cache (attention_flex; compiled and checked at start-up); `flex-eager`: the same
+            through flex's reference math (slow: CPU tests); `auto` = compiled on CPU (unless the
+            eager path measured faster on this machine: engine/model/kernel_choice.py), flex on CUDA
+            (eager if the kernel cannot be built), or $PDSERVE_ATTENTION.
+        cuda_graphs: run pure-decode steps as CUDA graphs, one per padded batch size up to
+            `max_num_seqs` (engine/runner/decode_graphs.py; needs the flex kernel; one KV block is kept as
+            the padding's scratch). Off by default: on CPU the same static-buffer path runs without
+            capture.
+        weight_layout: how the projection weights are stored and multiplied (engine/model/linear.py):
+            `auto` = the layout measured fastest on this machine (engine/model/kernel_choice.py; CPU only,
+            row-major elsewhere), or `row-major`, `input-major`, `onednn-packed`,
+            `onednn-packed+input-major` (a layout the weights' dtype and CPU cannot take is an error).
+        torch_threads: torch's intra-op thread count, set when the engine is built (None: unchanged).
+    """
+
+    model: str = "tiny"
+    dtype: str | torch.dtype = "auto"
     device: str | None = None
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_gib: float = 1.0
-    kv_memory_fraction: float | None = None     # CUDA: KV sized from the device (Engine)
+    kv_memory_fraction: float | None = None
     max_num_batched_tokens: int = 2048
     chunk_size: int | None = 512
     max_num_seqs: int = 64
     enable_prefix_cache: bool = True
     max_model_len: int | None = None
     attention: str = "auto"
-    cuda_graphs: bool = False                   # pure-decode steps as CUDA graphs (Engine; needs flex)
-    weight_layout: str = "auto"                 # projection weights' layout (engine/linear.py; auto: measured)
+    cuda_graphs: bool = False
+    weight_layout: str = "auto"
     torch_threads: int | None = None
 
-    def build(self):
-        """Create the engine (setting torch's thread count first, when given)."""
-        import torch
+    def model_dir(self) -> str:
+        """The model's directory (a preset's is written on first use)."""
+        from engine.model.presets import resolve_model
+        return resolve_model(self.model)
 
-        from engine.engine import Engine
-        if self.torch_threads:
-            torch.set_num_threads(self.torch_threads)
-        kwargs = asdict(self)
-        kwargs.pop("torch_threads")
-        return Engine(kwargs.pop("model"), **kwargs)
+    def context_length(self, config: ModelConfig | None = None) -> int:
+        """`max_model_len`, at most (and by default) the model's max_position_embeddings."""
+        from engine.model.config import ModelConfig
+        config = config or ModelConfig.from_dir(self.model_dir())
+        return min(self.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+
+    def load_tokenizer(self, config: ModelConfig | None = None,
+                       generation: GenerationConfig | None = None) -> Tokenizer:
+        """The model's tokenizer; its EOS ids are config.json's, then any more that generation_config.json lists."""
+        from engine.model.config import ModelConfig
+        from engine.sampling.generation_config import GenerationConfig
+        from engine.tokenizer import Tokenizer
+        model_dir = self.model_dir()
+        config = config or ModelConfig.from_dir(model_dir)
+        generation = generation or GenerationConfig.from_dir(model_dir)
+        eos_token_ids = tuple(dict.fromkeys(config.eos_token_ids + generation.eos_token_ids))
+        return Tokenizer(model_dir, eos_token_ids, config.bos_token_id)

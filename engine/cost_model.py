@@ -1,4 +1,4 @@
-"""What one prefill or decode step of the model costs: FLOPs and bytes, counted from `engine/model.py`.
+"""What one prefill or decode step of the model costs: FLOPs and bytes, counted from `engine/model/model.py`.
 
 The one cost model of pdserve: the profiler (`engine.profile`, read by the planner in `deploy/`)
 and the engine benchmark (`bench.engine`) both count with it.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 
 
 def layer_matmul_params(cfg: ModelConfig) -> int:

@@ -24,23 +24,23 @@ import uuid
 
 import torch
 
-from engine import attention_compiled, attention_flex, kernel_choice, memory_budget
-from engine.block_manager import BlockManager, prompt_block_hashes
-from engine.config import ModelConfig
-from engine.decode_graphs import DecodeGraphs
-from engine.generation_config import GenerationConfig
-from engine.kv_events import KVEventLog
-from engine.layer_hook import LayerHook
-from engine.loader import fingerprint, load_model
-from engine.model_runner import ModelRunner
-from engine.output import OutputProcessor
-from engine.presets import resolve_model
-from engine.prompt_kv import Roundtrip, roundtrip_prompt_blocks, zero_prompt_tails
-from engine.request import Completion, Request, RequestOutput, RequestStatus
-from engine.sampler import child_seed, sample, token_logprobs
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.tokenizer import Tokenizer
+from engine.args import EngineArgs
+from engine.kv_cache import memory_budget
+from engine.kv_cache.block_manager import BlockManager, prompt_block_hashes
+from engine.kv_cache.events import KVEventLog
+from engine.kv_cache.prompt_kv import Roundtrip, roundtrip_prompt_blocks, zero_prompt_tails
+from engine.model import attention_compiled, attention_flex, kernel_choice
+from engine.model.config import ModelConfig
+from engine.model.loader import fingerprint, load_model
+from engine.output.processor import OutputProcessor
+from engine.runner.decode_graphs import DecodeGraphs
+from engine.runner.layer_hook import LayerHook
+from engine.runner.model_runner import ModelRunner
+from engine.sampling.generation_config import GenerationConfig
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import child_seed, sample, token_logprobs
+from engine.scheduling.request import Completion, Request, RequestOutput, RequestStatus
+from engine.scheduling.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,74 +76,47 @@ class CachedPrefixLost(ValueError):
 
 
 class Engine:
-    """Args:
-        model: a preset name (`tiny`, `small`) or a Hugging Face model directory.
-        dtype: `auto` (bf16 on CUDA, float32 on CPU), `float32` or `bfloat16`.
-        block_size: tokens per KV block.
-        num_blocks: KV blocks in the pool (default: from `kv_cache_gib`).
-        kv_memory_fraction: on a CUDA device, size the KV cache from the device instead of
-            `num_blocks`/`kv_cache_gib`: this share of its memory less the weights, a profiled
-            largest step's activations and a reserve (engine/memory_budget.py); ignored on CPU.
-        max_num_batched_tokens: per-step token budget shared by prefill chunks and decodes.
-        chunk_size: most prompt tokens one request computes per step; None disables chunking.
-        max_num_seqs: most requests in the running batch.
-        enable_prefix_cache: reuse full blocks of earlier prompts.
-        max_model_len: context limit (default: the model's max_position_embeddings).
-        attention: `compiled`: decode reads K/V through the block table in one Inductor kernel
-            (compiled at start-up, a few seconds, cached on disk), prefill through SDPA; `eager`
-            gathers the decode blocks and runs bmm; `flex`: prefill and decode both through
-            `flex_attention` over the paged cache (attention_flex; compiled and checked at
-            start-up); `flex-eager`: the same through flex's reference math (slow: CPU tests);
-            `auto` = compiled on CPU (unless the eager path measured faster on this machine:
-            engine/kernel_choice.py), flex on CUDA (eager if the kernel cannot be built), or
-            $PDSERVE_ATTENTION.
-        cuda_graphs: run pure-decode steps as CUDA graphs, one per padded batch size up to
-            `max_num_seqs` (engine/decode_graphs.py; needs the flex kernel; one KV block is kept as
-            the padding's scratch). Off by default: written and CPU-tested without a GPU (on CPU
-            the same static-buffer path runs without capture).
-        weight_layout: how the projection weights are stored and multiplied (engine/linear.py):
-            `auto` = the layout measured fastest on this machine (engine/kernel_choice.py; CPU only,
-            row-major elsewhere), or `row-major`, `input-major`, `onednn-packed`,
-            `onednn-packed+input-major` (a layout the weights' dtype and CPU cannot take is an error).
-    """
+    """The colocated engine, built from one `EngineArgs` (see there for every setting)."""
 
-    def __init__(self, model: str = "tiny", *, dtype: str | torch.dtype = "auto", device: str | None = None,
-                 block_size: int = 16, num_blocks: int | None = None, kv_cache_gib: float = 1.0,
-                 max_num_batched_tokens: int = 2048, chunk_size: int | None = 512, max_num_seqs: int = 64,
-                 enable_prefix_cache: bool = True, max_model_len: int | None = None, attention: str = "auto",
-                 kv_memory_fraction: float | None = None, cuda_graphs: bool = False, weight_layout: str = "auto"):
-        requested = attention
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = pick_dtype(dtype, self.device)
-        attention = pick_attention(attention, self.device)
-        self.model_dir = resolve_model(model)
+    def __init__(self, args: EngineArgs | None = None):
+        args = args or EngineArgs()
+        if args.torch_threads:
+            torch.set_num_threads(args.torch_threads)
+        self.args = args
+        block_size, num_blocks = args.block_size, args.num_blocks
+        max_num_batched_tokens, max_num_seqs = args.max_num_batched_tokens, args.max_num_seqs
+        chunk_size = args.chunk_size
+        requested = args.attention
+        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = pick_dtype(args.dtype, self.device)
+        attention = pick_attention(requested, self.device)
+        self.model_dir = args.model_dir()
         self.config = ModelConfig.from_dir(self.model_dir)
         cfg = self.config
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = args.context_length(cfg)
         self.generation_config = GenerationConfig.from_dir(self.model_dir)
-        # EOS ids: config.json's, then any more that generation_config.json lists.
-        self.eos_token_ids = tuple(dict.fromkeys(cfg.eos_token_ids + self.generation_config.eos_token_ids))
-        self.tokenizer = Tokenizer(self.model_dir, self.eos_token_ids, cfg.bos_token_id)
+        self.tokenizer = args.load_tokenizer(cfg, self.generation_config)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
         self.vocab_size = cfg.vocab_size
         self.model = load_model(self.model_dir, cfg, self.device, self.dtype, self.max_model_len)
         self.fingerprint = fingerprint(self.model_dir, cfg)
         self.block_size = block_size
         self.kv_budget: memory_budget.KVBudget | None = None    # the device's budget table (CUDA only)
-        if kv_memory_fraction is not None and self.device.type == "cuda":
+        if args.kv_memory_fraction is not None and self.device.type == "cuda":
             self.kv_budget = memory_budget.measure_kv_budget(
                 self.model, cfg, device=self.device, dtype=self.dtype, block_size=block_size,
-                fraction=kv_memory_fraction, max_num_batched_tokens=max_num_batched_tokens,
+                fraction=args.kv_memory_fraction, max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs, chunk_size=chunk_size, max_model_len=self.max_model_len)
             num_blocks = self.kv_budget.num_blocks
         elif num_blocks is None:
             per_block = cfg.kv_bytes_per_token(self.dtype.itemsize) * block_size
-            num_blocks = max(int(kv_cache_gib * (1 << 30)) // per_block, 1)
+            num_blocks = max(int(args.kv_cache_gib * (1 << 30)) // per_block, 1)
         # kv_cache: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
         self.kv_cache = torch.zeros(cfg.num_hidden_layers, num_blocks, 2, cfg.num_key_value_heads,
                                     block_size, cfg.head_dim, dtype=self.dtype, device=self.device)
-        graphs = cuda_graphs and attention.startswith("flex") and num_blocks > 8
+        graphs = args.cuda_graphs and attention.startswith("flex") and num_blocks > 8
         # with decode graphs the pool's last block is the padded entries' scratch, never handed out
-        self.block_manager = BlockManager(num_blocks - graphs, block_size, enable_prefix_cache)
+        self.block_manager = BlockManager(num_blocks - graphs, block_size, args.enable_prefix_cache)
         self.kv_events = KVEventLog(self.block_manager)     # the prefix cache's events, pulled by the router
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, chunk_size,
                                    cfg.sliding_window)
@@ -160,10 +133,10 @@ class Engine:
             raise RuntimeError(f"attention={attention!r} was asked for but the kernel cannot be built here "
                                "(see the log); use attention='eager'")
         self.attention = "compiled" if kernel is not None else attention if flex is not None else "eager"
-        self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device, kernel, flex, weight_layout)
-        if cuda_graphs and not (graphs and flex is not None):
+        self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device, kernel, flex, args.weight_layout)
+        if args.cuda_graphs and not (graphs and flex is not None):
             log.warning("cuda_graphs needs the flex attention kernel (and a pool above 8 blocks); decoding without")
-        elif cuda_graphs:
+        elif args.cuda_graphs:
             self.runner.graphs = DecodeGraphs(self.model, self.kv_cache, flex, max_num_seqs, cfg.sliding_window,
                                               num_blocks - 1, capture=self.device.type == "cuda")
             self.runner.graphs.capture_all()
@@ -319,7 +292,7 @@ class Engine:
     @property
     def layer_hook(self) -> LayerHook | None:
         """Called per layer of every step that computes prompt tokens, as that layer's blocks become
-        final (engine/layer_hook.py); None (the default) costs the layer loop nothing."""
+        final (engine/runner/layer_hook.py); None (the default) costs the layer loop nothing."""
         return self.runner.layer_hook
 
     @layer_hook.setter
@@ -328,7 +301,7 @@ class Engine:
 
     last_run_done: float = 0.0      # time.monotonic() when the last step's forward pass ended (request timelines)
     # Set by a decode worker whose KV arrives through a lossy codec: rewrites blocks as the codec
-    # delivers them; requests with prompt_kv_lossy recompute their prompt through it (engine/prompt_kv.py).
+    # delivers them; requests with prompt_kv_lossy recompute their prompt through it (engine/kv_cache/prompt_kv.py).
     prompt_kv_roundtrip: Roundtrip | None = None
 
     def step(self) -> list[RequestOutput]:

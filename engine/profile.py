@@ -16,7 +16,7 @@ import time
 import torch
 
 from engine.cost_model import ModelCosts
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def engine_costs(engine) -> ModelCosts:

@@ -9,7 +9,7 @@ Lifecycle of one request on this worker (each loop step: schedule → run → se
     ──► on_done(PrefillResult)
 
 Layer-wise streaming (``layerwise``, the default): the send starts during the forward pass.
-The engine's layer hook (engine/layer_hook.py) names, after each layer, the blocks of every
+The engine's layer hook (engine/runner/layer_hook.py) names, after each layer, the blocks of every
 request in the step that became final for that layer (each chunk's full blocks; the prompt's
 tail at its last chunk); each becomes one piece, ``send(layers=(l, l + 1), blocks=...)``,
 encoded and sent on the sender's threads while layer l + 1 computes. A stream keeps, per
@@ -45,10 +45,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine import Engine, SamplingParams
-from engine.events import output_event
-from engine.layer_hook import LayerDone
-from engine.loop import EngineLoop, on_event_loop
-from engine.request import RequestOutput
+from engine.output.events import output_event
+from engine.runner.layer_hook import LayerDone
+from engine.scheduling.loop import EngineLoop, on_event_loop
+from engine.scheduling.request import RequestOutput
 from kv_transfer import FailedSide, KVPiece, KVSender, SendHandle, TransferStatus
 from proto.pdserve.v1 import worker_pb2 as wpb
 
@@ -89,7 +89,7 @@ class _Pending:
 
 
 class PrefillWorker:
-    """Plain class (unit-testable without Ray); `prefill_worker.actor` wraps it."""
+    """Plain class (unit-testable without Ray); `deploy.actor.ServingActor` wraps it."""
 
     def __init__(self, engine: Engine, sender: KVSender, actor_id: str = "prefill-0", layerwise: bool = True):
         self.engine = engine

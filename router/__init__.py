@@ -10,14 +10,16 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "router.backend": ("ActorStats", "Backend", "BackendError", "GenerationChunk", "GenerationInput", "Timing",
-                       "Tokenizer", "Usage"),
+    "router.backend": ("ActorStats", "Backend", "BackendError", "GenerationChunk", "GenerationInput", "Tokenizer",
+                       "Usage"),
     "router.client": ("AsyncGenerationClient", "ClientTLS", "build_request", "generate", "get_stats"),
     "router.log": ("configure_logging",),
     "router.security": ("TLSConfig",),
     "router.server": ("DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_MAX_QUEUE", "RouterServer", "serve_until_signal",
                       "start_server"),
+    "router.request_core": ("AdmittedRequest", "RequestCore"),
     "router.servicer": ("SERVICE_NAME", "GenerationServicer"),
+    "router.timing": ("Timeline", "Timing"),
     "router.validation": ("RequestError", "validate_request"),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}

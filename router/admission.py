@@ -13,7 +13,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable, Mapping
 
-from router.dispatch import pick_decode
+from router.placement.policies import pick_decode
 from router.pools import DecodeView
 
 
@@ -32,7 +32,8 @@ class AdmissionQueue:
                       policy: str = "kv_aware") -> DecodeView | None:
         """Reserve `need_blocks` on a decode actor; None if the queue is full or time ran out.
         `first`: a request already admitted once (migrating) goes ahead of the queue. `cached()`: actor id
-        → the prompt's cached blocks there, asked when room is taken; `policy`: router.dispatch.DECODE_POLICIES."""
+        → the prompt's cached blocks there, asked when room is taken; `policy`: a key of
+        `router.placement.policies.DECODE_POLICIES`."""
         def take() -> DecodeView | None:
             view = pick_decode(views, need_blocks, exclude, cached(), num_prompt_blocks, policy) if ready() else None
             if view is not None:

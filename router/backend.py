@@ -14,8 +14,9 @@ Contract for implementers:
 
 - `generate` is an async generator. Each of the ``n`` sequences (``params.n``;
   ``params.best_of`` of them are generated when it is set, and the router keeps
-  the best ``n``) ends with one chunk whose ``finish_reason`` is in
-  ``{"stop", "length", "abort"}``; the request's last chunk should carry
+  the best ``n``) ends with one chunk whose ``finish_reason`` is one of
+  `FINISH_REASONS` (``pdserve.v1.FinishReason`` values; spelled as names only at the
+  JSON edge, in logs and in metrics labels); the request's last chunk should carry
   ``usage`` and ``timing``. Logprobs come with the tokens they score.
   ``text`` is a UTF-8-safe delta (never half a character).
 - Errors: raise `BackendError(code, message)`; ``code`` is a gRPC status
@@ -33,16 +34,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from proto.pdserve.v1 import generation_pb2 as pb
-from router.timeline import Timeline
+from router.timing import Timing
 
-if TYPE_CHECKING:
-    from router.auto_placement import Placement
+FINISH_REASONS = (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_ABORT)
 
-FINISH_REASONS = ("stop", "length", "abort")
+
+def finish_reason_name(reason: int) -> str:
+    """"stop" | "length" | "abort": a `pb.FinishReason` as JSON bodies, log lines and metrics labels spell it."""
+    return pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 # gRPC status names a backend may raise (others are sent as INTERNAL).
 BACKEND_ERROR_CODES = (
@@ -83,24 +86,6 @@ class Usage:
 
 
 @dataclass(slots=True)
-class Timing:
-    """Where a request's time went, in seconds.
-
-    The router overwrites ``ttft_s`` and ``e2e_s`` with its own measurement
-    (from receipt of the RPC), so a backend may leave them at 0.
-    """
-
-    queue_s: float = 0.0
-    prefill_s: float = 0.0
-    kv_transfer_s: float = 0.0
-    decode_queue_s: float = 0.0
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-    timeline: Timeline | None = None   # every stage up to the first token (router.timeline)
-    placement: "Placement | None" = None   # routing.mode auto: where the prompt was prefilled, and why
-
-
-@dataclass(slots=True)
 class GenerationChunk:
     """New tokens of one sequence of a request.
 
@@ -112,7 +97,7 @@ class GenerationChunk:
 
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # None | "stop" | "length" | "abort"
+    finish_reason: int | None  # None, or a pb.FinishReason: STOP | LENGTH | ABORT
     usage: Usage | None = None
     timing: Timing | None = None
     index: int = 0                                   # which of the n sequences
@@ -126,7 +111,7 @@ class ActorStats:
     """Load of one actor, as reported by `Backend.stats`."""
 
     actor_id: str
-    role: str  # "prefill" | "decode" | "colocated"
+    role: str  # the actor's role as it reports it: a name of `router.pools.ROLE_NAMES`
     kv_blocks_total: int
     kv_blocks_used: int
     queued_requests: int
@@ -154,7 +139,10 @@ class BackendError(Exception):
 
 
 class Backend(ABC):
-    """What the router dispatches to (implemented by the cluster, faked in tests).
+    """What the front doors dispatch to (implemented by the cluster, faked in tests).
+
+    The front doors use only this. The cluster's implementation, `router.dispatcher.Dispatcher`, adds the
+    narrow face deploy uses to change its pools and read its records (`FinishedRequest`, `PlacementRecord`).
 
     Attributes:
         tokenizer: ``encode(str) -> list[int]``, ``decode(list[int]) -> str``,

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from proto.pdserve.v1 import generation_pb2 as pb
-from router.backend import GenerationChunk, Timing, Usage
+from router.backend import GenerationChunk, Usage
+from router.timing import Timing
 
 
 def needs_selection(n: int, best_of: int | None) -> bool:
@@ -28,7 +29,7 @@ class _Sequence:
     text: list[str] = field(default_factory=list)
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
+    finish_reason: int | None = None          # a pb.FinishReason
     matched_stop: str | int | None = None
 
 

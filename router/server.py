@@ -41,7 +41,8 @@ from router.log import log_event
 from router.openai_api import ChatTemplate, HTTPServer, create_app
 from router.openai_api.http_limits import HTTPLimits
 from router.security import BearerTokenInterceptor, TLSConfig, check_bind, is_loopback
-from router.servicer import SERVICE_NAME, GenerationServicer, RequestCore, parse_generate_request
+from router.request_core import RequestCore
+from router.servicer import SERVICE_NAME, GenerationServicer, parse_generate_request
 
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -55,7 +56,7 @@ class RouterServer:
     Attributes:
         host: the bound host.
         port: the bound port (the real one when started with port 0).
-        servicer: the `GenerationServicer` (for in-flight counts).
+        servicer: the `GenerationServicer` (the gRPC handlers).
         core: the `RequestCore` both front doors share.
         http: the OpenAI-compatible `HTTPServer`, or None when not started.
     """
@@ -106,13 +107,13 @@ class RouterServer:
         Returns:
             True if every in-flight request finished within ``timeout``.
         """
-        if not self.servicer.draining:
-            self.servicer.draining = True
+        if not self.core.draining:
+            self.core.draining = True
             self._cancel_ready_task()
             await self._health.enter_graceful_shutdown()
-            log_event("draining", in_flight=self.servicer.num_in_flight)
-        finished = await self.servicer.wait_idle(timeout)
-        log_event("drained" if finished else "drain_timeout", in_flight=self.servicer.num_in_flight)
+            log_event("draining", in_flight=self.core.num_in_flight)
+        finished = await self.core.wait_idle(timeout)
+        log_event("drained" if finished else "drain_timeout", in_flight=self.core.num_in_flight)
         return finished
 
     async def stop(self, grace: float | None = None) -> None:
@@ -120,7 +121,7 @@ class RouterServer:
         if self._stopped:
             return
         self._stopped = True
-        self.servicer.draining = True
+        self.core.draining = True
         self._cancel_ready_task()
         await self._health.enter_graceful_shutdown()
         if self.http is not None:
@@ -149,7 +150,7 @@ class RouterServer:
                     logging.getLogger("pdserve.router").exception("backend.ready() failed or took over %.0f s",
                                                                   READY_PROBE_TIMEOUT_S)
                 probe_failed, ready = True, False
-            if ready != serving and not self.servicer.draining:
+            if ready != serving and not self.core.draining:
                 serving = ready
                 await self._set_serving(ready)
             await asyncio.sleep(poll_s)
@@ -159,7 +160,7 @@ class RouterServer:
         for name in HEALTH_SERVICE_NAMES:
             await self._health.set(name, status)
         if ready:
-            self.servicer.ready = True      # from now on the backend decides about each request
+            self.core.ready = True      # from now on the backend decides about each request
             self._ready.set()
             log_event("ready", address=self.address)
         else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Container, Sequence
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from proto.pdserve.v1 import generation_pb2 as pb
 from router.backend import GenerationInput, Tokenizer
 

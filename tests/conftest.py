@@ -23,15 +23,15 @@ def _isolated_model_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(_isolated_model_cache) -> str:
-    from engine.presets import resolve_model
+    from engine.model.presets import resolve_model
     return resolve_model("tiny")
 
 
 @pytest.fixture(scope="session")
 def reference(tiny_model_dir):
     """Colocated Engine outputs: the bit-exact reference."""
-    from engine import Engine
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=1024)
+    from engine import Engine, EngineArgs
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=1024))
 
     def run(prompts, params):
         return [c.token_ids for c in engine.generate(prompts, params)]

@@ -39,7 +39,8 @@ def imports(path: Path) -> list[tuple[str, int, bool]]:
 
 
 def sources(package: str) -> list[Path]:
-    return sorted(path for path in (ROOT / package).rglob("*.py") if not path.name.endswith(("_pb2.py", "_pb2_grpc.py")))
+    generated = ("_pb2.py", "_pb2_grpc.py")
+    return sorted(path for path in (ROOT / package).rglob("*.py") if not path.name.endswith(generated))
 
 
 @pytest.mark.parametrize("package", sorted(MAY_NOT_IMPORT))

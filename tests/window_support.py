@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from engine.presets import hf_config, write_model_dir
+from engine.model.presets import hf_config, write_model_dir
 
 WINDOW = 16
 ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -9,7 +9,7 @@ import uuid
 import torch
 
 from decode_worker.worker import DecodeWorker
-from engine import Engine, SamplingParams
+from engine import Engine, EngineArgs, SamplingParams
 from kv_transfer import FakeHub, KVLayout, make_receiver, make_sender
 from prefill_worker.worker import PrefillWorker
 from proto.pdserve.v1 import worker_pb2 as wpb
@@ -76,8 +76,8 @@ def worker_pair(model_dir: str, num_blocks: int = 256, transport: str = "fake", 
     the decode side (e.g. max_num_seqs)."""
     hub = FakeHub()
     extra = {"hub": hub} if transport == "fake" else {}
-    p_engine = Engine(model_dir, dtype="float32", num_blocks=num_blocks)
-    d_engine = Engine(model_dir, dtype="float32", num_blocks=num_blocks, **decode_engine)
+    p_engine = Engine(EngineArgs(model_dir, dtype="float32", num_blocks=num_blocks))
+    d_engine = Engine(EngineArgs(model_dir, dtype="float32", num_blocks=num_blocks, **decode_engine))
     layout = layout_of_engine(p_engine)
     prefill = PrefillWorker(p_engine, make_sender(transport, layout, codec=codec, **extra))
     decode = DecodeWorker(d_engine, lambda on_complete: make_receiver(

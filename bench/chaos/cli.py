@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def say(line: str) -> None:
         print(line, flush=True)
-    from engine.presets import resolve_model
+    from engine.model.presets import resolve_model
     model_dir = resolve_model(args.model)
     cfg = chaos_config(model_dir, args)
     drills = tuple(d.strip() for d in args.drills.split(",") if d.strip())

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from engine import Engine, SamplingParams
+from engine import Engine, EngineArgs, SamplingParams
 
 KINDS = ("normal", "cancel", "deadline")
 
@@ -95,7 +95,7 @@ def add_references(requests: list[ChaosRequest], model_dir: str, stop_fraction: 
                    batch: int = 64, progress=None) -> None:
     """Run every request undisturbed on the colocated engine; requests drawn for a stop string get
     one cut from their own reference text, and are run again with it."""
-    engine = Engine(model_dir, dtype="float32", attention="eager", num_blocks=4096)
+    engine = Engine(EngineArgs(model_dir, dtype="float32", attention="eager", num_blocks=4096))
     _reference_pass(engine, requests, batch, progress, "reference")
     rng = random.Random(seed + 1)
     stopped = []

@@ -34,11 +34,11 @@ import torch
 
 from bench.engine import peers
 from bench.engine.report import check_targets, render_markdown, render_text
-from engine import Engine, SamplingParams
-from engine.config import ModelConfig
+from engine import Engine, EngineArgs, SamplingParams
+from engine.model.config import ModelConfig
 from engine.engine import pick_dtype
-from engine.linear import INPUT_MAJOR, ONEDNN_PACKED, ROW_MAJOR
-from engine.presets import resolve_model
+from engine.model.linear import INPUT_MAJOR, ONEDNN_PACKED, ROW_MAJOR
+from engine.model.presets import resolve_model
 from engine.profile import engine_costs
 
 DTYPES = ("float32", "bfloat16")
@@ -183,9 +183,9 @@ def bench_workload(plan: Plan, model: str, dtype: str, hf, cfg: ModelConfig, rng
     lens = [rng.randint(*plan.output_lens) for _ in range(plan.num_requests)]
     useful = sum(lens)
     max_len = max(map(len, prompts)) + max(lens)
-    engine = Engine(model, dtype=dtype, num_blocks=plan.num_requests * (-(-max_len // 16) + 1),
-                    max_num_batched_tokens=2048, chunk_size=512, max_num_seqs=64, attention=attention,
-                    weight_layout=weight_layout)
+    engine = Engine(EngineArgs(model, dtype=dtype, num_blocks=plan.num_requests * (-(-max_len // 16) + 1),
+                               max_num_batched_tokens=2048, chunk_size=512, max_num_seqs=64, attention=attention,
+                               weight_layout=weight_layout))
     engine.generate([prompts[0][:16]], greedy(4))                              # warm-up
     log(f"workload: {plan.num_requests} requests, {useful} useful output tokens; ours (continuous batching)")
     start = time.perf_counter()
@@ -241,10 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         f"memcpy {machine['memcpy']['bytes_per_s'] / 1e9:.1f} GB/s; loading HF and our engine")
     hf = peers.load_hf(model_dir, dtype)
     blocks_per_seq = -(-(plan.decode_context + (plan.decode_repeats + 1) * plan.decode_steps + 24) // 16)
-    engine = Engine(args.model, dtype=args.dtype, num_blocks=max(plan.decode_batches) * blocks_per_seq
-                    + max(plan.prefill_lens) // 16 + 8, max_num_batched_tokens=max(4096, *plan.prefill_lens),
-                    chunk_size=None, max_num_seqs=max(64, *plan.decode_batches), attention=args.attention,
-                    weight_layout=args.weight_layout)
+    engine = Engine(EngineArgs(args.model, dtype=args.dtype, num_blocks=max(plan.decode_batches) * blocks_per_seq
+                               + max(plan.prefill_lens) // 16 + 8, max_num_batched_tokens=max(4096, *plan.prefill_lens),
+                               chunk_size=None, max_num_seqs=max(64, *plan.decode_batches), attention=args.attention,
+                               weight_layout=args.weight_layout))
     engine_attention, weight_layout = engine.attention, engine.model.weight_layout
     log(f"our engine: attention {engine_attention}, weights {weight_layout}")
     prefill = bench_prefill(plan, engine, hf, cfg, rng, log)

@@ -1,4 +1,4 @@
-"""`docs/benchmarks.md`: the serving suite run once, written as Markdown and PNGs (`python -m bench.report`).
+"""`docs/benchmarks/serving.md`: the serving suite run once, written as Markdown and PNGs (`python -m bench.report`).
 
     suite.py     the experiments per serving variant, the machine, the driver and its flags
     markdown.py  the page

@@ -1,4 +1,4 @@
-"""`python -m bench.report [--preset small|tiny] [--out docs/benchmarks.md] [--img-dir docs/img]`"""
+"""`python -m bench.report [--preset small|tiny] [--out docs/benchmarks/serving.md] [--img-dir docs/benchmarks/img]`"""
 import sys
 
 from bench.report.suite import main

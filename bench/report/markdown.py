@@ -172,7 +172,7 @@ def render_markdown(result: dict, plots: dict[str, str]) -> str:
         "```",
         "",
         "guidellm and aiperf against `pdserve serve`, with their exact commands and figures: "
-        "[benchmarks/load-generators.md](benchmarks/load-generators.md).",
+        "[load-generators.md](load-generators.md).",
         "",
     ]
     return "\n".join(out)

@@ -1,6 +1,6 @@
-"""`docs/benchmarks.md`: the serving benchmark suite, run once, written as Markdown + PNGs.
+"""`docs/benchmarks/serving.md`: the serving benchmark suite, run once, written as Markdown + PNGs.
 
-    python -m bench.report [--preset small|tiny] [--out docs/benchmarks.md] [--img-dir docs/img]
+    python -m bench.report [--preset small|tiny] [--out docs/benchmarks/serving.md] [--img-dir docs/benchmarks/img]
     python -m bench.report --from-json results.json      # re-render without running
 
 Per serving variant (one embedded cluster each, equal total actors):
@@ -219,8 +219,8 @@ def write_plots(result: dict, img_dir: str) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    p.add_argument("--out", default="docs/benchmarks.md")
-    p.add_argument("--img-dir", default="docs/img")
+    p.add_argument("--out", default="docs/benchmarks/serving.md")
+    p.add_argument("--img-dir", default="docs/benchmarks/img")
     p.add_argument("--json", help="save the raw results (with per-request records) here")
     p.add_argument("--from-json", help="render saved results instead of running")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")

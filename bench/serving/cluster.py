@@ -10,7 +10,7 @@ Variants at equal total actors (each with the decode pool's resources):
                         ``--colocated-chunk-tokens``: the chunk that protects decode steps in a
                         colocated engine, while a prefill actor keeps its own larger chunk)
     auto                the disaggregated actors with ``routing.mode: auto`` (per-request placement:
-                        remote prefill or chunked prefill on the decode actor, router/auto_placement.py)
+                        remote prefill or chunked prefill on the decode actor, router/placement/auto.py)
                         and ``routing.role_flips: auto`` (the autoscaler moves actors between the roles,
                         the prefill pool down to zero; ``--set routing.role_flips=off`` keeps the split)
 """

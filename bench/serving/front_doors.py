@@ -27,6 +27,7 @@ import time
 
 from bench.serving.clients import GrpcLoadClient, OpenAILoadClient
 from bench.serving.workloads import RequestSpec
+from proto.pdserve.v1 import generation_pb2 as pb
 from router import ActorStats, Backend, GenerationChunk, GenerationInput, Timing, Usage
 
 VOCAB = 256
@@ -62,7 +63,7 @@ class PacedBackend(Backend):
             due = start + self.first_token_s + i * self.token_s
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             last = i == n - 1
-            yield GenerationChunk([97], "a", "length" if last else None,
+            yield GenerationChunk([97], "a", pb.FINISH_REASON_LENGTH if last else None,
                                   usage=Usage(len(inp.prompt_token_ids), n, 0) if last else None,
                                   timing=Timing() if last else None)
 

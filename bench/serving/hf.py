@@ -21,7 +21,7 @@ def hf_static_batching(cfg, specs: list, batch_size: int = 8) -> dict:
 
     from bench.engine.peers import hf_static_batches
     from engine.engine import pick_dtype
-    from engine.presets import resolve_model
+    from engine.model.presets import resolve_model
     model_dir = resolve_model(cfg.model.name)
     total = sum(p.resources.threads() * p.bounds()[0] for _, p in cfg.pools.items())
     dtype = pick_dtype(cfg.model.dtype, torch.device("cpu"))          # HF runs on the CPU: auto = float32

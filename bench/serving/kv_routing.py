@@ -7,7 +7,7 @@
 own `Dispatcher` and policies) serve each workload, from cold caches, `--repeats` times each way:
 
     index   placement asks the router's `KVIndex`, fed only by the actors' cache events
-            (router.kv_event_poller: a pull every `--interval` s + a poke per finished prefill)
+            (router.placement.kv_event_poller: a pull every `--interval` s + a poke per finished prefill)
     oracle  placement asks the engines' own caches at the moment of dispatch (`OracleIndex`)
     blind   placement asks an index that hears nothing (load only: what the events buy)
 
@@ -42,11 +42,12 @@ import time
 from dataclasses import dataclass
 
 from bench.serving.local_actors import LocalCluster, start_local_cluster
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from router.backend import GenerationInput
-from router.dispatch import pick_prefill, usable_cached_tokens
-from router.dispatcher import Dispatcher, RoutingSettings
-from router.kv_index import KVIndex
+from router.dispatcher import Dispatcher
+from router.placement import KVIndex, Placer
+from router.placement.policies import pick_prefill, usable_cached_tokens
+from router.routing import RoutingSettings
 
 BLOCK_SIZE = 16
 PREFILL_BLOCKS, DECODE_BLOCKS = 160, 256
@@ -105,7 +106,7 @@ class OracleIndex:
         return out
 
 
-class AuditedDispatcher(Dispatcher):
+class AuditedPlacer(Placer):
     """Makes every prefill choice twice: over its index (used) and over the oracle (recorded)."""
 
     oracle: OracleIndex
@@ -113,13 +114,12 @@ class AuditedDispatcher(Dispatcher):
     oracle_tokens = 0          # ... on the actor the oracle would have chosen
     dispatches = 0
 
-    def _pick_prefill(self, d):
-        view, cached = super()._pick_prefill(d)
+    def pick_prefill(self, hashes, num_prompt_tokens, excluded):
+        view, cached = super().pick_prefill(hashes, num_prompt_tokens, excluded)
         if view is not None:
-            num_prompt_tokens = len(d.inp.prompt_token_ids)
-            truth = self.oracle.prefix_by_actor(d.hashes)
-            best, _ = pick_prefill(self.pools.prefill, d.hashes, num_prompt_tokens, self.block_size, self.oracle,
-                                   d.excluded, self.routing.prefill_policy)
+            truth = self.oracle.prefix_by_actor(hashes)
+            best, _ = pick_prefill(self.pools.prefill, hashes, num_prompt_tokens, self.block_size, self.oracle,
+                                   excluded, self.routing.prefill_policy)
             self.dispatches += 1
             self.chosen_tokens += usable_cached_tokens(truth.get(view.actor_id, 0), num_prompt_tokens,
                                                        self.block_size)
@@ -139,7 +139,7 @@ class RunResult:
     index_equals_caches: bool = False
     resyncs: int = 0
     polls: int = 0
-    dispatch_chosen_tokens: int = 0      # AuditedDispatcher's counts (index runs)
+    dispatch_chosen_tokens: int = 0      # AuditedPlacer's counts (index runs)
     dispatch_oracle_tokens: int = 0
 
     @property
@@ -150,13 +150,14 @@ class RunResult:
 async def run_once(conversations: list[Conversation], workload: str, placement: str, model: str,
                    concurrency: int, interval_s: float) -> RunResult:
     cluster = start_local_cluster(model, 2, 2, PREFILL_BLOCKS, DECODE_BLOCKS, BLOCK_SIZE)
-    d = AuditedDispatcher(cluster.pools, tokenizer=None, max_model_len=2048, block_size=BLOCK_SIZE,
-                          routing=RoutingSettings(max_queue=256, kv_events_interval_s=interval_s))
-    d.oracle = OracleIndex(cluster)
+    d = Dispatcher(cluster.pools, tokenizer=None, max_model_len=2048, block_size=BLOCK_SIZE,
+                   routing=RoutingSettings(max_queue=256, kv_events_interval_s=interval_s))
+    placer = d.placer = AuditedPlacer(d.pools, d.routing, d.block_size, d.kv_index, d.live, d.metrics)
+    placer.oracle = OracleIndex(cluster)
     if placement == "oracle":
-        d.kv_index = d.oracle                     # the poller still feeds its own KVIndex (checked below)
+        placer.kv_index = placer.oracle           # the poller still feeds the dispatcher's KVIndex (checked below)
     elif placement == "blind":
-        d.kv_index = KVIndex()                    # never fed
+        placer.kv_index = KVIndex()               # never fed
     poller = asyncio.get_running_loop().create_task(d.kv_poller.run())
     result = RunResult(workload, placement)
     queue: asyncio.Queue[tuple[int, Conversation]] = asyncio.Queue()
@@ -189,7 +190,7 @@ async def run_once(conversations: list[Conversation], workload: str, placement: 
         result.index_equals_caches = all(index.hashes_of(w.actor_id) == set(w.engine.block_manager.cached)
                                          for w in cluster.workers)
         result.resyncs, result.polls = d.kv_poller.num_resyncs, d.kv_poller.num_polls
-        result.dispatch_chosen_tokens, result.dispatch_oracle_tokens = d.chosen_tokens, d.oracle_tokens
+        result.dispatch_chosen_tokens, result.dispatch_oracle_tokens = placer.chosen_tokens, placer.oracle_tokens
     finally:
         poller.cancel()
         cluster.stop()

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from bench.serving.workloads import RequestSpec
 from engine.latency import time_per_output_token
-from router.timeline import Timeline
+from router.timing import Timeline
 
 
 @dataclass(slots=True)
@@ -42,7 +42,7 @@ class RequestRecord:
     kv_transfer_s: float = 0.0
     decode_queue_s: float = 0.0
     server_ttft_s: float = 0.0
-    timeline: dict | None = None     # the server's stages up to the first token (router.timeline), seconds
+    timeline: dict | None = None     # the server's stages up to the first token (router.timing), seconds
 
     @property
     def client_s(self) -> float:

@@ -1,4 +1,4 @@
-"""The router's actor protocol (router.actor_client) over plain workers in this process (no Ray).
+"""The router's actor protocol (router.actor_protocol) over plain workers in this process (no Ray).
 
 A benchmark builds real prefill and decode workers over the in-process fake transport and hands
 the router these clients: every call is what a Ray actor would answer, minus the Ray hop, and
@@ -10,8 +10,8 @@ import asyncio
 from dataclasses import dataclass
 
 from decode_worker.worker import DecodeWorker
-from engine import Engine
-from engine.loop import on_event_loop
+from engine import Engine, EngineArgs
+from engine.scheduling.loop import on_event_loop
 from kv_transfer import FakeHub, layout_of, make_receiver, make_sender
 from prefill_worker.worker import PrefillWorker
 from proto.pdserve.v1 import generation_pb2, kv_events_pb2 as kpb, worker_pb2 as wpb
@@ -106,7 +106,8 @@ def start_local_cluster(model: str, num_prefill: int, num_decode: int, prefill_b
     hub = FakeHub()
 
     def engine(num_blocks: int) -> Engine:
-        return Engine(model, dtype="float32", num_blocks=num_blocks, block_size=block_size, attention="eager")
+        return Engine(EngineArgs(model, dtype="float32", num_blocks=num_blocks, block_size=block_size,
+                                 attention="eager"))
     prefill, decode = [], []
     for i in range(num_prefill):
         e = engine(prefill_blocks)

@@ -45,9 +45,9 @@ class TurnRecord:
 
 def kv_block_bytes(cfg) -> tuple[int, int]:
     """(block size, bytes of one KV block of every layer) of the deployment's model and KV dtype."""
-    from engine.config import ModelConfig
+    from engine.model.config import ModelConfig
     from engine.engine import pick_dtype
-    from engine.presets import resolve_model
+    from engine.model.presets import resolve_model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     itemsize = pick_dtype(cfg.model.dtype, device).itemsize
     block_size = cfg.kv_cache.block_size

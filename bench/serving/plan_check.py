@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_for(cfg, profile)
     print(format_plan(plan, cfg.model.name, source), flush=True)
     from deploy.launcher import engine_args
-    from engine.presets import resolve_model
+    from engine.model.presets import resolve_model
     pargs = engine_args(cfg, "prefill", resolve_model(cfg.model.name))
     s_in = round(plan.workload["input_tokens"])
     per_step = max(1, min(pargs.max_num_batched_tokens // s_in, pargs.max_num_seqs))   # prompts a full step takes

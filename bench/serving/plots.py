@@ -1,4 +1,4 @@
-"""PNG plots of serving sweeps (matplotlib, Agg backend, small files for docs/img/)."""
+"""PNG plots of serving sweeps (matplotlib, Agg backend, small files for docs/benchmarks/img/)."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Tables of serving runs: text for the terminal, Markdown for docs/benchmarks.md."""
+"""Tables of serving runs: text for the terminal, Markdown for docs/benchmarks/serving.md."""
 from __future__ import annotations
 
 import math

@@ -1,6 +1,6 @@
 """The TTFT timeline in the serving benchmark: mean per stage over a run, and one request drawn stage by stage.
 
-Every request's last gRPC message carries the server's `Timeline` (router/timeline.py): the
+Every request's last gRPC message carries the server's `Timeline` (router/timing.py): the
 stages from the router's receipt to its first token, summing to the router's TTFT. The
 client adds one more, ``client ↔ router`` (its TTFT less the router's: the request's way in
 and the first token's way out), so the rows below sum to the TTFT the client measured.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from router.timeline import STAGES
+from router.timing import STAGES
 
 CLIENT = ("client_s", "client", "client's TTFT − router's TTFT: the request in and the first token out")
 ROWS = (*STAGES, CLIENT)

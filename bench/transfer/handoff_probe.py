@@ -27,14 +27,14 @@ TOKEN = "bench-handoff-token"
 
 def probe(transport: str, model: str, length: int, reps: int) -> dict[bool, tuple[float, float]]:
     from decode_worker.worker import DecodeWorker
-    from engine import Engine, SamplingParams
+    from engine import Engine, EngineArgs, SamplingParams
     from kv_transfer import layout_of, make_receiver, make_sender
     from prefill_worker.worker import PrefillWorker
     from proto.pdserve.v1 import worker_pb2 as wpb
 
     def engine() -> Engine:
-        return Engine(model, dtype="float32", num_blocks=length // 16 + 8, enable_prefix_cache=False,
-                      attention="eager")
+        return Engine(EngineArgs(model, dtype="float32", num_blocks=length // 16 + 8, enable_prefix_cache=False,
+                                 attention="eager"))
     p_engine, d_engine = engine(), engine()
     layout = layout_of(p_engine.kv_cache, p_engine.fingerprint)
     sender = make_sender(transport, layout, codec="none", token=TOKEN)

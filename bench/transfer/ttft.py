@@ -42,9 +42,9 @@ VARIANTS = ("colocated", "disaggregated", "layerwise")
 
 
 def _engine(model: str, num_blocks: int):
-    from engine import Engine
-    return Engine(model, dtype="float32", num_blocks=num_blocks, chunk_size=CHUNK_TOKENS,
-                  max_num_batched_tokens=CHUNK_TOKENS, enable_prefix_cache=False, attention="eager")
+    from engine import Engine, EngineArgs
+    return Engine(EngineArgs(model, dtype="float32", num_blocks=num_blocks, chunk_size=CHUNK_TOKENS,
+                             max_num_batched_tokens=CHUNK_TOKENS, enable_prefix_cache=False, attention="eager"))
 
 
 def _params():

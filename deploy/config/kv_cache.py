@@ -20,7 +20,7 @@ class KVCacheSection(Section):
     memory_fraction: Optional[Float] = Field(
         None, gt=0, le=1, description="GPU: the actor's share of its device's total memory; the KV "
         "cache gets it less the weights, a profiled largest step's activations and a reserve "
-        "(engine/memory_budget.py), as vLLM's gpu_memory_utilization. CPU: this fraction of a 1 GiB base.")
+        "(engine/kv_cache/memory_budget.py), as vLLM's gpu_memory_utilization. CPU: this fraction of a 1 GiB base.")
     num_blocks: Optional[Int] = Field(None, ge=1,
                                       description="Exact number of KV blocks per actor.")
     memory_gib: Optional[Float] = Field(None, gt=0, description="KV block memory per actor, GiB.")

@@ -37,7 +37,7 @@ class ModelSection(Section):
         "(compiled, checked at start-up); flex-eager = flex's reference math (slow, for tests); "
         "auto = compiled on CPU, flex on CUDA.")
     weight_layout: Literal["auto", "row-major", "input-major", "onednn-packed", "onednn-packed+input-major"] = Field(
-        "auto", description="How projection weights are stored and multiplied on CPU (engine/linear.py): "
+        "auto", description="How projection weights are stored and multiplied on CPU (engine/model/linear.py): "
         "auto = the layout measured fastest on the machine (it may keep a second, input-major copy of "
         "the weights for batch-1 decode, when that fits in 1/8 of RAM); onednn-packed = one packed copy "
         "(the least memory of the fast layouts); row-major / input-major = BLAS on the dense weight. "

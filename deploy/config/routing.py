@@ -15,10 +15,10 @@ class RoutingSection(Section):
         "disaggregated", description="Where each prompt is prefilled: disaggregated = on a prefill actor "
         "(except prompts under local_prefill_tokens); auto = per request, remote prefill + KV transfer or "
         "chunked prefill on the decode actor, whichever the live profiles say keeps both `slo` targets with "
-        "the most headroom (router/auto_placement.py); colocated = every prompt on its decode actor.")
+        "the most headroom (router/placement/auto.py); colocated = every prompt on its decode actor.")
     role_flips: Literal["off", "manual", "auto"] = Field(
         "off", description="manual: start the prefill and decode actors as role-flippable actors (one engine, any "
-        "role; deploy/role_actor.py) that PoolManager.flip switches prefill <-> decode <-> colocated at run time; "
+        "role; deploy/actor.py) that PoolManager.flip switches prefill <-> decode <-> colocated at run time; "
         "auto: also let the autoscaler flip them, at a fixed actor count, when the measured load calls for "
         "another split (with hysteresis, deploy/role_balance.py). Flippable actors use the decode pool's KV cache.")
     local_prefill_tokens: Int = Field(
@@ -39,7 +39,8 @@ class RoutingSection(Section):
         "prompt tokens queued than this (an idle actor always takes one); null = unbounded.")
     prefill_policy: Literal["prefix_vs_queue", "prefix_then_load"] = Field(
         "prefix_vs_queue", description="prefix_vs_queue: least uncached prompt tokens + prompt tokens queued "
-        "there; prefix_then_load: longest cached prefix, then fewest queued prompt tokens (router.dispatch).")
+        "there; prefix_then_load: longest cached prefix, then fewest queued prompt tokens "
+        "(router/placement/policies.py).")
     decode_policy: Literal["kv_aware", "most_free_blocks"] = Field(
         "kv_aware", description="Admit where prompt + max_tokens fit; kv_aware: fewest prompt blocks to ship "
         "(cached prefix) + a weight per running request, then most free blocks; most_free_blocks: most free.")

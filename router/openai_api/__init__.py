@@ -1,6 +1,6 @@
 """The router's OpenAI-compatible HTTP front door (/v1/completions, /v1/chat/completions, ...).
 
-It shares the gRPC front door's `router.servicer.RequestCore` (admission, in-flight limit,
+It shares the gRPC front door's `router.request_core.RequestCore` (admission, in-flight limit,
 draining, log line, metrics) and validation; `router.server.start_server` starts it beside the
 gRPC server when given an ``http_port``.
 """

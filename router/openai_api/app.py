@@ -46,7 +46,7 @@ from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest,
 from router.openai_api.responses import usage_json
 from router.openai_api.sse import ClientGone, EventStream, all_or_none, sse_events, until_disconnected
 from router.security import check_http_bearer
-from router.servicer import THREAD_TOKENIZE_CHARS, AdmittedRequest, RequestCore
+from router.request_core import THREAD_TOKENIZE_CHARS, AdmittedRequest, RequestCore
 from router.validation import THREAD_TOKEN_IDS, RequestError, check_text_fits
 
 log = logging.getLogger("pdserve.router")

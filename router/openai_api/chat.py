@@ -22,8 +22,8 @@ from typing import Any
 
 from router.backend import GenerationChunk, GenerationInput, Tokenizer
 from router.openai_api.protocol import ChatCompletionRequest
-from router.openai_api.responses import StreamUsage, TokenTexts, chat_logprobs, stop_reason, usage_json, \
-    vllm_prompt_logprobs
+from router.openai_api.responses import StreamUsage, TokenTexts, chat_logprobs, finish_reason_json, stop_reason, \
+    usage_json, vllm_prompt_logprobs
 
 
 class ChatView:
@@ -75,7 +75,7 @@ class ChatView:
             choices.append({
                 "index": index, "message": {"role": "assistant", "content": "".join(texts[index])},
                 "logprobs": {"content": logprobs[index]} if self.want_logprobs else None,
-                "finish_reason": end.finish_reason if end else None,
+                "finish_reason": finish_reason_json(end),
                 "stop_reason": stop_reason(end, self.inp) if end else None,
             })
         body = self._object("chat.completion", choices)
@@ -102,7 +102,7 @@ class ChatView:
                 logprobs = self._logprobs(chunk)
                 choice = {"index": chunk.index, "delta": {"content": chunk.text} if chunk.text else {},
                           "logprobs": {"content": logprobs} if logprobs is not None else None,
-                          "finish_reason": chunk.finish_reason}
+                          "finish_reason": finish_reason_json(chunk)}
                 if chunk.finish_reason is not None:
                     choice["stop_reason"] = stop_reason(chunk, self.inp)
                 stream_usage.count(chunk)

@@ -20,7 +20,7 @@ from typing import Any
 from router.backend import GenerationChunk, GenerationInput, Tokenizer, Usage
 from router.openai_api.protocol import CompletionRequest
 from router.openai_api.responses import CompletionLogprobs, StreamUsage, TokenTexts, merge_completion_logprobs, \
-    stop_reason, usage_json, vllm_prompt_logprobs
+    finish_reason_json, stop_reason, usage_json, vllm_prompt_logprobs
 
 
 class CompletionView:
@@ -72,8 +72,8 @@ class CompletionView:
         logprobs = None
         if self.want_logprobs and chunk.logprobs is not None:
             logprobs = self._logprobs[chunk.index].tokens(chunk.token_ids, chunk.logprobs, chunk.text)
-        return {"index": chunk.index, "text": chunk.text, "logprobs": logprobs, "finish_reason": chunk.finish_reason,
-                "stop_reason": stop_reason(chunk, self.inp)}
+        return {"index": chunk.index, "text": chunk.text, "logprobs": logprobs,
+                "finish_reason": finish_reason_json(chunk), "stop_reason": stop_reason(chunk, self.inp)}
 
     def _object(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proto.pdserve.v1 import generation_pb2 as pb
-from router.backend import GenerationChunk, GenerationInput, Tokenizer, Usage
+from router.backend import GenerationChunk, GenerationInput, Tokenizer, Usage, finish_reason_name
 
 LOGPROB_FLOOR = -9999.0
 
@@ -88,9 +88,14 @@ class StreamUsage:
         return body
 
 
+def finish_reason_json(chunk: GenerationChunk | None) -> str | None:
+    """The choice's ``finish_reason``: the chunk's reason by name, null while the sequence runs."""
+    return None if chunk is None or chunk.finish_reason is None else finish_reason_name(chunk.finish_reason)
+
+
 def stop_reason(chunk: GenerationChunk, inp: GenerationInput) -> str | int | None:
     """vLLM's stop_reason: the stop string or stop_token_ids entry that ended the sequence, else None."""
-    if chunk.finish_reason != "stop" or chunk.matched_stop is None:
+    if chunk.finish_reason != pb.FINISH_REASON_STOP or chunk.matched_stop is None:
         return None
     if isinstance(chunk.matched_stop, str) or chunk.matched_stop in inp.params.stop_token_ids:
         return chunk.matched_stop

@@ -1,5 +1,5 @@
 """Smoke tests of the layer-wise TTFT benchmarks on the tiny model: every figure is there and the
-decode side's tokens equal the colocated engine's. No timing assertions (the README judges full runs)."""
+decode side's tokens equal the colocated engine's. No timing assertions (full runs: docs/benchmarks/transfer.md)."""
 from __future__ import annotations
 
 import json

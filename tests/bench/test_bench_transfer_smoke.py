@@ -1,6 +1,6 @@
 """Smoke test of the transfer benchmark: one loopback pair end to end, every field of its JSON.
 
-No timing assertions: the targets are judged in the README from full runs.
+No timing assertions: the targets are judged in docs/benchmarks/transfer.md from full runs.
 """
 from __future__ import annotations
 

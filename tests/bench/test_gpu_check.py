@@ -76,7 +76,7 @@ def on_cpu(monkeypatch):
 
 def test_engine_vs_hf_check_runs_on_cpu(on_cpu):
     pytest.importorskip("transformers")
-    from engine.presets import resolve_model
+    from engine.model.presets import resolve_model
     rows = gpu_check.check_engine_vs_hf(resolve_model("tiny"), prompts=3, new_tokens=4)
     assert [r.check for r in rows] == ["engine vs HF logits (bf16)", "engine vs HF greedy (bf16)"]
     assert rows[0].status == "ok", rows[0]
@@ -84,7 +84,7 @@ def test_engine_vs_hf_check_runs_on_cpu(on_cpu):
 
 
 def test_speed_and_transfer_checks_run_on_cpu(on_cpu):
-    from engine.presets import resolve_model
+    from engine.model.presets import resolve_model
     peaks = {"copy_bytes_per_s": 1e10, "matmul_flops_per_s": 1e11}
     rows = gpu_check.check_speed(resolve_model("tiny"), peaks)
     assert [r.check for r in rows] == ["KV budget from the device", "decode step bytes/s (4 × 64 ctx)",
@@ -97,7 +97,7 @@ def test_speed_and_transfer_checks_run_on_cpu(on_cpu):
 
 def test_flex_check_runs_on_cpu(on_cpu, monkeypatch):
     """The flex rows through flex's reference math (compiled flex is CUDA-only), graphs without capture."""
-    from engine.presets import resolve_model
+    from engine.model.presets import resolve_model
     monkeypatch.setattr(gpu_check, "FLEX_MODE", "flex-eager")
     monkeypatch.setattr(gpu_check, "FLEX_NUM_BLOCKS", 48)
     monkeypatch.setattr(gpu_check, "FLEX_PROMPT_LENS", (20, 5))

@@ -121,8 +121,8 @@ def test_bad_requests_invalid_argument_and_still_serving(cluster, kwargs, field)
 def test_first_token_completing_a_stop_string_is_cut_as_colocated(cluster, tiny_model_dir):
     """A request that ends at its first token because that token completes a stop
     string gets the text the colocated engine emits ("" here), not the token's text."""
-    from engine import Engine
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=64)
+    from engine import Engine, EngineArgs
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64))
     for start in range(20, 300):               # longer than LOCAL_PREFILL: prefilled remotely
         prompt = list(range(start, start + 2 * LOCAL_PREFILL))
         [first] = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids

@@ -5,7 +5,7 @@ output or a clear status, the affected ones complete (a healthy actor of the
 same role exists), every pool returns to zero used blocks, and the service
 serves new requests afterwards. A kill waits until the victim has requests in
 flight (the router's own view of it), never for a fixed time. The per-fault
-counts are printed when the module's cluster stops (they go in the README).
+counts are printed when the module's cluster stops (they go in docs/benchmarks/serving.md).
 """
 from __future__ import annotations
 

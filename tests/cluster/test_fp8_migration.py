@@ -1,6 +1,6 @@
 """fp8 KV (the default codec) and a decode actor killed mid-stream: every stream, migrated ones
 included, is the one the same cluster gives without the fault. The migrated requests recompute
-their prompt through the codec (engine/prompt_kv.py), so they go on from the KV they began with."""
+their prompt through the codec (engine/kv_cache/prompt_kv.py), so they go on from the KV they began with."""
 from __future__ import annotations
 
 import os

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from engine.block_manager import prompt_block_hashes
+from engine.kv_cache.block_manager import prompt_block_hashes
 from proto.pdserve.v1 import kv_events_pb2 as kpb
 from router.client import generate
 

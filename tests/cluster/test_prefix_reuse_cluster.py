@@ -12,7 +12,7 @@ import torch
 from bench.serving.cluster import free_port
 from bench.serving.metrics import scrape
 from deploy.running import start_cluster
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 from proto.pdserve.v1 import generation_pb2 as pb
 from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from engine import SamplingParams

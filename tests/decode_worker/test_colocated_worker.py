@@ -6,13 +6,13 @@ import time
 import pytest
 
 from decode_worker.colocated import ColocatedWorker
-from engine import Engine, SamplingParams
+from engine import Engine, EngineArgs, SamplingParams
 from worker_support import Collector, decode_job, prompts_and_params, wait_blocks_returned
 
 
 @pytest.fixture
 def worker(tiny_model_dir):
-    w = ColocatedWorker(Engine(tiny_model_dir, dtype="float32", num_blocks=256))
+    w = ColocatedWorker(Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=256)))
     w.start()
     yield w
     w.stop()
@@ -65,7 +65,7 @@ def _emitted_after(engine: Engine, prompt, params, k: int) -> str:
 def test_migration_keeps_held_back_text_and_finds_a_stop_string_across_the_seam(worker, tiny_model_dir):
     """After a migration the client's text must equal an undisturbed run's, and a
     stop string that straddles the migration point must still end the request."""
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=256)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=256))
     tok = engine.tokenizer
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for start in range(5, 200, 7):

@@ -3,7 +3,7 @@ when it never comes, and give every block back however they end."""
 from __future__ import annotations
 
 from engine import SamplingParams
-from engine.request import RequestStatus
+from engine.scheduling.request import RequestStatus
 from worker_support import Collector, decode_job, prefill_job, wait_blocks_returned, wait_for
 
 
@@ -33,7 +33,7 @@ def test_abort_while_waiting_for_kv_and_mid_decode(pair):
     assert c.done.wait(10)
     assert c.events["lost"][-1].finish_reason == 3 and c.events["long"][-1].finish_reason == 3
     wait_blocks_returned(decode.engine)
-    assert not decode._waiting_kv and not decode._streams and not decode.engine.requests
+    assert not decode._waiting_kv and not decode.streams and not decode.engine.requests
 
 
 def test_kv_that_never_arrives_times_out_retryably(pair):

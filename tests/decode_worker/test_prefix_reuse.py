@@ -105,7 +105,7 @@ def _assert_pins_released(decode, prompt: list[int], pinned: int) -> None:
     """Nothing referenced; the prefix is still cached (unpinned, not freed twice or lost)."""
     wait_blocks_returned(decode.engine)
     assert _hits(decode, prompt) == pinned
-    assert not decode.engine.requests and not decode._waiting_kv and not decode._streams
+    assert not decode.engine.requests and not decode._waiting_kv and not decode.streams
 
 
 def test_pinned_blocks_are_held_while_waiting_and_released_when_the_kv_never_comes(pair, reference):

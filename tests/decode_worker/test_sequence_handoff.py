@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from decode_worker.colocated import ColocatedWorker
-from engine import Engine, SamplingParams
+from engine import Engine, EngineArgs, SamplingParams
 from proto.pdserve.v1 import worker_pb2 as wpb
 from worker_support import decode_job, prefill_job, wait_blocks_returned
 
@@ -49,7 +49,7 @@ class Sequences:
 def colocated(tiny_model_dir):
     """Fresh per test, like `pair`: both sides compute the prompt from scratch (no prefix-cache hit on one side
     only, which would change the float32 rounding of the logprobs)."""
-    worker = ColocatedWorker(Engine(tiny_model_dir, dtype="float32", num_blocks=256))
+    worker = ColocatedWorker(Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=256)))
     worker.start()
     yield worker
     worker.stop()

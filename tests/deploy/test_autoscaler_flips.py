@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +15,10 @@ from deploy.pool_manager import Flip
 from deploy.profiler import Profile
 from deploy.role_balance import TO_DECODE, TO_PREFILL
 from profile_helpers import synthetic
+from router.dispatcher import Dispatcher, FinishedRequest
+from router.placement import PlacementRecord
 from router.pools import DecodeView, Pools, PrefillView
+from router.routing import RoutingSettings
 
 PREFILL_HEAVY = (2000, 16, 2.0)     # prompt tokens, output tokens, req/s: needs ~4.9 prefill : 0.2 decode actors
 DECODE_HEAVY = (50, 200, 2.0)       # ... ~0.02 : 0.65
@@ -48,8 +50,7 @@ def make(mode: str = "disaggregated"):
     pools = Pools([PrefillView("prefill-0", None, 512)],
                   [DecodeView(f"decode-{i}", None, f"kv://decode-{i}", 512) for i in range(3)])
     pools.decode[1].running = 2            # the busiest decode actor is flipped last
-    backend = SimpleNamespace(pools=pools, completed=deque(), placements=deque(),
-                              admission=SimpleNamespace(num_waiting=0))
+    backend = Dispatcher(pools, tokenizer=None, max_model_len=1024, block_size=16, routing=RoutingSettings())
     manager = FakeManager(pools)
     scaler = Autoscaler(cfg, backend, None, Profile(synthetic(flops_per_s=2e10)),
                         AutoscaleSettings(interval_s=1.0, window_s=60.0), manager=manager)
@@ -63,11 +64,13 @@ def ticks(scaler, backend, loads, needs: list[bool] | None = None) -> list[str |
     flips = []
     for tick, (prompt, output, rate) in enumerate(loads):
         now = time.monotonic()
-        backend.completed.clear()
-        backend.completed.extend((now - i / rate, prompt, output, 0.5, 0.02) for i in range(int(60 * rate)))
-        backend.placements.clear()
+        backend.finished.clear()
+        backend.finished.extend(FinishedRequest(now - i / rate, prompt, output, 0.5, 0.02)
+                                for i in range(int(60 * rate)))
+        backend.placer.placements.clear()
         if needs is not None:
-            backend.placements.extend((now - i / rate, prompt, needs[tick]) for i in range(int(60 * rate)))
+            backend.placer.placements.extend(PlacementRecord(now - i / rate, prompt, needs[tick])
+                                             for i in range(int(60 * rate)))
         decision = asyncio.run(scaler.tick())
         flips.append(decision.split.flip)
     return flips
@@ -108,9 +111,9 @@ def test_auto_mode_splits_the_prefill_need_by_the_share_that_needed_a_prefill_ac
     scaler, backend, _ = make("auto")
     ticks(scaler, backend, [PREFILL_HEAVY], needs=[True])
     full = scaler.history[-1]
-    backend.placements.clear()
+    backend.placer.placements.clear()
     now = time.monotonic()     # a quarter of the prompt tokens needed one
-    backend.placements.extend([(now, 300, True), (now, 900, False)])
+    backend.placer.placements.extend([PlacementRecord(now, 300, True), PlacementRecord(now, 900, False)])
     obs = scaler.observe(now)
     assert obs.remote_share == 0.25
     need_p, need_d = scaler.needs(full.plan, obs, SimpleNamespace(ttft_s=2.0))

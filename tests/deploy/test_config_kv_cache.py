@@ -23,7 +23,7 @@ def test_gpu_actors_size_their_cache_from_the_device():
     device); CPU pools and explicit budgets keep the count computed here, as before."""
     from deploy.config import load_config
     from deploy.launcher import engine_args
-    from engine.presets import resolve_model
+    from engine.model.presets import resolve_model
     model_dir = resolve_model("tiny")
     gpu = load_config(None, {"pools.decode.resources.num_gpus": 1, "kv_cache.memory_fraction": 0.8})
     assert engine_args(gpu, "decode", model_dir).kv_memory_fraction == 0.8

@@ -7,7 +7,7 @@ from deploy.config import PRESET_MODELS
 
 
 def test_presets_match_the_engine():
-    presets = pytest.importorskip("engine.presets")
+    presets = pytest.importorskip("engine.model.presets")
     assert set(PRESET_MODELS) <= set(presets.PRESETS) | set(presets.TRAINED)
 
 
@@ -16,8 +16,8 @@ def test_weight_layout_reaches_cpu_actors_and_a_wrong_one_names_the_key():
     unknown layout fails at load with the key's path and the choices."""
     from deploy.config import ConfigError, load_config
     from deploy.launcher import engine_args
-    from engine.linear import LAYOUTS
-    from engine.presets import resolve_model
+    from engine.model.linear import LAYOUTS
+    from engine.model.presets import resolve_model
     model_dir = resolve_model("tiny")
     assert engine_args(load_config(None, {}), "decode", model_dir).weight_layout == "auto"
     for layout in LAYOUTS:

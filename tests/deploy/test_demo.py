@@ -6,7 +6,7 @@ import re
 
 from deploy.demo import HEADER, LEGEND, TTFT_PARTS, Completion, StageRow, render_completion, render_report
 from proto.pdserve.v1 import generation_pb2 as pb
-from router.timeline import STAGE_NAMES, Timeline
+from router.timing import STAGE_NAMES, Timeline
 
 NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
 

@@ -100,7 +100,7 @@ def test_measure_link_sends_a_prompt_over_the_configured_transport(tiny_model_di
                              "kv_cache.num_blocks": 64})
     result = measure_link(cfg, tiny_model_dir, reps=2)
     assert "error" not in result, result
-    from engine.config import ModelConfig
+    from engine.model.config import ModelConfig
 
     block_size = cfg.kv_cache.block_size
     blocks = -(-100 // block_size)  # the prompt's blocks, float32 KV of every layer

@@ -71,6 +71,6 @@ def stand_ins():
     yield servers
     for s in servers.values():
         run(s.server.stop(0))
-        assert not s.backend.active and s.server.servicer.num_in_flight == 0
+        assert not s.backend.active and s.server.core.num_in_flight == 0
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)

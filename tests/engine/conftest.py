@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.presets import hf_config, write_model_dir
+from engine.model.presets import hf_config, write_model_dir
 
 ARCH = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False)

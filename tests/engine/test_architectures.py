@@ -11,8 +11,8 @@ import pytest
 import torch
 from hf_checkpoints import hf_greedy, hf_logits, hf_model, random_prompt, write_checkpoint
 
-from engine import Engine, SamplingParams
-from engine.config import ModelConfig
+from engine import Engine, EngineArgs, SamplingParams
+from engine.model.config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,7 +41,7 @@ def checkpoints(tmp_path_factory, tiny_model_dir) -> dict[str, str]:
 
 
 def _engine(model_dir: str, **kw) -> Engine:
-    return Engine(model_dir, dtype="float32", num_blocks=64, block_size=16, attention="eager", **kw)
+    return Engine(EngineArgs(model_dir, dtype="float32", num_blocks=64, block_size=16, attention="eager", **kw))
 
 
 def test_configs_read_the_architecture(checkpoints):

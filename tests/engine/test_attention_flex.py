@@ -1,4 +1,4 @@
-"""The flex paged kernel (engine/attention_flex.py) equals the eager SDPA/bmm path: the same strided views,
+"""The flex paged kernel (engine/model/attention_flex.py) equals the eager SDPA/bmm path: the same strided views,
 block masks and mask_mod that run compiled on CUDA, here through flex's reference math on CPU."""
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import logging
 import pytest
 import torch
 
-from engine import Engine, SamplingParams, attention_flex
-from engine.attention import build_metadata, paged_attention
-from engine.attention_flex import FlexAttention, build_flex_metadata, paged_views
+from engine import Engine, EngineArgs, SamplingParams
+from engine.model import attention_flex
+from engine.model.attention import build_metadata, paged_attention
+from engine.model.attention_flex import FlexAttention, build_flex_metadata, paged_views
 from window_support import WINDOW, one_thread, random_prompts, write_window_model
 
 NUM_BLOCKS, KV_HEADS, BLOCK, DIM, HEADS = 24, 2, 4, 16, 6
@@ -130,8 +131,8 @@ def test_engine_flex_equals_eager(model_dirs, name, monkeypatch):
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=0)
     results = {}
     for mode in ("flex-eager", "eager"):
-        engine = Engine(model_dirs[name], dtype="float32", num_blocks=48, block_size=BLOCK, attention=mode,
-                        chunk_size=12, max_num_batched_tokens=40)
+        engine = Engine(EngineArgs(model_dirs[name], dtype="float32", num_blocks=48, block_size=BLOCK, attention=mode,
+                                   chunk_size=12, max_num_batched_tokens=40))
         assert engine.attention == mode
         assert engine.config.sliding_window == (WINDOW if name == "window" else None)
         first = engine.generate(prompts[:4], params)
@@ -154,15 +155,16 @@ def test_flex_falls_back_when_the_check_fails(model_dirs, monkeypatch, caplog):
     monkeypatch.setattr(FlexAttention, "warm_up", disagree)
     monkeypatch.setenv("PDSERVE_ATTENTION", "flex-eager")       # what auto picks on CUDA, here through the env
     with caplog.at_level(logging.WARNING):
-        assert Engine(model_dirs["full"], num_blocks=16, block_size=BLOCK, attention="auto").attention == "eager"
+        assert Engine(EngineArgs(model_dirs["full"], num_blocks=16, block_size=BLOCK,
+                                 attention="auto")).attention == "eager"
     monkeypatch.delenv("PDSERVE_ATTENTION")
     assert "disagrees with the eager path" in caplog.text               # auto falls back and says why
     with pytest.raises(RuntimeError, match="attention='flex-eager'"):
-        Engine(model_dirs["full"], num_blocks=16, block_size=BLOCK, attention="flex-eager")
+        Engine(EngineArgs(model_dirs["full"], num_blocks=16, block_size=BLOCK, attention="flex-eager"))
 
 
 def test_compiled_flex_is_cuda_only(model_dirs):
     with pytest.raises(ValueError, match="CUDA only"):
         FlexAttention(NUM_BLOCKS, KV_HEADS, BLOCK, torch.device("cpu"), compile=True)
     with pytest.raises(RuntimeError, match="attention='flex'"):
-        Engine(model_dirs["full"], num_blocks=16, block_size=BLOCK, attention="flex")
+        Engine(EngineArgs(model_dirs["full"], num_blocks=16, block_size=BLOCK, attention="flex"))

@@ -5,12 +5,12 @@ import math
 
 import pytest
 
-from engine import Engine, SamplingParams
+from engine import Engine, EngineArgs, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return Engine(tiny_model_dir, dtype="float32", num_blocks=64, max_model_len=256)
+    return Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64, max_model_len=256))
 
 
 BAD = [
@@ -62,17 +62,17 @@ def test_missing_files_and_unsupported_arch_are_named(tmp_path, tiny_model_dir):
     import json
     import shutil
     with pytest.raises(ValueError, match="neither a directory nor a preset"):
-        Engine("no-such-model")
+        Engine(EngineArgs("no-such-model"))
     d = tmp_path / "m"
     shutil.copytree(tiny_model_dir, d)
     (d / "tokenizer.json").unlink()
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-        Engine(str(d))
+        Engine(EngineArgs(str(d)))
     cfg = json.loads((d / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
-        Engine(str(d))
+        Engine(EngineArgs(str(d)))
     (d / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="config.json"):
-        Engine(str(d))
+        Engine(EngineArgs(str(d)))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import Engine, SamplingParams
+from engine import Engine, EngineArgs, SamplingParams
 
 
 def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -13,7 +13,7 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def _solo(model_dir: str, prompts, params_list) -> list[list[int]]:
-    engine = Engine(model_dir, dtype="float32", num_blocks=512, chunk_size=None, enable_prefix_cache=False)
+    engine = Engine(EngineArgs(model_dir, dtype="float32", num_blocks=512, chunk_size=None, enable_prefix_cache=False))
     return [engine.generate([p], prm)[0].token_ids for p, prm in zip(prompts, params_list)]
 
 
@@ -41,7 +41,7 @@ def _params(n: int) -> list[SamplingParams]:
 def test_continuous_batching_equals_solo(tiny_model_dir):
     prompts, params = _prompts(16, 1024), _params(16)
     solo = _solo(tiny_model_dir, prompts, params)
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=512, chunk_size=None)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=512, chunk_size=None))
     got = _staggered(engine, prompts, params)
     assert [got[i] for i in range(16)] == solo
     engine.block_manager.check_no_leaks()
@@ -50,7 +50,8 @@ def test_continuous_batching_equals_solo(tiny_model_dir):
 def test_chunked_prefill_equals_solo(tiny_model_dir):
     prompts, params = _prompts(16, 1024, seed=1), _params(16)
     solo = _solo(tiny_model_dir, prompts, params)
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=512, chunk_size=16, max_num_batched_tokens=64)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=512, chunk_size=16,
+                               max_num_batched_tokens=64))
     got = _staggered(engine, prompts, params, every=1)
     assert [got[i] for i in range(16)] == solo
     engine.block_manager.check_no_leaks()
@@ -60,7 +61,8 @@ def test_preemption_by_recompute_equals_solo(tiny_model_dir):
     prompts, params = _prompts(16, 1024, seed=2), _params(16)
     solo = _solo(tiny_model_dir, prompts, params)
     # 40 blocks x 16 tokens cannot hold 16 requests at once: the scheduler must preempt.
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=40, chunk_size=32, max_num_batched_tokens=128)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=40, chunk_size=32,
+                               max_num_batched_tokens=128))
     got = _staggered(engine, prompts, params, every=1)
     assert engine.scheduler.num_preemptions > 0
     assert [got[i] for i in range(16)] == solo
@@ -71,8 +73,8 @@ def test_prefill_only_then_adopt_equals_colocated(tiny_model_dir):
     """The worker split: prefill on one engine, copy the blocks, decode on another."""
     prompts, params = _prompts(6, 1024, seed=3), _params(6)
     expected = _solo(tiny_model_dir, prompts, params)
-    prefill = Engine(tiny_model_dir, dtype="float32", num_blocks=128)
-    decode = Engine(tiny_model_dir, dtype="float32", num_blocks=128)
+    prefill = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=128))
+    decode = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=128))
     handoffs = {}
     for i, (p, prm) in enumerate(zip(prompts, params)):
         prefill.add_request(p, prm, request_id=f"r{i}", prefill_only=True)
@@ -97,7 +99,7 @@ def test_prefill_only_then_adopt_equals_colocated(tiny_model_dir):
 
 
 def test_abort_frees_blocks(tiny_model_dir):
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=64)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64))
     rid = engine.add_request(list(range(2, 100)), SamplingParams(max_tokens=50))
     engine.step()
     assert engine.block_manager.num_used_blocks > 0
@@ -111,7 +113,7 @@ def test_resume_after_migration_continues_identically(tiny_model_dir):
     prompts, params = _prompts(4, 1024, seed=4), _params(4)
     params = [SamplingParams(max_tokens=30, temperature=t, seed=9, ignore_eos=True) for t in (0.0, 0.9, 0.0, 1.2)]
     full = _solo(tiny_model_dir, prompts, params)
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=256)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=256))
     for p, prm, expected in zip(prompts, params, full):
         rid = engine.add_request(p, prm, resume_output_ids=expected[:11])
         got = []

@@ -6,9 +6,10 @@ import logging
 import pytest
 import torch
 
-from engine import Engine, SamplingParams, attention_compiled
-from engine.attention import decode_attention, gather_kv
-from engine.attention_compiled import CompiledDecode
+from engine import Engine, EngineArgs, SamplingParams
+from engine.model import attention_compiled
+from engine.model.attention import decode_attention, gather_kv
+from engine.model.attention_compiled import CompiledDecode
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def test_engine_compiled_equals_eager_tokens(tiny_model_dir):
     params = [SamplingParams(max_tokens=24 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
     outs = {}
     for mode in ("compiled", "eager"):
-        engine = Engine(tiny_model_dir, dtype="float32", num_blocks=256, attention=mode)
+        engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=256, attention=mode))
         assert engine.attention == mode
         outs[mode] = [c.token_ids for c in engine.generate(prompts, params)]
         assert engine.block_manager.num_used_blocks == 0          # every block back in the pool
@@ -52,16 +53,16 @@ def test_engine_compiled_equals_eager_tokens(tiny_model_dir):
 
 def test_attention_choice(tiny_model_dir, monkeypatch, caplog):
     with pytest.raises(ValueError, match="attention must be one of"):
-        Engine(tiny_model_dir, num_blocks=16, attention="fast")
+        Engine(EngineArgs(tiny_model_dir, num_blocks=16, attention="fast"))
     monkeypatch.setenv("PDSERVE_ATTENTION", "eager")
-    assert Engine(tiny_model_dir, num_blocks=16).attention == "eager"
+    assert Engine(EngineArgs(tiny_model_dir, num_blocks=16)).attention == "eager"
     monkeypatch.delenv("PDSERVE_ATTENTION")
 
     def broken(self, *args):
         raise RuntimeError("no compiler")
     monkeypatch.setattr(attention_compiled.CompiledDecode, "warm_up", broken)
     with caplog.at_level(logging.WARNING):
-        assert Engine(tiny_model_dir, num_blocks=16).attention == "eager"      # auto falls back, says why
+        assert Engine(EngineArgs(tiny_model_dir, num_blocks=16)).attention == "eager"      # auto falls back, says why
     assert "no compiler" in caplog.text
     with pytest.raises(RuntimeError, match="attention='compiled'"):
-        Engine(tiny_model_dir, num_blocks=16, attention="compiled")
+        Engine(EngineArgs(tiny_model_dir, num_blocks=16, attention="compiled"))

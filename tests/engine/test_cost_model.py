@@ -16,14 +16,14 @@ def test_flop_and_byte_counts():
 
 
 def _config(**overrides):
-    from engine.config import ModelConfig
+    from engine.model.config import ModelConfig
     raw = dict(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     return ModelConfig.from_dict({**raw, **overrides})
 
 
 def test_decode_weights_are_every_parameter_the_model_reads_but_the_embedding():
-    from engine.model import LlamaModel
+    from engine.model.model import LlamaModel
     for cfg in (_config(), _config(model_type="llama", mlp_bias=True), _config(tie_word_embeddings=True)):
         model = LlamaModel(cfg, 64, torch.device("cpu"), torch.float32)
         read = sum(p.numel() for name, p in model.named_parameters()

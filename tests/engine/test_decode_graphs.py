@@ -1,4 +1,4 @@
-"""Decode steps through the static buffers of engine/decode_graphs.py (padded batch buckets, fixed-width
+"""Decode steps through the static buffers of engine/runner/decode_graphs.py (padded batch buckets, fixed-width
 page lists, a scratch block for the padding) equal the plain path token for token. On CPU the graphs are
 not captured; tests/gpu/test_attention_flex_gpu.py replays them on CUDA."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
-from engine.decode_graphs import DecodeGraphs
+from engine import Engine, EngineArgs, SamplingParams
+from engine.runner.decode_graphs import DecodeGraphs
 from window_support import one_thread, random_prompts, write_window_model
 
 BLOCK = 4
@@ -36,8 +36,8 @@ def test_graph_path_equals_the_plain_path(window_dir, monkeypatch):
     params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0.0, ignore_eos=True, logprobs=0) for i in range(5)]
     results = {}
     for graphs in (True, False):
-        engine = Engine(window_dir, dtype="float32", num_blocks=48, block_size=BLOCK, attention="flex-eager",
-                        chunk_size=12, max_num_batched_tokens=64, max_num_seqs=8, cuda_graphs=graphs)
+        engine = Engine(EngineArgs(window_dir, dtype="float32", num_blocks=48, block_size=BLOCK, attention="flex-eager",
+                                   chunk_size=12, max_num_batched_tokens=64, max_num_seqs=8, cuda_graphs=graphs))
         if graphs:
             assert sorted(engine.runner.graphs.buckets) == [1, 2, 4, 8]
             assert engine.runner.graphs.scratch_block == 47 and engine.block_manager.num_blocks == 47
@@ -52,6 +52,7 @@ def test_graph_path_equals_the_plain_path(window_dir, monkeypatch):
 
 
 def test_graphs_need_the_flex_kernel(window_dir, caplog):
-    engine = Engine(window_dir, dtype="float32", num_blocks=48, block_size=BLOCK, attention="eager", cuda_graphs=True)
+    engine = Engine(EngineArgs(window_dir, dtype="float32", num_blocks=48, block_size=BLOCK, attention="eager",
+                               cuda_graphs=True))
     assert engine.runner.graphs is None and engine.block_manager.num_blocks == 48
     assert "cuda_graphs needs the flex attention kernel" in caplog.text

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from engine import Engine, SamplingParams
-from engine.generation_config import GenerationConfig
+from engine import Engine, EngineArgs, SamplingParams
+from engine.sampling.generation_config import GenerationConfig
 from proto.pdserve.v1 import generation_pb2
 
 
@@ -27,7 +27,7 @@ def _model_with(tiny_model_dir: str, tmp_path, gen: dict | None) -> str:
 def test_absent_file_is_an_empty_config(tiny_model_dir, tmp_path):
     model_dir = _model_with(tiny_model_dir, tmp_path, None)
     assert GenerationConfig.from_dir(model_dir) == GenerationConfig()
-    engine = Engine(model_dir, dtype="float32", num_blocks=8, attention="eager")
+    engine = Engine(EngineArgs(model_dir, dtype="float32", num_blocks=8, attention="eager"))
     assert engine.eos_token_ids == (1,) and engine.generation_config.sampling_defaults == {}
 
 
@@ -51,12 +51,12 @@ def test_bad_eos_ids_are_refused_naming_the_file(raw):
 
 
 def test_eos_list_from_generation_config_ends_generation(tiny_model_dir, tmp_path):
-    plain = Engine(tiny_model_dir, dtype="float32", num_blocks=64, attention="eager")
+    plain = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64, attention="eager"))
     base = plain.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids
     extra = base[2]
     assert extra not in base[:2] and extra != 1
     model_dir = _model_with(tiny_model_dir, tmp_path, {"eos_token_id": [1, extra], "max_new_tokens": 8})
-    engine = Engine(model_dir, dtype="float32", num_blocks=64, attention="eager")
+    engine = Engine(EngineArgs(model_dir, dtype="float32", num_blocks=64, attention="eager"))
     assert engine.eos_token_ids == (1, extra) and engine.tokenizer.eos_token_ids == (1, extra)
     c = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert c.token_ids == base[:3] and c.finish_reason == "stop" and c.matched_stop == extra

@@ -4,18 +4,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
-from engine.linear import ONEDNN_PACKED, PACKED_WITH_GEMV, layouts_for
+from engine import Engine, EngineArgs, SamplingParams
+from engine.model.linear import ONEDNN_PACKED, PACKED_WITH_GEMV, layouts_for
 
 transformers = pytest.importorskip("transformers")
-# the measured choice, and each packed layout whatever this machine measured (engine/linear.py)
+# the measured choice, and each packed layout whatever this machine measured (engine/model/linear.py)
 LAYOUTS = ["auto", ONEDNN_PACKED, PACKED_WITH_GEMV]
 
 
 def engine_in(model_dir: str, layout: str, **kwargs) -> Engine:
     if layout not in ("auto", *layouts_for(torch.zeros(1))):
         pytest.skip(f"{layout} is not available here (oneDNN cannot pack float32 weights)")
-    return Engine(model_dir, dtype="float32", block_size=16, weight_layout=layout, **kwargs)
+    return Engine(EngineArgs(model_dir, dtype="float32", block_size=16, weight_layout=layout, **kwargs))
 
 def hf_model(model_dir: str):
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from engine import kernel_choice
+from engine.model import kernel_choice
 
 
 def _timer(seconds: dict[str, float], calls: list[str]):
@@ -80,8 +80,8 @@ def test_engine_applies_the_measured_weight_layout(tiny_model_dir, tmp_path, mon
                                                    memory, layout):
     """Stubbed timings per operation (decode GEMMs of 1, 8, 32 rows, a 256-row GEMM) and layout; the engine's
     weights follow, and its outputs stay the row-major engine's."""
-    from engine import Engine, SamplingParams
-    from engine.linear import ONEDNN_PACKED, layouts_for
+    from engine import Engine, EngineArgs, SamplingParams
+    from engine.model.linear import ONEDNN_PACKED, layouts_for
     if ONEDNN_PACKED not in layouts_for(torch.zeros(1)):
         pytest.skip("oneDNN cannot pack float32 weights here")
     monkeypatch.setenv(kernel_choice.CACHE_ENV, str(tmp_path / "choices.json"))
@@ -94,7 +94,7 @@ def test_engine_applies_the_measured_weight_layout(tiny_model_dir, tmp_path, mon
         n = inputs()[0].shape[0]
         return decode_s[rows[n]][which] if n in rows else prefill_s[which]
     monkeypatch.setattr(kernel_choice, "best_time", timer)
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=16, attention="eager")
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=16, attention="eager"))
     assert engine.model.weight_layout == layout
     assert {m.layout for m in (engine.model.layers[0].qkv_proj, engine.model.lm_head)} == {layout}
     entries = json.loads((tmp_path / "choices.json").read_text()).values()
@@ -107,16 +107,16 @@ def test_engine_applies_the_measured_weight_layout(tiny_model_dir, tmp_path, mon
 
 
 def _row_major(model_dir):
-    from engine import Engine
-    from engine.linear import ROW_MAJOR
-    return Engine(model_dir, dtype="float32", num_blocks=16, attention="eager", weight_layout=ROW_MAJOR)
+    from engine import Engine, EngineArgs
+    from engine.model.linear import ROW_MAJOR
+    return Engine(EngineArgs(model_dir, dtype="float32", num_blocks=16, attention="eager", weight_layout=ROW_MAJOR))
 
 
 @pytest.mark.parametrize("layout", ["onednn-packed", "onednn-packed+input-major"])
 def test_packed_weights_match_dense(layout):
     """Packed alone frees the dense weight; with the GEMV copy, 1-row products go through that copy
     (bit-equal to F.linear on it) and the rest through the packed one; all equal F.linear to rounding."""
-    from engine.linear import ONEDNN_PACKED, Linear, layouts_for, linear
+    from engine.model.linear import ONEDNN_PACKED, Linear, layouts_for, linear
     if ONEDNN_PACKED not in layouts_for(torch.zeros(1)):
         pytest.skip("oneDNN cannot pack float32 weights here")
     torch.manual_seed(0)
@@ -137,6 +137,6 @@ def test_packed_weights_match_dense(layout):
 
 
 def test_an_unavailable_layout_is_refused_by_name(tiny_model_dir):
-    from engine import Engine
+    from engine import Engine, EngineArgs
     with pytest.raises(ValueError, match="weight_layout 'sideways' is not available .* choose one of auto, row-major"):
-        Engine(tiny_model_dir, dtype="float32", num_blocks=16, attention="eager", weight_layout="sideways")
+        Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=16, attention="eager", weight_layout="sideways"))

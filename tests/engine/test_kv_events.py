@@ -2,9 +2,9 @@
 and `KVEventLog`'s numbered batches (ack, resend, gap on overflow, snapshot)."""
 from __future__ import annotations
 
-from engine import Engine, SamplingParams
-from engine.block_manager import BlockManager, prompt_block_hashes
-from engine.kv_events import KVEventLog
+from engine import Engine, EngineArgs, SamplingParams
+from engine.kv_cache.block_manager import BlockManager, prompt_block_hashes
+from engine.kv_cache.events import KVEventLog
 from proto.pdserve.v1 import kv_events_pb2 as kpb
 
 STORED, REMOVED = "stored", "removed"
@@ -69,7 +69,7 @@ def test_disabled_prefix_cache_publishes_nothing():
 
 
 def test_engine_events_follow_lru_eviction_exactly(tiny_model_dir):
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=24, block_size=16, attention="eager")
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=24, block_size=16, attention="eager"))
     rec = Recorder()
     engine.block_manager.event_sink = rec
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from engine import Engine, SamplingParams
-from engine.layer_hook import LayerDone
+from engine import Engine, EngineArgs, SamplingParams
+from engine.runner.layer_hook import LayerDone
 
 
 def _engine(model_dir: str) -> Engine:
     # block_size 4, chunks of 8 tokens, 12 tokens per step: a 10-token prompt takes two chunks
-    return Engine(model_dir, dtype="float32", num_blocks=32, block_size=4, chunk_size=8,
-                  max_num_batched_tokens=12, attention="eager")
+    return Engine(EngineArgs(model_dir, dtype="float32", num_blocks=32, block_size=4, chunk_size=8,
+                             max_num_batched_tokens=12, attention="eager"))
 
 
 def test_hook_names_each_layers_final_blocks_in_order(tiny_model_dir):
@@ -65,8 +65,8 @@ def test_a_hook_changes_no_output(tiny_model_dir):
 
 
 def test_final_blocks_with_chunks_across_block_edges():
-    from engine.layer_hook import final_blocks
-    from engine.request import Request
+    from engine.runner.layer_hook import final_blocks
+    from engine.scheduling.request import Request
     req = Request("r", list(range(10)), SamplingParams(), seed=0)
     req.block_table = [7, 3, 9]
     # chunks of 6 tokens, blocks of 4: block 1 (tokens 4..7) gets its last rows in the second chunk

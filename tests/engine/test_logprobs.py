@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
+from engine import Engine, EngineArgs, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,7 +38,7 @@ def _check(entry, token: int, expected: torch.Tensor, k: int) -> None:
 
 def test_greedy_token_logprobs_and_prompt_logprobs_match_hf_across_chunks(model_dirs, hf):
     # chunk_size 16: a 50-token prompt is computed in 4 chunks, each giving its rows.
-    engine = Engine(model_dirs["gqa_untied"], dtype="float32", num_blocks=128, block_size=16, chunk_size=16)
+    engine = Engine(EngineArgs(model_dirs["gqa_untied"], dtype="float32", num_blocks=128, block_size=16, chunk_size=16))
     prompts = [_prompt(50, 1), _prompt(23, 2), _prompt(1, 3)]
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=3),
               SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),      # batched beside, asks nothing
@@ -61,7 +61,7 @@ def test_greedy_token_logprobs_and_prompt_logprobs_match_hf_across_chunks(model_
 
 
 def test_prompt_logprobs_take_no_prefix_hits_and_survive_preemption(model_dirs, hf):
-    engine = Engine(model_dirs["gqa_untied"], dtype="float32", num_blocks=64, block_size=16, chunk_size=16)
+    engine = Engine(EngineArgs(model_dirs["gqa_untied"], dtype="float32", num_blocks=64, block_size=16, chunk_size=16))
     prompt = _prompt(60, 4)
     warm = engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))[0]
     assert engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))[0].num_cached_tokens == 48
@@ -88,7 +88,7 @@ def test_prompt_logprobs_take_no_prefix_hits_and_survive_preemption(model_dirs, 
 
 
 def test_prefill_only_output_carries_prompt_and_first_token_logprobs(model_dirs, hf):
-    engine = Engine(model_dirs["gqa_untied"], dtype="float32", num_blocks=64, block_size=16, chunk_size=16)
+    engine = Engine(EngineArgs(model_dirs["gqa_untied"], dtype="float32", num_blocks=64, block_size=16, chunk_size=16))
     prompt = _prompt(40, 5)
     engine.add_request(prompt, SamplingParams(max_tokens=5, temperature=0.0, logprobs=4, prompt_logprobs=1),
                        request_id="p", prefill_only=True)
@@ -107,7 +107,7 @@ def test_prefill_only_output_carries_prompt_and_first_token_logprobs(model_dirs,
 
 def test_sampled_tokens_logprobs_are_of_the_raw_logits(model_dirs, hf):
     """Temperature, penalties and logit_bias change the draw, never the reported logprobs."""
-    engine = Engine(model_dirs["gqa_untied"], dtype="float32", num_blocks=64, block_size=16)
+    engine = Engine(EngineArgs(model_dirs["gqa_untied"], dtype="float32", num_blocks=64, block_size=16))
     prompt = _prompt(20, 6)
     params = SamplingParams(max_tokens=10, temperature=1.7, top_k=50, repetition_penalty=1.3, seed=5,
                             logit_bias={7: 3.0}, ignore_eos=True, logprobs=2)

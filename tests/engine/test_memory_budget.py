@@ -1,4 +1,4 @@
-"""KV budget from the device (engine/memory_budget.py), with the device memory query stubbed."""
+"""KV budget from the device (engine/kv_cache/memory_budget.py), with the device memory query stubbed."""
 from __future__ import annotations
 
 import logging
@@ -6,11 +6,11 @@ import logging
 import pytest
 import torch
 
-from engine import memory_budget
-from engine.config import ModelConfig
-from engine.loader import load_model
-from engine.memory_budget import GIB, MIB, compute_budget, measure_kv_budget, profiling_batch
-from engine.presets import resolve_model
+from engine.kv_cache import memory_budget
+from engine.model.config import ModelConfig
+from engine.model.loader import load_model
+from engine.kv_cache.memory_budget import GIB, MIB, compute_budget, measure_kv_budget, profiling_batch
+from engine.model.presets import resolve_model
 
 PER_BLOCK = 2 * MIB
 
@@ -117,7 +117,7 @@ def test_measure_runs_the_largest_step_and_reads_the_device(caplog):
     cfg = ModelConfig.from_dir(model_dir)
     model = RecordingModel(load_model(model_dir, cfg, torch.device("cpu"), torch.float32, 256))
     memory = StubMemory(total=24 * GIB, free=20 * GIB, weights=3 * GIB, cache=5 * MIB, activations=GIB)
-    with caplog.at_level(logging.INFO, logger="pdserve.engine.memory_budget"):
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.kv_cache.memory_budget"):
         budget = measure_kv_budget(model, cfg, device=torch.device("cpu"), dtype=torch.float32, block_size=16,
                                    fraction=0.5, max_num_batched_tokens=200, max_num_seqs=8, chunk_size=64,
                                    max_model_len=256, memory=memory)
@@ -132,7 +132,7 @@ def test_measure_runs_the_largest_step_and_reads_the_device(caplog):
     per_block = cfg.kv_bytes_per_token(4) * 16
     assert (budget.weights, budget.activations, budget.bytes_per_block) == (3 * GIB, GIB, per_block)
     assert budget.num_blocks == (12 * GIB - 3 * GIB - GIB - 512 * MIB) // per_block
-    line, = [r.getMessage() for r in caplog.records if r.name == "pdserve.engine.memory_budget"]
+    line, = [r.getMessage() for r in caplog.records if r.name == "pdserve.engine.kv_cache.memory_budget"]
     assert line.startswith("KV budget: device 24.00 GiB × 0.5") and "(profiled: 4 sequences, 200 tokens)" in line
 
 
@@ -146,8 +146,8 @@ def test_measure_checks_the_fraction_before_touching_the_device():
 
 def test_cpu_engine_keeps_its_explicit_budget():
     """kv_memory_fraction is for CUDA devices; a CPU engine allocates num_blocks as before."""
-    from engine.engine import Engine
-    engine = Engine("tiny", num_blocks=37, kv_memory_fraction=0.9, attention="eager")
+    from engine import Engine, EngineArgs
+    engine = Engine(EngineArgs("tiny", num_blocks=37, kv_memory_fraction=0.9, attention="eager"))
     assert engine.block_manager.num_blocks == 37 and engine.kv_cache.shape[1] == 37
     assert engine.kv_budget is None
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
-from engine.sampler import child_seed
+from engine import Engine, EngineArgs, SamplingParams
+from engine.sampling.sampler import child_seed
 
 PROMPT = list(range(40, 61))          # 21 tokens: one full block of 16 and a partial one of 5
 
@@ -16,7 +16,7 @@ def _params(**kw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return Engine(tiny_model_dir, dtype="float32", num_blocks=256)
+    return Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=256))
 
 
 def _drain(engine: Engine) -> list:
@@ -124,7 +124,7 @@ def test_abort_ends_every_sequence_and_frees_every_block(engine):
 def test_preempted_sequences_recompute_alone_with_their_own_seed(tiny_model_dir, engine):
     expected = [c.token_ids for c in engine.generate([PROMPT], _params(n=4, max_tokens=40))]
     # 4 sequences of 21 + 40 tokens need 1 shared + 4 x 3 blocks; 8 blocks force preemption.
-    small = Engine(tiny_model_dir, dtype="float32", num_blocks=8)
+    small = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=8))
     got = [c.token_ids for c in small.generate([PROMPT], _params(n=4, max_tokens=40))]
     assert small.scheduler.num_preemptions > 0
     assert got == expected
@@ -134,8 +134,8 @@ def test_preempted_sequences_recompute_alone_with_their_own_seed(tiny_model_dir,
 def test_prefill_only_then_adopt_forks_on_the_decode_side(tiny_model_dir, engine):
     params = _params(n=3, max_tokens=12, logprobs=1)
     expected = engine.generate([PROMPT], params)
-    prefill = Engine(tiny_model_dir, dtype="float32", num_blocks=64)
-    decode = Engine(tiny_model_dir, dtype="float32", num_blocks=64)
+    prefill = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64))
+    decode = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64))
     prefill.add_request(PROMPT, params, request_id="r", prefill_only=True)
     firsts = _drain(prefill)
     assert [o.index for o in firsts] == [0, 1, 2] and all(o.prefilled for o in firsts)
@@ -172,7 +172,7 @@ def test_sequences_ending_at_their_first_token(tiny_model_dir, engine):
     firsts = [c.token_ids[0] for c in base]
     assert firsts[1] not in (firsts[0], firsts[2])
     params = _params(n=3, max_tokens=4, stop_token_ids=(firsts[1],))
-    prefill = Engine(tiny_model_dir, dtype="float32", num_blocks=64)
+    prefill = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64))
     prefill.add_request(PROMPT, params, request_id="r", prefill_only=True)
     outs = _drain(prefill)
     assert [(o.finish_reason, o.prefilled, o.matched_stop) for o in outs] == [
@@ -181,7 +181,7 @@ def test_sequences_ending_at_their_first_token(tiny_model_dir, engine):
     prefill.release("r")
     prefill.block_manager.check_no_leaks()
 
-    decode = Engine(tiny_model_dir, dtype="float32", num_blocks=64)
+    decode = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64))
     decode.expect_kv("r", PROMPT, params, transfer_id="t", deadline=float("inf"))
     dst = decode.block_manager.allocate(2)        # what the blocks hold does not matter: aborted below
     adopted = decode.adopt("r", firsts, dst)
@@ -199,7 +199,7 @@ def test_sequences_ending_at_their_first_token(tiny_model_dir, engine):
 
 
 def test_adopt_refuses_the_wrong_number_of_first_tokens_and_takes_no_blocks(tiny_model_dir):
-    decode = Engine(tiny_model_dir, dtype="float32", num_blocks=16)
+    decode = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=16))
     decode.expect_kv("r", PROMPT, _params(n=2), transfer_id="t", deadline=float("inf"))
     dst = decode.block_manager.allocate(2)
     for firsts in ([5], [5, 6, 7], [5, decode.vocab_size]):
@@ -227,7 +227,7 @@ def test_only_sequence_zero_carries_prompt_logprobs(engine):
 
 
 def test_abort_before_the_prompt_completes(tiny_model_dir):
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=64, chunk_size=8, attention="eager")
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64, chunk_size=8, attention="eager"))
     rid = engine.add_request(PROMPT, _params(n=4))
     assert engine.step() == []                      # 8 of 21 prompt tokens: nothing sampled, nothing forked
     assert engine.requests[rid].sequences == []

@@ -1,8 +1,8 @@
 """Block pool and prefix cache: exact block ids, LRU eviction, hit tokens, no leaks."""
 from __future__ import annotations
 
-from engine import Engine, SamplingParams
-from engine.block_manager import BlockManager, prompt_block_hashes
+from engine import Engine, EngineArgs, SamplingParams
+from engine.kv_cache.block_manager import BlockManager, prompt_block_hashes
 
 
 def test_allocate_free_exact_ids_and_lru_eviction():
@@ -26,7 +26,7 @@ def test_chained_hashes_distinguish_same_block_after_different_prefix():
 
 
 def test_shared_prefix_hits_and_identical_output(tiny_model_dir):
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=128, block_size=16)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=128, block_size=16))
     system = list(range(2, 2 + 100))                 # 6 full blocks + 4 tokens
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     first = engine.generate([system + [500, 501]], params)[0]
@@ -36,13 +36,13 @@ def test_shared_prefix_hits_and_identical_output(tiny_model_dir):
     assert second.token_ids == first.token_ids
     third = engine.generate([system + [700]], params)[0]
     assert third.num_cached_tokens == 96
-    cold = Engine(tiny_model_dir, dtype="float32", num_blocks=128, enable_prefix_cache=False)
+    cold = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=128, enable_prefix_cache=False))
     assert cold.generate([system + [700]], params)[0].token_ids == third.token_ids
     engine.block_manager.check_no_leaks()
 
 
 def test_fully_cached_prompt_still_computes_last_token(tiny_model_dir):
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=64, block_size=16)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64, block_size=16))
     prompt = list(range(2, 2 + 64))                  # exactly 4 blocks
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     a = engine.generate([prompt], params)[0]
@@ -52,7 +52,7 @@ def test_fully_cached_prompt_still_computes_last_token(tiny_model_dir):
 
 
 def test_eviction_under_pressure_keeps_outputs_exact(tiny_model_dir):
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=24, block_size=16)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=24, block_size=16))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[t] * 150 for t in range(3, 9)]       # each needs 10 blocks: cache must evict
     outs = [engine.generate([p], params)[0] for p in prompts]

@@ -1,11 +1,11 @@
-"""A prompt whose KV crossed the fp8 codec is recomputed through it (engine/prompt_kv.py): a stream
+"""A prompt whose KV crossed the fp8 codec is recomputed through it (engine/kv_cache/prompt_kv.py): a stream
 migrated to another decode engine resumes from the very KV the first one held, and every encoded
 prompt's last block has a zero tail, whatever an earlier request left in it."""
 from __future__ import annotations
 
 import torch
 
-from engine import Engine, SamplingParams
+from engine import Engine, EngineArgs, SamplingParams
 from kv_transfer.codec import get_codec
 
 FP8 = get_codec("fp8")
@@ -15,7 +15,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 def _engine(model_dir: str, *, lossy: bool) -> Engine:
-    engine = Engine(model_dir, dtype="float32", num_blocks=10, block_size=BLOCK)
+    engine = Engine(EngineArgs(model_dir, dtype="float32", num_blocks=10, block_size=BLOCK))
     if lossy:
         engine.prompt_kv_roundtrip = lambda index: FP8.roundtrip(engine.kv_cache, index)
     _dirty(engine)

@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from engine import Engine
-from engine.presets import TRAINED, resolve_model
-from engine.train.passages import load_passages
-from engine.train.trainer import MODEL_FILES, sha256_file
+from engine import Engine, EngineArgs
+from engine.model.presets import TRAINED, resolve_model
+from bench.train.passages import load_passages
+from bench.train.trainer import MODEL_FILES, sha256_file
 
 MODEL_DIR = TRAINED["pydoc"]
 
@@ -44,7 +44,7 @@ def test_directory_is_a_plain_llama_with_chat_template_and_generation_defaults()
 
 
 def test_held_out_passages_come_from_held_out_documents_only():
-    from engine.train.corpus import is_heldout
+    from bench.train.corpus import is_heldout
     with open(os.path.join(MODEL_DIR, "heldout_passages.json"), encoding="utf-8") as f:
         passages = json.load(f)["passages"]
     assert len(passages) == 64
@@ -56,7 +56,7 @@ def test_held_out_passages_come_from_held_out_documents_only():
 def engine():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)           # a 4 M-param model: one thread is fastest, and steady on a busy machine
-    yield Engine("pydoc", dtype="float32", num_blocks=64, enable_prefix_cache=False, attention="eager")
+    yield Engine(EngineArgs("pydoc", dtype="float32", num_blocks=64, enable_prefix_cache=False, attention="eager"))
     torch.set_num_threads(threads)
 
 
@@ -64,7 +64,7 @@ def test_engine_and_hf_agree_on_held_out_bits_per_token(engine):
     from transformers import AutoModelForCausalLM
 
     from bench.trained_quality import engine_nll
-    from engine.train.trainer import nll_sum
+    from bench.train.trainer import nll_sum
     windows = load_passages(MODEL_DIR)[:4]
     e_nll, n = engine_nll(engine, windows)
     hf = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)

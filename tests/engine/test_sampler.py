@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
-from engine.request import Request
-from engine.sampler import apply_penalties, sample, top_k_top_p_probs
+from engine import Engine, EngineArgs, SamplingParams
+from engine.scheduling.request import Request
+from engine.sampling.sampler import apply_penalties, sample, top_k_top_p_probs
 
 
 def _req(params: SamplingParams, prompt=(1,), output=()) -> Request:
@@ -58,7 +58,7 @@ def test_greedy_with_penalty_changes_pick():
 
 
 def test_seeded_draw_reproducible_and_seed_sensitive(tiny_model_dir):
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=128)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=128))
     p = [5, 6, 7, 8]
     a = engine.generate([p], SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True))[0]
     b = engine.generate([p, [9, 9]], [SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True),

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
-from engine.request import Request
-from engine.sampler import sample, top_k_top_p_probs
+from engine import Engine, EngineArgs, SamplingParams
+from engine.scheduling.request import Request
+from engine.sampling.sampler import sample, top_k_top_p_probs
 
 PROMPT = [5, 6, 7, 8, 9]
 EOS = 1
@@ -16,7 +16,7 @@ EOS = 1
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return Engine(tiny_model_dir, dtype="float32", num_blocks=128)
+    return Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=128))
 
 
 def _greedy(**kw) -> SamplingParams:

@@ -7,17 +7,17 @@ import math
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
-from engine.request import Request
-from engine.sampler import apply_penalties, top_k_top_p_probs
-from engine.sampling_params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
+from engine import Engine, EngineArgs, SamplingParams
+from engine.scheduling.request import Request
+from engine.sampling.sampler import apply_penalties, top_k_top_p_probs
+from engine.sampling.params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
 
 DENORMAL = 1e-45          # float32 rounds it to 1.4e-45, the smallest positive denormal
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return Engine(tiny_model_dir, dtype="float32", num_blocks=64, max_model_len=256)
+    return Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64, max_model_len=256))
 
 
 @pytest.mark.parametrize("field,value", [

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import blocks_needed
-from engine.sampling_params import SamplingParams
+from engine.kv_cache.block_manager import blocks_needed
+from engine.sampling.params import SamplingParams
 from proto.pdserve.v1 import generation_pb2
 
 FULL = SamplingParams(max_tokens=40, temperature=0.75, top_p=0.875, top_k=5, repetition_penalty=1.125,
@@ -61,8 +61,8 @@ def test_the_bounds_are_accepted():
 
 
 def test_engine_checks_token_ids_against_the_vocabulary(tiny_model_dir):
-    from engine import Engine
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=16, attention="eager")
+    from engine import Engine, EngineArgs
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=16, attention="eager"))
     for kwargs, field in [(dict(stop_token_ids=(engine.vocab_size,)), "stop_token_ids"),
                           (dict(logit_bias={engine.vocab_size + 5: 1.0}), "logit_bias")]:
         with pytest.raises(ValueError, match=rf"^{field}.*vocabulary"):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
-from engine.block_manager import FREED
+from engine import Engine, EngineArgs, SamplingParams
+from engine.kv_cache.block_manager import FREED
 from window_support import WINDOW, hf_greedy, hf_logits, hf_model, one_thread, random_prompts, write_window_model
 
 pytest.importorskip("transformers")
@@ -34,7 +34,7 @@ def hf(window_dir):
 
 def _engine(model_dir: str, **kw) -> Engine:
     kw = {"dtype": "float32", "num_blocks": 160, "block_size": BLOCK, "attention": "eager", **kw}
-    return Engine(model_dir, **kw)
+    return Engine(EngineArgs(model_dir, **kw))
 
 
 def test_prefill_logits_match_hf_and_the_window_matters(window_dir, hf, tmp_path):

@@ -1,12 +1,12 @@
 """Stop conditions and the incremental detokenizer."""
 from __future__ import annotations
 
-from engine import Engine, SamplingParams
+from engine import Engine, EngineArgs, SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
 
 
 def test_max_tokens_and_eos(tiny_model_dir):
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=64)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64))
     out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 7 and out.finish_reason == "length"
     # Make the greedy pick EOS by treating the first generated token as EOS.
@@ -18,7 +18,7 @@ def test_max_tokens_and_eos(tiny_model_dir):
 
 
 def test_stop_string_spanning_tokens_cuts_text_and_never_streams_it(tiny_model_dir):
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=64)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64))
     base = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
     text = base.text
     # A stop string made of the end of one token's text and the start of a later one.
@@ -39,7 +39,7 @@ def test_stop_string_spanning_tokens_cuts_text_and_never_streams_it(tiny_model_d
 
 
 def test_cjk_and_emoji_stream_without_replacement_chars(tiny_model_dir):
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=8)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=8))
     tok = engine.tokenizer
     text = "缓存模型 → 你好世界, データ 😀 done"
     ids = []

@@ -18,7 +18,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from engine.presets import _corpus
+from engine.model.presets import _corpus
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -12,9 +12,9 @@ from hf_checkpoints import hf_logits, hf_model, random_prompt, write_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engine import Engine
-from engine.config import ModelConfig
-from engine.loader import INDEX_FILE
+from engine import Engine, EngineArgs
+from engine.model.config import ModelConfig
+from engine.model.loader import INDEX_FILE
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,7 +39,7 @@ def _copy(src: str, tmp_path, name: str = "model") -> str:
 
 
 def _engine(model_dir: str) -> Engine:
-    return Engine(model_dir, dtype="float32", num_blocks=32, block_size=16, attention="eager")
+    return Engine(EngineArgs(model_dir, dtype="float32", num_blocks=32, block_size=16, attention="eager"))
 
 
 @pytest.mark.parametrize("dtype,sharded", [(torch.bfloat16, True), (torch.float16, False), (torch.float32, True)])

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
-from engine.attention import build_metadata, paged_attention
-from engine.attention_flex import FlexAttention
+from engine import Engine, EngineArgs, SamplingParams
+from engine.model.attention import build_metadata, paged_attention
+from engine.model.attention_flex import FlexAttention
 from window_support import random_prompts, write_window_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -54,8 +54,9 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def _generate(model_dir: str, **kw):
-    engine = Engine(model_dir, dtype="float32", device="cuda", num_blocks=256, block_size=BLOCK, chunk_size=48,
-                    max_num_batched_tokens=128, max_num_seqs=16, **kw)
+    engine = Engine(EngineArgs(model_dir, dtype="float32", device="cuda", num_blocks=256, block_size=BLOCK,
+                               chunk_size=48,
+                               max_num_batched_tokens=128, max_num_seqs=16, **kw))
     base = random_prompts([64], seed=7)[0]
     prompts = random_prompts([90, 5, 60, 33, 130, 17], seed=8) + [base + t for t in random_prompts([3, 20], seed=9)]
     params = [SamplingParams(max_tokens=16 + 4 * i, temperature=0.0, ignore_eos=True, logprobs=0)

@@ -2,8 +2,8 @@
 receiver into a decode engine's cache, keeps the held-out continuation's perplexity within 1%
 of codec `none`, and greedy paths fork only where codec `none` itself was at a near tie.
 
-A smaller version of `python -m bench.trained_quality` (full figures: README, "FP8 KV quality on the
-trained model"):
+A smaller version of `python -m bench.trained_quality` (full figures: docs/benchmarks/transfer.md,
+"FP8 KV quality on the trained model"):
 8 passages over the fake transport (the real wire format without a socket) and the eager codec
 (the compiled kernels make the same bytes: test_codec_compiled.py).
 """
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from bench.trained_quality import kv_codec_quality
-from engine.presets import TRAINED
-from engine.train.passages import load_passages
+from engine.model.presets import TRAINED
+from bench.train.passages import load_passages
 
 NUM_PASSAGES = 8
-MAX_MARGIN_AT_FORK = 0.1     # nats; the 64-passage bench's largest is 0.032 (README)
+MAX_MARGIN_AT_FORK = 0.1     # nats; the 64-passage bench's largest is 0.032 (docs/benchmarks/transfer.md)
 
 
 @pytest.fixture(scope="module")

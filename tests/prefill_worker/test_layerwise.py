@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from decode_worker.worker import DecodeWorker
-from engine import Engine, SamplingParams
+from engine import Engine, EngineArgs, SamplingParams
 from kv_transfer import FakeHub, make_receiver, make_sender
 from kv_transfer.wire import split_frame
 from prefill_worker.worker import PrefillWorker
@@ -49,9 +49,9 @@ class Rig:
     def __init__(self, kind: str, model_dir: str, codec: str = "none", layerwise: bool = True, num_blocks: int = 128):
         self.hub = FakeHub()
         hub = {"hub": self.hub} if kind == "fake" else {}
-        p_engine = Engine(model_dir, dtype="float32", num_blocks=num_blocks, chunk_size=CHUNK,
-                          max_num_batched_tokens=3 * CHUNK)
-        d_engine = Engine(model_dir, dtype="float32", num_blocks=num_blocks)
+        p_engine = Engine(EngineArgs(model_dir, dtype="float32", num_blocks=num_blocks, chunk_size=CHUNK,
+                                     max_num_batched_tokens=3 * CHUNK))
+        d_engine = Engine(EngineArgs(model_dir, dtype="float32", num_blocks=num_blocks))
         layout = layout_of_engine(p_engine)
         sender = make_sender(kind, layout, codec=codec, token=TOKEN, **hub)
         self.spy = Spy(sender)
@@ -219,7 +219,7 @@ def test_a_stream_whose_first_token_ends_it_is_freed_on_arrival(rigs):
     rig = rigs("fake")
     engine = rig.prefill.engine
     prompt = list(range(40, 90))
-    [first] = Engine(engine.model_dir, dtype="float32", num_blocks=16).generate(
+    [first] = Engine(EngineArgs(engine.model_dir, dtype="float32", num_blocks=16)).generate(
         [prompt], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids
     params = SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=(first,))
     results = []

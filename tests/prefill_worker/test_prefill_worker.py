@@ -76,9 +76,9 @@ def test_request_that_ends_at_its_first_token_ships_nothing(pair, reference):
 
 def test_first_token_that_completes_a_stop_string_emits_what_the_engine_emits(pair, tiny_model_dir):
     """A first token that completes a stop string gets the colocated engine's text, not the token decoded alone."""
-    from engine import Engine
+    from engine import Engine, EngineArgs
     prefill, decode, _ = pair
-    engine = Engine(tiny_model_dir, dtype="float32", num_blocks=64)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64))
     tokenizer = engine.tokenizer
     for start in range(3, 200):
         prompt = [start, start + 1, start + 2]

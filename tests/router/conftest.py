@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from proto.pdserve.v1 import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
 from waiting import wait_until
 from router import (
     ActorStats,
@@ -98,11 +98,11 @@ class FakeBackend(Backend):
                 text += delta
                 finish = None
                 if token_id == EOS_TOKEN_ID and not params.ignore_eos:
-                    finish = "stop"
+                    finish = pb.FINISH_REASON_STOP
                 elif any(s in text[-(len(s) + len(delta)):] for s in params.stop):
-                    finish = "stop"
+                    finish = pb.FINISH_REASON_STOP
                 elif i + 1 == len(outputs):
-                    finish = "length"
+                    finish = pb.FINISH_REASON_LENGTH
                 if finish is not None:
                     delta += decoder.decode(b"", final=True)  # flush a trailing partial character
                 if finish is None:
@@ -207,7 +207,7 @@ def serve(loop_thread: LoopThread) -> Iterator[Callable[..., Running]]:
         running.backend.release.set()
         loop_thread.run(running.server.stop(0))
         wait_until(lambda: not running.backend.active, 5.0)
-        assert running.server.servicer.num_in_flight == 0
+        assert running.server.core.num_in_flight == 0
 
 
 @pytest.fixture

@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager, prompt_block_hashes
-from engine.kv_events import KVEventLog
+from engine.kv_cache.block_manager import BlockManager, prompt_block_hashes
+from engine.kv_cache.events import KVEventLog
 from proto.pdserve.v1 import generation_pb2, kv_events_pb2 as kpb, worker_pb2 as wpb
-from router.actor_client import ActorUnavailable
+from router.actor_protocol import ActorUnavailable
 from router.backend import ActorStats
 from router.pools import DecodeView, Pools, PrefillView
 

@@ -123,17 +123,17 @@ class ScriptedBackend(Backend):
                 if token_id < 256:
                     texts[i] += bytes([token_id]).decode("latin-1")
                 if token_id == EOS and not p.ignore_eos:
-                    finish, matched = "stop", EOS
+                    finish, matched = pb.FINISH_REASON_STOP, EOS
                 elif token_id in p.stop_token_ids:
-                    finish, matched = "stop", token_id
+                    finish, matched = pb.FINISH_REASON_STOP, token_id
                 else:
                     hit = next((s for s in p.stop if s in texts[i]), None)
                     if hit is not None:
                         cut = texts[i].index(hit) + (len(hit) if p.include_stop_str_in_output else 0)
                         texts[i] = texts[i][:cut]
-                        finish, matched = "stop", hit
+                        finish, matched = pb.FINISH_REASON_STOP, hit
                     elif pos[i] == p.max_tokens:
-                        finish = "length"
+                        finish = pb.FINISH_REASON_LENGTH
                 # hold back what could be the start of a stop string, as an engine does
                 end = len(texts[i]) if finish is not None else max(len(texts[i]) - hold, emitted[i])
                 delta = texts[i][emitted[i]:end]

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from fake_actors import FakeCluster, expected_tokens, fake_cluster, text_of
-from proto.pdserve.v1 import worker_pb2 as wpb
-from router.backend import BackendError, GenerationInput, Timing, Usage
-from router.dispatcher import Dispatcher, RoutingSettings
+from proto.pdserve.v1 import generation_pb2 as pb, worker_pb2 as wpb
+from router.attempt import chunk_of
+from router.backend import BackendError, GenerationInput, Usage
+from router.dispatcher import Dispatcher
+from router.routing import RoutingSettings
+from router.timing import Timing
 from waiting import settle, until
 
 BLOCK_SIZE = 4
@@ -73,7 +77,7 @@ def test_disaggregated_request_streams_the_exact_tokens():
         tokens, chunks = await collect(d, request(max_tokens=6))
         assert tokens == expected_tokens(PROMPT, 6)
         last = chunks[-1]
-        assert last.finish_reason == "length"
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
         assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(PROMPT), 6)
         assert last.timing.prefill_s == pytest.approx(0.01) and last.timing.kv_transfer_s == pytest.approx(0.002)
         [pjob] = [j for a in c.prefill for j in a.jobs]
@@ -83,7 +87,7 @@ def test_disaggregated_request_streams_the_exact_tokens():
         assert pjob.kv_endpoint == decode_view.endpoint
         assert list(pjob.prompt_token_ids) == PROMPT and pjob.params.max_tokens == 6
         assert d.metrics.transfers == 1 and d.metrics.failed == 0
-        assert len(d.completed) == 1
+        assert len(d.recent_finished(math.inf)) == 1
         assert_nothing_held(c)
     run(main())
 
@@ -99,7 +103,7 @@ def test_a_finish_that_outruns_the_prefill_result_waits_for_its_usage_and_timing
         tokens, chunks = await collect(d, request(max_tokens=3))
         assert tokens == expected_tokens(PROMPT, 3)
         last = chunks[-1]
-        assert last.finish_reason == "length" and last.usage.cached_prompt_tokens == 8
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.cached_prompt_tokens == 8
         assert last.timing.prefill_s == pytest.approx(0.01) and last.timing.kv_transfer_s == pytest.approx(0.002)
         assert all(chunk.usage is None for chunk in chunks[:-1])
         assert_nothing_held(c)
@@ -116,7 +120,7 @@ def test_a_deferred_finish_survives_the_stream_ending_with_the_prefill_result():
         for i in range(5):
             c.prefill[0].faults = ["with_end"]
             tokens, chunks = await collect(d, request(f"r{i}", max_tokens=3))
-            assert tokens == expected_tokens(PROMPT, 3) and chunks[-1].finish_reason == "length"
+            assert tokens == expected_tokens(PROMPT, 3) and chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
             assert chunks[-1].timing.prefill_s == pytest.approx(0.01)
         assert_nothing_held(c)
     run(main())
@@ -224,7 +228,7 @@ def test_a_black_hole_decode_actor_is_quarantined_and_requests_complete_elsewher
         c.pools.decode[1].reserved_blocks = 8                # decode-0 is always the freest
         for i in range(10):
             tokens, chunks = await collect(d, request(f"q{i}"))
-            assert tokens == expected_tokens(PROMPT, 6) and chunks[-1].finish_reason == "length"
+            assert tokens == expected_tokens(PROMPT, 6) and chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert len(c.decode[0].jobs) == 3                    # then quarantined: skipped while it lasts
         assert c.pools.decode[0].quarantined and c.pools.decode[0].healthy
         c.pools.decode[1].reserved_blocks = 0
@@ -344,7 +348,7 @@ def test_request_that_ends_at_its_first_token_needs_no_decode():
         c = fake_cluster()
         d = make(c)
         tokens, chunks = await collect(d, request(max_tokens=1))
-        assert tokens == expected_tokens(PROMPT, 1) and chunks[-1].finish_reason == "length"
+        assert tokens == expected_tokens(PROMPT, 1) and chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert chunks[-1].text == text_of(tokens[0])            # the prefill actor's text, as it emitted it
         assert chunks[-1].usage.completion_tokens == 1
         decode_actor = next(a for a in c.decode if a.jobs)
@@ -474,7 +478,7 @@ def test_a_late_abort_never_hits_a_request_that_reuses_the_id():
         assert first.token_ids == expected_tokens(PROMPT, 1)
         await gen.aclose()                               # the client cancels
         tokens, chunks = await collect(d, request("same", max_tokens=8))
-        assert tokens == expected_tokens(PROMPT, 8) and chunks[-1].finish_reason == "length"
+        assert tokens == expected_tokens(PROMPT, 8) and chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
         ids = [j.request_id for j in c.decode[0].jobs]
         assert len(set(ids)) == 2 and all(i.startswith("same~") for i in ids)
         await until(lambda: assert_nothing_held(c))      # the late abort lands, then nothing is held
@@ -677,7 +681,7 @@ def test_n_sequences_stream_interleaved_and_usage_sums_them(local):
 
 
 def test_n_sequences_reserve_blocks_for_every_sequence():
-    from engine.block_manager import blocks_needed
+    from engine.kv_cache.block_manager import blocks_needed
 
     async def main():
         c = fake_cluster(kv_blocks=64)
@@ -702,7 +706,7 @@ def test_every_sequence_ending_at_its_first_token_needs_no_decode():
         inp.params.n = 2
         _, chunks = await collect(d, inp)
         assert _by_index(chunks) == {0: expected_tokens(PROMPT, 1, 0), 1: expected_tokens(PROMPT, 1, 1)}
-        assert [ch.finish_reason for ch in chunks] == ["length", "length"]
+        assert [ch.finish_reason for ch in chunks] == [pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_LENGTH]
         assert chunks[-1].usage.completion_tokens == 2 and chunks[0].usage is None
         assert_nothing_held(c)
     run(main())
@@ -753,14 +757,13 @@ def test_a_request_with_several_sequences_is_not_migrated_after_streaming():
 def test_matched_stop_reaches_the_chunk():
     from proto.pdserve.v1 import generation_pb2
 
-    d = make(fake_cluster())
     for event, want in ((wpb.DecodeEvent(token_ids=[2], stop_token_id=2), 2),
                         (wpb.DecodeEvent(token_ids=[9], stop_str="##"), "##"),
                         (wpb.DecodeEvent(token_ids=[9]), None)):
         event.finish_reason = generation_pb2.FINISH_REASON_STOP
         timing = Timing()
-        chunk = d._on_event(event, timing, Usage(3, 0, 0), last=True)
-        assert chunk.matched_stop == want and chunk.finish_reason == "stop" and chunk.timing is timing
+        chunk = chunk_of(event, timing, Usage(3, 0, 0), last=True)
+        assert chunk.matched_stop == want and chunk.finish_reason == pb.FINISH_REASON_STOP and chunk.timing is timing
 
 
 LONG_PROMPT = list(range(5, 5 + 30))       # 30 tokens: 7 full blocks of 4, the last token in block 7

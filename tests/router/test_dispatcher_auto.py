@@ -1,17 +1,18 @@
 """`Dispatcher` in routing.mode auto and colocated, against fake actors: each request's placement follows
-`router.auto_placement` over the live profile, is counted and carried to the request's log line, and the live
+`router.placement.auto` over the live profile, is counted and carried to the request's log line, and the live
 profile's per-actor state (local-prefill backlog) returns to zero."""
 from __future__ import annotations
 
 import asyncio
 import logging
-from types import SimpleNamespace
+import math
 
 from fake_actors import expected_tokens, fake_cluster
 from router.backend import GenerationInput
-from router.dispatcher import Dispatcher, RoutingSettings
-from router.live_profile import LiveProfile, ProfileSeed
-from router.servicer import RequestRecord, _log_finished
+from router.dispatcher import Dispatcher
+from router.placement.live_profile import LiveProfile, ProfileSeed
+from router.routing import RoutingSettings
+from router.request_core import RequestRecord, _log_finished
 from test_dispatcher import BLOCK_SIZE, Counts, assert_nothing_held, collect, request
 
 # 1000 prompt tokens/s on both sides, 10 ms decode steps, 50 ms remote overhead; SLOs 1 s / 50 ms.
@@ -145,7 +146,8 @@ def test_a_request_is_recorded_when_the_consumer_closes_after_its_last_chunk():
             if chunk.finish_reason is not None:
                 break
         await gen.aclose()
-        assert len(d.completed) == 1 and d.completed[0][2] == 6
+        finished = d.recent_finished(math.inf)
+        assert len(finished) == 1 and finished[0].num_output_tokens == 6
         assert d.live.output_tokens == 6
         assert_nothing_held(c)
     run(main())
@@ -160,16 +162,16 @@ def test_without_a_prefill_actor_auto_prefills_local_and_records_which_prompts_n
         first = chunks[-1].timing.placement
         assert (first.choice.value, first.reason, first.needs_prefill_actor) == ("local", "no_prefill_actor", False)
         assert first.remote is not None and first.inputs.prefill.actor_id == "shadow"
-        assert d.shadow.queued_tokens == 0
+        assert d.placer.shadow.queued_tokens == 0
         longer = list(range(1, 401))   # 0.4 s of local prefill over 6 tokens: TPOT 77 ms > 50; a prefill actor keeps it
         tokens, chunks = await collect(d, request("long", max_tokens=6, prompt=longer))
         assert tokens == expected_tokens(longer, 6)
         second = chunks[-1].timing.placement
         assert (second.choice.value, second.needs_prefill_actor) == ("local", True)
         assert not second.local.keeps_slo and second.remote.keeps_slo
-        assert d.shadow.queued_tokens == 400                  # the shadow actor would hold its prompt
-        assert [(tokens, needs) for _, tokens, needs in d.placements] == [(len(request().prompt_token_ids), False),
-                                                                           (400, True)]
+        assert d.placer.shadow.queued_tokens == 400                  # the shadow actor would hold its prompt
+        placed = [(p.num_prompt_tokens, p.needs_prefill_actor) for p in d.recent_placements(math.inf)]
+        assert placed == [(len(request().prompt_token_ids), False), (400, True)]
         assert d.metrics.placements == ["local", "local"] and d.metrics.local == 2
         assert_nothing_held(c)
     run(main())
@@ -178,10 +180,9 @@ def test_without_a_prefill_actor_auto_prefills_local_and_records_which_prompts_n
 def test_the_need_for_a_prefill_actor_is_asked_with_the_batch_spread_over_both_pools():
     c = fake_cluster(num_prefill=1, num_decode=3)
     d = make(c)
-    attempt = SimpleNamespace(pool=c.pools.decode)
-    assert d._all_decode_running(attempt, 8) == 6          # 8 x 3 decode actors / 4 actors
+    assert d.placer.all_decode_running(c.pools.decode, 8) == 6          # 8 x 3 decode actors / 4 actors
     c.pools.prefill[0].healthy = False                     # a prefill actor that is down decodes nothing either
-    assert d._all_decode_running(attempt, 8) == 8
+    assert d.placer.all_decode_running(c.pools.decode, 8) == 8
     c.pools.prefill[0].healthy = True
     c.pools.decode[0].draining = True
-    assert d._all_decode_running(attempt, 9) == 6          # 9 x 2 / 3
+    assert d.placer.all_decode_running(c.pools.decode, 9) == 6          # 9 x 2 / 3

@@ -103,7 +103,7 @@ def test_client_cancel_propagates_to_backend(serve, make_backend, wait_until):
         assert [r.text for r in first] == ["f", "e"]
         call.cancel()
     wait_until(lambda: "c1" in running.backend.cancelled)
-    wait_until(lambda: running.server.servicer.num_in_flight == 0)
+    wait_until(lambda: running.server.core.num_in_flight == 0)
     assert "c1" not in running.backend.finished
 
 

@@ -10,7 +10,8 @@ from openai_support import SpecialByteTokenizer
 
 from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router import build_request, start_server
-from router.dispatcher import Dispatcher, RoutingSettings
+from router.dispatcher import Dispatcher
+from router.routing import RoutingSettings
 
 PROMPT = "Hello"
 

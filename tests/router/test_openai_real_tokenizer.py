@@ -11,7 +11,7 @@ import pytest
 from openai_support import ScriptedBackend
 from tokenizers import processors
 
-from engine.presets import build_tokenizer
+from engine.model.presets import build_tokenizer
 from engine.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

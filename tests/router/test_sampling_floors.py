@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from engine.sampling_params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
+from engine.sampling.params import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
 from proto.pdserve.v1 import generation_pb2 as pb
 from router import build_request
 

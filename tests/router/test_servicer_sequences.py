@@ -116,15 +116,15 @@ def test_select_best_breaks_ties_by_index_and_keeps_prompt_logprobs():
 
     async def chunks():
         yield GenerationChunk([1], "a", None, index=0, logprobs=[lp], prompt_logprobs=[lp])
-        yield GenerationChunk([1], "b", "stop", index=1, logprobs=[lp], matched_stop=EOS)
-        yield GenerationChunk([1], "c", "length", index=2, logprobs=[lp, lp], usage=Usage(1, 4, 0))
-        yield GenerationChunk([], "", "stop", index=0, matched_stop="x")
+        yield GenerationChunk([1], "b", pb.FINISH_REASON_STOP, index=1, logprobs=[lp], matched_stop=EOS)
+        yield GenerationChunk([1], "c", pb.FINISH_REASON_LENGTH, index=2, logprobs=[lp, lp], usage=Usage(1, 4, 0))
+        yield GenerationChunk([], "", pb.FINISH_REASON_STOP, index=0, matched_stop="x")
 
     async def run():
         return [c async for c in select_best(chunks(), 2, keep_logprobs=True)]
 
     first, second = asyncio.run(run())
-    assert (first.index, first.text, first.finish_reason, first.matched_stop) == (0, "a", "stop", "x")
+    assert (first.index, first.text, first.finish_reason, first.matched_stop) == (0, "a", pb.FINISH_REASON_STOP, "x")
     assert (second.index, second.text, second.matched_stop) == (1, "b", EOS)
     assert first.prompt_logprobs == [lp] and second.prompt_logprobs is None
     assert first.usage is None and second.usage == Usage(1, 4, 0)

@@ -1,0 +1,303 @@
+"""The one Ray actor class of pdserve: an engine (weights, paged KV cache) serving in a role.
+
+`ActorFactory.spawn` (deploy/launcher.py) applies `ray.remote` to `ServingActor`; the plain workers it
+wraps by composition (`PrefillWorker`, `DecodeWorker`, `ColocatedWorker`) know nothing of Ray. Its
+calls take and return serialized `pdserve.v1` worker messages (bytes), so nothing the router and the
+actor exchange is pickled; decode and colocated roles stream tokens over `DecodeStreamServer` (gRPC,
+worker.proto), started in the actor's event loop by the first `info()` call.
+
+Set-up, the same for every role: logging, `faulthandler` (a native crash leaves its traceback in the
+log: deploy/actor_death.py), a fresh incarnation (it changes when Ray restarts the actor), compiled CPU
+kernels that release the GIL, the engine, the KV codec's compiled kernels (built or loaded from the
+disk cache before serving, so no build competes with the first requests for a core), the role's worker.
+
+Roles (`ROLES`): ``prefill`` (batched, chunked prefill; ships KV to decode actors), ``decode`` (adopts KV,
+continuous batching; prefills locally the jobs that name no transfer) and ``colocated`` (prefills and
+decodes every request itself). Started with `limits` (``routing.role_flips`` manual or auto), the
+actor can change role at run time; a flip, as the pool manager runs it
+(`deploy.pool_manager.PoolManager.flip`):
+
+    router: the actor leaves its pool (no new work of the old role), its in-flight requests end
+      → set_role(new): wait until the worker holds nothing (decode requests finish, prefill sends
+        complete); past `timeout_s` hand off what is left (decode requests get a retryable error
+        and the router migrates them; queued prefills are aborted and the router retries them)
+      → stop the old worker (its loop, KV receiver or sender; parked KV is freed), check that no
+        KV block is held, set the scheduler's limits of the new role, start the new worker over
+        the same engine (a decode role opens a new KV receiver endpoint)
+    router: a fresh view of the actor joins the new role's pool (`info()` gives its endpoints)
+
+The actor's id and incarnation do not change across flips (the process is the same); its role is in
+`info()` and `stats()`.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import faulthandler
+import logging
+import os
+import time
+import uuid
+
+import grpc
+
+from decode_worker.colocated import ColocatedWorker
+from decode_worker.stream_service import DecodeStreamServer
+from decode_worker.streams import error_event
+from decode_worker.worker import DecodeWorker
+from engine import Engine, EngineArgs
+from kv_transfer import TransferSettings, codec_compiled, get_codec, layout_of, make_receiver, make_sender
+from kv_transfer import release_gil_in_compiled_kernels
+from prefill_worker.worker import PrefillWorker
+from proto.internal_auth import InternalTLS
+from proto.pdserve.v1 import worker_pb2 as wpb
+
+log = logging.getLogger(f"pdserve.{__name__}")
+
+ROLES = ("prefill", "decode", "colocated")
+CODEC_BUILD_TIMEOUT_S = 300.0   # longest wait at start for the KV codec's compiled kernels
+IDLE_POLL_S = 0.02
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class RoleLimits:
+    """The scheduler's limits in one role (pools.yaml: the prefill or decode pool's batch policy)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    chunk_size: int | None
+
+
+class ServingActor:
+    """Async actor: one engine and the worker of its current role.
+
+    Calls (every role answers each): `prefill` (a prefill role's; any other answers a retryable
+    failure), `abort`, `stats`, `info`, `ping`, `kv_events`, `cached_prefix`, `profile`, `set_fault`,
+    `set_role` (only when started with `limits`).
+    """
+
+    def __init__(self, engine_args: EngineArgs, actor_id: str, role: str, *,
+                 transfer: TransferSettings | None = None, stream_token: str = "", bind_host: str = "127.0.0.1",
+                 tls: InternalTLS | None = None, limits: dict[str, RoleLimits] | None = None):
+        """
+        Args:
+            engine_args: the engine to build (its scheduler limits are the starting role's unless
+                `limits` is given).
+            actor_id: this actor's name in the router's pools and logs.
+            role: one of `ROLES`.
+            transfer: the KV transfer settings; needed by the prefill and decode roles and by a
+                role-flippable actor (None: a colocated actor, whose layout then names no codec).
+            stream_token: the internal secret the router presents on the token stream.
+            bind_host: where the token stream (and the KV receiver, when ``transfer.bind_host`` is
+                "auto") listens; "auto" = this node's address (multi-node).
+            tls: the node's internal certificates (set = the token stream speaks mutual TLS only).
+            limits: the scheduler limits of each role; given, the actor can change role (`set_role`).
+        """
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if transfer is None and (role != "colocated" or limits is not None):
+            raise ValueError(f"a {role} actor{' with role flips' if limits else ''} needs transfer settings")
+        if "auto" in (bind_host, transfer.bind_host if transfer else None):   # multi-node: this node's address
+            import ray
+            node_ip = ray.util.get_node_ip_address()
+            bind_host = node_ip if bind_host == "auto" else bind_host
+            if transfer is not None and transfer.bind_host == "auto":
+                transfer = dataclasses.replace(transfer, bind_host=node_ip)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        faulthandler.enable()    # a native crash leaves its traceback in the log (deploy/actor_death.py)
+        self.actor_id, self.transfer, self.limits = actor_id, transfer, limits
+        self.incarnation = uuid.uuid4().hex     # changes when Ray restarts the actor
+        release_gil_in_compiled_kernels()       # compiled CPU kernels then leave the other threads running
+        self.engine = Engine(engine_args)
+        self.layout = layout_of(self.engine.kv_cache, self.engine.fingerprint)
+        self.codec = transfer.codec if transfer is not None else "none"
+        if transfer is not None:
+            get_codec(transfer.codec).prepare(self.engine.kv_cache)     # both sides' kernels, once
+            if not codec_compiled.wait_ready(CODEC_BUILD_TIMEOUT_S):
+                log.warning("fp8 codec kernels not built within %.0fs; the eager codec meanwhile",
+                            CODEC_BUILD_TIMEOUT_S)
+        self.role = role
+        self.worker = self._make_worker(role)
+        self.worker.start()
+        self.stream = DecodeStreamServer(_StreamTarget(self), stream_token, bind_host, tls=tls)
+        self._flipping = asyncio.Lock()
+        self.num_flips = 0
+        shipping = f", transport {transfer.transport}/{transfer.codec}" if transfer is not None else ""
+        log.info("%s actor %s ready%s: model %s, %d KV blocks%s%s", role, actor_id,
+                 " (role flips on)" if limits else "", self.engine.model_dir, self.engine.block_manager.num_blocks,
+                 shipping, ", layer-wise" if role == "prefill" and transfer.layerwise else "")
+
+    # ---- the role's worker ------------------------------------------------
+    def _make_worker(self, role: str) -> PrefillWorker | DecodeWorker | ColocatedWorker:
+        engine, layout, transfer = self.engine, self.layout, self.transfer
+        if self.limits is not None:
+            limits = self.limits[role]
+            sched = engine.scheduler
+            sched.max_num_seqs, sched.max_num_batched_tokens = limits.max_num_seqs, limits.max_num_batched_tokens
+            sched.chunk_size = limits.chunk_size
+        if role == "prefill":
+            return PrefillWorker(engine, make_sender(transfer, layout, engine.device), self.actor_id,
+                                 layerwise=transfer.layerwise)
+        if role == "decode":
+            return DecodeWorker(engine, lambda on_complete: make_receiver(
+                transfer, layout, engine.kv_cache, engine.block_manager, on_complete), self.actor_id)
+        return ColocatedWorker(engine, self.actor_id)
+
+    async def set_role(self, role: str, timeout_s: float = 30.0) -> dict:
+        """Switch to `role` in place (see the module docstring); returns the new `info()`.
+
+        Raises:
+            ValueError: an unknown role.
+            RuntimeError: the actor was started without role flips, or KV blocks are still held after
+                the old worker stopped (nothing is started then).
+        """
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if self.limits is None:
+            raise RuntimeError(f"{self.actor_id} cannot change role (start the cluster with routing.role_flips: "
+                               "manual or auto)")
+        async with self._flipping:
+            if role == self.role:
+                return await self.info()
+            start = time.monotonic()
+            old, old_role = self.worker, self.role
+            handed_off = 0
+            if not await self._wait_idle(old, start + timeout_s):
+                handed_off = await old.loop.run_async(lambda: self._hand_off(old))
+                await self._wait_idle(old, time.monotonic() + 5.0)
+            old.stop()
+            used = self.engine.block_manager.num_used_blocks
+            if self.engine.requests or used:
+                raise RuntimeError(f"{self.actor_id}: {len(self.engine.requests)} requests and {used} KV blocks "
+                                   f"still held after the {old_role} worker stopped")
+            self.worker = self._make_worker(role)
+            self.role = role
+            self.worker.start()
+            self.num_flips += 1
+            log.info("actor %s flipped %s -> %s in %.2fs (%d requests handed off)", self.actor_id, old_role, role,
+                     time.monotonic() - start, handed_off)
+            return {**await self.info(), "handed_off": handed_off}
+
+    async def _wait_idle(self, worker, deadline: float) -> bool:
+        """Until the worker holds no request (read on its loop thread), or `deadline`."""
+        while True:
+            if await worker.loop.run_async(lambda: not self.engine.requests and _holds_nothing(worker)):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(IDLE_POLL_S)
+
+    def _hand_off(self, worker) -> int:
+        """Loop thread: give up the work left (decode: retryable errors, the router migrates; prefill:
+        aborted, the router retries elsewhere)."""
+        if isinstance(worker, PrefillWorker):
+            request_ids = list(self.engine.requests)
+            for rid in request_ids:
+                worker.abort(rid)            # runs on this loop before the next idle check
+            return len(request_ids)
+        return worker.evict("the actor is changing role")
+
+    # ---- calls of every role ----------------------------------------------
+    async def prefill(self, job_bytes: bytes) -> bytes:
+        """A serialized `PrefillJob` in, its serialized `PrefillResult` out (awaited without blocking
+        other calls)."""
+        job = wpb.PrefillJob.FromString(job_bytes)
+        worker = self.worker
+        if not isinstance(worker, PrefillWorker):       # flipped away: the router retries elsewhere
+            return wpb.PrefillResult(request_id=job.request_id, transfer_id=job.transfer_id,
+                                     status=wpb.PREFILL_STATUS_FAILED, failed_side=wpb.TRANSFER_SIDE_SENDER,
+                                     retryable=True, error=f"{self.actor_id} is a {self.role} actor now"
+                                     ).SerializeToString()
+        return (await worker.prefill(job)).SerializeToString()
+
+    async def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+
+    async def stats(self) -> dict:
+        stats = self.worker.stats()
+        return self.stream.add_refusals(stats) if self._streams_tokens() else stats
+
+    async def info(self) -> dict:
+        if not self.stream.endpoint and self._streams_tokens():     # first call, in the actor's event loop
+            await self.stream.start()
+        decodes = self.role != "prefill"
+        return {"role": self.role, "actor_id": self.actor_id, "incarnation": self.incarnation, "pid": os.getpid(),
+                "endpoint": self.worker.endpoint if decodes else "",
+                "stream_endpoint": self.stream.endpoint, "layout": self.layout.describe(self.codec),
+                "kv_blocks_total": self.engine.block_manager.num_blocks, "block_size": self.engine.block_size,
+                "max_model_len": self.engine.max_model_len, "num_flips": self.num_flips}
+
+    def _streams_tokens(self) -> bool:
+        """A decode or colocated role, now or after a flip, streams tokens: a fixed prefill actor never does."""
+        return self.role != "prefill" or self.limits is not None
+
+    async def ping(self) -> bool:
+        return True
+
+    async def kv_events(self, request_bytes: bytes) -> bytes:
+        """A serialized `KVEventsRequest` in, the engine's `KVEventsResponse` out (engine.kv_cache.events):
+        the prefix cache is the engine's, so its events and sequence numbers run on across flips."""
+        return self.engine.kv_events.answer_bytes(request_bytes)
+
+    async def cached_prefix(self, query: bytes) -> bytes:
+        """A serialized `PrefixQuery` → `PrefixHits`: the leading prompt blocks this actor's cache holds."""
+        hits = self.engine.cached_prefix_blocks(list(wpb.PrefixQuery.FromString(query).block_hashes))
+        return wpb.PrefixHits(num_cached_blocks=hits).SerializeToString()
+
+    async def profile(self, spec: dict) -> dict | None:
+        """One `engine.profile` measurement (see `run_point`), run on the engine loop thread
+        between steps so it never races the loop."""
+        from engine.profile import run_point
+        return await self.worker.loop.run_async(lambda: run_point(self.engine, spec))
+
+    async def set_fault(self, kind: str | None, seconds: float = 0.0) -> None:
+        """Failure drills (None ends one): a prefill role "corrupt"s or "stall"s its outgoing KV chunks
+        (prefill_worker.faults); a decode or colocated role's engine loop "hang"s for `seconds`
+        (decode_worker.faults)."""
+        if isinstance(self.worker, PrefillWorker):
+            from prefill_worker.faults import set_fault
+            set_fault(self.worker.sender, kind, seconds)
+        else:
+            from decode_worker.faults import set_fault
+            set_fault(self.worker, kind, seconds)
+
+
+def log_named(role: str) -> type[ServingActor]:
+    """`ServingActor` under the name Ray prefixes its log lines with, from the first: ``(PrefillActor pid=…)``,
+    ``(DecodeActor pid=…)`` or ``(ColocatedActor pid=…)`` by the role the actor starts in (Ray takes the
+    class's name); the class adds nothing else."""
+    return _LOG_NAMED[role]
+
+
+_LOG_NAMED = {role: type(f"{role.capitalize()}Actor", (ServingActor,), {"__module__": __name__, "__slots__": ()})
+              for role in ROLES}
+
+
+def _holds_nothing(worker) -> bool:
+    """No request queued, running, waiting for KV, or sending KV on this worker (loop thread)."""
+    stats = worker.stats()
+    return stats["queued_requests"] == 0 and stats["running_requests"] == 0
+
+
+class _StreamTarget:
+    """What the token stream submits to: the current worker when it decodes, else a refusal that the
+    router retries on another decode actor."""
+
+    def __init__(self, actor: ServingActor):
+        self.actor = actor
+
+    @property
+    def engine(self):
+        return self.actor.engine
+
+    def submit(self, job: wpb.DecodeJob, emit) -> None:
+        worker = self.actor.worker
+        if isinstance(worker, PrefillWorker):
+            emit(error_event(grpc.StatusCode.UNAVAILABLE, f"{self.actor.actor_id} is a prefill actor now", True))
+            return
+        worker.submit(job, emit)
+
+    def abort(self, request_id: str) -> None:
+        worker = self.actor.worker
+        if not isinstance(worker, PrefillWorker):
+            worker.abort(request_id)

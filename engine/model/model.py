@@ -1,0 +1,110 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3) in plain torch, reading K/V through a paged cache."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.config import ModelConfig
+from engine.model.linear import ROW_MAJOR, Linear
+from engine.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    """One block. q/k/v and gate/up are fused into single matmuls (one weight read per step)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Qwen3: each head of q and k is RMS-normalised (weights over head_dim) before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                layer_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # h: [T, hidden]
+        x = self.input_layernorm(h)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)        # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)     # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(q, k, positions)
+        attn = paged_attention(q, k, v, layer_cache, meta, self.scale)
+        h = h + self.o_proj(attn.reshape(h.shape[0], -1))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.to(device=device, dtype=dtype)
+        self.rope = RotaryEmbedding(cfg, max_positions, device, dtype)
+        self.weight_layout = ROW_MAJOR
+
+    def store_weights(self, layout: str) -> None:
+        """Store every projection's weight in `layout` (engine/model/linear.py), once, after loading.
+
+        A tied lm_head keeps the embedding's row-major weight (lookups want rows).
+        """
+        if layout == self.weight_layout:
+            return
+        if self.weight_layout != ROW_MAJOR:
+            raise RuntimeError(f"weights are already stored {self.weight_layout}; cannot store them {layout}")
+        for module in self.modules():
+            if isinstance(module, Linear) and module.weight is not self.embed_tokens.weight:
+                module.store(layout)
+        self.weight_layout = layout
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, logit_rows: torch.Tensor | None,
+                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_cache: [L, NB, 2, Hkv, bs, D].
+
+        Returns float32 logits [len(logit_rows), vocab] (all rows when logit_rows is None).
+        `layer_hook(i)` runs after layer i wrote its K/V into the cache (engine/runner/layer_hook.py).
+        """
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, self.rope, kv_cache[i], meta)
+            if layer_hook is not None:
+                layer_hook(i)
+        if logit_rows is not None:
+            h = h[logit_rows]
+        return self.lm_head(self.norm(h)).float()

@@ -1,0 +1,107 @@
+"""Turns a scheduled batch into one model call; returns the logits of the sequences that are due a token."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.model import kernel_choice
+from engine.model.attention import build_metadata
+from engine.model.linear import layouts_for
+from engine.model.model import LlamaModel
+from engine.runner.layer_hook import LayerDone, LayerHook, final_blocks, layer_written
+from engine.scheduling.request import Request
+from engine.scheduling.scheduler import ScheduledRequest
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    sampled: list[Request]              # sequences due a token this step, in batch order
+    logits: torch.Tensor                # [len(sampled), V] float32, raw
+    # Sequences computing prompt positions whose logprobs they owe: (sequence, first position,
+    # logits [num_new_tokens, V] of positions first .. first + num_new_tokens - 1).
+    prompt_logits: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, device: torch.device,
+                 decode_kernel=None, flex_kernel=None, weight_layout: str = "auto"):
+        self.model = model
+        self.decode_kernel = decode_kernel  # attention_compiled.CompiledDecode, or None for the eager gather
+        self.flex_kernel = flex_kernel      # attention_flex.FlexAttention: all attention through it
+        self.graphs = None                  # decode_graphs.DecodeGraphs: pure-decode steps replayed
+        if weight_layout == "auto":
+            weight_layout = kernel_choice.weight_layout(model)     # measured once per machine (CPU only)
+        elif weight_layout not in layouts_for(model.lm_head.weight):
+            raise ValueError(f"weight_layout {weight_layout!r} is not available for {model.lm_head.weight.dtype} "
+                             f"on {model.lm_head.weight.device.type}; choose one of "
+                             f"{', '.join(('auto',) + layouts_for(model.lm_head.weight))}")
+        model.store_weights(weight_layout)
+        self.kv_cache = kv_cache          # [L, NB, 2, Hkv, bs, D]
+        self.block_size = block_size
+        self.device = device
+        self.sliding_window = model.cfg.sliding_window    # None: full causal attention
+        self.layer_hook: LayerHook | None = None          # told as each layer's blocks become final
+
+    def run(self, batch: list[ScheduledRequest]) -> ModelOutput:
+        """Run the model over the batch; return the logits of the sequences that sample.
+
+        A sequence samples when this step computes its last pending token (the
+        end of its prompt, or the token it generated last step). A sequence that owes
+        prompt logprobs also gets the logits of every prompt position of its chunk.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seqs = []
+        logit_rows: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[Request] = []
+        prompt_parts: list[tuple[Request, int, int, int]] = []    # (sequence, first position, first row, rows)
+        for s in batch:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            input_ids.extend(req.token_ids(start, start + n))
+            positions.extend(range(start, start + n))
+            seqs.append((start, n, req.block_table))
+            due = start + n == req.num_tokens
+            if req.params.prompt_logprobs is not None and req.owes_prompt_logprobs:
+                prompt_parts.append((req, start, len(logit_rows), n))
+                logit_rows.extend(range(len(input_ids) - n, len(input_ids)))
+            elif due:
+                logit_rows.append(len(input_ids) - 1)
+            if due:
+                sample_rows.append(len(logit_rows) - 1)
+                sampling.append(req)
+        dev = self.device
+        if self.graphs is not None and not prompt_parts and self.graphs.accepts(seqs):
+            return ModelOutput(sampling, self.graphs.run(input_ids, positions, seqs))
+        meta = build_metadata(seqs, self.block_size, dev, self.decode_kernel, self.sliding_window, self.flex_kernel)
+        logits = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                            torch.tensor(positions, dtype=torch.long, device=dev),
+                            self.kv_cache, meta,
+                            torch.tensor(logit_rows, dtype=torch.long, device=dev),
+                            self._layer_hook(batch) if self.layer_hook is not None else None)
+        if not prompt_parts:
+            return ModelOutput(sampling, logits)
+        prompt_logits = [(req, start, logits[row:row + n]) for req, start, row, n in prompt_parts]
+        return ModelOutput(sampling, logits[sample_rows], prompt_logits)
+
+    def _layer_hook(self, batch: list[ScheduledRequest]):
+        """The model's per-layer callback for this batch: None when no sequence computes prompt tokens."""
+        blocks = [f for s in batch
+                  if (f := final_blocks(s.request, s.request.num_computed_tokens, s.num_new_tokens,
+                                        self.block_size)) is not None]
+        if not blocks:
+            return None
+        hook, device = self.layer_hook, self.device
+
+        def layer_done(layer: int) -> None:
+            hook(LayerDone(layer, blocks, layer_written(device)))
+        return layer_done
+
+    def score(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+        """Logits at every position of one fresh sequence (for exactness checks). [S, V] float32."""
+        dev = self.device
+        meta = build_metadata([(0, len(token_ids), block_table)], self.block_size, dev,
+                              sliding_window=self.sliding_window, flex_kernel=self.flex_kernel)
+        return self.model(torch.tensor(token_ids, dtype=torch.long, device=dev),
+                          torch.arange(len(token_ids), device=dev), self.kv_cache, meta, None)
