@@ -51,10 +51,11 @@ from kv_transfer import release_gil_in_compiled_kernels
 from prefill_worker.worker import PrefillWorker
 from proto.internal_auth import InternalTLS
 from proto.pdserve.v1 import worker_pb2 as wpb
+from router.roles import ROLE_OF_NAME, role_named
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
-ROLES = ("prefill", "decode", "colocated")
+ROLES = tuple(ROLE_OF_NAME)  # the roles by name, as the actor's calls take them
 CODEC_BUILD_TIMEOUT_S = 300.0   # longest wait at start for the KV codec's compiled kernels
 IDLE_POLL_S = 0.02
 
@@ -93,8 +94,7 @@ class ServingActor:
             tls: the node's internal certificates (set = the token stream speaks mutual TLS only).
             limits: the scheduler limits of each role; given, the actor can change role (`set_role`).
         """
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        role_named(role)  # ValueError naming the roles
         if transfer is None and (role != "colocated" or limits is not None):
             raise ValueError(f"a {role} actor{' with role flips' if limits else ''} needs transfer settings")
         if "auto" in (bind_host, transfer.bind_host if transfer else None):   # multi-node: this node's address
@@ -151,8 +151,7 @@ class ServingActor:
             RuntimeError: the actor was started without role flips, or KV blocks are still held after
                 the old worker stopped (nothing is started then).
         """
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        role_named(role)  # ValueError naming the roles
         if self.limits is None:
             raise RuntimeError(f"{self.actor_id} cannot change role (start the cluster with routing.role_flips: "
                                "manual or auto)")

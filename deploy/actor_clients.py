@@ -40,7 +40,7 @@ class RayActorClient:
         return await self._call("info")
 
     async def stats(self) -> ActorStats:
-        return ActorStats(**await self._call("stats"))
+        return ActorStats.from_report(await self._call("stats"))
 
     async def kv_events(self, request: kpb.KVEventsRequest) -> kpb.KVEventsResponse:
         return kpb.KVEventsResponse.FromString(await self._call("kv_events", request.SerializeToString()))

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from deploy.actor_death import death_report
 from deploy.launcher import ActorFactory
 from router.dispatcher import Dispatcher
-from router.pools import POOL_NAMES, POOL_OF_ROLE, ROLE_NAMES, ROLE_OF_NAME, DecodeView, PrefillView, role_of
+from router.pools import POOL_NAMES, DecodeView, PrefillView, role_of
+from router.roles import POOL_OF_ROLE, ROLE_NAMES, role_named
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
@@ -78,8 +79,7 @@ class PoolManager:
             ValueError: an unknown role, or the flip would leave the decode pool empty.
             RuntimeError: the actor is not role-flippable, or refused the flip (it is put back).
         """
-        if role not in ROLE_OF_NAME:
-            raise ValueError(f"role must be one of {', '.join(ROLE_OF_NAME)}, got {role!r}")
+        new_pool = POOL_OF_ROLE[role_named(role)]
         found = [(name, v) for name in ("prefill", "decode") for v in self.backend.views(name)
                  if v.actor_id == actor_id]
         if not found:
@@ -88,7 +88,6 @@ class PoolManager:
         from_role = ROLE_NAMES[role_of(name, view)]
         if from_role == role:
             return Flip(actor_id, from_role, role, 0.0, 0.0)
-        new_pool = POOL_OF_ROLE[ROLE_OF_NAME[role]]
         if new_pool != name and name == "decode" and len(self.backend.views(name)) == 1:
             raise ValueError(f"{actor_id} is the last decode actor; flip another actor to decode first")
         if not self.factory.flippable(name):

@@ -38,6 +38,7 @@ from typing import Protocol
 
 from engine.sampling.params import SamplingParams
 from proto.pdserve.v1 import generation_pb2 as pb
+from router.roles import role_named
 from router.timing import Timing
 
 FINISH_REASONS = (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_ABORT)
@@ -111,7 +112,7 @@ class ActorStats:
     """Load of one actor, as reported by `Backend.stats`."""
 
     actor_id: str
-    role: str  # the actor's role as it reports it: a name of `router.pools.ROLE_NAMES`
+    role: int  # a pb.ActorRole
     kv_blocks_total: int
     kv_blocks_used: int
     queued_requests: int
@@ -119,6 +120,11 @@ class ActorStats:
     # Internal connections it refused since it started, by `REFUSAL_REASONS` (decode actors: its KV
     # receiver and its token stream).
     refused_connections: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_report(cls, report: dict) -> ActorStats:
+        """From an actor's stats report (its role by name: `router.roles.ROLE_NAMES`)."""
+        return cls(**{**report, "role": role_named(report["role"])})
 
 
 class BackendError(Exception):

@@ -32,6 +32,7 @@ from engine.latency import time_per_output_token
 from proto.internal_auth import token_matches
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import choose_encoder
+from router.roles import ROLE_NAMES
 from router.security import bearer_canonical, is_loopback
 
 log = logging.getLogger("pdserve.router")
@@ -160,8 +161,9 @@ class Metrics:
         """Set the block gauges from `ActorStats`; drop actors that left the pools."""
         seen = set()
         for s in stats:
-            self.blocks_used(s.actor_id, s.role, s.kv_blocks_used, s.kv_blocks_total)
-            seen.add((s.actor_id, s.role))
+            role = ROLE_NAMES.get(s.role, "unspecified")
+            self.blocks_used(s.actor_id, role, s.kv_blocks_used, s.kv_blocks_total)
+            seen.add((s.actor_id, role))
             self._count_refused(s)
         for gone in self._actors - seen:
             for gauge in (self.blocks, self.blocks_capacity):
@@ -174,7 +176,7 @@ class Metrics:
     def _count_refused(self, s) -> None:
         """Add what an actor refused since the last poll (a total that went down: the actor restarted)."""
         for reason, total in s.refused_connections.items():
-            key = (s.actor_id, s.role, reason)
+            key = (s.actor_id, ROLE_NAMES.get(s.role, "unspecified"), reason)
             last = self._refused_seen.get(key, 0)
             if total != last:
                 self.refused_connections.labels(*key).inc(total - last if total > last else total)

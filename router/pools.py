@@ -6,9 +6,8 @@ tokens queued on each prefill actor. What each actor has cached is not here:
 the `KVIndex` (router.placement.kv_index) learns it from the actors' own cache events.
 `deploy` creates the views; the pool manager marks them (un)healthy.
 
-Roles are `pb.ActorRole` values (proto/pdserve/v1/generation.proto); `ROLE_NAMES` spells them where a
-name is needed (actors' stats reports, metrics labels, the pool manager's flip API). A colocated actor
-serves in the decode pool: a decode-pool view without a KV endpoint is colocated.
+Roles are `pb.ActorRole` values (router.roles). A colocated actor serves in the decode pool: a
+decode-pool view without a KV endpoint is colocated.
 """
 from __future__ import annotations
 
@@ -19,9 +18,6 @@ from proto.pdserve.v1 import generation_pb2 as pb
 from router.actor_protocol import DecodeClient, PrefillClient
 
 POOL_NAMES = ("prefill", "decode", "long_context")
-ROLE_NAMES = {pb.ACTOR_ROLE_PREFILL: "prefill", pb.ACTOR_ROLE_DECODE: "decode", pb.ACTOR_ROLE_COLOCATED: "colocated"}
-ROLE_OF_NAME = {name: role for role, name in ROLE_NAMES.items()}
-POOL_OF_ROLE = {pb.ACTOR_ROLE_PREFILL: "prefill", pb.ACTOR_ROLE_DECODE: "decode", pb.ACTOR_ROLE_COLOCATED: "decode"}
 QUARANTINE_AFTER = 3          # consecutive requests failed on a decode actor before it is quarantined
 QUARANTINE_BASE_S = 1.0       # first quarantine; doubles with each further failure ...
 QUARANTINE_MAX_S = 30.0       # ... up to this

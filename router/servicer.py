@@ -16,7 +16,6 @@ import grpc
 from proto.pdserve.v1 import generation_pb2 as pb
 from router.backend import ActorStats, BackendError, GenerationChunk
 from router.log import log_event
-from router.pools import ROLE_OF_NAME
 from router.request_core import THREAD_TOKENIZE_CHARS, AdmittedRequest, RequestCore
 from router.validation import THREAD_TOKEN_IDS, RequestError, num_token_ids, validate_request
 
@@ -85,7 +84,7 @@ class GenerationServicer:
         response = pb.GetStatsResponse(router_in_flight_requests=self.core.num_in_flight)
         totals = response.totals
         for a in actors:
-            role = ROLE_OF_NAME.get(a.role, pb.ACTOR_ROLE_UNSPECIFIED)
+            role = a.role
             response.actors.add(
                 actor_id=a.actor_id, role=role, kv_blocks_total=a.kv_blocks_total,
                 kv_blocks_used=a.kv_blocks_used, queued_requests=a.queued_requests,

@@ -31,7 +31,7 @@ class LocalClient:
         return {"actor_id": self.actor_id}
 
     async def stats(self) -> ActorStats:
-        return ActorStats(**self.worker.stats())
+        return ActorStats.from_report(self.worker.stats())
 
     async def kv_events(self, request: kpb.KVEventsRequest) -> kpb.KVEventsResponse:
         return self.worker.engine.kv_events.answer(request)

@@ -98,7 +98,8 @@ def test_flips_under_load_lose_no_request_and_leak_no_block(ray_local, tiny_mode
     assert _tokens(first) == reference(prompts + extra, params + extra_params)
     assert _tokens(second) == reference(later, later_params)
     assert all(msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH for msgs in first + second)
-    assert roles == {"decode-1": "prefill", "prefill-0": "decode", "decode-0": "colocated"}
+    assert roles == {"decode-1": pb.ACTOR_ROLE_PREFILL, "prefill-0": pb.ACTOR_ROLE_DECODE,
+                     "decode-0": pb.ACTOR_ROLE_COLOCATED}
     assert prefill_ids == ["decode-1"] and decode_ids == ["decode-0"]
     assert all(s.kv_blocks_used == 0 for s in stats), stats
     assert [(f.from_role, f.to_role) for f in flips] == [("decode", "prefill"), ("prefill", "decode"),

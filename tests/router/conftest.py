@@ -123,8 +123,8 @@ class FakeBackend(Backend):
 
     async def stats(self) -> list[ActorStats]:
         return [
-            ActorStats("prefill-0", "prefill", 64, 3, 1, 0),
-            ActorStats("decode-0", "decode", 128, len(self.active), 0, len(self.active)),
+            ActorStats("prefill-0", pb.ACTOR_ROLE_PREFILL, 64, 3, 1, 0),
+            ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 128, len(self.active), 0, len(self.active)),
         ]
 
     async def ready(self) -> bool:

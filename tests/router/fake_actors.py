@@ -27,6 +27,7 @@ from proto.pdserve.v1 import generation_pb2, kv_events_pb2 as kpb, worker_pb2 as
 from router.actor_protocol import ActorUnavailable
 from router.backend import ActorStats
 from router.pools import DecodeView, Pools, PrefillView
+from router.roles import role_named
 
 
 def token_at(prompt: list[int], position: int, index: int = 0) -> int:
@@ -123,7 +124,7 @@ class FakeActor:
             await asyncio.Event().wait()
         if not self.alive:
             raise ActorUnavailable(f"{self.actor_id} is dead")
-        return ActorStats(self.actor_id, self.role, 100, 0, 0, len(self.jobs))
+        return ActorStats(self.actor_id, role_named(self.role), 100, 0, 0, len(self.jobs))
 
     def next_fault(self) -> str:
         return self.faults.pop(0) if self.faults else ""

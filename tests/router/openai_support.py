@@ -158,7 +158,7 @@ class ScriptedBackend(Backend):
         return text if max_tokens is None else text[:max_tokens]
 
     async def stats(self) -> list[ActorStats]:
-        return [ActorStats("decode-0", "decode", 64, len(self.active), 0, len(self.active))]
+        return [ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 64, len(self.active), 0, len(self.active))]
 
     async def ready(self) -> bool:
         return self.is_ready

@@ -6,6 +6,7 @@ import logging
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from proto.pdserve.v1 import generation_pb2 as pb
 from router import ActorStats, generate
 from router.metrics import Metrics, poll_stats
 
@@ -51,8 +52,9 @@ def test_hooks_and_stats_poll():
         async def stats(self):
             Backend.calls += 1
             if Backend.calls == 1:
-                return [ActorStats("prefill-0", "prefill", 64, 3, 0, 0), ActorStats("decode-0", "decode", 64, 7, 0, 1)]
-            return [ActorStats("decode-0", "decode", 64, 5, 0, 1)]
+                return [ActorStats("prefill-0", pb.ACTOR_ROLE_PREFILL, 64, 3, 0, 0),
+                        ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 64, 7, 0, 1)]
+            return [ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 64, 5, 0, 1)]
 
     async def poll_twice():
         task = asyncio.ensure_future(poll_stats(Backend(), metrics, interval_s=0.01))

@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from proto.pdserve.v1 import generation_pb2 as pb
 from router import ActorStats
 from router.metrics import Metrics
 
@@ -90,7 +91,7 @@ def scraped() -> str:
     metrics.transfer_failed()
     metrics.local_prefill()
     metrics.prefix_hit_tokens(16)
-    metrics.observe_stats([ActorStats("decode-0", "decode", 64, 7, 0, 1, {"bad_hello": 1})])
+    metrics.observe_stats([ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 64, 7, 0, 1, {"bad_hello": 1})])
     with socket.socket() as probe:                   # a free port
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -134,7 +135,7 @@ def test_promtool_check_metrics_passes(scraped):
 def test_refused_connections_add_what_each_poll_adds_across_an_actor_restart():
     metrics = Metrics()
     for seen in ({"bad_token": 2}, {"bad_token": 5, "bad_hello": 1}, {"bad_token": 1}):   # restarted at the third
-        metrics.observe_stats([ActorStats("decode-0", "decode", 64, 0, 0, 0, seen)])
+        metrics.observe_stats([ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 64, 0, 0, 0, seen)])
     counted = {s.labels["reason"]: s.value for s in metrics.refused_connections.collect()[0].samples
                if s.name.endswith("_total")}
     assert counted == {"bad_token": 6.0, "bad_hello": 1.0}
