@@ -16,20 +16,23 @@ def pages() -> list[Path]:
     return doc_files() + sorted((ROOT / "engine" / "weights").rglob("README.md"))
 
 
-def prose(path: Path) -> str:
-    """The page without its fenced blocks and inline code (links there are not links)."""
+def outside_fences(path: Path) -> list[str]:
+    """The page's lines outside its fenced blocks."""
     out, fence = [], None
     for line in path.read_text().split("\n"):
         m = FENCE.match(line)
         if fence is None and m:
             fence = m.group(1)
-            continue
-        if fence is not None:
-            if line.strip().startswith(fence):
-                fence = None
-            continue
-        out.append(re.sub(r"`[^`]*`", "", line))
-    return "\n".join(out)
+        elif fence is not None:
+            fence = None if line.strip().startswith(fence) else fence
+        else:
+            out.append(line)
+    return out
+
+
+def prose(path: Path) -> str:
+    """The page without its fenced blocks and inline code (links there are not links)."""
+    return "\n".join(re.sub(r"`[^`]*`", "", line) for line in outside_fences(path))
 
 
 def anchors(path: Path) -> set[str]:
@@ -50,16 +53,7 @@ def anchors(path: Path) -> set[str]:
 def raw_anchors(path: Path) -> set[str]:
     """Anchors from the headings with inline code kept (the code's text is part of GitHub's anchor)."""
     out = set()
-    fence = None
-    for line in path.read_text().split("\n"):
-        m = FENCE.match(line)
-        if fence is None and m:
-            fence = m.group(1)
-            continue
-        if fence is not None:
-            if line.strip().startswith(fence):
-                fence = None
-            continue
+    for line in outside_fences(path):
         h = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
         if h:
             out.add(re.sub(r"[^\w\- ]", "", h.group(1).lower()).replace(" ", "-"))
