@@ -84,10 +84,11 @@ def environment_without(secret_values: tuple[str, ...]):
         os.environ.update(held)
 
 
-def engine_args(cfg: PDServeConfig, pool: str, model_dir: str) -> EngineArgs:
+def engine_args(cfg: PDServeConfig, pool: str, model_dir: str, mcfg: ModelConfig | None = None) -> EngineArgs:
+    """The engine settings of an actor of `pool` (`mcfg`: the model's shape, read from `model_dir` when None)."""
     p = getattr(cfg.pools, pool)
     kv = cfg.pool_kv_cache(pool)
-    mcfg = ModelConfig.from_dir(model_dir)
+    mcfg = mcfg or ModelConfig.from_dir(model_dir)
     dtype = cfg.model.dtype
     device = torch.device("cuda" if p.resources.num_gpus else "cpu")
     per_block = mcfg.kv_bytes_per_token(pick_dtype(dtype, device).itemsize) * kv.block_size
@@ -107,6 +108,16 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str) -> EngineArgs:
     else:
         args.max_num_seqs = p.max_batch_size
         args.chunk_size = cfg.pools.prefill.chunk_tokens
+    return args
+
+
+def colocated_engine_args(cfg: PDServeConfig, model_dir: str, chunked: bool = True,
+                          mcfg: ModelConfig | None = None) -> EngineArgs:
+    """A colocated actor's engine: the decode pool's cache and batch, the prefill pool's token budget (and
+    its chunk when `chunked`)."""
+    args = engine_args(cfg, "decode", model_dir, mcfg)
+    args.chunk_size = args.chunk_size if chunked else None
+    args.max_num_batched_tokens = cfg.pools.prefill.max_batch_tokens
     return args
 
 
@@ -210,9 +221,7 @@ class ActorFactory:
         limits, transfer = None, self.transfer
         if self.mode == "colocated":
             role, resources_of = "colocated", "decode"
-            args = engine_args(self.cfg, "decode", self.model_dir)
-            args.chunk_size = args.chunk_size if self.chunked else None
-            args.max_num_batched_tokens = self.cfg.pools.prefill.max_batch_tokens
+            args = colocated_engine_args(self.cfg, self.model_dir, self.chunked)
             transfer = None                  # a colocated engine ships no KV
         else:
             role, resources_of = ("prefill" if pool == "prefill" else "decode"), pool

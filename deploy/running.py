@@ -72,6 +72,24 @@ def tls_of(cfg: PDServeConfig) -> TLSConfig | None:
     return TLSConfig(s.tls_cert, s.tls_key, s.tls_client_ca) if s.tls_cert else None
 
 
+def routing_settings(cfg: PDServeConfig) -> RoutingSettings:
+    """The router's settings from the config's routing, kv_transfer and slo sections."""
+    r = cfg.routing
+    return RoutingSettings(r.local_prefill_tokens, r.long_request_tokens, r.max_queue,
+                           transfer_deadline_s=cfg.kv_transfer.deadline_s, max_queue_wait_s=r.max_queue_wait_s,
+                           max_prefill_backlog_tokens=r.max_prefill_backlog_tokens, mode=r.mode,
+                           ttft_slo_s=cfg.slo.ttft_p99_ms / 1000, tpot_slo_s=cfg.slo.tpot_p99_ms / 1000,
+                           decode_prefix_reuse=r.decode_prefix_reuse,
+                           prefill_policy=r.prefill_policy, decode_policy=r.decode_policy,
+                           kv_events_interval_s=r.kv_events_interval_s)
+
+
+def max_in_flight(cfg: PDServeConfig, pools) -> int:
+    """Requests the router holds at once: running on decode actors + waiting for KV room (routing.max_queue)."""
+    batch = cfg.pools.decode.max_batch_size
+    return cfg.routing.max_queue + batch * max(len(pools.decode), 1) + batch * len(pools.long_context)
+
+
 async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str = "disaggregated",
                         chunked: bool = True, autoscale=None) -> RunningCluster:
     """Bring up everything `cfg` describes; `port=0` picks a free port (tests).
@@ -85,13 +103,7 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     pools = await start_pools(factory)
     tokenizer, max_len = load_tokenizer(cfg)
     r = cfg.routing
-    routing = RoutingSettings(r.local_prefill_tokens, r.long_request_tokens, r.max_queue,
-                              transfer_deadline_s=cfg.kv_transfer.deadline_s, max_queue_wait_s=r.max_queue_wait_s,
-                              max_prefill_backlog_tokens=r.max_prefill_backlog_tokens, mode=r.mode,
-                              ttft_slo_s=cfg.slo.ttft_p99_ms / 1000, tpot_slo_s=cfg.slo.tpot_p99_ms / 1000,
-                              decode_prefix_reuse=r.decode_prefix_reuse,
-                              prefill_policy=r.prefill_policy, decode_policy=r.decode_policy,
-                              kv_events_interval_s=r.kv_events_interval_s)
+    routing = routing_settings(cfg)
     metrics = Metrics() if cfg.server.metrics_port else None
     live = None
     if r.mode == "auto" and mode == "disaggregated":
@@ -100,13 +112,11 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
                          codec=cfg.kv_transfer.compression, metrics=metrics,
                          generation_defaults=load_generation_defaults(cfg), live=live)
     public_token = cfg.security.token.get_secret_value() if cfg.security.token else None
-    # In flight at the router = running on decode actors + waiting for KV room (routing.max_queue).
-    max_in_flight = r.max_queue + cfg.pools.decode.max_batch_size * max(len(pools.decode), 1) + \
-        cfg.pools.decode.max_batch_size * len(pools.long_context)
     # port=0 (tests, embedded benchmarks) puts HTTP on a free port too, when it is on at all
     http_port = cfg.server.http_port if port is None or cfg.server.http_port is None else 0
     server = await start_server(backend, cfg.server.host, cfg.server.port if port is None else port,
-                                token=public_token, tls=tls_of(cfg), max_queue=max_in_flight, metrics=metrics,
+                                token=public_token, tls=tls_of(cfg), max_queue=max_in_flight(cfg, pools),
+                                metrics=metrics,
                                 http_port=http_port, model_name=served_model_name(cfg.model.name),
                                 model_dir=resolve_model(cfg.model.name),
                                 http_limits=HTTPLimits(**cfg.server.http_limits.model_dump()))

@@ -327,9 +327,9 @@ class Engine:
                 seqs.extend(children)
                 rows.extend([row] * len(children))
         logits = run.logits if len(rows) == len(run.sampled) else run.logits[rows]
-        tokens = sample(logits, seqs, self.output.eos)
+        tokens, logprobs = self.draw(logits, seqs)
         outputs = []
-        for seq, token, logprob in zip(seqs, tokens, self._logprobs(logits, seqs, tokens)):
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
             owed = seq.params.prompt_logprobs is not None and seq.owes_prompt_logprobs
             out = self.output.process(seq, token, logprob)
             if owed:
@@ -346,6 +346,17 @@ class Engine:
             elif req.status.finished:
                 self._finish(req)
         return outputs
+
+    def draw(self, logits, seqs: list[Request]) -> tuple[list[int], list]:
+        """Each sequence's next token from its logits row (the sampler's fixed order), and its
+        `TokenLogprob` where the request asks for one (None elsewhere)."""
+        tokens = sample(logits, seqs, self.output.eos)
+        return tokens, self._logprobs(logits, seqs, tokens)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block of the paged cache over every layer (K and V): what a transfer of it moves."""
+        return self.kv_cache[:, 0].numel() * self.kv_cache.element_size()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

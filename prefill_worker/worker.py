@@ -39,6 +39,7 @@ after the first tokens were sampled (what the handoff adds to the TTFT).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -118,18 +119,20 @@ class PrefillWorker:
     def abort(self, request_id: str) -> None:
         self.loop.call(lambda: self._abort(request_id))
 
-    async def prefill(self, job: wpb.PrefillJob,
-                      observe: Callable[[wpb.PrefillResult], None] | None = None) -> wpb.PrefillResult:
+    async def prefill(self, job: wpb.PrefillJob, observe: Callable[[wpb.PrefillResult], None] | None = None,
+                      bridge: Callable[[Callable], Callable] | None = None) -> wpb.PrefillResult:
         """`submit` from an event loop and await the result; a cancelled caller aborts the job.
-        `observe` (on the caller's loop) sees every result, also one that lands after a cancel."""
+        `observe` (on the caller's loop) sees every result, also one that lands after a cancel.
+        `bridge(fn)`: how the loop thread's result reaches the caller (default: `on_event_loop`)."""
         fut = asyncio.get_running_loop().create_future()
+        bridge = bridge or functools.partial(on_event_loop, fut.get_loop())
 
         def done(result: wpb.PrefillResult) -> None:
             if observe is not None:
                 observe(result)
             if not fut.done():
                 fut.set_result(result)
-        self.submit(job, on_event_loop(fut.get_loop(), done))
+        self.submit(job, bridge(done))
         try:
             return await fut
         except asyncio.CancelledError:
@@ -262,7 +265,7 @@ class PrefillWorker:
         else:
             block_ids = next(out.block_ids for out in outs if out.prefilled)[skip:]
         cache = self.engine.kv_cache
-        result.kv_bytes = len(block_ids) * cache[:, 0].numel() * cache.element_size()
+        result.kv_bytes = len(block_ids) * self.engine.kv_bytes_per_block
         result.num_skipped_blocks = skip
         p.result, p.sampled = result, done
         handoff = wpb.Handoff(first_tokens=firsts, num_skipped_blocks=skip).SerializeToString()

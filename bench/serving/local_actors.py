@@ -7,6 +7,7 @@ the engines stay reachable for checks (an oracle of what they cache).
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 
 from decode_worker.worker import DecodeWorker
@@ -20,9 +21,13 @@ from router.pools import DecodeView, Pools, PrefillView
 
 
 class LocalClient:
-    def __init__(self, worker):
+    """`bridge(fn)`: how a worker's callback reaches the caller's event loop (default: `on_event_loop`;
+    the simulator holds them until the simulated step ends)."""
+
+    def __init__(self, worker, bridge=None):
         self.worker = worker
         self.actor_id = worker.actor_id
+        self.bridge = bridge
 
     def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
@@ -38,8 +43,8 @@ class LocalClient:
 
 
 class LocalPrefillClient(LocalClient):
-    def __init__(self, worker):
-        super().__init__(worker)
+    def __init__(self, worker, bridge=None):
+        super().__init__(worker, bridge)
         self.num_prompt_tokens = 0       # over every PrefillResult, as the engine reports it (also those
         self.num_cached_tokens = 0       # the router stopped waiting for: its decode stream finished first)
 
@@ -48,16 +53,17 @@ class LocalPrefillClient(LocalClient):
         self.num_cached_tokens += result.num_cached_tokens
 
     async def prefill(self, job: wpb.PrefillJob) -> wpb.PrefillResult:
-        return await self.worker.prefill(job, observe=self._count)
+        return await self.worker.prefill(job, observe=self._count, bridge=self.bridge)
 
 
 class LocalDecodeStream:
-    def __init__(self, worker, job: wpb.DecodeJob):
+    def __init__(self, worker, job: wpb.DecodeJob, bridge=None):
         self.worker, self.job = worker, job
         self.queue: asyncio.Queue[wpb.DecodeEvent] = asyncio.Queue()
         self.open_sequences = job.params.best_of or job.params.n or 1
         self.ended = False
-        worker.submit(job, on_event_loop(asyncio.get_running_loop(), self.queue.put_nowait))
+        bridge = bridge or functools.partial(on_event_loop, asyncio.get_running_loop())
+        worker.submit(job, bridge(self.queue.put_nowait))
 
     async def read(self) -> list[wpb.DecodeEvent] | None:
         if self.ended:
@@ -79,7 +85,7 @@ class LocalDecodeStream:
 
 class LocalDecodeClient(LocalClient):
     def open_stream(self, job: wpb.DecodeJob) -> LocalDecodeStream:
-        return LocalDecodeStream(self.worker, job)
+        return LocalDecodeStream(self.worker, job, self.bridge)
 
     async def cached_prefix(self, query: wpb.PrefixQuery) -> wpb.PrefixHits:
         return self.worker.cached_prefix(query)

@@ -1,0 +1,115 @@
+"""One simulated serving run: a workload at a rate through a simulated cluster, timed as `bench serve` times it.
+
+The load generator is `bench.serving.load.run_load`, unchanged: the same arrivals for the same seed,
+the same per-request records, summarized by `bench.serving.metrics.summarize` into the report
+`pdserve bench serve` prints. Requests enter through the router's `RequestCore` (the in-flight
+limit, admission) and its `Dispatcher`, as both front doors hand them over; only the socket between
+client and router is left out.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from bench.serving.clients import FINISH_NAMES, Piece
+from bench.serving.load import RequestRecord, run_load
+from bench.serving.metrics import summarize
+from bench.serving.workloads import RequestSpec
+from bench.simulate.clock import run_virtual
+from bench.simulate.sim_cluster import SimCluster, build_cluster
+from bench.simulate.step_time import StepTimeModel
+from deploy.config import PDServeConfig
+from deploy.running import max_in_flight
+from engine.model.config import ModelConfig
+from engine.sampling.params import SamplingParams
+from router.backend import GenerationInput
+from router.request_core import RequestCore
+
+
+class CoreClient:
+    """The load generator's client over a `RequestCore` in this process (`bench.serving.clients` shape)."""
+
+    api = "sim"
+
+    def __init__(self, core: RequestCore):
+        self.core = core
+
+    async def stream(self, spec: RequestSpec, request_id: str, timeout: float) -> AsyncIterator[Piece]:
+        params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
+        deadline = time.monotonic() + timeout
+
+        def validate(_in_flight) -> GenerationInput:
+            return GenerationInput(request_id, list(spec.prompt_token_ids), params, deadline)
+        admitted = await self.core.admit(validate, api=self.api)
+        try:
+            async with contextlib.aclosing(admitted.chunks()) as chunks:
+                async for chunk in chunks:
+                    piece = Piece(len(chunk.token_ids))
+                    if chunk.finish_reason:
+                        piece.finish_reason = FINISH_NAMES.get(chunk.finish_reason, str(chunk.finish_reason))
+                    if chunk.usage is not None:
+                        piece.completion_tokens = chunk.usage.completion_tokens
+                        piece.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
+                    yield piece
+        finally:
+            admitted.finish()
+
+
+@dataclass
+class SimRun:
+    """What one simulated run produced."""
+
+    label: str
+    records: list[RequestRecord]
+    duration_s: float          # virtual seconds, first send to last response
+    wall_s: float
+    summary: dict
+    actors: list[dict]         # per actor: id, role, steps, busy share
+
+    @property
+    def requests_per_wall_s(self) -> float:
+        return len(self.records) / self.wall_s if self.wall_s > 0 else math.inf
+
+
+def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig, specs: list[RequestSpec], *,
+             rate: float, mode: str = "disaggregated", chunked: bool = True, seed: int = 0, burstiness: float = 1.0,
+             slo_ttft_s: float, slo_tpot_s: float, counts: dict[str, int] | None = None, label: str = "",
+             progress: bool = False, timeout_s: float = 600.0) -> SimRun:
+    """Run `specs` at `rate` requests/s (Poisson for burstiness 1) through the simulated cluster of `cfg`."""
+    label = label or mode
+
+    async def main() -> tuple[list[RequestRecord], float, SimCluster]:
+        cluster = build_cluster(cfg, model, sim_cfg, mode, chunked, counts)
+        cluster.start()
+        d = cluster.dispatcher
+        core = RequestCore(d, max_in_flight(cfg, d.pools))
+        core.ready = True
+        poller = asyncio.get_running_loop().create_task(d.poll_kv_events())
+        try:
+            records, duration = await run_load(CoreClient(core), specs, request_rate=rate, burstiness=burstiness,
+                                               seed=seed, label=f"simulate {label}", tag="sim", progress=progress,
+                                               timeout=timeout_s)
+        finally:
+            poller.cancel()
+            cluster.stop()
+        return records, duration, cluster
+
+    random.seed(seed)
+    quiet = logging.getLogger("pdserve")
+    level, quiet.level = quiet.level, max(quiet.level, logging.WARNING)   # no line per request at scale
+    wall = time.perf_counter()
+    try:
+        records, duration, cluster = run_virtual(main())
+    finally:
+        quiet.setLevel(level)
+    wall = time.perf_counter() - wall
+    summary = summarize(records, duration, slo_ttft_s, slo_tpot_s)
+    actors = [{"actor_id": a.actor_id, "role": a.role, "steps": a.num_steps,
+               "busy": a.busy_s / duration if duration > 0 else 0.0} for a in cluster.actors]
+    return SimRun(label, records, duration, wall, summary, actors)

@@ -1,0 +1,234 @@
+"""A simulated cluster: the real router over the real workers, each worker's engine a `SimEngine`.
+
+One `SimActor` per actor of the config's pools, as `deploy.launcher.start_pools` would start them
+(in colocated mode: prefill + decode count colocated engines with the decode pool's settings):
+
+    SimActor ── drives ──► PrefillWorker | DecodeWorker | ColocatedWorker   (prefill_worker/, decode_worker/)
+                               └─ SimEngine (real Engine bookkeeping, Scheduler, BlockManager)
+    the router's Dispatcher ── bench.serving.local_actors clients ──► the workers (the actor protocol)
+    PrefillWorker ── SimSender ─► SimReceiver ─► DecodeWorker            (bench.simulate.sim_transport)
+
+A worker's engine loop is a thread in a real actor; here `SimEngineLoop` makes it a task on the
+virtual clock: the actor drains the worker's inbox and runs one step (`EngineLoop.run_once`, the same
+call the thread makes), then sleeps the step's simulated time. What the worker sends back to the
+router during a step (tokens, prefill results) is held until the step's time has passed, so the
+router sees it when a real actor would have sent it; commands the router posts meanwhile wait in the
+inbox for the next step, as they do for a real engine thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bench.serving.local_actors import LocalDecodeClient, LocalPrefillClient
+from bench.simulate.sim_engine import SimEngine, SimTokenizer
+from bench.simulate.sim_transport import SimNetwork, SimReceiver, SimSender, wire_ratio
+from bench.simulate.step_time import Chunk, StepTimeModel
+from decode_worker.colocated import ColocatedWorker
+from decode_worker.worker import DecodeWorker
+from deploy.config import PDServeConfig
+from deploy.launcher import colocated_engine_args, engine_args
+from deploy.running import routing_settings
+from engine.args import EngineArgs
+from engine.model.config import ModelConfig
+from engine.scheduling.loop import EngineLoop
+from prefill_worker.worker import PrefillWorker
+from router.dispatcher import Dispatcher
+from router.placement import LiveProfile
+from router.placement.live_profile import ProfileSeed
+from router.pools import DecodeView, Pools, PrefillView
+
+log = logging.getLogger(f"pdserve.{__name__}")
+
+IDLE_QUANTUM_S = 0.01     # an engine with work it cannot schedule yet (no free block) looks again after this
+
+
+class SimEngineLoop(EngineLoop):
+    """A worker's `EngineLoop` without its thread: `SimActor` calls `run_once`; posting wakes the actor."""
+
+    def __init__(self, actor: SimActor, step: Callable[[], float]):
+        super().__init__(f"{actor.actor_id}-loop", step)
+        self.actor = actor
+
+    def call(self, fn: Callable[[], None]) -> None:
+        self._inbox.put(fn)
+        self.actor.poke()
+
+    def wake(self) -> None:
+        self.actor.poke()
+
+    def start(self) -> None:
+        self.actor.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.actor.stop()
+
+
+class SimActor:
+    """One simulated actor: its worker, driven step by step on the virtual clock (module docstring)."""
+
+    def __init__(self, actor_id: str, role: str, engine: SimEngine):
+        self.actor_id, self.role, self.engine = actor_id, role, engine
+        self.worker = None
+        self.busy_until = 0.0        # when the step in progress ends (virtual seconds)
+        self.step_s = 0.0            # that step's length
+        self.num_steps = 0
+        self.busy_s = 0.0            # virtual seconds spent in steps
+        self._held: list[tuple[Callable, object]] = []
+        self._stepping = False
+        self._poked = False
+        self._wake: asyncio.Future | None = None
+        self._task: asyncio.Task | None = None
+
+    def attach(self, worker) -> None:
+        self.worker = worker
+        worker.loop = SimEngineLoop(self, worker.loop._step)
+
+    def bridge(self, fn: Callable) -> Callable:
+        """The worker → router path: held while a step runs, delivered when its time has passed."""
+        def deliver(value) -> None:
+            if self._stepping:
+                self._held.append((fn, value))
+            else:
+                fn(value)
+        return deliver
+
+    def poke(self) -> None:
+        self._poked = True
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"sim-{self.actor_id}")
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        engine_loop = self.worker.loop
+        while True:
+            self._poked = False
+            self._stepping = True
+            try:
+                wait_s = engine_loop.run_once(0.0)
+            except Exception as e:      # as the engine thread does: log, keep serving
+                log.exception("simulated engine loop error on %s: %s", self.actor_id, e)
+                wait_s = 0.05
+            step_s = self.engine.runner.take_step_s()
+            if step_s > 0:
+                self.busy_until, self.step_s = loop.time() + step_s, step_s
+                self.num_steps += 1
+                self.busy_s += step_s
+                await asyncio.sleep(step_s)
+            self._stepping = False
+            held, self._held = self._held, []
+            for fn, value in held:
+                fn(value)
+            if step_s > 0 or self._poked:
+                continue
+            await self._idle(wait_s if wait_s > 0 else IDLE_QUANTUM_S)
+
+    async def _idle(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._wake = loop.create_future()
+        timer = loop.call_later(timeout, lambda f=self._wake: f.done() or f.set_result(None))
+        try:
+            await self._wake
+        finally:
+            timer.cancel()
+            self._wake = None
+
+
+@dataclass
+class SimCluster:
+    cfg: PDServeConfig
+    mode: str
+    dispatcher: Dispatcher
+    actors: list[SimActor] = field(default_factory=list)
+
+    def start(self) -> None:
+        for actor in self.actors:
+            actor.start()
+
+    def stop(self) -> None:
+        for actor in self.actors:
+            actor.stop()
+
+
+def pool_sizes(cfg: PDServeConfig, counts: dict[str, int] | None = None) -> dict[str, int]:
+    """Actors per pool at start, as `deploy.launcher.start_pools` counts them."""
+    counts = counts or {}
+    return {pool: counts.get(pool) or p.bounds()[0] for pool, p in cfg.pools.items()}
+
+
+def sim_args(args: EngineArgs, model: StepTimeModel) -> EngineArgs:
+    """The actor's engine settings with the pool size the hardware gives, when the time model knows it."""
+    blocks = model.kv_blocks(args.block_size)
+    if blocks is not None:
+        args.num_blocks = blocks
+    return args
+
+
+def seed_of(model: StepTimeModel, cfg: PDServeConfig) -> ProfileSeed:
+    """Auto placement's starting figures from the time model, as `deploy.live_seed` takes them from a profile."""
+    w, batch = cfg.workload, max(cfg.pools.decode.max_batch_size, 2)
+    s_in, context = w.input_tokens_mean, round(w.input_tokens_mean + w.output_tokens_mean / 2)
+    step_1 = model.step_s([Chunk(1, context)])
+    step_n = model.step_s([Chunk(1, context)] * batch)
+    per_seq = max((step_n - step_1) / (batch - 1), 0.0)
+    probe = 1 << 24
+    return ProfileSeed(prefill_tokens_per_s=s_in / model.step_s([Chunk(s_in, s_in)]),
+                       kv_bytes_per_s=probe / model.link_s(probe), kv_bytes_per_token=model.kv_bytes_per_token,
+                       step_base_s=max(step_1 - per_seq, 0.0), step_per_seq_s=per_seq,
+                       chunk_tokens=cfg.pools.prefill.chunk_tokens)
+
+
+def build_cluster(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig, mode: str = "disaggregated",
+                  chunked: bool = True, counts: dict[str, int] | None = None) -> SimCluster:
+    """The simulated actors of `cfg` (in `mode`: disaggregated or colocated) and the router over them.
+    Call inside the virtual loop; `SimCluster.start` starts the actors."""
+    network = SimNetwork()
+    size = pool_sizes(cfg, counts)
+    model_dir = cfg.model.name
+    pools, actors = Pools(), []
+    dtype_bytes = max(model.kv_bytes_per_token // max(sim_cfg.kv_bytes_per_token(1), 1), 1)
+    ratio = wire_ratio(cfg.kv_transfer.compression, dtype_bytes, cfg.kv_cache.block_size, sim_cfg.head_dim)
+
+    def add(pool: str, role: str, index: int, args: EngineArgs) -> None:
+        engine = SimEngine(sim_args(args, model), sim_cfg, model)
+        actor_id = f"{role if role == 'colocated' else pool}-{index}"
+        actor = SimActor(actor_id, role, engine)
+        if role == "prefill":
+            sender = SimSender(network, actor, model, engine.kv_bytes_per_block, ratio, cfg.kv_transfer.layerwise)
+            worker = PrefillWorker(engine, sender, actor_id)
+        elif role == "decode":
+            worker = DecodeWorker(engine, lambda on_complete: SimReceiver(network, engine.block_manager, on_complete),
+                                  actor_id)
+        else:
+            worker = ColocatedWorker(engine, actor_id)
+        actor.attach(worker)
+        actors.append(actor)
+        blocks = engine.block_manager.num_blocks
+        if role == "prefill":
+            pools.prefill.append(PrefillView(actor_id, LocalPrefillClient(worker, actor.bridge), blocks))
+        else:
+            client = LocalDecodeClient(worker, actor.bridge)
+            pools.get(pool).append(DecodeView(actor_id, client, worker.endpoint, blocks))
+
+    if mode == "colocated":
+        for i in range(size["prefill"] + size["decode"]):
+            add("decode", "colocated", i, colocated_engine_args(cfg, model_dir, chunked, sim_cfg))
+    else:
+        for pool, n in size.items():
+            for i in range(n):
+                add(pool, "prefill" if pool == "prefill" else "decode", i, engine_args(cfg, pool, model_dir, sim_cfg))
+    routing = routing_settings(cfg)
+    live = LiveProfile(seed_of(model, cfg), cfg.kv_cache.block_size) if cfg.routing.mode == "auto" else None
+    max_len = min(cfg.model.max_model_len or sim_cfg.max_position_embeddings, sim_cfg.max_position_embeddings)
+    dispatcher = Dispatcher(pools, SimTokenizer(sim_cfg.vocab_size), max_len, cfg.kv_cache.block_size, routing,
+                            codec=cfg.kv_transfer.compression, live=live)
+    return SimCluster(cfg, mode, dispatcher, actors)

@@ -1,0 +1,107 @@
+"""The engine a simulated actor runs: the real `Engine` bookkeeping, scheduler and block manager;
+the forward pass and the sampler replaced by time.
+
+`SimEngine` is an `Engine` whose runner is a `TimedRunner`: each step the real `Scheduler` builds
+the batch exactly as it would (chunks, preemptions, prefix-cache hits), the runner prices it with
+the `StepTimeModel` instead of computing it, and `draw` picks each sequence's next token from its
+seed and position instead of sampling logits. Everything else — `add_request`, `expect_kv`,
+`adopt`, forking of n sequences, stop checks, `release`, `abort`, the prefix cache's events — is
+`Engine`'s own code. The paged cache holds one byte per slot (block ids, copies and zeroed tails
+behave as in the real cache); `kv_bytes_per_block` reports the simulated model's size.
+"""
+from __future__ import annotations
+
+import torch
+
+from bench.simulate.step_time import Chunk, StepTimeModel
+from engine.args import EngineArgs
+from engine.engine import Engine
+from engine.kv_cache.block_manager import BlockManager
+from engine.kv_cache.events import KVEventLog
+from engine.model.config import ModelConfig
+from engine.output.processor import OutputProcessor
+from engine.runner.model_runner import ModelOutput
+from engine.scheduling.request import Request
+from engine.scheduling.scheduler import ScheduledRequest, Scheduler
+
+FIRST_TOKEN_ID = 2          # ids 0 and 1 are BOS and EOS in every preset; drawn tokens stay above them
+
+
+class SimTokenizer:
+    """A tokenizer for token-id workloads: ids pass through; text decodes to nothing (no detokenizing cost)."""
+
+    def __init__(self, vocab_size: int, eos_token_id: int = 1):
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.eos_token_ids = (eos_token_id,)
+        self.bos_token_id = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [FIRST_TOKEN_ID + b % (self.vocab_size - FIRST_TOKEN_ID) for b in text.encode()]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+class TimedRunner:
+    """`ModelRunner.run` without the model: which sequences are due a token, and how long the step takes."""
+
+    def __init__(self, model: StepTimeModel):
+        self.model = model
+        self.layer_hook = None             # the prefill worker sets it; a timed step has no layers to report
+        self.last_step_s = 0.0             # the last step's time (read by the simulated actor, then reset)
+
+    def run(self, batch: list[ScheduledRequest]) -> ModelOutput:
+        chunks, sampled = [], []
+        for s in batch:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            chunks.append(Chunk(n, start + n))
+            if start + n == req.num_tokens:
+                sampled.append(req)
+        self.last_step_s = self.model.step_s(chunks)
+        return ModelOutput(sampled, torch.zeros(len(sampled), 1))
+
+    def take_step_s(self) -> float:
+        step_s, self.last_step_s = self.last_step_s, 0.0
+        return step_s
+
+
+class SimEngine(Engine):
+    """An `Engine` over `model`'s time (module docstring). `args` gives the block size, pool size and
+    batch limits as the real actor's `EngineArgs` would; `cfg` is the simulated model's shape."""
+
+    def __init__(self, args: EngineArgs, cfg: ModelConfig, model: StepTimeModel):
+        self.args = args
+        self.device = torch.device("cpu")
+        self.dtype = torch.uint8
+        self.config = cfg
+        self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.tokenizer = SimTokenizer(cfg.vocab_size)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self.vocab_size = cfg.vocab_size
+        self.model = None
+        self.fingerprint = f"simulated:{model.name}"
+        self.block_size = block_size = args.block_size
+        self.kv_budget = None
+        num_blocks = args.num_blocks or 1
+        self.kv_cache = torch.zeros(1, num_blocks, 2, 1, block_size, 1, dtype=torch.uint8)
+        self.block_manager = BlockManager(num_blocks, block_size, args.enable_prefix_cache)
+        self.kv_events = KVEventLog(self.block_manager)
+        self.scheduler = Scheduler(self.block_manager, args.max_num_batched_tokens, args.max_num_seqs,
+                                   args.chunk_size, cfg.sliding_window)
+        self.attention = "simulated"
+        self.runner = TimedRunner(model)
+        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.requests = {}
+        self._kv_bytes_per_block = model.kv_bytes_per_token * block_size
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self._kv_bytes_per_block
+
+    def draw(self, logits, seqs: list[Request]) -> tuple[list[int], list]:
+        """A token per sequence from its seed and position (never EOS): outputs are reproducible, and a
+        later turn's prompt that repeats them hits the prefix cache as a real conversation would."""
+        span = self.vocab_size - FIRST_TOKEN_ID
+        tokens = [FIRST_TOKEN_ID + (seq.seed + 7919 * len(seq.output_token_ids)) % span for seq in seqs]
+        return tokens, [None] * len(seqs)

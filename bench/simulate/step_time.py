@@ -1,0 +1,54 @@
+"""What the simulator asks of the hardware: how long one engine step takes, and one KV handoff.
+
+The simulator runs the real schedulers; each step they produce is a list of `Chunk`s (one per
+scheduled sequence: the tokens it computes this step and the context it attends over), and a
+`StepTimeModel` turns that list into seconds. Two models implement it:
+
+    bench.simulate.measured.MeasuredModel   a `pdserve profile` file of this machine
+    bench.simulate.roofline.RooflineModel   a hardware file (peak FLOP/s, bytes/s, links) + a model's shape
+
+Both answer for one actor (a tensor-parallel group counts as one actor: its all-reduces are in
+`step_s`), and for the KV link between two actors (`link_s`).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One sequence's share of a step: `new_tokens` computed, attending over `context` tokens
+    (those computed before plus the new ones). A decode row is Chunk(1, its length)."""
+
+    new_tokens: int
+    context: int
+
+
+class StepTimeModel(ABC):
+    """Seconds of one engine step and of one KV handoff, for one simulated actor.
+
+    Attributes:
+        name: what the model is, for the report ("measured: <profile>", "roofline: H100-SXM, llama-3-8b").
+        kv_bytes_per_token: K and V of one token over all layers, at the cache's dtype (the transfer's bytes
+            and the KV budget count with it).
+        num_layers: decoder layers (the layer-wise handoff overlaps its send with them).
+    """
+
+    name: str
+    kv_bytes_per_token: int
+    num_layers: int
+
+    @abstractmethod
+    def step_s(self, chunks: Sequence[Chunk]) -> float:
+        """One step of the batch `chunks` (non-empty), forward pass and sampling included."""
+
+    @abstractmethod
+    def link_s(self, wire_bytes: float) -> float:
+        """Moving `wire_bytes` of KV from a prefill actor to a decode actor (latency included)."""
+
+    def kv_blocks(self, block_size: int) -> int | None:
+        """KV blocks one actor holds when its budget comes from the hardware (memory left after the
+        weights), or None when the pool's configured budget applies."""
+        return None
