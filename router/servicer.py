@@ -156,11 +156,7 @@ def _response(request_id: str, chunk: GenerationChunk) -> pb.GenerateResponse:
         response.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                                          cached_prompt_tokens=u.cached_prompt_tokens))
     if chunk.timing is not None:
-        t = chunk.timing
-        response.timing.CopyFrom(pb.Timing(queue_s=t.queue_s, prefill_s=t.prefill_s, kv_transfer_s=t.kv_transfer_s,
-                                           decode_queue_s=t.decode_queue_s, ttft_s=t.ttft_s, e2e_s=t.e2e_s))
-        if t.timeline is not None:
-            response.timing.timeline.CopyFrom(t.timeline.to_proto())
+        response.timing.CopyFrom(chunk.timing.to_proto())
     return response
 
 

@@ -136,3 +136,10 @@ class Timing:
     e2e_s: float = 0.0
     timeline: Timeline | None = None   # every stage up to the first token
     placement: "Placement | None" = None   # routing.mode auto: where the prompt was prefilled, and why
+
+    def to_proto(self) -> pb.Timing:
+        out = pb.Timing(queue_s=self.queue_s, prefill_s=self.prefill_s, kv_transfer_s=self.kv_transfer_s,
+                        decode_queue_s=self.decode_queue_s, ttft_s=self.ttft_s, e2e_s=self.e2e_s)
+        if self.timeline is not None:
+            out.timeline.CopyFrom(self.timeline.to_proto())
+        return out

@@ -72,7 +72,16 @@ def bench_config(config_path: str | None, model: str | None, dtype: str | None, 
     """The deployment config for embedded runs: a free metrics port, CLI overrides applied.
 
     For ``colocated-chunked``, ``colocated_chunk_tokens`` (when given) replaces the chunk size."""
-    from deploy.config import load_config, parse_override
+    from deploy.config import load_config
+    values = variant_values(model, dtype, overrides, variant, colocated_chunk_tokens)
+    values["server.metrics_port"] = free_port()
+    return load_config(config_path, values)
+
+
+def variant_values(model: str | None, dtype: str | None, overrides: list[str], variant: str | None = None,
+                   colocated_chunk_tokens: int | None = None) -> dict[str, object]:
+    """The config overrides of a serving variant (`VARIANTS`), the model and dtype flags, then ``--set`` items."""
+    from deploy.config import parse_override
     values: dict[str, object] = {"model.name": model, "model.dtype": dtype}
     if variant == "colocated-chunked" and colocated_chunk_tokens:
         overrides = [*overrides, f"pools.prefill.chunk_tokens={colocated_chunk_tokens}"]
@@ -83,8 +92,7 @@ def bench_config(config_path: str | None, model: str | None, dtype: str | None, 
     for item in overrides:
         key, value = parse_override(item)
         values[key] = value
-    values["server.metrics_port"] = free_port()
-    return load_config(config_path, values)
+    return values
 
 
 def init_local_ray(cfg, num_cpus: float) -> None:

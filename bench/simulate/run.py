@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from bench.serving.clients import FINISH_NAMES, Piece
-from bench.serving.load import RequestRecord, run_load
+from bench.serving.load import RequestRecord, arrival_gaps, one_request, run_load
 from bench.serving.metrics import summarize
-from bench.serving.workloads import RequestSpec
+from bench.serving.workloads import Conversation, RequestSpec
 from bench.simulate.clock import run_virtual
 from bench.simulate.sim_cluster import SimCluster, build_cluster
 from bench.simulate.step_time import StepTimeModel
@@ -37,8 +37,9 @@ class CoreClient:
 
     api = "sim"
 
-    def __init__(self, core: RequestCore):
+    def __init__(self, core: RequestCore, keep_answers: bool = False):
         self.core = core
+        self.answers: dict[str, list[int]] | None = {} if keep_answers else None   # request id -> its tokens
 
     async def stream(self, spec: RequestSpec, request_id: str, timeout: float) -> AsyncIterator[Piece]:
         params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
@@ -50,12 +51,16 @@ class CoreClient:
         try:
             async with contextlib.aclosing(admitted.chunks()) as chunks:
                 async for chunk in chunks:
+                    if self.answers is not None:
+                        self.answers.setdefault(request_id, []).extend(chunk.token_ids)
                     piece = Piece(len(chunk.token_ids))
                     if chunk.finish_reason:
                         piece.finish_reason = FINISH_NAMES.get(chunk.finish_reason, str(chunk.finish_reason))
                     if chunk.usage is not None:
                         piece.completion_tokens = chunk.usage.completion_tokens
                         piece.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
+                    if chunk.timing is not None:
+                        piece.timing = chunk.timing.to_proto()
                     yield piece
         finally:
             admitted.finish()
@@ -77,11 +82,44 @@ class SimRun:
         return len(self.records) / self.wall_s if self.wall_s > 0 else math.inf
 
 
-def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig, specs: list[RequestSpec], *,
+async def run_conversations(client: CoreClient, conversations: list[Conversation], *, rate: float,
+                            burstiness: float = 1.0, seed: int = 0, timeout: float = 600.0
+                            ) -> tuple[list[RequestRecord], float]:
+    """Conversations arrive at `rate`; each sends its turns in order, the next as soon as the last answered,
+    its prompt the previous prompt + the answer + the next user message (`workloads.make_conversations`)."""
+    gaps = arrival_gaps(len(conversations), rate, burstiness, seed)
+    records: list[RequestRecord] = []
+    t0 = time.monotonic()
+
+    async def talk(index: int, conv: Conversation) -> None:
+        prompt, answer = list(conv.first_prompt), []
+        for k, output_len in enumerate(conv.output_lens):
+            if k:
+                prompt = prompt + answer + conv.user_messages[k - 1]
+            rid = f"sim-{seed}-c{index}-t{k}"
+            record = RequestRecord(len(records), rid, f"turn-{k}", len(prompt), output_len)
+            records.append(record)
+            await one_request(client, RequestSpec(prompt, output_len, kind=record.kind), record, t0, timeout)
+            answer = client.answers.pop(rid, [])
+            if not record.ok:
+                return
+
+    tasks = []
+    for gap, (i, conv) in zip(gaps, enumerate(conversations)):
+        tasks.append(asyncio.ensure_future(talk(i, conv)))
+        if gap:
+            await asyncio.sleep(gap)
+    await asyncio.gather(*tasks)
+    return records, time.monotonic() - t0
+
+
+def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
+             specs: list[RequestSpec] | list[Conversation], *,
              rate: float, mode: str = "disaggregated", chunked: bool = True, seed: int = 0, burstiness: float = 1.0,
              slo_ttft_s: float, slo_tpot_s: float, counts: dict[str, int] | None = None, label: str = "",
              progress: bool = False, timeout_s: float = 600.0) -> SimRun:
-    """Run `specs` at `rate` requests/s (Poisson for burstiness 1) through the simulated cluster of `cfg`."""
+    """Run `specs` at `rate` requests/s (Poisson for burstiness 1) through the simulated cluster of `cfg`;
+    `Conversation`s arrive at `rate` conversations/s (`run_conversations`)."""
     label = label or mode
 
     async def main() -> tuple[list[RequestRecord], float, SimCluster]:
@@ -92,9 +130,13 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig, spe
         core.ready = True
         poller = asyncio.get_running_loop().create_task(d.poll_kv_events())
         try:
-            records, duration = await run_load(CoreClient(core), specs, request_rate=rate, burstiness=burstiness,
-                                               seed=seed, label=f"simulate {label}", tag="sim", progress=progress,
-                                               timeout=timeout_s)
+            if specs and isinstance(specs[0], Conversation):
+                records, duration = await run_conversations(CoreClient(core, keep_answers=True), specs, rate=rate,
+                                                            burstiness=burstiness, seed=seed, timeout=timeout_s)
+            else:
+                records, duration = await run_load(CoreClient(core), specs, request_rate=rate, burstiness=burstiness,
+                                                   seed=seed, label=f"simulate {label}", tag="sim",
+                                                   progress=progress, timeout=timeout_s)
         finally:
             poller.cancel()
             cluster.stop()

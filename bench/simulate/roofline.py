@@ -1,0 +1,161 @@
+"""The roofline step-time model: a step takes as long as its FLOPs or its bytes, whichever is slower.
+
+For one step of chunks (n_i new tokens each, attending over c_i tokens), T = Σ n_i:
+
+    FLOPs   = 2·P·T                               matmuls of the decoder layers (P: engine.cost_model)
+            + 4·L·d·Σ (n_i·c_i − n_i(n_i−1)/2)    attention: QKᵀ and PV, 2·d each per causal (query, key) pair
+            + 2·V·h·(number of chunks)            the LM head, one sampled row per chunk
+    bytes   = W                                   the weights a step reads (engine.cost_model), once
+            + Σ c_i·kv + T·kv                     the KV read over each context, the new tokens' KV written
+
+(L layers, d = query heads·head_dim, V·h the LM head, kv = KV bytes per token.) Activations are
+left out: at the batch sizes that matter they are a small share of the weights and KV.
+
+    step_s  = max(FLOPs / tp / (peak·compute_efficiency), bytes per rank / (bandwidth·memory_efficiency))
+            + step_overhead_s + all-reduces
+
+With tensor parallelism every rank holds 1/tp of the weights and of the KV heads (a KV head is
+replicated when tp exceeds the KV heads) and does 1/tp of the FLOPs; the ranks meet in 2 all-reduces
+per layer (after attention and after the MLP), each of T·h activations, costed as a ring:
+2·(tp−1)/tp·bytes over the intra-node link, plus the link latency.
+
+    link_s  = link_latency_s + wire_bytes / (tp · link bytes/s)
+
+The KV handoff leaves from every rank at once (each sends its KV heads over its own link), over the
+inter-node network by default (prefill and decode pools usually sit on different nodes).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from bench.simulate.hardware import Hardware
+from bench.simulate.step_time import Chunk, StepTimeModel
+from engine.cost_model import ModelCosts, decode_weight_params
+from engine.model.config import ModelConfig
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "fp32": 4}
+ALL_REDUCES_PER_LAYER = 2                 # attention output and MLP output (row-parallel o_proj, down_proj)
+
+
+class RooflineModel(StepTimeModel):
+    """Step and handoff times of one actor (a tensor-parallel group of `tensor_parallel` GPUs).
+
+    Args:
+        hardware: one GPU of the actor.
+        cfg: the model's shape (`bench.simulate.models.model_config`).
+        dtype: the matmuls' dtype, which picks the peak FLOP/s (bf16, fp16, fp8, int8, fp32).
+        tensor_parallel: GPUs in the actor; must divide the query heads.
+        kv_dtype_bytes: bytes per KV element (1 for an fp8 cache); default: the dtype's bytes.
+        weight_bytes_per_param: bytes per weight (0.5 for int4 weight-only); default: the dtype's bytes.
+        inter_node: the KV handoff crosses nodes (the network) rather than the intra-node link.
+        model_name: the model's name for `name`; default: its size and type.
+        memory_fraction: share of each GPU's memory the engine may use (weights, reserve and KV).
+        activation_reserve_bytes: memory per GPU kept for activations, logits and workspaces.
+    """
+
+    def __init__(self, hardware: Hardware, cfg: ModelConfig, dtype: str = "bf16", tensor_parallel: int = 1,
+                 kv_dtype_bytes: int | None = None, weight_bytes_per_param: float | None = None,
+                 inter_node: bool = True, *, model_name: str | None = None, memory_fraction: float = 0.9,
+                 activation_reserve_bytes: float = 1e9) -> None:
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {dtype!r} (dtypes: {', '.join(DTYPE_BYTES)})")
+        _check_tensor_parallel(cfg, tensor_parallel)
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        self.hardware, self.cfg, self.dtype, self.tensor_parallel = hardware, cfg, dtype, tensor_parallel
+        self.inter_node, self.memory_fraction = inter_node, memory_fraction
+        self.activation_reserve_bytes = activation_reserve_bytes
+        dtype_bytes = DTYPE_BYTES[dtype]
+        self.costs = ModelCosts.of(cfg, dtype_bytes)
+        per_param = dtype_bytes if weight_bytes_per_param is None else weight_bytes_per_param
+        self.weight_bytes = decode_weight_params(cfg) * per_param       # what a step reads
+        # what the GPU holds: also the embedding table, unless the LM head is that same tensor
+        embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+        self.resident_weight_bytes = (decode_weight_params(cfg) + embedding) * per_param
+        self.kv_bytes_per_token = cfg.kv_bytes_per_token(dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes)
+        self.num_layers = cfg.num_hidden_layers
+        # fp8 / int8 matmuls still pass 16-bit activations between layers (and through the all-reduce)
+        self.activation_bytes = max(dtype_bytes, 2)
+        self.kv_share = math.ceil(cfg.num_key_value_heads / tensor_parallel) / cfg.num_key_value_heads
+        self.flops_per_s = hardware.flops(dtype) * hardware.compute_efficiency
+        self.bytes_per_s = hardware.memory_bytes_per_s * hardware.memory_efficiency
+        model = model_name or f"{cfg.num_params / 1e9:.1f}B {cfg.model_type}"
+        self.name = f"roofline: {hardware.name}, {model}, tp={tensor_parallel}"
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step_s(self, chunks: Sequence[Chunk]) -> float:
+        """compute or memory time of one rank, whichever is longer, + overhead + all-reduces."""
+        assert chunks, "a step has at least one chunk"
+        compute_s = self.step_flops(chunks) / self.tensor_parallel / self.flops_per_s
+        memory_s = self.rank_bytes(chunks) / self.bytes_per_s
+        num_tokens = sum(c.new_tokens for c in chunks)
+        return max(compute_s, memory_s) + self.hardware.step_overhead_s + self.all_reduce_s(num_tokens)
+
+    def step_flops(self, chunks: Sequence[Chunk]) -> float:
+        """FLOPs of the whole step over all ranks: matmuls, causal attention, one LM-head row per chunk."""
+        c = self.costs
+        num_tokens = sum(chunk.new_tokens for chunk in chunks)
+        pairs = sum(attended_pairs(chunk) for chunk in chunks)
+        return (2.0 * c.layer_params * num_tokens + 4.0 * c.num_layers * c.attn_dim * pairs
+                + 2.0 * c.head_params * len(chunks))
+
+    def rank_bytes(self, chunks: Sequence[Chunk]) -> float:
+        """HBM bytes one rank moves: its share of the weights, of the KV read and of the KV written."""
+        kv_tokens = sum(chunk.context + chunk.new_tokens for chunk in chunks)
+        return self.weight_bytes / self.tensor_parallel + kv_tokens * self.kv_bytes_per_token * self.kv_share
+
+    def all_reduce_s(self, num_tokens: int) -> float:
+        """The step's all-reduces: 2 per layer of num_tokens·h activations, ring over the intra-node link."""
+        tp = self.tensor_parallel
+        if tp == 1:
+            return 0.0
+        message_bytes = num_tokens * self.cfg.hidden_size * self.activation_bytes
+        one_s = 2.0 * (tp - 1) / tp * message_bytes / self.hardware.intra_node_link_bytes_per_s
+        return ALL_REDUCES_PER_LAYER * self.num_layers * (one_s + self.hardware.link_latency_s)
+
+    # -- the handoff and the KV budget ------------------------------------------------------------
+
+    def link_s(self, wire_bytes: float) -> float:
+        """Latency, then the bytes over tp parallel links (each rank sends its own KV heads)."""
+        hw = self.hardware
+        bandwidth = hw.inter_node_link_bytes_per_s if self.inter_node else hw.intra_node_link_bytes_per_s
+        return hw.link_latency_s + wire_bytes / (bandwidth * self.tensor_parallel)
+
+    def kv_blocks(self, block_size: int) -> int:
+        """Blocks that fit in what each rank keeps after its weights and the activation reserve.
+
+            blocks = ⌊(memory·memory_fraction − resident weights/tp − reserve) / (block_size·kv bytes per token/tp)⌋
+
+        The resident weights count the embedding table, which a step only gathers from.
+
+        Raises ValueError when a rank's share of the weights and the reserve exceed its usable memory.
+        """
+        hw, tp = self.hardware, self.tensor_parallel
+        usable = hw.memory_bytes * self.memory_fraction
+        rank_weights = self.resident_weight_bytes / tp
+        free = usable - rank_weights - self.activation_reserve_bytes
+        if free < 0:
+            raise ValueError(f"{self.name}: the weights ({rank_weights / 1e9:.1f} GB per GPU) and the activation "
+                             f"reserve ({self.activation_reserve_bytes / 1e9:.1f} GB) do not fit in "
+                             f"{usable / 1e9:.1f} GB ({self.memory_fraction:.0%} of {hw.memory_bytes / 1e9:.0f} GB)")
+        block_bytes = block_size * self.kv_bytes_per_token * self.kv_share
+        return max(0, math.floor(free / block_bytes))
+
+
+def attended_pairs(chunk: Chunk) -> int:
+    """Causal (query, key) pairs of n new tokens ending at context c: row i sees c − n + 1 + i keys.
+
+    Σ_{i<n} (c − n + 1 + i) = n·c − n(n−1)/2; a decode row (1, c) sees c.
+    """
+    n, c = chunk.new_tokens, chunk.context
+    return n * c - n * (n - 1) // 2
+
+
+def _check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    if tp < 1 or heads % tp:
+        raise ValueError(f"tensor_parallel {tp} must be ≥ 1 and divide the {heads} attention heads")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel {tp} and the {kv_heads} KV heads must divide one another")

@@ -1,0 +1,308 @@
+"""The simulator: its virtual clock, its timed engine and transport, and that it runs the real control plane."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.serving.local_actors import start_local_cluster
+from bench.serving.workloads import make_conversations, make_workload
+from bench.simulate import cli
+from bench.simulate.clock import SimulationStalled, run_virtual
+from bench.simulate.measured import MeasuredModel
+from bench.simulate.run import simulate
+from bench.simulate.sim_cluster import build_cluster
+from bench.simulate.sim_engine import SimEngine
+from bench.simulate.sim_transport import SimNetwork, SimReceiver, SimSender
+from bench.simulate.step_time import Chunk, StepTimeModel
+from decode_worker.worker import DecodeWorker
+from deploy.config import load_config
+from deploy.profiler import Profile
+from engine.model.config import ModelConfig
+from engine.model.presets import resolve_model
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import Scheduler
+from kv_transfer import KVPiece, TransferStatus
+from kv_transfer.transports.fake import SimpleBlockPool
+from prefill_worker.worker import PrefillWorker
+from router.backend import GenerationInput
+from router.dispatcher import Dispatcher
+from router.routing import RoutingSettings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class LinearModel(StepTimeModel):
+    """5 ms a step + 0.2 ms a token computed + 0.1 ms a sequence; 1 ms + 1 GB/s on the link."""
+
+    name = "linear"
+    num_layers = 4
+
+    def __init__(self, kv_bytes_per_token: int = 4096):
+        self.kv_bytes_per_token = kv_bytes_per_token
+
+    def step_s(self, chunks):
+        return 0.005 + 2e-4 * sum(c.new_tokens for c in chunks) + 1e-4 * len(chunks)
+
+    def link_s(self, wire_bytes):
+        return 1e-3 + wire_bytes / 1e9
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = load_config(None, {"model.name": "tiny"})
+    return cfg, ModelConfig.from_dir(resolve_model("tiny"))
+
+
+def test_virtual_clock_jumps_and_orders_timers():
+    order = []
+
+    async def main():
+        t0, wall = time.monotonic(), time.perf_counter()
+        loop = asyncio.get_running_loop()
+        loop.call_later(3.0, order.append, "b")
+        loop.call_later(1.0, order.append, "a")
+        await asyncio.sleep(3600)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.sleep(10), 2)
+        return time.monotonic() - t0, time.perf_counter() - wall
+    virtual_s, wall_s = run_virtual(main())
+    assert virtual_s == pytest.approx(3602.0)
+    assert wall_s < 1.0
+    assert order == ["a", "b"]
+
+
+def test_a_wait_nothing_can_end_is_reported():
+    async def main():
+        await asyncio.get_running_loop().create_future()
+    with pytest.raises(SimulationStalled):
+        run_virtual(main())
+
+
+def test_measured_model_prices_decode_rows_and_prefill_chunks():
+    costs = {"num_layers": 2, "hidden_size": 64, "attn_dim": 64, "layer_params": 100_000, "head_params": 10_000,
+             "weight_bytes": 400_000, "kv_bytes_per_token": 512, "dtype_bytes": 4}
+    profile = Profile({"prefill": {"engine": {"costs": costs}, "points": [
+        {"prompt_len": 128, "batch": 1, "seconds": 0.01}, {"prompt_len": 512, "batch": 1, "seconds": 0.05}]},
+        "decode": {"engine": {"costs": costs}, "points": [
+            {"batch": 1, "context": 128, "seconds": 0.002, "bytes_per_s": 1e9},
+            {"batch": 8, "context": 128, "seconds": 0.004, "bytes_per_s": 1e9}]},
+        "transfer": {"wire_bytes": 1e6, "seconds": 0.01}})
+    m = MeasuredModel(profile)
+    assert m.step_s([Chunk(1, 128)] * 8) == pytest.approx(0.004)
+    assert m.step_s([Chunk(128, 128)]) == pytest.approx(profile.prefill_seconds(128))
+    chunk = profile.prefill_seconds(512) - profile.prefill_seconds(128)
+    assert m.step_s([Chunk(384, 512), Chunk(1, 128)]) == pytest.approx(chunk + 0.002)
+    assert m.link_s(2e6) == pytest.approx(0.02)
+    assert (m.kv_bytes_per_token, m.num_layers) == (512, 2)
+
+
+def test_transfer_reserves_blocks_then_delivers_and_cancel_frees_them():
+    class Actor:
+        busy_until, step_s = 0.0, 0.0
+
+    async def main():
+        pool, done = SimpleBlockPool(8), []
+        net = SimNetwork()
+        rx = SimReceiver(net, pool, done.append)
+        tx = SimSender(net, Actor(), LinearModel(), kv_bytes_per_block=1 << 20, ratio=0.5, layerwise=False)
+        t0 = time.monotonic()
+        h = tx.send(KVPiece("r1", None, [0, 1, 2], transfer_id="t1", num_tokens=40, first_token_id=7), rx.endpoint)
+        ended = []
+        h.add_done_callback(lambda _: ended.append(time.monotonic()))
+        await asyncio.sleep(1e-6)
+        assert pool.num_used == 3 and rx.status("t1") is TransferStatus.TRANSFERRING
+        while not h.done():
+            await asyncio.sleep(1e-4)
+        assert h.status is TransferStatus.DONE
+        assert ended[0] - t0 == pytest.approx(1e-3 + 1.5 * (1 << 20) / 1e9, rel=1e-3)
+        (result,) = rx.poll()
+        assert (result.request_id, result.num_tokens, result.first_token_id) == ("r1", 40, 7)
+        assert len(result.dst_block_ids) == 3 and pool.num_used == 3          # the decode worker owns them now
+        pool.free(result.dst_block_ids)
+        h2 = tx.send(KVPiece("r2", None, [0] * 9, transfer_id="t2"), rx.endpoint)      # more than the pool
+        while not h2.done():
+            await asyncio.sleep(1e-4)
+        assert h2.status is TransferStatus.FAILED and "room" in h2.error and pool.num_used == 0
+        h3 = tx.send(KVPiece("r3", None, [0, 1], transfer_id="t3"), rx.endpoint)
+        await asyncio.sleep(1e-6)
+        assert pool.num_used == 2
+        assert rx.cancel(transfer_id="t3") == ["t3"] and pool.num_used == 0
+        while not h3.done():
+            await asyncio.sleep(1e-4)
+        assert h3.status is TransferStatus.FAILED
+    run_virtual(main())
+
+
+def _run(cfg, shape, specs, mode="disaggregated", rate=20.0, seed=0):
+    return simulate(cfg, LinearModel(shape.kv_bytes_per_token(4)), shape, specs, rate=rate, mode=mode, seed=seed,
+                    slo_ttft_s=1.0, slo_tpot_s=0.05)
+
+
+def _timings(run):
+    return [(r.request_id, r.ok, r.num_output_tokens, round(r.ttft_s, 9), round(r.e2e_s, 9), len(r.itl_s))
+            for r in run.records]
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_same_seed_same_run(tiny, mode):
+    cfg, shape = tiny
+    specs = make_workload("mixed", 30, seed=1, scale=0.25)
+    a, b = _run(cfg, shape, specs, mode), _run(cfg, shape, specs, mode)
+    assert all(r.ok for r in a.records)
+    assert all(r.num_output_tokens == s.output_len for r, s in zip(a.records, specs))
+    assert _timings(a) == _timings(b)
+    assert _timings(a) != _timings(_run(cfg, shape, specs, mode, seed=2))      # other arrivals, other times
+
+
+def test_same_seed_same_run_across_processes():
+    """Hash randomization (set and dict orders of other processes) does not move a simulated figure."""
+    code = ("import json, sys; from bench.simulate import cli; sys.exit(cli.main(['--hardware', 'H100-SXM', "
+            "'--model', 'llama-2-7b', '--workload', 'mixed', '--num-requests', '24', '--rate', '8', "
+            "'--compare', 'colocated,auto', '--json', sys.argv[1]]))")
+    outs = []
+    for i, hash_seed in enumerate(("1", "2")):
+        path = f"/tmp/pdserve-sim-determinism-{os.getpid()}-{i}.json"
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        subprocess.run([sys.executable, "-c", code, path], check=True, cwd=ROOT, env=env, capture_output=True)
+        with open(path) as f:
+            outs.append(json.load(f)["runs"])
+        os.unlink(path)
+    assert outs[0] == outs[1]
+
+
+def test_real_workers_and_scheduler_run_inside(tiny):
+    """No fork: the simulated actors are pdserve's own workers over the engine's own Scheduler."""
+    cfg, shape = tiny
+
+    async def main():
+        cluster = build_cluster(cfg, LinearModel(), shape, "disaggregated")
+        return cluster
+    cluster = run_virtual(main())
+    kinds = {type(a.worker) for a in cluster.actors}
+    assert kinds == {PrefillWorker, DecodeWorker}
+    assert all(type(a.engine.scheduler) is Scheduler and isinstance(a.engine, SimEngine) for a in cluster.actors)
+    assert type(cluster.dispatcher) is Dispatcher
+
+
+def test_every_block_is_returned_and_outputs_complete(tiny):
+    cfg, shape = tiny
+    convs = make_conversations(6, 3, seed=0, scale=0.1)
+    holder = {}
+
+    import bench.simulate.run as run_module
+    real_build = run_module.build_cluster
+
+    def keep(*args, **kwargs):
+        holder["cluster"] = c = real_build(*args, **kwargs)
+        return c
+    run_module.build_cluster = keep
+    try:
+        run = _run(cfg, shape, convs, rate=2.0)
+    finally:
+        run_module.build_cluster = real_build
+    assert len(run.records) == 18 and all(r.ok for r in run.records)
+    later = [r for r in run.records if r.kind != "turn-0"]
+    assert sum(r.cached_prompt_tokens for r in later) > 0             # later turns hit their earlier turns' blocks
+    for actor in holder["cluster"].actors:
+        bm = actor.engine.block_manager
+        assert bm.num_used_blocks == 0, actor.actor_id
+        assert not actor.engine.requests
+
+
+def _shared_prefix_trace(n: int) -> list[list[int]]:
+    fams = [[3 + (i * 7) % 900 for i in range(64)], [5 + (i * 11) % 900 for i in range(64)]]
+    return [fams[(i // 2) % 2] + [10 + i, 20 + i, 30 + i] for i in range(n)]
+
+
+LOADS = [(0, 0, 0), (0, 40, 3), (1, 20, 1), (0, 10, 6), (1, 50, 2)]   # (decode actor, blocks, requests)
+
+
+async def _placements(dispatcher, views, trace, settle) -> list[str]:
+    """The decode actor each request of `trace` (sent one at a time) ran on."""
+    chosen: list[str] = []                  # one stream a request: nothing fails here, nothing is retried
+    for view in views:
+        opened = view.client.open_stream
+
+        def record(job, opened=opened, actor_id=view.actor_id):
+            chosen.append(actor_id)
+            return opened(job)
+        view.client.open_stream = record
+    for i, prompt in enumerate(trace):
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        loaded = views[LOADS[i % len(LOADS)][0]]         # a fixed load: blocks held by others, a running batch
+        loaded.reserved_blocks += LOADS[i % len(LOADS)][1]
+        loaded.running += LOADS[i % len(LOADS)][2]
+        async for _ in dispatcher.generate(GenerationInput(f"q{i}", prompt, params, None)):
+            pass
+        loaded.reserved_blocks -= LOADS[i % len(LOADS)][1]
+        loaded.running -= LOADS[i % len(LOADS)][2]
+        await settle()
+        await dispatcher.kv_poller.sync_all()
+    assert len(chosen) == len(trace)
+    return chosen
+
+
+def test_placements_equal_the_real_clusters_on_the_same_trace(tiny):
+    """Where timing does not matter (one request at a time, the cache index synced), the simulated router
+    places every request on the same decode actor as the router over real engines."""
+    trace = _shared_prefix_trace(8)
+    cfg = load_config(None, {"model.name": "tiny", "pools.decode.count": 2, "pools.prefill.count": 1,
+                             "kv_cache.num_blocks": 64, "kv_cache.block_size": 16})
+    shape = ModelConfig.from_dir(resolve_model("tiny"))
+
+    async def real():
+        cluster = start_local_cluster("tiny", 1, 2, 64, 64, 16)
+        d = Dispatcher(cluster.pools, tokenizer=None, max_model_len=1024, block_size=16, routing=RoutingSettings())
+
+        async def settle():
+            deadline = time.monotonic() + 5
+            while any(w.engine.block_manager.num_used_blocks for w in cluster.workers) and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+        try:
+            return await _placements(d, cluster.pools.decode, trace, settle)
+        finally:
+            cluster.stop()
+
+    async def simulated():
+        cluster = build_cluster(cfg, LinearModel(), shape, "disaggregated")
+        cluster.start()
+
+        async def settle():
+            await asyncio.sleep(0.1)
+        try:
+            return await _placements(cluster.dispatcher, cluster.dispatcher.pools.decode, trace, settle)
+        finally:
+            cluster.stop()
+    expected = asyncio.run(real())
+    assert len(set(expected)) == 2                 # the trace does exercise the choice
+    assert run_virtual(simulated()) == expected
+
+
+def test_cli_reports_and_refuses_bad_input(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert cli.main(["--hardware", "H100-SXM", "--model", "llama-3-8b", "--workload", "rag", "--num-requests", "20",
+                     "--rate", "4", "--compare", "colocated-chunked,disaggregated", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "TTFT p50 (ms)" in printed and "disaggregated / colocated-chunked" in printed
+    result = json.loads(out.read_text())
+    assert result["runs"]["disaggregated"]["completed"] == 20
+    assert result["time_model"].startswith("roofline: H100-SXM")
+    assert cli.main(["--hardware", "no-such-gpu"]) == 2
+    assert "no-such-gpu" in capsys.readouterr().err
+    assert cli.main(["--profile", str(tmp_path / "missing.json")]) == 2
+    assert cli.main(["--hardware", "H100-SXM", "--compare", "colocated,bogus"]) == 2
+    assert "bogus" in capsys.readouterr().err
+
+
+def test_split_sweep_names_a_best_split_and_the_plan(capsys):
+    assert cli.main(["--hardware", "A100-80GB", "--model", "llama-2-7b", "--workload", "rag", "--num-requests",
+                     "30", "--sweep", "split", "--devices", "3", "--sweep-values", "2,8"]) == 0
+    printed = capsys.readouterr().out
+    assert "1P2D" in printed and "2P1D" in printed and "colocated" in printed
+    assert "best:" in printed and "pdserve plan at that rate:" in printed
