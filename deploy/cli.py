@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve | generate | demo | plan | profile | bench | model init."""
+"""`pdserve` command line: serve | generate | demo | plan | profile | bench | simulate | model init."""
 from __future__ import annotations
 
 import argparse
@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_bench)
 
+    sub.add_parser("simulate", help="the router and schedulers on a simulated clock: should I disaggregate? "
+                   "(pdserve simulate --help)")
+
     p = sub.add_parser("model", help="model presets")
     msub = p.add_subparsers(dest="model_command", required=True)
     m = msub.add_parser("init", help="write a preset as a Hugging Face directory")
@@ -244,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"]:        # its own parser takes every flag (argparse's REMAINDER drops leading ones)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        from bench.simulate.cli import main as simulate
+        return simulate(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command not in ("serve",):
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
