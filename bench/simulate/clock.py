@@ -42,17 +42,15 @@ class VirtualClock:
 
 
 class VirtualSelector(selectors.SelectSelector):
-    """Reports what is ready now (a thread's wake-up through the loop's self-pipe) without waiting;
-    a wait becomes a jump of the virtual clock."""
+    """Never waits: a wait becomes a jump of the virtual clock. Nothing in a simulation does I/O; a
+    callback another thread posts (`call_soon_threadsafe`) is in the loop's ready queue already, and the
+    self-pipe's wake-up byte it also writes is only for a loop that blocks, which this one never does."""
 
     def __init__(self, clock: VirtualClock):
         super().__init__()
         self.clock = clock
 
     def select(self, timeout: float | None = None):
-        ready = super().select(0)
-        if ready:
-            return ready
         if timeout is None:
             raise SimulationStalled("no timer is scheduled and no task can run")
         self.clock.advance(timeout)

@@ -50,6 +50,7 @@ class TimedRunner:
         self.model = model
         self.layer_hook = None             # the prefill worker sets it; a timed step has no layers to report
         self.last_step_s = 0.0             # the last step's time (read by the simulated actor, then reset)
+        self._rows = torch.zeros(64, 1)    # the logits rows `draw` ignores
 
     def run(self, batch: list[ScheduledRequest]) -> ModelOutput:
         chunks, sampled = [], []
@@ -59,7 +60,9 @@ class TimedRunner:
             if start + n == req.num_tokens:
                 sampled.append(req)
         self.last_step_s = self.model.step_s(chunks)
-        return ModelOutput(sampled, torch.zeros(len(sampled), 1))
+        if len(sampled) > len(self._rows):
+            self._rows = torch.zeros(2 * len(sampled), 1)
+        return ModelOutput(sampled, self._rows[:len(sampled)])
 
     def take_step_s(self) -> float:
         step_s, self.last_step_s = self.last_step_s, 0.0

@@ -1,0 +1,145 @@
+"""Simulated against measured, on this machine: the table in docs/benchmarks/simulate.md.
+
+    python -m bench.simulate.validate --model small --scale 0.25 --workloads chat,rag,mixed \\
+        --json docs/results/simulate-validation.json
+
+For each workload: the simulator (with this machine's measured profile, `pdserve profile --local`,
+made first when the config has none) finds the disaggregated variant's capacity and picks three rates
+(0.4, 0.7 and 1.0 of it); at each rate `pdserve bench serve --embedded --compare colocated,
+disaggregated,auto` runs the real cluster and `pdserve simulate` the same workload, seed and
+arrivals. Printed side by side: TTFT and TPOT p50/p90 of every variant and their ratio, and per
+variant the highest rate held at >= 90% SLO attainment over the three rates, and which variant is best.
+Role flips are off on both sides (the simulator does not move actors between roles).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+from bench.serving.slo_scale import max_rate_rps
+from bench.simulate import cli
+
+VARIANTS = ("colocated", "disaggregated", "auto")
+FIGURES = ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")
+FRACTIONS = (0.4, 0.7, 1.0)
+
+
+def sim_args(args, workload: str, rate: float = math.inf) -> argparse.Namespace:
+    flags = ["--workload", workload, "--num-requests", str(args.num_requests), "--scale", str(args.scale),
+             "--seed", str(args.seed), "--rate", str(rate), "--slo-ttft-ms", str(args.slo_ttft_ms),
+             "--slo-tpot-ms", str(args.slo_tpot_ms), "--set", f"model.name={args.model}",
+             "--set", "routing.role_flips=off"]
+    if args.profile:
+        flags += ["--profile", args.profile]
+    return cli.build_parser().parse_args(flags)
+
+
+def measured(args, workload: str, rate: float) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    cmd = [sys.executable, "-m", "bench.serving", "--embedded", "--model", args.model, "--workload", workload,
+           "--num-requests", str(args.num_requests), "--scale", str(args.scale), "--seed", str(args.seed),
+           "--request-rate", str(rate), "--compare", ",".join(VARIANTS), "--set", "routing.role_flips=off",
+           "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms), "--no-progress",
+           "--json", path]
+    print(" ".join(cmd[1:]), file=sys.stderr)
+    subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
+    try:
+        with open(path) as f:
+            runs = json.load(f)["runs"]
+    finally:
+        os.unlink(path)
+    return {v: {k: runs[v].get(k) for k in (*FIGURES, "slo_attainment", "goodput_rps")} for v in VARIANTS}
+
+
+def simulated(args, workload: str, rate: float) -> dict:
+    a = sim_args(args, workload, rate)
+    specs = cli.workload(a)
+    out = {}
+    for v in VARIANTS:
+        s = cli.run_one(a, v, specs, rate).summary
+        out[v] = {k: s[k] for k in (*FIGURES, "slo_attainment", "goodput_rps")}
+    return out
+
+
+def ensure_profile(args) -> None:
+    if args.profile:
+        return
+    from bench.serving.cluster import variant_values
+    from deploy.config import load_config
+    from deploy.plan_cli import obtain_profile
+    cfg = load_config(None, variant_values(args.model, None, ["routing.role_flips=off"], "disaggregated"))
+    _, args.profile = obtain_profile(cfg, None, local=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.simulate.validate", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="small")
+    p.add_argument("--profile", help="measured profile (default: the config's, made first if missing)")
+    p.add_argument("--workloads", default="chat,rag,mixed")
+    p.add_argument("--num-requests", type=int, default=40)
+    p.add_argument("--scale", type=float, default=0.25)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--rates", help="workload=r1:r2:r3,... (default: 0.4/0.7/1.0 of the simulated capacity)")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    ensure_profile(args)
+    given = dict(item.split("=") for item in args.rates.split(",")) if args.rates else {}
+    result = {"profile": args.profile, "model": args.model, "scale": args.scale, "workloads": {}}
+    for workload in args.workloads.split(","):
+        if workload in given:
+            rates = [float(r) for r in given[workload].split(":")]
+        else:
+            a = sim_args(args, workload)
+            cap = cli.capacity(a, "disaggregated", cli.workload(a))
+            rates = [round(cap * f, 2) for f in FRACTIONS]
+        points = [{"rate": r, "measured": measured(args, workload, r), "simulated": simulated(args, workload, r)}
+                  for r in rates]
+        held = {side: {v: max_rate_rps([{"x": pt["rate"], "slo_attainment": pt[side][v]["slo_attainment"]}
+                                        for pt in points]) for v in VARIANTS} for side in ("measured", "simulated")}
+        result["workloads"][workload] = {"rates": rates, "points": points, "max_rate": held}
+        print_workload(workload, points, held)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x * 1e3:.0f}" if x >= 0.1 else f"{x * 1e3:.1f}"
+
+
+def print_workload(workload: str, points: list[dict], held: dict) -> None:
+    print(f"\n### {workload}\n")
+    print("| rate (req/s) | variant | TTFT p50 meas / sim (ms) | TTFT p90 | TPOT p50 | TPOT p90 "
+          "| SLO att. meas / sim |")
+    print("|---|---|---|---|---|---|---|")
+    for pt in points:
+        for v in VARIANTS:
+            m, s = pt["measured"][v], pt["simulated"][v]
+            cells = [f"{_ms(m[k])} / {_ms(s[k])} ({_ratio(s[k], m[k])})" for k in FIGURES]
+            print(f"| {pt['rate']:g} | {v} | " + " | ".join(cells) +
+                  f" | {m['slo_attainment'] * 100:.0f}% / {s['slo_attainment'] * 100:.0f}% |")
+    best = {side: max(VARIANTS, key=lambda v: held[side][v]["max_rate_rps"]) for side in held}
+    rows = ", ".join(f"{v} {held['measured'][v]['max_rate_rps']:.2f} / {held['simulated'][v]['max_rate_rps']:.2f}"
+                     for v in VARIANTS)
+    print(f"\nmax rate at >= 90% attainment (req/s, measured / simulated): {rows}; best: "
+          f"{best['measured']} / {best['simulated']}")
+
+
+def _ratio(sim: float | None, meas: float | None) -> str:
+    if not sim or not meas:
+        return "–"
+    return f"{sim / meas:.2f}×"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
