@@ -13,8 +13,16 @@
        (perplexity of 64 tokens; only the prompt KV differs between codecs).
    `fp8` (one scale per block × layer × K/V × kv-head) and `fp8_tensor` (one scale per
    shipped tensor) are compared on the same measures.
+3. Weight-only quantization (`--weights int8,int4`): an engine per quantization on the same
+   weights; held-out bits per byte of the fixed passages (each a fresh context: prefill, the
+   dense path) with the per-passage worst change, and greedy agreement of 64 tokens after each
+   passage's 128-token prompt, decoded in batches of 8 (the packed kernels), against the
+   unquantized engine: prefix agreement, identical sequences, and the unquantized engine's top-1 -
+   top-2 margin where a sequence first forks. With the corpus (step 1), the whole held-out split's
+   bits per byte per quantization too. Targets: within 1% for int8, 5% for int4.
 
-    python -m bench.trained_quality [--model pydoc] [--passages 64] [--no-bpb] [--json PATH]
+    python -m bench.trained_quality [--model pydoc] [--passages 64] [--no-bpb] [--no-kv] [--weights int8,int4]
+                                    [--json PATH]
 """
 from __future__ import annotations
 
@@ -38,6 +46,8 @@ from kv_transfer import FakeHub, KVPiece, TransferResult, TransferStatus, layout
 PROMPT_TOKENS = 128
 CONTINUATION_TOKENS = 64
 TARGETS = {"ppl_rel_diff": 0.01, "identical_sequences": 0.90}
+WEIGHT_TARGETS = {"int8": 0.01, "int4": 0.05}     # held-out bits per byte, relative to unquantized
+GREEDY_BATCH = 8
 
 
 def engine_nll(engine: Engine, windows: list[list[int]]) -> tuple[float, int]:
@@ -64,8 +74,8 @@ def hf_nll(model_dir: str, windows: list[list[int]]) -> tuple[float, int]:
     return nll_sum(model, windows), sum(len(w) - 1 for w in windows)
 
 
-def heldout_bits_per_byte(model_dir: str, engine: Engine, cache: str | None = None) -> dict:
-    """Bits per byte over the whole held-out split, engine vs HF (same windows, same weights)."""
+def heldout_windows_and_bytes(model_dir: str, cache: str | None = None) -> tuple[list[list[int]], int]:
+    """The held-out split as the trainer scores it (fresh-context windows) and its size in bytes."""
     import os
 
     from tokenizers import Tokenizer
@@ -80,8 +90,12 @@ def heldout_bits_per_byte(model_dir: str, engine: Engine, cache: str | None = No
               f"{record['corpus']['sha256'][:16]}…", file=sys.stderr)
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     seq_len = record["recipe"].get("seq_len", Recipe.seq_len)
-    windows = heldout_windows(encode_documents(tok, corpus.heldout), seq_len)
-    nbytes = corpus.num_heldout_bytes
+    return heldout_windows(encode_documents(tok, corpus.heldout), seq_len), corpus.num_heldout_bytes
+
+
+def heldout_bits_per_byte(model_dir: str, engine: Engine, cache: str | None = None) -> dict:
+    """Bits per byte over the whole held-out split, engine vs HF (same windows, same weights)."""
+    windows, nbytes = heldout_windows_and_bytes(model_dir, cache)
     t0 = time.perf_counter()
     e_nll, n = engine_nll(engine, windows)
     t1 = time.perf_counter()
@@ -228,6 +242,96 @@ def kv_codec_quality(model: str = "pydoc", num_passages: int = 64, codecs: tuple
     return result
 
 
+def _greedy(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list:
+    """Greedy completions with top-2 logprobs, decoded GREEDY_BATCH sequences at a time."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    out = []
+    for start in range(0, len(prompts), GREEDY_BATCH):
+        out += engine.generate(prompts[start:start + GREEDY_BATCH], params)
+    return out
+
+
+def weight_quality(model: str = "pydoc", quantizations: tuple[str, ...] = ("int8", "int4"), num_passages: int = 64,
+                   group_size: int = 128, dtype: str = "float32", prompt_len: int = PROMPT_TOKENS,
+                   max_tokens: int = CONTINUATION_TOKENS, greedy: bool = True, windows=None,
+                   heldout_bytes: int | None = None) -> dict:
+    """Each weight quantization against the unquantized engine on the held-out passages (module
+    docstring, part 3); `windows` + `heldout_bytes` (the held-out split, `heldout_bits_per_byte`'s
+    windows) add whole-split bits per byte."""
+    model_dir = resolve_model(model)
+    passages = load_passages(model_dir)[:num_passages]
+    result: dict = {"passages": len(passages), "group_size": group_size, "dtype": dtype}
+    reference: dict | None = None
+    for name in ("none", *quantizations):
+        engine = Engine(EngineArgs(model_dir, dtype=dtype, num_blocks=64 + GREEDY_BATCH * 20, enable_prefix_cache=False,
+                                   attention="eager", quantization=name, quantization_group_size=group_size))
+        nbytes = [len(engine.tokenizer.decode(p[1:]).encode()) for p in passages]     # the scored tokens' bytes
+        nll = [engine_nll(engine, [p])[0] for p in passages]
+        row = {"bits_per_byte": sum(nll) / math.log(2) / sum(nbytes), "nll": nll,
+               "plan": str(engine.model.quant) if engine.model.quant is not None else None}
+        if windows is not None:
+            split_nll, _ = engine_nll(engine, windows)
+            row["heldout_bits_per_byte"] = split_nll / math.log(2) / heldout_bytes
+        if greedy:
+            row["greedy"] = _greedy(engine, [p[:prompt_len] for p in passages], max_tokens)
+        engine.block_manager.check_no_leaks()
+        if reference is None:
+            reference = result["none"] = row
+            continue
+        ref_bpb = reference["bits_per_byte"]
+        row["bpb_rel_diff"] = row["bits_per_byte"] / ref_bpb - 1
+        row["bpb_rel_diff_max_passage"] = max(a / b - 1 for a, b in zip(nll, reference["nll"]))
+        if windows is not None:
+            row["heldout_rel_diff"] = row["heldout_bits_per_byte"] / reference["heldout_bits_per_byte"] - 1
+        if greedy:
+            ours, theirs = [c.token_ids for c in row["greedy"]], [c.token_ids for c in reference["greedy"]]
+            prefix = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(ours, theirs)]
+            forks = [c.logprobs[k].top[0].logprob - c.logprobs[k].top[1].logprob
+                     for k, c, y in zip(prefix, reference["greedy"], theirs) if k < len(y)]
+            row.update(greedy_prefix_agreement=sum(prefix) / sum(map(len, theirs)),
+                       identical_sequences=sum(x == y for x, y in zip(ours, theirs)) / len(passages),
+                       max_margin_at_fork=max(forks, default=0.0))
+        row["target"] = WEIGHT_TARGETS.get(name)
+        row["pass"] = row["target"] is None or abs(row["bpb_rel_diff"]) <= row["target"]
+        result[name] = row
+    for row in (result[n] for n in ("none", *quantizations)):
+        row.pop("greedy", None)
+        row.pop("nll")
+    return result
+
+
+def print_weight_quality(q: dict) -> None:
+    print(f"weight-only quantization ({q['dtype']}, int4 group {q['group_size']}): {q['passages']} held-out passages "
+          f"scored as fresh contexts; greedy {CONTINUATION_TOKENS} tokens after each {PROMPT_TOKENS}-token prompt, "
+          f"batches of {GREEDY_BATCH}")
+    split = "heldout_bits_per_byte" in q["none"]
+    head = ["weights", "bits/byte", "vs none", "max/passage"] + (["split b/B", "vs none"] if split else []) + \
+        ["greedy prefix", "identical", "max margin at fork", "target"]
+    rows = []
+    for name, r in q.items():
+        if not isinstance(r, dict):
+            continue
+        base = name == "none"
+
+        def rel(key: str) -> str:
+            return "" if base else f"{r[key]:+.3%}"
+        row = [name, f"{r['bits_per_byte']:.5f}", rel("bpb_rel_diff"), rel("bpb_rel_diff_max_passage")]
+        if split:
+            row += [f"{r['heldout_bits_per_byte']:.5f}", rel("heldout_rel_diff")]
+        if base:
+            row += ["1.000", "1.000", "", ""]
+        else:
+            goal = f"<= {r['target']:.0%} {'met' if r['pass'] else 'NOT met'}" if r["target"] else ""
+            row += [f"{r.get('greedy_prefix_agreement', math.nan):.3f}",
+                    f"{r.get('identical_sequences', math.nan):.3f}", f"{r.get('max_margin_at_fork', 0.0):.4f}", goal]
+        rows.append(row)
+    widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
+    for row in [head, *rows]:
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    print("(margin at fork: the unquantized engine's top-1 - top-2 logprob, nats, where a greedy sequence first "
+          "differs)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.trained_quality", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="pydoc")
@@ -237,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="KV transport between the prefill and the decode engine (default grpc on loopback)")
     ap.add_argument("--no-bpb", action="store_true", help="skip held-out bits per byte (needs the corpus)")
     ap.add_argument("--no-kv", action="store_true", help="skip the FP8 KV measures")
+    ap.add_argument("--weights", default="int8,int4",
+                    help="weight quantizations to compare with unquantized weights ('' skips them)")
+    ap.add_argument("--group-size", type=int, default=128, help="int4 group size (32, 64, 128)")
     ap.add_argument("--cache", help="corpus cache directory (default ~/.cache/pdserve/corpus)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -252,6 +359,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"held-out bits/byte over {bpb['tokens']} tokens / {bpb['bytes']} bytes: engine "
               f"{bpb['engine_bits_per_byte']:.5f}, HF transformers {bpb['hf_bits_per_byte']:.5f}, "
               f"|diff| {bpb['abs_diff']:.1e} ({'ok' if ok else 'FAIL'} at 1e-3)\n")
+    weights = tuple(w for w in args.weights.split(",") if w)
+    if weights:
+        split = {}
+        if not args.no_bpb:
+            split = dict(zip(("windows", "heldout_bytes"), heldout_windows_and_bytes(model_dir, args.cache)))
+        q = result["weights"] = weight_quality(args.model, weights, args.passages, args.group_size, **split)
+        print_weight_quality(q)
+        print()
+        ok = ok and all(q[w]["pass"] for w in weights)
     if not args.no_kv:
         q = result["kv"] = kv_codec_quality(args.model, args.passages, attention=args.attention,
                                             transport=args.transport)

@@ -18,7 +18,7 @@ import torch
 
 from decode_worker.stream_service import DecodeStreamClient
 from deploy.actor_clients import RayDecodeClient, RayPrefillClient
-from deploy.config import PDServeConfig
+from deploy.config import ConfigError, PDServeConfig
 from deploy.placement import cpu_scale, scaled_cpus, wait_placed
 from engine.args import EngineArgs
 from engine.engine import pick_dtype
@@ -93,10 +93,15 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str, mcfg: ModelConfig
     device = torch.device("cuda" if p.resources.num_gpus else "cpu")
     per_block = mcfg.kv_bytes_per_token(pick_dtype(dtype, device).itemsize) * kv.block_size
     num_blocks = kv.resolve_num_blocks(per_block, CPU_KV_DEFAULT_BYTES)
+    quantization, group_size, key = cfg.pool_quantization(pool)
+    if quantization == "int8" and mcfg.quantization is not None:
+        raise ConfigError(f"{key}: int8 cannot apply to {model_dir}, a 4-bit {mcfg.quantization.method} "
+                          "checkpoint (served int4 as stored): set none or int4", key)
     args = EngineArgs(model=model_dir, dtype=dtype, block_size=kv.block_size, num_blocks=max(num_blocks, 1),
                       max_model_len=cfg.model.max_model_len, torch_threads=p.resources.threads(),
                       attention=cfg.model.attention,
-                      weight_layout=cfg.model.weight_layout if device.type == "cpu" else "auto")
+                      weight_layout=cfg.model.weight_layout if device.type == "cpu" else "auto",
+                      quantization=quantization, quantization_group_size=group_size)
     if device.type == "cuda":
         args.kv_memory_fraction = kv.device_fraction()
     if pool == "prefill":
@@ -121,11 +126,12 @@ def colocated_engine_args(cfg: PDServeConfig, model_dir: str, chunked: bool = Tr
     return args
 
 
-def role_engine_args(cfg: PDServeConfig, model_dir: str) -> tuple[EngineArgs, dict]:
+def role_engine_args(cfg: PDServeConfig, model_dir: str, mcfg: ModelConfig | None = None
+                     ) -> tuple[EngineArgs, dict]:
     """A role-flippable actor's engine (the decode pool's KV cache and attention; room for the largest
     batch of any role) and the scheduler limits of each role (`deploy.actor.RoleLimits`)."""
     from deploy.actor import RoleLimits
-    args = engine_args(cfg, "decode", model_dir)
+    args = engine_args(cfg, "decode", model_dir, mcfg)
     prefill, decode = cfg.pools.prefill, cfg.pools.decode
     defaults = EngineArgs()
     limits = {"prefill": RoleLimits(defaults.max_num_seqs, prefill.max_batch_tokens, prefill.chunk_tokens),
@@ -269,6 +275,21 @@ class ActorFactory:
             self.first = infos[0]
         check_layouts([self.first, *infos])
         return [self.view_of(pool, handle, info) for (pool, handle), info in zip(spawned, infos)]
+
+    async def set_role(self, view, pool: str, role: str, timeout_s: float) -> tuple[object, dict]:
+        """Switch the actor behind `view` to `role` (`deploy.actor.ServingActor.set_role`, which hands off
+        what it still runs after `timeout_s`); its fresh view in `pool`, the new role's, and its info."""
+        info = await view.client.handle.set_role.remote(role, timeout_s)
+        return self.view_of(pool, view.client.handle, info), info
+
+    async def retire(self, view) -> None:
+        """Kill the actor behind `view` for good (no restart) and close the router's clients to it."""
+        import ray
+        try:
+            ray.kill(view.client.handle, no_restart=True)
+        except Exception:           # gone already
+            pass
+        await view.client.retire()
 
     def view_of(self, pool: str, handle, info: dict):
         """The router's view of an actor of `pool` (prefill, or a decode pool) from its `info()`."""

@@ -44,6 +44,12 @@ class EngineArgs:
             `auto` = the layout measured fastest on this machine (engine/model/kernel_choice.py; CPU only,
             row-major elsewhere), or `row-major`, `input-major`, `onednn-packed`,
             `onednn-packed+input-major` (a layout the weights' dtype and CPU cannot take is an error).
+        quantization: `none`, `int8` or `int4`: the decoder layers' projections quantized at load,
+            weight-only (engine/model/quantized_linear.py: int8 per output channel, int4 per group of
+            `quantization_group_size` input channels; embeddings and the LM head stay in `dtype`). A
+            GPTQ / AWQ / compressed-tensors 4-bit checkpoint is served int4 as stored under `none` or
+            `int4` (its own group size); `int8` is refused for it.
+        quantization_group_size: int4's group (32, 64 or 128).
         torch_threads: torch's intra-op thread count, set when the engine is built (None: unchanged).
     """
 
@@ -62,6 +68,8 @@ class EngineArgs:
     attention: str = "auto"
     cuda_graphs: bool = False
     weight_layout: str = "auto"
+    quantization: str = "none"
+    quantization_group_size: int = 128
     torch_threads: int | None = None
 
     def model_dir(self) -> str:

@@ -98,7 +98,11 @@ class Engine:
         self.tokenizer = args.load_tokenizer(cfg, self.generation_config)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.vocab_size = cfg.vocab_size
-        self.model = load_model(self.model_dir, cfg, self.device, self.dtype, self.max_model_len)
+        self.model = load_model(self.model_dir, cfg, self.device, self.dtype, self.max_model_len,
+                                args.quantization, args.quantization_group_size)
+        self.quantization = self.model.quantization       # none | int8 | int4 (a quantized checkpoint: int4)
+        # Of the directory's weights, not of how they are stored: a decode actor running int4 and a
+        # prefill actor running unquantized share it, and the KV handshake admits them (docs/engine.md).
         self.fingerprint = fingerprint(self.model_dir, cfg)
         self.block_size = block_size
         self.kv_budget: memory_budget.KVBudget | None = None    # the device's budget table (CUDA only)

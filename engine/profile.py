@@ -20,12 +20,15 @@ from engine.sampling.params import SamplingParams
 
 
 def engine_costs(engine) -> ModelCosts:
-    return ModelCosts.of(engine.config, engine.dtype.itemsize)
+    quantized = engine.model.quantization != "none"
+    return ModelCosts.of(engine.config, engine.dtype.itemsize,
+                         engine.model.matmul_weight_bytes() if quantized else None)
 
 
 def describe(engine) -> dict:
     """What a profile was measured on (saved beside the points)."""
     return {"model_dir": engine.model_dir, "fingerprint": engine.fingerprint, "dtype": str(engine.dtype),
+            "quantization": engine.model.quantization,
             "device": str(engine.device), "torch_threads": torch.get_num_threads(),
             "block_size": engine.block_size, "kv_blocks": engine.block_manager.num_blocks,
             "chunk_size": engine.scheduler.chunk_size if hasattr(engine.scheduler, "chunk_size") else None,

@@ -57,7 +57,7 @@ def rows(result: dict) -> tuple[list[str], list[list[str]]]:
     return head, body
 
 
-def _table(head: list[str], body: list[list[str]]) -> str:
+def table(head: list[str], body: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
 
     def line(r: list[str]) -> str:
@@ -65,7 +65,7 @@ def _table(head: list[str], body: list[list[str]]) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in body])
 
 
-def _target_rows(result: dict) -> tuple[list[str], list[list[str]]]:
+def target_rows(result: dict) -> tuple[list[str], list[list[str]]]:
     return (["target", "measured", "goal", "result"],
             [[t["target"], _fmt_target(t), t["goal"], "PASS" if t["pass"] else "MISS"] for t in result["targets"]])
 
@@ -83,13 +83,14 @@ def _title(result: dict) -> str:
 
 
 def render_text(result: dict) -> str:
-    return "\n\n".join([_title(result), _table(*rows(result)), _table(*_target_rows(result))])
+    return "\n\n".join([_title(result), table(*rows(result)), table(*target_rows(result))])
 
 
-def _md(head: list[str], body: list[list[str]]) -> str:
+def markdown_table(head: list[str], body: list[list[str]]) -> str:
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     return "\n".join(out + ["| " + " | ".join(r) + " |" for r in body])
 
 
 def render_markdown(result: dict) -> str:
-    return "\n\n".join([_title(result).replace("\n", "  \n"), _md(*rows(result)), _md(*_target_rows(result))]) + "\n"
+    return "\n\n".join([_title(result).replace("\n", "  \n"), markdown_table(*rows(result)),
+                        markdown_table(*target_rows(result))]) + "\n"

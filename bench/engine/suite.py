@@ -1,6 +1,7 @@
 """Engine benchmark: our engine beside Hugging Face and the machine's own limits, in one run.
 
     python -m bench.engine [--model small] [--dtype float32|bfloat16] [--quick] [--json FILE] [--markdown FILE]
+    python -m bench.engine --quantization none,int8,int4 [...]     # weight-only quantization side by side
 
 Three parts, each on the same weights and dtype as HF (see `bench/engine/peers.py`
 for the peers and exactly what each limit counts; `engine/cost_model.py` for the counts):
@@ -17,6 +18,9 @@ for the peers and exactly what each limit counts; `engine/cost_model.py` for the
 
 Ours and HF alternate repetition by repetition (A/B, then B/A) and each figure is
 the median, so machine noise hits both sides alike. Progress goes to stderr.
+
+`--quantization` runs instead one engine per weight quantization, side by side, without HF
+(bench/engine/quantization.py).
 """
 from __future__ import annotations
 
@@ -217,6 +221,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="our engine's decode attention (default: the engine's own choice)")
     p.add_argument("--weight-layout", default="auto", choices=["auto", *WEIGHT_LAYOUTS],
                    help="our engine's projection weight layout (default: the one measured fastest here)")
+    p.add_argument("--quantization", default="",
+                   help="compare weight quantizations instead of HF, e.g. none,int8,int4 "
+                   "(bench/engine/quantization.py)")
+    p.add_argument("--group-size", type=int, default=128, help="int4 group size with --quantization (32, 64, 128)")
     return p.parse_args(argv)
 
 
@@ -226,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     plan = Plan.quick() if args.quick else Plan()
     log = Progress()
+    if args.quantization:
+        from bench.engine import quantization
+        result = quantization.run(args, plan, log)
+        print(quantization.render_text(result))
+        _write(args, result, quantization.render_markdown(result))
+        return 0
     dtype = pick_dtype(args.dtype, torch.device("cpu"))
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
@@ -259,11 +273,15 @@ def main(argv: list[str] | None = None) -> int:
               "machine": machine, "prefill": prefill, "decode": decode, "workload": workload}
     result["targets"] = check_targets(result)
     print(render_text(result))
+    _write(args, result, render_markdown(result))
+    return 0
+
+
+def _write(args: argparse.Namespace, result: dict, markdown: str) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(render_markdown(result))
-    return 0
+            f.write(markdown)
 

@@ -7,10 +7,11 @@ its loading, ``base`` for what every section shares. Object tree (pydantic v2
 models, unknown keys forbidden)::
 
     PDServeConfig                       root.py
-      model: ModelSection               model.py        name, dtype, attention, weight_layout, max_model_len
+      model: ModelSection               model.py        name, dtype, attention, weight_layout, quantization,
+                                                        quantization_group_size, max_model_len
       pools: PoolsSection               pools.py        prefill, decode, long_context (optional)
         <pool>: PoolSection                             count, min, max, resources, max_restarts,
-                                                        model, kv_cache
+                                                        model, kv_cache, quantization, quantization_group_size
           resources: ResourcesSection                   num_cpus, num_gpus, torch_threads, custom
         prefill: PrefillPoolSection                     + max_batch_tokens, chunk_tokens
         decode, long_context: DecodePoolSection         + max_batch_size

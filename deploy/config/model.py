@@ -1,4 +1,5 @@
-"""The ``model`` section: which model every pool serves, its dtype, attention kernels and weight layout."""
+"""The ``model`` section: which model every pool serves, its dtype, attention kernels, weight layout and
+weight-only quantization."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,14 @@ from typing import Annotated, Literal, Optional
 from pydantic import AfterValidator, Field, ValidationInfo
 
 from deploy.config.base import PRESET_MODELS, Int, Section, resolve_path
+
+Quantization = Literal["none", "int8", "int4"]
+QuantizationGroupSize = Literal[32, 64, 128]
+QUANTIZATION_HELP = (
+    "Weight-only quantization of the decoder layers' projections, at load: none; int8 (one scale per "
+    "output channel); int4 (a scale per group of quantization_group_size input channels). Embeddings and "
+    "the LM head stay in dtype. A GPTQ / AWQ / compressed-tensors 4-bit checkpoint is served int4 as "
+    "stored under none or int4 (int8 is refused for it).")
 
 
 def check_model_name(value: str, info: ValidationInfo | None) -> str:
@@ -42,6 +51,11 @@ class ModelSection(Section):
         "the weights for batch-1 decode, when that fits in 1/8 of RAM); onednn-packed = one packed copy "
         "(the least memory of the fast layouts); row-major / input-major = BLAS on the dense weight. "
         "GPUs always use row-major.")
+    quantization: Quantization = Field("none", description=QUANTIZATION_HELP + " Pools may override it "
+                                       "(pools.<pool>.quantization): the handoff carries KV, not weights.")
+    quantization_group_size: QuantizationGroupSize = Field(
+        128, description="int4: input channels per scale (32, 64 or 128; smaller groups: closer to the "
+        "unquantized model, a few % more bytes).")
     max_model_len: Optional[Int] = Field(
         None, gt=0, description="Longest prompt + output in tokens; default: the model's "
         "max_position_embeddings.")

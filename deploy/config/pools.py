@@ -9,7 +9,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from deploy.config.base import FieldProblem, Float, Int, Section
 from deploy.config.kv_cache import KVCacheSection
-from deploy.config.model import check_model_name
+from deploy.config.model import Quantization, QuantizationGroupSize, check_model_name
 
 RESERVED_RESOURCES = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": "num_cpus",
                       "object_store_memory": "num_cpus"}
@@ -77,6 +77,12 @@ class PoolSection(Section):
     kv_cache: Optional[KVCacheSection] = Field(
         None, description="Override of the top-level kv_cache for this pool (e.g. a "
         "smaller budget on prefill); block_size must agree across pools.")
+    quantization: Optional[Quantization] = Field(
+        None, description="Override of model.quantization for this pool, e.g. int4 on decode (bytes per "
+        "step) while prefill runs unquantized; pools may differ (the KV handshake compares the model's "
+        "weights, not how a pool stores them).")
+    quantization_group_size: Optional[QuantizationGroupSize] = Field(
+        None, description="Override of model.quantization_group_size for this pool.")
 
     @field_validator("count", mode="before")
     @classmethod

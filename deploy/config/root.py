@@ -74,6 +74,14 @@ class PDServeConfig(Section):
         merged.update({key: getattr(override, key) for key in override.model_fields_set})
         return KVCacheSection.model_validate(merged)
 
+    def pool_quantization(self, name: str) -> tuple[str, int, str]:
+        """(quantization, int4 group size, the key that set the quantization) of pool ``name``: its
+        overrides, else the model section's."""
+        pool = self._pool(name)
+        key = f"pools.{name}.quantization" if pool.quantization is not None else "model.quantization"
+        return (pool.quantization or self.model.quantization,
+                pool.quantization_group_size or self.model.quantization_group_size, key)
+
     def _pool(self, name: str) -> PoolSection:
         pool = dict(self.pools.items()).get(name)
         if pool is None:

@@ -5,11 +5,11 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from engine.model.quantized_checkpoint import CheckpointQuantization, parse_quantization_config
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # Architectures whose config.json `sliding_window` always applies (Qwen2/3 ask with use_sliding_window).
 _WINDOWED_BY_DEFAULT = ("mistral", "phi3")
-# Quantization methods named in config.json's quantization_config, for the error message.
-_QUANT_KEYS = ("quant_method", "quant_type", "load_in_4bit", "load_in_8bit", "bits")
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,11 +38,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str = "float32"
     sliding_window: int | None = None
+    # A 4-bit GPTQ / AWQ / compressed-tensors checkpoint (engine/model/quantized_checkpoint.py). Out of
+    # the repr, which the weights' fingerprint hashes, so float checkpoints keep theirs.
+    quantization: CheckpointQuantization | None = field(default=None, repr=False)
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
         model_type = raw.get("model_type")
-        _refuse_quantized(raw, source)
+        quantization = parse_quantization_config(raw, source)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"{source}: model_type {model_type!r} is not supported "
@@ -101,6 +104,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
             sliding_window=sliding,
+            quantization=quantization,
         )
 
     @classmethod
@@ -131,16 +135,6 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
-
-
-def _refuse_quantized(raw: dict, source: str) -> None:
-    """Quantized checkpoints (GPTQ, AWQ, bitsandbytes, fp8, ...) need kernels pdserve does not have."""
-    quant = raw.get("quantization_config") or raw.get("compression_config")
-    if quant is None:
-        return
-    found = {k: quant[k] for k in _QUANT_KEYS if isinstance(quant, dict) and k in quant} or quant
-    raise ValueError(f"{source}: quantized checkpoint (quantization_config {found!r}) is not supported; "
-                     "pdserve serves bf16/fp16/fp32 safetensors weights")
 
 
 def _sliding_window(raw: dict, model_type: str, source: str) -> int | None:

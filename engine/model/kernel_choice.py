@@ -24,6 +24,8 @@ import torch
 
 from engine.model.linear import (INPUT_MAJOR, ONEDNN_PACKED, PACKED_WITH_GEMV, ROW_MAJOR, Linear, layouts_for, linear,
                                  relayout)
+from engine.model.quantization import quantize
+from engine.model.quantized_linear import QuantizedLinear, QuantPlan
 
 log = logging.getLogger(__name__)
 CACHE_ENV = "PDSERVE_CHOICE_CACHE"
@@ -181,7 +183,12 @@ def weight_layout(model, prefill_tokens: int = 256, memory: int | None = None) -
     `memory` (default: this machine's RAM).
     """
     layer = model.layers[0]
-    weights = [m.weight.detach() for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    dense = [m for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) if isinstance(m, Linear)]
+    if not dense and model.lm_head.weight is not model.embed_tokens.weight:
+        dense = [model.lm_head]       # quantized projections (quantized_linear.py): only the LM head is dense
+    if not dense:
+        return ROW_MAJOR
+    weights = [m.weight.detach() for m in dense]
     layouts = layouts_for(weights[0])
     if len(layouts) == 1:
         return layouts[0]
@@ -211,6 +218,62 @@ def weight_layout(model, prefill_tokens: int = 256, memory: int | None = None) -
     log.info("weight layout %s (decode time vs row-major: %s)", choice,
              ", ".join(f"{layout} {decode_cost(layout):.2f}" for layout in allowed))
     return choice
+
+
+QUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)   # row counts the packed kernel is timed at against the dense path
+
+
+def quantized_plan(cfg, scheme: str, group_size: int, dtype: torch.dtype, device: torch.device,
+                   prefill_tokens: int = 256) -> QuantPlan:
+    """How this machine should multiply by int8 / int4 weights (engine/model/quantized_linear.py).
+
+    Timed on one decoder layer's projections at the model's shapes (random weights): the packed
+    kernel's activation dtype (the model's, or bfloat16) at 1 row; the dense path's dtype at a
+    `prefill_tokens`-row product; then `max_kernel_rows`: the most rows in `QUANT_ROWS` up to which
+    the kernel beats the dense path at every count (0: even one row is faster dense). On CUDA a
+    fixed plan (not measured): int4 through tinygemm up to 16 rows in bfloat16, int8 dense.
+    """
+    if device.type != "cpu":
+        return QuantPlan(scheme, group_size, torch.bfloat16, dtype, 16 if scheme == "int4" else 0)
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    shapes = ((q + 2 * kv, h), (h, q), (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size))
+    dtypes = tuple(dict.fromkeys((dtype, torch.bfloat16)))
+    gen = torch.Generator().manual_seed(0)
+    weights = functools.cache(lambda: [quantize(torch.randn(n, k, generator=gen), scheme, group_size)
+                                       for n, k in shapes])
+
+    @functools.cache
+    def layer(kernel_dtype: torch.dtype, dense_dtype: torch.dtype) -> list:
+        plan = QuantPlan(scheme, group_size, kernel_dtype, dense_dtype, 0)
+        modules = [QuantizedLinear(k, n, False, plan) for n, k in shapes]
+        for m, w in zip(modules, weights()):
+            m.set_weight(w)
+        return modules
+
+    def timed(path: str, kernel_dtype: torch.dtype, dense_dtype: torch.dtype, rows: int):
+        inputs = functools.cache(lambda: [torch.randn(rows, k, generator=gen).to(dtype) for _, k in shapes])
+
+        def run() -> None:
+            with torch.inference_mode():
+                for m, x in zip(layer(kernel_dtype, dense_dtype), inputs()):
+                    getattr(m, path)(x)
+        return run
+    key = shapes + (scheme, group_size, str(dtype))
+    kernel_dtype = min(dtypes, key=lambda d: measure("quantized/kernel", key + (1,), {
+        str(d): timed("kernel", d, dtype, 1) for d in dtypes})[str(d)])
+    dense_dtype = min(dtypes, key=lambda d: measure("quantized/dense", key + (prefill_tokens,), {
+        str(d): timed("dense", dtype, d, prefill_tokens) for d in dtypes})[str(d)])
+    max_rows = 0
+    for rows in QUANT_ROWS:
+        seconds = measure("quantized/rows", key + (rows, str(kernel_dtype), str(dense_dtype)), {
+            "kernel": timed("kernel", kernel_dtype, dense_dtype, rows),
+            "dense": timed("dense", kernel_dtype, dense_dtype, rows)})
+        if seconds["kernel"] > seconds["dense"]:
+            break
+        max_rows = rows
+    plan = QuantPlan(scheme, group_size, kernel_dtype, dense_dtype, max_rows)
+    log.info("quantized projections: %s", plan)
+    return plan
 
 
 def compiled_decode_wins(kernel, layer_cache: torch.Tensor, num_heads: int, batch: int = 16,

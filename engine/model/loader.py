@@ -1,8 +1,11 @@
 """Load a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) from disk.
 
 Weights must be bf16/fp16/fp32 safetensors, one file or sharded with
-`model.safetensors.index.json`. Anything else (pickled `.bin` checkpoints, quantized
-tensors, a missing shard) is refused with an error naming the file and what was found.
+`model.safetensors.index.json`, or a 4-bit GPTQ / AWQ / compressed-tensors checkpoint whose
+config.json declares it (engine/model/quantized_checkpoint.py). Anything else (pickled `.bin`
+checkpoints, quantized tensors in an undeclared or refused format, a missing shard) is refused with
+an error naming the file and what was found. `quantization` int8 / int4 quantizes a float
+checkpoint's decoder projections at load (engine/model/quantization.py).
 """
 from __future__ import annotations
 
@@ -13,15 +16,16 @@ import os
 import torch
 from safetensors import safe_open
 
+from engine.model import kernel_choice
 from engine.model.config import ModelConfig
+from engine.model.linear import Linear
 from engine.model.model import LlamaModel
+from engine.model.quantization import GROUP_SIZES, SCHEMES, concat, quantize
+from engine.model.quantized_checkpoint import PACKED_NAME, QUANTIZED_SUFFIXES, read_projection
+from engine.model.quantized_linear import QuantizedLinear, QuantPlan
 
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Tensor-name endings that only quantized checkpoints (GPTQ, AWQ, bitsandbytes, fp8) carry.
-QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_scale_inv",
-                      ".input_scale", ".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4",
-                      ".quant_state.bitsandbytes__fp4", ".SCB")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
@@ -51,33 +55,62 @@ def weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def read_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's safetensors files, refusing quantized or non-float ones."""
+def read_state_dict(model_dir: str, quantized: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors files, refusing quantized or non-float ones unless
+    config.json declares an accepted quantized format (`quantized`)."""
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                if name.endswith(QUANTIZED_SUFFIXES):
+                if name.endswith(QUANTIZED_SUFFIXES) and not quantized:
                     raise ValueError(f"{path}: tensor {name!r} belongs to a quantized checkpoint "
-                                     "(GPTQ/AWQ/bitsandbytes/fp8); pdserve loads bf16/fp16/fp32 weights only")
+                                     "(GPTQ/AWQ/bitsandbytes/fp8) but config.json declares no quantization_config; "
+                                     "pdserve loads bf16/fp16/fp32 weights, or a declared GPTQ/AWQ 4-bit checkpoint")
                 t = f.get_tensor(name)
-                if t.dtype not in FLOAT_DTYPES:
+                if t.dtype not in FLOAT_DTYPES and not quantized:
                     raise ValueError(f"{path}: tensor {name!r} has dtype {t.dtype} (a quantized checkpoint?); "
                                      "pdserve loads bf16/fp16/fp32 weights only")
                 state[name] = t
     return state
 
 
+def resolve_quantization(cfg: ModelConfig, quantization: str, group_size: int) -> tuple[str, int]:
+    """The projections' scheme and int4 group size: `quantization` on a float checkpoint; a quantized
+    checkpoint's own (int4, its group size: `group_size` is ignored) under `none` or `int4`."""
+    if quantization not in SCHEMES:
+        raise ValueError(f"quantization must be one of {', '.join(SCHEMES)}; got {quantization!r}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"quantization_group_size must be one of {', '.join(map(str, GROUP_SIZES))}; "
+                         f"got {group_size!r}")
+    if cfg.quantization is None:
+        return quantization, group_size
+    if quantization == "int8":
+        raise ValueError(f"quantization int8 cannot apply to a 4-bit {cfg.quantization.method} checkpoint "
+                         "(it is served int4 as stored): set quantization none or int4")
+    q = cfg.num_attention_heads * cfg.head_dim
+    return "int4", cfg.quantization.kernel_group_size(cfg.hidden_size, q, cfg.intermediate_size)
+
+
 def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               max_positions: int) -> LlamaModel:
-    """Build the model and copy HF weights into it, fusing q/k/v and gate/up (Phi-3 ships them fused)."""
+               max_positions: int, quantization: str = "none", group_size: int = 128,
+               plan: QuantPlan | None = None) -> LlamaModel:
+    """Build the model and copy HF weights into it, fusing q/k/v and gate/up (Phi-3 ships them fused).
+
+    `quantization` int8 / int4 (or a quantized checkpoint): the decoder projections are packed for
+    the weight-only kernels under `plan` (default: measured for this machine, kernel_choice.quantized_plan).
+    """
+    scheme, group_size = resolve_quantization(cfg, quantization, group_size)
+    if scheme != "none" and plan is None:
+        plan = kernel_choice.quantized_plan(cfg, scheme, group_size, dtype, device)
+    quant = plan if scheme != "none" else None
     with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions, torch.device("meta"), dtype)
+        model = LlamaModel(cfg, max_positions, torch.device("meta"), dtype, quant)
     model = model.to_empty(device=device)
     model.rope = type(model.rope)(cfg, max_positions, device, dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    src = read_state_dict(model_dir)
+    checkpoint = cfg.quantization
+    src = read_state_dict(model_dir, quantized=checkpoint is not None)
     taken: set[str] = set()
 
     def take(name: str) -> torch.Tensor:
@@ -86,13 +119,41 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
         taken.add(name)
         return src[name]
 
-    def copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-        if param.shape != value.shape:
+    def check(shape: tuple[int, ...], value: torch.Tensor, name: str) -> None:
+        if tuple(shape) != tuple(value.shape):
             raise ValueError(f"{model_dir}: weight {name!r} has shape {tuple(value.shape)}, "
-                             f"config.json implies {tuple(param.shape)}")
+                             f"config.json implies {tuple(shape)}")
+
+    def copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        check(param.shape, value, name)
+        if value.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{model_dir}: tensor {name!r} has dtype {value.dtype}; a float weight was expected")
         param.copy_(value)
 
+    def project(owner: torch.nn.Module, attr: str, parts: list[str], sizes: list[int], name: str) -> None:
+        """Fill projection `owner.attr` from checkpoint projections `parts` (fused along the output)."""
+        module = getattr(owner, attr)
+        packed = [checkpoint is not None and f"{p}.{PACKED_NAME[checkpoint.method]}" in src for p in parts]
+        if any(packed) and not all(packed):
+            raise ValueError(f"{model_dir}: {', '.join(parts)} are fused into one projection but only some "
+                             "are quantized")
+        if all(packed):
+            weight = concat([read_projection(checkpoint, take, p, module.in_features, size, group_size)
+                             for p, size in zip(parts, sizes)])
+            module.set_weight(weight, device)
+            return
+        dense = torch.cat([take(p + ".weight") for p in parts])
+        if isinstance(module, QuantizedLinear) and checkpoint is not None:
+            module = Linear(module.in_features, module.out_features, module.bias is not None).to(device, dtype)
+            setattr(owner, attr, module)         # a projection the checkpoint left unquantized stays dense
+        if isinstance(module, QuantizedLinear):
+            check((module.out_features, module.in_features), dense, name)
+            module.set_weight(quantize(dense, scheme, group_size), device)
+        else:
+            copy(module.weight, dense, name)
+
     fused = cfg.model_type == "phi3"
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     with torch.no_grad():
         copy(model.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         copy(model.norm.weight, take("model.norm.weight"), "model.norm.weight")
@@ -101,18 +162,20 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."
             if fused:
-                qkv, gate_up = take(p + "self_attn.qkv_proj.weight"), take(p + "mlp.gate_up_proj.weight")
+                project(layer, "qkv_proj", [p + "self_attn.qkv_proj"], [q + 2 * kv], p + "self_attn.qkv_proj.weight")
+                project(layer, "gate_up_proj", [p + "mlp.gate_up_proj"], [2 * cfg.intermediate_size],
+                        p + "mlp.gate_up_proj.weight")
             else:
-                qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-                gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            copy(layer.qkv_proj.weight, qkv, p + "self_attn.qkv_proj.weight")
-            copy(layer.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
+                project(layer, "qkv_proj", [p + f"self_attn.{n}_proj" for n in "qkv"], [q, kv, kv],
+                        p + "self_attn.qkv_proj.weight")
+                project(layer, "gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"],
+                        [cfg.intermediate_size] * 2, p + "mlp.gate_up_proj.weight")
             if cfg.attention_bias:
                 layer.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-            copy(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            project(layer, "o_proj", [p + "self_attn.o_proj"], [cfg.hidden_size], p + "self_attn.o_proj.weight")
             if cfg.o_proj_bias:
                 copy(layer.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
-            copy(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            project(layer, "down_proj", [p + "mlp.down_proj"], [cfg.hidden_size], p + "mlp.down_proj.weight")
             if cfg.mlp_bias:
                 layer.gate_up_proj.bias.copy_(torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]))
                 layer.down_proj.bias.copy_(take(p + "mlp.down_proj.bias"))
@@ -121,8 +184,13 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
                 copy(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 copy(getattr(layer, norm).weight, take(p + norm + ".weight"), p + norm + ".weight")
+    if checkpoint is not None and not any(isinstance(m, QuantizedLinear) for m in model.modules()):
+        raise ValueError(f"{model_dir}: config.json declares a {checkpoint.method} checkpoint but no projection "
+                         f"carries {PACKED_NAME[checkpoint.method]!r} tensors")
     unused = [n for n in src if n not in taken and not n.endswith("rotary_emb.inv_freq")
-              and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+              and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+              # GPTQ exporters save a zero bias for every projection, biased or not
+              and not (checkpoint is not None and n.endswith(".bias") and not src[n].any())]
     if unused:
         raise ValueError(f"{model_dir}: unexpected weights for {cfg.model_type}: {unused[:5]}")
     return model.eval()

@@ -10,6 +10,7 @@ from torch import nn
 from engine.model.attention import AttentionMetadata, paged_attention
 from engine.model.config import ModelConfig
 from engine.model.linear import ROW_MAJOR, Linear
+from engine.model.quantized_linear import DenseScratch, QuantizedLinear, QuantPlan
 from engine.model.rope import RotaryEmbedding
 
 
@@ -26,19 +27,27 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+def projection(in_features: int, out_features: int, bias: bool, quant: QuantPlan | None,
+               scratch: DenseScratch | None) -> Linear | QuantizedLinear:
+    """A decoder projection: dense, or int8 / int4 weight-only under `quant` (engine/model/quantized_linear.py)."""
+    if quant is None:
+        return Linear(in_features, out_features, bias=bias)
+    return QuantizedLinear(in_features, out_features, bias, quant, scratch)
+
+
 class DecoderLayer(nn.Module):
     """One block. q/k/v and gate/up are fused into single matmuls (one weight read per step)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, quant: QuantPlan | None = None, scratch: DenseScratch | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.qkv_proj = projection(cfg.hidden_size, q_size + 2 * kv_size, cfg.attention_bias, quant, scratch)
+        self.o_proj = projection(q_size, cfg.hidden_size, cfg.o_proj_bias, quant, scratch)
+        self.gate_up_proj = projection(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, quant, scratch)
+        self.down_proj = projection(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, quant, scratch)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Qwen3: each head of q and k is RMS-normalised (weights over head_dim) before RoPE.
@@ -64,11 +73,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype):
+    """`quant`: the decoder layers' projections are int8 / int4 weight-only under this plan; the
+    embedding, the norms and the LM head stay in `dtype`."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype,
+                 quant: QuantPlan | None = None):
         super().__init__()
         self.cfg = cfg
+        self.quant = quant
+        scratch = DenseScratch() if quant is not None else None     # shared by every quantized projection
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, quant, scratch) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -90,6 +105,20 @@ class LlamaModel(nn.Module):
             if isinstance(module, Linear) and module.weight is not self.embed_tokens.weight:
                 module.store(layout)
         self.weight_layout = layout
+
+    @property
+    def quantization(self) -> str:
+        """`none`, `int8` or `int4`: how the decoder layers' projections are stored."""
+        return "none" if self.quant is None else self.quant.scheme
+
+    def matmul_weight_bytes(self) -> int:
+        """Bytes of the decoder layers' projection weights as stored (what a decode step reads of them)."""
+        total = 0
+        for layer in self.layers:
+            for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                total += m.nbytes if isinstance(m, QuantizedLinear) else m.out_features * m.in_features * \
+                    self.embed_tokens.weight.element_size()
+        return total
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

@@ -10,7 +10,8 @@ from deploy.config import ConfigError, load_config
 # (id, YAML text ({tmp} = the test's tmp dir), key, exact message or fragment after "key: ")
 BAD_CONFIGS = [
     ("unknown-key", "pools:\n  prefill:\n    cuont: 2\n", "pools.prefill.cuont",
-     "unknown key (allowed: count, min, max, resources, max_restarts, model, kv_cache, "
+     "unknown key (allowed: count, min, max, resources, max_restarts, model, kv_cache, quantization, "
+     "quantization_group_size, "
      "max_batch_tokens, chunk_tokens)"),
     ("unknown-section", "slos: {}\n", "slos", "unknown key (allowed: model, pools, kv_cache,"),
     ("unknown-resource-key", "pools:\n  decode:\n    resources: {gpus: 1}\n",

@@ -68,10 +68,9 @@ def _edit_config(model_dir: str, **changes) -> str:
     return model_dir
 
 
-@pytest.mark.parametrize("quant,shown", [
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "'gptq'"),
-    ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "'awq'"),
+@pytest.mark.parametrize("quant,shown", [              # accepted formats: tests/engine/test_quantized_checkpoint.py
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+    ({"quant_method": "hqq", "nbits": 4}, "'hqq'"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "'fp8'"),
 ])
 def test_quantization_config_is_refused_naming_the_method(plain_dir, tmp_path, quant, shown):
