@@ -180,7 +180,7 @@ class ServingActor:
     async def _wait_idle(self, worker, deadline: float) -> bool:
         """Until the worker holds no request (read on its loop thread), or `deadline`."""
         while True:
-            if await worker.loop.run_async(lambda: not self.engine.requests and _holds_nothing(worker)):
+            if await worker.loop.run_async(lambda: not self.engine.requests and holds_nothing(worker)):
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -272,7 +272,7 @@ _LOG_NAMED = {role: type(f"{role.capitalize()}Actor", (ServingActor,), {"__modul
               for role in ROLES}
 
 
-def _holds_nothing(worker) -> bool:
+def holds_nothing(worker) -> bool:
     """No request queued, running, waiting for KV, or sending KV on this worker (loop thread)."""
     stats = worker.stats()
     return stats["queued_requests"] == 0 and stats["running_requests"] == 0

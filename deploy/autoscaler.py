@@ -240,7 +240,6 @@ class Autoscaler:
 
     async def shrink(self, name: str) -> bool:
         """Drain the least busy actor (its in-flight requests finish), then kill it."""
-        import ray
         pool = [v for v in self.backend.views(name) if not v.draining]
         lo, _ = getattr(self.cfg.pools, name).bounds()
         if len(pool) <= lo:
@@ -251,8 +250,7 @@ class Autoscaler:
         if not drained:
             log.warning("autoscaler: %s actor %s still busy after %.0fs; killing it anyway", name,
                         view.actor_id, self.settings.drain_timeout_s)
-        ray.kill(view.client.handle, no_restart=True)
-        await view.client.retire()
+        await self.factory.retire(view)
         log.info("autoscaler: %s pool shrank to %d (removed %s)", name, len(self.backend.views(name)),
                  view.actor_id)
         return drained

@@ -104,12 +104,11 @@ class PoolManager:
             await asyncio.sleep(0.02)
         drain_s = time.monotonic() - start
         try:
-            info = await view.client.handle.set_role.remote(role, max(end - time.monotonic(), 0.0))
+            fresh, info = await self.factory.set_role(view, new_pool, role, max(end - time.monotonic(), 0.0))
         except Exception as e:
             view.draining, view.healthy = False, True
             await self.backend.add_actors(name, [view])
             raise RuntimeError(f"{actor_id} did not flip to {role}: {e}") from None
-        fresh = self.factory.view_of(new_pool, view.client.handle, info)
         self.backend.forget_actor(actor_id)
         await self.backend.add_actors(new_pool, [fresh])
         flip = Flip(actor_id, from_role, role, time.monotonic() - start, drain_s, info.get("handed_off", 0))
@@ -171,14 +170,9 @@ class PoolManager:
             return None, False
 
     async def _replace(self, name: str, view) -> None:
-        import ray
         self._silent_since.pop(id(view), None)
         self.backend.remove_actor(name, view)
-        try:
-            ray.kill(view.client.handle, no_restart=True)
-        except Exception:
-            pass
-        await view.client.retire()
+        await self.factory.retire(view)
         await self._spawn_replacement(name, view.actor_id)
 
     async def _spawn_replacement(self, name: str, replaces: str) -> None:

@@ -25,11 +25,13 @@ import math
 import os
 import sys
 
+from bench.serving.runs import autoscale_settings
 from bench.serving.slo_scale import max_rate_rps, rates_around
 from bench.serving.sweep import print_points
 from bench.serving.tables import lengths_line, table
 from bench.serving.workloads import MULTI_TURN, describe, make_conversations, make_workload
 from bench.simulate.run import SimRun, simulate
+from bench.simulate.sim_control import ACTOR_START_S
 from bench.simulate.step_time import StepTimeModel
 from deploy.config import ConfigError
 from engine.model.config import ModelConfig
@@ -50,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mode", choices=list(VARIANT_MODES), default="disaggregated")
     c.add_argument("--compare", help="variants side by side, e.g. colocated,disaggregated,auto")
     c.add_argument("--devices", type=int, help="--sweep split: actors (devices) to split between the pools")
+    c.add_argument("--autoscale-interval", type=float, default=2.0, metavar="S",
+                   help="autoscaler period (pools with count auto, routing.role_flips auto); its window is 10 periods")
+    c.add_argument("--actor-start-s", type=float, default=ACTOR_START_S, metavar="S",
+                   help="simulated seconds a new actor takes to come up (autoscaler growth)")
     t = p.add_argument_group("time model")
     t.add_argument("--profile", help="a `pdserve profile` file (default: the config's cached profile)")
     t.add_argument("--hardware", help="roofline of a GPU: A100-80GB, H100-SXM, H200, L40S or a YAML file")
@@ -60,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--intra-node", action="store_true", help="with --hardware: KV moves over the node's "
                    "GPU link (NVLink) instead of the network between nodes")
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", default="mixed", help="chat | rag | mixed | shared-prefix | multi-turn | "
-                   "FILE.jsonl")
+    w.add_argument("--workload", default="mixed", help="chat | rag | mixed | shared-prefix | multi-turn | phases "
+                   "(chat → rag → chat) | FILE.jsonl")
     w.add_argument("--num-requests", type=int, default=200, help="requests (multi-turn: conversations)")
     w.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
     w.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length")
@@ -134,12 +140,13 @@ def run_one(args, variant: str, specs: list, rate: float, counts: dict | None = 
     mode, chunked = VARIANT_MODES[variant]
     run = simulate(cfg, model, shape, specs, rate=rate, mode=mode, chunked=chunked, seed=args.seed,
                    burstiness=args.burstiness, slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3,
-                   counts=counts, label=label or variant, progress=args.progress, timeout_s=args.timeout)
+                   counts=counts, label=label or variant, progress=args.progress, timeout_s=args.timeout,
+                   autoscale=autoscale_settings(args), actor_start_s=args.actor_start_s)
     s = run.summary
     print(f"{run.label} @ {rate:g} req/s: TTFT p50 {s['ttft_p50_s'] * 1e3:.1f} ms, TPOT p50 "
           f"{s['tpot_p50_s'] * 1e3:.2f} ms, SLO attainment {s['slo_attainment'] * 100:.0f}% "
-          f"({len(run.records)} requests in {run.wall_s:.1f} s wall, {run.requests_per_wall_s:.0f} req/s)",
-          file=sys.stderr)
+          f"({len(run.records)} requests in {run.wall_s:.1f} s wall, {run.requests_per_wall_s:.0f} req/s)"
+          + (f"; {len(run.flips)} role flips" if run.flips else ""), file=sys.stderr)
     return run
 
 
@@ -264,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                 summaries = {v: r.summary for v, r in runs.items()}
                 print(table(summaries, ratio_of="disaggregated" if "disaggregated" in summaries else None))
                 result = {"runs": summaries, "actors": {v: r.actors for v, r in runs.items()},
-                          "wall_s": {v: r.wall_s for v, r in runs.items()}}
+                          "wall_s": {v: r.wall_s for v, r in runs.items()},
+                          "roles_over_time": {v: r.roles for v, r in runs.items()},
+                          "flips": {v: r.flips for v, r in runs.items()}}
             lengths = lengths_of(specs)
             if "input_len" in lengths:
                 print(lengths_line(lengths))

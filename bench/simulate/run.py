@@ -22,14 +22,21 @@ from bench.serving.load import RequestRecord, arrival_gaps, one_request, run_loa
 from bench.serving.metrics import summarize
 from bench.serving.workloads import Conversation, RequestSpec
 from bench.simulate.clock import run_virtual
+from bench.serving.runs import sample_roles
+from bench.simulate.measured import MeasuredModel
 from bench.simulate.sim_cluster import SimCluster, build_cluster
+from bench.simulate.sim_control import ACTOR_START_S, start_autoscaler, wants_autoscaler
 from bench.simulate.step_time import StepTimeModel
+from deploy.autoscaler import AutoscaleSettings
 from deploy.config import PDServeConfig
 from deploy.running import max_in_flight
 from engine.model.config import ModelConfig
 from engine.sampling.params import SamplingParams
 from router.backend import GenerationInput
 from router.request_core import RequestCore
+
+
+ROLE_SAMPLE_S = 1.0          # how often the actors per role are recorded (simulated seconds)
 
 
 class CoreClient:
@@ -76,6 +83,8 @@ class SimRun:
     wall_s: float
     summary: dict
     actors: list[dict]         # per actor: id, role, steps, busy share
+    roles: list[dict]          # actors per role over time (with the autoscaler's view when one runs)
+    flips: list[dict]          # role flips the autoscaler made
 
     @property
     def requests_per_wall_s(self) -> float:
@@ -117,10 +126,14 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
              specs: list[RequestSpec] | list[Conversation], *,
              rate: float, mode: str = "disaggregated", chunked: bool = True, seed: int = 0, burstiness: float = 1.0,
              slo_ttft_s: float, slo_tpot_s: float, counts: dict[str, int] | None = None, label: str = "",
-             progress: bool = False, timeout_s: float = 600.0) -> SimRun:
+             progress: bool = False, timeout_s: float = 600.0, autoscale: AutoscaleSettings | None = None,
+             actor_start_s: float = ACTOR_START_S) -> SimRun:
     """Run `specs` at `rate` requests/s (Poisson for burstiness 1) through the simulated cluster of `cfg`;
-    `Conversation`s arrive at `rate` conversations/s (`run_conversations`)."""
+    `Conversation`s arrive at `rate` conversations/s (`run_conversations`). With pools of `count: auto` or
+    `routing.role_flips: auto` the autoscaler runs (`autoscale`, default its settings; new actors take
+    `actor_start_s` to come up)."""
     label = label or mode
+    roles: list[dict] = []
 
     async def main() -> tuple[list[RequestRecord], float, SimCluster]:
         cluster = build_cluster(cfg, model, sim_cfg, mode, chunked, counts)
@@ -128,7 +141,14 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
         d = cluster.dispatcher
         core = RequestCore(d, max_in_flight(cfg, d.pools))
         core.ready = True
-        poller = asyncio.get_running_loop().create_task(d.poll_kv_events())
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(d.poll_kv_events())]
+        cluster.autoscaler = None
+        if wants_autoscaler(cluster):
+            profile = model.profile.data if isinstance(model, MeasuredModel) else None
+            cluster.autoscaler = start_autoscaler(cluster, profile, autoscale or AutoscaleSettings(), actor_start_s)
+            tasks.append(cluster.autoscaler.task)
+        tasks.append(loop.create_task(sample_roles(d.pools, roles, cluster.autoscaler, ROLE_SAMPLE_S)))
         try:
             if specs and isinstance(specs[0], Conversation):
                 records, duration = await run_conversations(CoreClient(core, keep_answers=True), specs, rate=rate,
@@ -138,7 +158,8 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
                                                    seed=seed, label=f"simulate {label}", tag="sim",
                                                    progress=progress, timeout=timeout_s)
         finally:
-            poller.cancel()
+            for task in tasks:
+                task.cancel()
             cluster.stop()
         return records, duration, cluster
 
@@ -154,4 +175,7 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
     summary = summarize(records, duration, slo_ttft_s, slo_tpot_s)
     actors = [{"actor_id": a.actor_id, "role": a.role, "steps": a.num_steps,
                "busy": a.busy_s / duration if duration > 0 else 0.0} for a in cluster.actors]
-    return SimRun(label, records, duration, wall, summary, actors)
+    scaler = getattr(cluster, "autoscaler", None)
+    flips = [] if scaler is None else [dict(actor_id=f.actor_id, from_role=f.from_role, to_role=f.to_role,
+                                            seconds=f.seconds) for f in scaler.manager.flips]
+    return SimRun(label, records, duration, wall, summary, actors, roles, flips)

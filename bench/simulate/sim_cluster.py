@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from bench.serving.local_actors import LocalDecodeClient, LocalPrefillClient
 from bench.simulate.sim_engine import SimEngine, SimTokenizer
@@ -29,7 +29,8 @@ from bench.simulate.step_time import Chunk, StepTimeModel
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from deploy.config import PDServeConfig
-from deploy.launcher import colocated_engine_args, engine_args
+from deploy.actor import IDLE_POLL_S, holds_nothing
+from deploy.launcher import colocated_engine_args, engine_args, role_engine_args
 from deploy.running import routing_settings
 from engine.args import EngineArgs
 from engine.model.config import ModelConfig
@@ -69,9 +70,11 @@ class SimEngineLoop(EngineLoop):
 class SimActor:
     """One simulated actor: its worker, driven step by step on the virtual clock (module docstring)."""
 
-    def __init__(self, actor_id: str, role: str, engine: SimEngine):
-        self.actor_id, self.role, self.engine = actor_id, role, engine
-        self.worker = None
+    def __init__(self, actor_id: str, role: str, engine: SimEngine, cluster: SimCluster,
+                 limits: dict | None = None):
+        """limits: the scheduler limits of each role (`deploy.actor.RoleLimits`) of a role-flippable actor."""
+        self.actor_id, self.role, self.engine, self.cluster, self.limits = actor_id, role, engine, cluster, limits
+        self.retired = False
         self.busy_until = 0.0        # when the step in progress ends (virtual seconds)
         self.step_s = 0.0            # that step's length
         self.num_steps = 0
@@ -81,10 +84,62 @@ class SimActor:
         self._poked = False
         self._wake: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
+        self.worker = self._make_worker(role)
 
-    def attach(self, worker) -> None:
-        self.worker = worker
+    def _make_worker(self, role: str):
+        """The worker of `role` over this actor's engine, as `deploy.actor.ServingActor` makes it."""
+        engine, cluster = self.engine, self.cluster
+        if self.limits is not None:
+            limits, sched = self.limits[role], engine.scheduler
+            sched.max_num_seqs, sched.max_num_batched_tokens = limits.max_num_seqs, limits.max_num_batched_tokens
+            sched.chunk_size = limits.chunk_size
+        engine.layer_hook = None
+        if role == "prefill":
+            sender = SimSender(cluster.network, self, cluster.model, engine.kv_bytes_per_block, cluster.wire_ratio,
+                               cluster.cfg.kv_transfer.layerwise)
+            worker = PrefillWorker(engine, sender, self.actor_id, layerwise=cluster.cfg.kv_transfer.layerwise)
+        elif role == "decode":
+            worker = DecodeWorker(engine, lambda on_complete: SimReceiver(cluster.network, engine.block_manager,
+                                                                          on_complete), self.actor_id)
+        else:
+            worker = ColocatedWorker(engine, self.actor_id)
         worker.loop = SimEngineLoop(self, worker.loop._step)
+        return worker
+
+    async def set_role(self, role: str, timeout_s: float) -> int:
+        """Change role as `deploy.actor.ServingActor.set_role` does: wait for the work in hand (past
+        `timeout_s`, hand it off: decode requests migrate, prefills are retried elsewhere), then a worker
+        of the new role over the same engine. Returns how many requests were handed off."""
+        if self.limits is None:
+            raise RuntimeError(f"{self.actor_id} cannot change role (routing.role_flips is off)")
+        if role == self.role:
+            return 0
+        old, handed_off = self.worker, 0
+        if not await self._wait_idle(time.monotonic() + timeout_s):
+            handed_off = len(self.engine.requests)
+            if isinstance(old, PrefillWorker):
+                for rid in list(self.engine.requests):
+                    old.abort(rid)
+            else:
+                old.loop.call(lambda: old.evict("the actor is changing role"))
+            await self._wait_idle(time.monotonic() + 5.0)
+        self.stop()
+        if isinstance(old, DecodeWorker):
+            old.receiver.close()
+        used = self.engine.block_manager.num_used_blocks
+        if self.engine.requests or used:
+            raise RuntimeError(f"{self.actor_id}: {len(self.engine.requests)} requests and {used} KV blocks still "
+                               f"held after the {self.role} worker stopped")
+        self.worker, self.role = self._make_worker(role), role
+        self.start()
+        return handed_off
+
+    async def _wait_idle(self, deadline: float) -> bool:
+        while self.engine.requests or not holds_nothing(self.worker):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(IDLE_POLL_S)
+        return True
 
     def bridge(self, fn: Callable) -> Callable:
         """The worker → router path: held while a step runs, delivered when its time has passed."""
@@ -101,11 +156,13 @@ class SimActor:
             self._wake.set_result(None)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"sim-{self.actor_id}")
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"sim-{self.actor_id}")
 
     def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+            self._task = None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -143,12 +200,51 @@ class SimActor:
             self._wake = None
 
 
-@dataclass
 class SimCluster:
-    cfg: PDServeConfig
-    mode: str
-    dispatcher: Dispatcher
-    actors: list[SimActor] = field(default_factory=list)
+    """The simulated actors and the router over them; it makes actors as the deploy factory would."""
+
+    def __init__(self, cfg: PDServeConfig, model: StepTimeModel, shape: ModelConfig, mode: str, chunked: bool):
+        self.cfg, self.model, self.shape, self.mode, self.chunked = cfg, model, shape, mode, chunked
+        self.network = SimNetwork()
+        dtype_bytes = max(model.kv_bytes_per_token // max(shape.kv_bytes_per_token(1), 1), 1)
+        self.wire_ratio = wire_ratio(cfg.kv_transfer.compression, dtype_bytes, cfg.kv_cache.block_size,
+                                     shape.head_dim)
+        self.actors: list[SimActor] = []
+        self.dispatcher: Dispatcher | None = None
+        self._next_index: dict[str, int] = {}
+
+    def flippable(self, pool: str) -> bool:
+        """As `deploy.launcher.ActorFactory.flippable`: role flips on, and a prefill or decode actor."""
+        return self.mode != "colocated" and self.cfg.routing.role_flips != "off" and pool in ("prefill", "decode")
+
+    def new_actor(self, pool: str) -> SimActor:
+        """An actor of `pool` with the engine `deploy.launcher.ActorFactory.spawn` would give it (not started)."""
+        cfg, name = self.cfg, self.cfg.model.name
+        index = self._next_index.get(pool, 0)
+        self._next_index[pool] = index + 1
+        limits = None
+        if self.mode == "colocated":
+            role, args = "colocated", colocated_engine_args(cfg, name, self.chunked, self.shape)
+        else:
+            role = "prefill" if pool == "prefill" else "decode"
+            if self.flippable(pool):
+                args, limits = role_engine_args(cfg, name, self.shape)
+            else:
+                args = engine_args(cfg, pool, name, self.shape)
+        actor_id = f"{role if role == 'colocated' else pool}-{index}"
+        actor = SimActor(actor_id, role, SimEngine(sim_args(args, self.model), self.shape, self.model), self, limits)
+        self.actors.append(actor)
+        return actor
+
+    def view_of(self, pool: str, actor: SimActor):
+        """The router's view of `actor` serving in `pool`."""
+        worker, blocks = actor.worker, actor.engine.block_manager.num_blocks
+        if pool == "prefill":
+            return PrefillView(actor.actor_id, LocalPrefillClient(worker, actor.bridge), blocks)
+        return DecodeView(actor.actor_id, LocalDecodeClient(worker, actor.bridge), worker.endpoint, blocks)
+
+    def actor(self, actor_id: str) -> SimActor:
+        return next(a for a in self.actors if a.actor_id == actor_id and not a.retired)
 
     def start(self) -> None:
         for actor in self.actors:
@@ -189,46 +285,20 @@ def seed_of(model: StepTimeModel, cfg: PDServeConfig) -> ProfileSeed:
 
 def build_cluster(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig, mode: str = "disaggregated",
                   chunked: bool = True, counts: dict[str, int] | None = None) -> SimCluster:
-    """The simulated actors of `cfg` (in `mode`: disaggregated or colocated) and the router over them.
-    Call inside the virtual loop; `SimCluster.start` starts the actors."""
-    network = SimNetwork()
+    """The simulated actors of `cfg` (in `mode`: disaggregated or colocated, as `deploy.launcher.start_pools`
+    lays them out) and the router over them. Call inside the virtual loop; `SimCluster.start` starts them."""
+    cluster = SimCluster(cfg, model, sim_cfg, mode, chunked)
     size = pool_sizes(cfg, counts)
-    model_dir = cfg.model.name
-    pools, actors = Pools(), []
-    dtype_bytes = max(model.kv_bytes_per_token // max(sim_cfg.kv_bytes_per_token(1), 1), 1)
-    ratio = wire_ratio(cfg.kv_transfer.compression, dtype_bytes, cfg.kv_cache.block_size, sim_cfg.head_dim)
-
-    def add(pool: str, role: str, index: int, args: EngineArgs) -> None:
-        engine = SimEngine(sim_args(args, model), sim_cfg, model)
-        actor_id = f"{role if role == 'colocated' else pool}-{index}"
-        actor = SimActor(actor_id, role, engine)
-        if role == "prefill":
-            sender = SimSender(network, actor, model, engine.kv_bytes_per_block, ratio, cfg.kv_transfer.layerwise)
-            worker = PrefillWorker(engine, sender, actor_id)
-        elif role == "decode":
-            worker = DecodeWorker(engine, lambda on_complete: SimReceiver(network, engine.block_manager, on_complete),
-                                  actor_id)
-        else:
-            worker = ColocatedWorker(engine, actor_id)
-        actor.attach(worker)
-        actors.append(actor)
-        blocks = engine.block_manager.num_blocks
-        if role == "prefill":
-            pools.prefill.append(PrefillView(actor_id, LocalPrefillClient(worker, actor.bridge), blocks))
-        else:
-            client = LocalDecodeClient(worker, actor.bridge)
-            pools.get(pool).append(DecodeView(actor_id, client, worker.endpoint, blocks))
-
+    pools = Pools()
     if mode == "colocated":
-        for i in range(size["prefill"] + size["decode"]):
-            add("decode", "colocated", i, colocated_engine_args(cfg, model_dir, chunked, sim_cfg))
+        for _ in range(size["prefill"] + size["decode"]):
+            pools.decode.append(cluster.view_of("decode", cluster.new_actor("decode")))
     else:
         for pool, n in size.items():
-            for i in range(n):
-                add(pool, "prefill" if pool == "prefill" else "decode", i, engine_args(cfg, pool, model_dir, sim_cfg))
-    routing = routing_settings(cfg)
+            for _ in range(n):
+                pools.get(pool).append(cluster.view_of(pool, cluster.new_actor(pool)))
     live = LiveProfile(seed_of(model, cfg), cfg.kv_cache.block_size) if cfg.routing.mode == "auto" else None
     max_len = min(cfg.model.max_model_len or sim_cfg.max_position_embeddings, sim_cfg.max_position_embeddings)
-    dispatcher = Dispatcher(pools, SimTokenizer(sim_cfg.vocab_size), max_len, cfg.kv_cache.block_size, routing,
-                            codec=cfg.kv_transfer.compression, live=live)
-    return SimCluster(cfg, mode, dispatcher, actors)
+    cluster.dispatcher = Dispatcher(pools, SimTokenizer(sim_cfg.vocab_size), max_len, cfg.kv_cache.block_size,
+                                    routing_settings(cfg), codec=cfg.kv_transfer.compression, live=live)
+    return cluster
