@@ -14,6 +14,8 @@ its peer:
   device's bf16 matmul peak (both measured here; the datasheet figure too for GPUs it knows);
 - the flex paged attention kernel and the decode CUDA graphs vs the eager path: tokens equal and
   logprobs in float32, then decode step and prefill times side by side;
+- int8 / int4 weight-only projections: each path (tinygemm int4, the dequantize + GEMM path) against
+  its dequantized weight in float32, then the ~1B model's decode step at batch 1 and 64 beside bf16;
 - the CUDA tests (tests/gpu) through pytest.
 
 Without CUDA it prints ``gpu-check skipped: no CUDA device`` and exits 0. ``--json PATH`` also
@@ -393,6 +395,63 @@ def check_flex(model_dir: str, perf_model_dir: str) -> list[Row]:
     return rows
 
 
+QUANT_ROWS = (1, 4, 64)      # rows of the projection products checked (decode steps; a prefill chunk)
+QUANT_RTOL = 0.02            # max |ours - reference| over max |reference|: bf16 activations and scales
+
+
+def check_quantized(perf_model_dir: str) -> list[Row]:
+    """int8 / int4 weight-only projections on the device: each product (the plan sends few rows to the
+    packed kernel, many to dequantize + GEMM) against x @ W.T in float32 with W the dequantized
+    weight; then the ~1B model's decode step at batch 1 and at DECODE_POINT beside the bf16 weights."""
+    from engine import Engine, EngineArgs
+    from engine.model import kernel_choice
+    from engine.model.config import ModelConfig
+    from engine.model.quantization import quantize
+    from engine.model.quantized_linear import QuantizedLinear
+    from engine.profile import measure_decode
+    cfg = ModelConfig.from_dir(perf_model_dir)
+    device = torch.device(DEVICE)
+    g = torch.Generator().manual_seed(11)
+    n, k = 2 * cfg.intermediate_size, cfg.hidden_size          # the gate/up projection's shape
+    weight = torch.randn(n, k, generator=g) * 0.02
+    rows = []
+    for scheme in ("int8", "int4"):
+        plan = kernel_choice.quantized_plan(cfg, scheme, 128, torch.bfloat16, device)
+        q = quantize(weight, scheme, 128)
+        module = QuantizedLinear(k, n, False, plan).to(device)
+        module.set_weight(q, device)
+        reference = q.dequantize().to(device)
+        errors = {}
+        for m in QUANT_ROWS:
+            x = torch.randn(m, k, generator=g).to(device)
+            expected = x @ reference.t()
+            with torch.inference_mode():
+                got = module(x.to(torch.bfloat16)).float()
+            errors[m] = float((got - expected).abs().max() / expected.abs().max())
+        worst = max(errors.values())
+        rows.append(Row(f"{scheme} projection vs dequantized (bf16)", "ok" if worst <= QUANT_RTOL else "FAIL",
+                        ", ".join(f"{m} rows {e:.1e}" for m, e in errors.items()), f"{plan}",
+                        {"rel_err": errors, "plan": str(plan)}))
+    (batch, context) = DECODE_POINT
+    times = {}
+    for scheme in ("none", "int8", "int4"):
+        sizing = {"kv_memory_fraction": 0.5} if DEVICE == "cuda" else {"num_blocks": FLEX_NUM_BLOCKS}
+        engine = Engine(EngineArgs(perf_model_dir, dtype="bfloat16", device=DEVICE, block_size=16, **sizing,
+                                   max_num_seqs=batch, attention="eager", quantization=scheme))
+        times[scheme] = {b: (measure_decode(engine, batch=b, context=context, repeats=5) or {}).get("seconds")
+                         for b in (1, batch)}
+        del engine
+        _release()
+    base = times["none"]
+    for scheme in ("int8", "int4"):
+        for b in (1, batch):
+            ours, peer = times[scheme][b], base[b]
+            figure = f"{ours * 1e3:.2f} ms ({ours / peer:.2f}x)" if ours and peer else "did not fit"
+            rows.append(Row(f"decode step {scheme} weights ({b} × {context} ctx)", "info", figure,
+                            f"bf16 weights {peer * 1e3:.2f} ms" if peer else "", {"seconds": ours, "bf16": peer}))
+    return rows
+
+
 def check_gpu_tests(timeout_s: float) -> list[Row]:
     if not os.path.isdir(os.path.join(ROOT, "tests", "gpu")):
         return [Row("tests/gpu", "skipped", "no tests/gpu folder")]
@@ -441,6 +500,7 @@ def run_checks(args) -> tuple[list[Row], dict]:
         ("engine vs HF", lambda: check_engine_vs_hf(model_dir, args.prompts, 16)),
         ("speed", lambda: check_speed(args.perf_model or perf_model_dir(), peaks)),
         ("flex kernel", lambda: check_flex(model_dir, args.perf_model or perf_model_dir())),
+        ("quantized weights", lambda: check_quantized(args.perf_model or perf_model_dir())),
         ("KV transfer", lambda: check_transfer(TRANSFER_MIB)),
         ("1P+1D cluster", lambda: check_cluster(model_dir, 16)),
         ("tests/gpu", lambda: check_gpu_tests(left())),

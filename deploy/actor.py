@@ -224,7 +224,8 @@ class ServingActor:
                 "endpoint": self.worker.endpoint if decodes else "",
                 "stream_endpoint": self.stream.endpoint, "layout": self.layout.describe(self.codec),
                 "kv_blocks_total": self.engine.block_manager.num_blocks, "block_size": self.engine.block_size,
-                "max_model_len": self.engine.max_model_len, "num_flips": self.num_flips}
+                "max_model_len": self.engine.max_model_len, "num_flips": self.num_flips,
+                "quantization": self.engine.quantization}
 
     def _streams_tokens(self) -> bool:
         """A decode or colocated role, now or after a flip, streams tokens: a fixed prefill actor never does."""

@@ -111,15 +111,28 @@ def test_flex_check_runs_on_cpu(on_cpu, monkeypatch):
     assert rows[1].data["graphs"] and all(r.data["seconds"] > 0 for r in rows[2:])
 
 
+def test_quantized_check_runs_on_cpu(on_cpu, monkeypatch):
+    """Both schemes' products within tolerance of their dequantized weights; a decode row per scheme and batch."""
+    from engine.model.presets import resolve_model
+    monkeypatch.setattr(gpu_check, "FLEX_NUM_BLOCKS", 48)
+    rows = gpu_check.check_quantized(resolve_model("tiny"))
+    assert [r.check for r in rows] == ["int8 projection vs dequantized (bf16)", "int4 projection vs dequantized (bf16)",
+                                       "decode step int8 weights (1 × 64 ctx)", "decode step int8 weights (4 × 64 ctx)",
+                                       "decode step int4 weights (1 × 64 ctx)", "decode step int4 weights (4 × 64 ctx)"]
+    assert rows[0].status == rows[1].status == "ok", rows[:2]
+    assert all(0 < e <= gpu_check.QUANT_RTOL for r in rows[:2] for e in r.data["rel_err"].values())
+    assert all(r.data["seconds"] > 0 and r.data["bf16"] > 0 for r in rows[2:])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the driver")
 def test_a_failing_check_is_a_row(on_cpu, monkeypatch):
     """run_checks never stops at a failing check: it becomes an error row, the rest still run."""
     def broken(*_):
         raise RuntimeError("no such thing")
-    for name in ("device_peaks", "check_engine_vs_hf", "check_speed", "check_flex", "check_transfer",
-                 "check_cluster", "check_gpu_tests"):
+    for name in ("device_peaks", "check_engine_vs_hf", "check_speed", "check_flex", "check_quantized",
+                 "check_transfer", "check_cluster", "check_gpu_tests"):
         monkeypatch.setattr(gpu_check, name, broken)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "stub")
     rows, info = gpu_check.run_checks(gpu_check.build_parser().parse_args(["--model", "tiny", "--perf-model", "x"]))
-    assert [r.status for r in rows] == ["error"] * 7
+    assert [r.status for r in rows] == ["error"] * 8
     assert rows[0].figure == "RuntimeError: no such thing" and info["device"] == "stub"
