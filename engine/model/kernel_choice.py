@@ -227,11 +227,13 @@ def quantized_plan(cfg, scheme: str, group_size: int, dtype: torch.dtype, device
                    prefill_tokens: int = 256) -> QuantPlan:
     """How this machine should multiply by int8 / int4 weights (engine/model/quantized_linear.py).
 
-    Timed on one decoder layer's projections at the model's shapes (random weights): the packed
-    kernel's activation dtype (the model's, or bfloat16) at 1 row; the dense path's dtype at a
-    `prefill_tokens`-row product; then `max_kernel_rows`: the most rows in `QUANT_ROWS` up to which
-    the kernel beats the dense path at every count (0: even one row is faster dense). On CUDA a
-    fixed plan (not measured): int4 through tinygemm up to 16 rows in bfloat16, int8 dense.
+    The packed kernel takes bfloat16 activations on CPU: torch vectorizes its CPU weight-only kernels
+    for bfloat16 only (a float32 product of 1 row ran 13-25x slower here), so that is not timed.
+    Timed on one decoder layer's projections at the model's shapes (random weights): the dense
+    path's dtype (the model's, or bfloat16) at a `prefill_tokens`-row product; then
+    `max_kernel_rows`: the most rows in `QUANT_ROWS` up to which the kernel beats the dense path at
+    every count (0: even one row is faster dense). On CUDA a fixed plan (not measured): int4 through
+    tinygemm up to 16 rows in bfloat16, int8 dense.
     """
     if device.type != "cpu":
         return QuantPlan(scheme, group_size, torch.bfloat16, dtype, 16 if scheme == "int4" else 0)
@@ -259,8 +261,7 @@ def quantized_plan(cfg, scheme: str, group_size: int, dtype: torch.dtype, device
                     getattr(m, path)(x)
         return run
     key = shapes + (scheme, group_size, str(dtype))
-    kernel_dtype = min(dtypes, key=lambda d: measure("quantized/kernel", key + (1,), {
-        str(d): timed("kernel", d, dtype, 1) for d in dtypes})[str(d)])
+    kernel_dtype = torch.bfloat16
     dense_dtype = min(dtypes, key=lambda d: measure("quantized/dense", key + (prefill_tokens,), {
         str(d): timed("dense", dtype, d, prefill_tokens) for d in dtypes})[str(d)])
     max_rows = 0

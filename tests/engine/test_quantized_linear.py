@@ -78,15 +78,15 @@ def test_a_weight_of_the_wrong_shape_or_scheme_is_refused():
 
 
 def test_measured_plan_names_its_choices(tmp_path, monkeypatch):
-    """quantized_plan times the kernel's and the dense path's dtypes and the row crossover once per
-    machine and shape (cached: a second call measures nothing)."""
+    """quantized_plan times the dense path's dtype and the row crossover once per machine and shape
+    (cached: a second call measures nothing); the packed kernel takes bfloat16 on CPU."""
     from engine.model.config import ModelConfig
     from engine.model.presets import resolve_model
     monkeypatch.setenv(kernel_choice.CACHE_ENV, str(tmp_path / "choices.json"))
     cfg = ModelConfig.from_dir(resolve_model("tiny"))
     plan = kernel_choice.quantized_plan(cfg, "int4", 64, torch.float32, torch.device("cpu"), prefill_tokens=32)
     assert (plan.scheme, plan.group_size) == ("int4", 64)
-    assert plan.kernel_dtype in (torch.float32, torch.bfloat16) and plan.dense_dtype in (torch.float32, torch.bfloat16)
+    assert plan.kernel_dtype == torch.bfloat16 and plan.dense_dtype in (torch.float32, torch.bfloat16)
     assert plan.max_kernel_rows in (0,) + kernel_choice.QUANT_ROWS
     monkeypatch.setattr(kernel_choice, "best_time", lambda fn, repeats=5: pytest.fail("measured again"))
     assert kernel_choice.quantized_plan(cfg, "int4", 64, torch.float32, torch.device("cpu"), prefill_tokens=32) == plan
