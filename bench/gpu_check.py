@@ -279,7 +279,7 @@ def check_transfer(payload_mib: int) -> list[Row]:
     nbytes = blocks * layout.block_nbytes
     copy_rate = gbps(src.numel() * src.element_size(), copy_seconds(src))   # the whole cache, contiguous
     rows = []
-    for codec in ("none", "fp8"):
+    for codec in ("none", "fp8", "int8"):
         pool = SimpleBlockPool(blocks + 1)
         dst = torch.zeros_like(src)
         receiver = make_receiver("grpc", layout, dst, pool, lambda r, pool=pool: pool.free(r.dst_block_ids)

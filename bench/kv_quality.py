@@ -1,10 +1,10 @@
-"""What fp8 KV compression costs in accuracy: greedy agreement and first-step logits error vs `none`.
+"""What lossy KV codecs (fp8, int8) cost in accuracy: greedy agreement and first-step logits error vs `none`.
 
 For each prompt: prefill once, ship the KV through each codec in-process
 (encode → decode, exactly what the wire does), adopt it on a decode engine,
 and compare the first decode step's logits and the whole greedy continuation.
 
-    python -m bench.kv_quality [--model small] [--requests 32] [--max-tokens 32]
+    python -m bench.kv_quality [--model small] [--requests 32] [--max-tokens 32] [--codecs fp8,int8,fp8_tensor]
 """
 from __future__ import annotations
 
@@ -89,9 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--codecs", default="fp8,int8,fp8_tensor", help="lossy codecs to compare with none")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    result = measure(args.model, args.requests, args.max_tokens, args.dtype)
+    result = measure(args.model, args.requests, args.max_tokens, args.dtype,
+                     tuple(c for c in args.codecs.split(",") if c))
     print(f"{'codec':<12} {'greedy prefix agreement':>24} {'identical seqs':>15} {'logits rel L2':>14} "
           f"{'max |dlogit|':>13}")
     for codec, r in result.items():

@@ -1,18 +1,21 @@
-"""Quality gates of the trained `pydoc` model: held-out bits per byte (engine vs HF) and FP8 KV.
+"""Quality gates of the trained `pydoc` model: held-out bits per byte (engine vs HF) and KV codecs.
 
 1. Held-out bits per byte of the committed weights, scored by our engine's model and by HF
    transformers on the same directory (every held-out token, fresh context per 512-token
    window); they must agree to 1e-3. Needs the corpus (`apt-get download`, see bench.train);
    `--no-bpb` skips it.
-2. FP8 KV on the fixed held-out passages (`heldout_passages.json`): each passage's first
-   `prompt_len` tokens are prefilled on a prefill engine; the prompt KV goes through each
-   codec's encode → decode (the bytes the wire carries) into a decode engine, which
-   (a) greedy-decodes 64 tokens after adopting it (prefix agreement and identical-sequence
-       rate vs codec `none`), and
-   (b) scores the passage's true continuation teacher-forced on top of that received KV
-       (perplexity of 64 tokens; only the prompt KV differs between codecs).
-   `fp8` (one scale per block × layer × K/V × kv-head) and `fp8_tensor` (one scale per
-   shipped tensor) are compared on the same measures.
+2. KV codecs on the fixed held-out passages (`heldout_passages.json`): each passage's first
+   `prompt_len` tokens (or, `--varied-prompts`, 17-128 tokens, most ending inside a block) are
+   prefilled on a prefill engine; the prompt KV goes through each codec's encode → decode (the
+   bytes the wire carries) into a decode engine, which
+   (a) greedy-decodes 64 tokens after adopting it (prefix agreement, identical sequences, and
+       forks vs codec `none`, with `none`'s top-1 - top-2 margin at each fork), and
+   (b) scores the rest of the passage teacher-forced on top of that received KV (perplexity and
+       bits per byte; only the prompt KV differs between codecs).
+   A codec passes the gate (`KV_GATE`) when it forks greedy paths only where `none`'s margin was
+   below 0.1 nats and keeps bits per byte within 0.5 % of `none`'s. `fp8` (e4m3, one scale per
+   block × layer × K/V × kv-head) and `int8` (one scale per token × layer × K/V × kv-head) by
+   default; `fp8_tensor` (one scale per shipped tensor) on request.
 3. Weight-only quantization (`--weights int8,int4`): an engine per quantization on the same
    weights; held-out bits per byte of the fixed passages (each a fresh context: prefill, the
    dense path) with the per-passage worst change, and greedy agreement of 64 tokens after each
@@ -22,7 +25,7 @@
    bits per byte per quantization too. Targets: within 1% for int8, 5% for int4.
 
     python -m bench.trained_quality [--model pydoc] [--passages 64] [--no-bpb] [--no-kv] [--weights int8,int4]
-                                    [--json PATH]
+                                    [--kv-codecs fp8,int8] [--varied-prompts] [--no-bf16-ref] [--json PATH]
 """
 from __future__ import annotations
 
@@ -36,16 +39,19 @@ import time
 import torch
 
 from bench.kv_quality import _drain
+from deploy.config.kv_transfer import KVTransferSection
 from engine import Engine, EngineArgs, SamplingParams
 from engine.model.attention import build_metadata
 from engine.model.presets import resolve_model
 from bench.train.passages import load_passages
-from kv_transfer import codec_compiled
+from kv_transfer import codec_compiled, get_codec
 from kv_transfer import FakeHub, KVPiece, TransferResult, TransferStatus, layout_of, make_receiver, make_sender
 
 PROMPT_TOKENS = 128
 CONTINUATION_TOKENS = 64
-TARGETS = {"ppl_rel_diff": 0.01, "identical_sequences": 0.90}
+KV_GATE = {"max_margin_at_fork": 0.1, "bpb_rel_diff": 0.005}   # a KV codec's gate (kv_codec_quality)
+VARIED_PROMPTS = (17, 128)      # shortest and longest prompt of the varied-length gate
+KV_CODECS = ("fp8", "int8")
 WEIGHT_TARGETS = {"int8": 0.01, "int4": 0.05}     # held-out bits per byte, relative to unquantized
 GREEDY_BATCH = 8
 
@@ -171,17 +177,29 @@ def _greedy_after_adopt(decode: Engine, rid: str, prompt: list[int], result: Tra
     return tokens, margins
 
 
+def varied_prompt_lens(num: int, shortest: int = VARIED_PROMPTS[0], longest: int = VARIED_PROMPTS[1]) -> list[int]:
+    """`num` distinct prompt lengths in [shortest, longest], spread by a stride prime to the block size,
+    so most prompts end inside a block (a partial last block) and a few on its boundary."""
+    span = longest - shortest + 1
+    stride = next(k for k in range(41, 41 + span) if math.gcd(k, span) == 1)
+    return [shortest + (i * stride) % span for i in range(num)]
+
+
 def kv_codec_quality(model: str = "pydoc", num_passages: int = 64, codecs: tuple[str, ...] = ("fp8", "fp8_tensor"),
                      dtype: str = "float32", attention: str = "auto", prompt_len: int = PROMPT_TOKENS,
                      max_tokens: int = CONTINUATION_TOKENS, transport: str = "grpc",
-                     bf16_reference: bool = True) -> dict:
-    """Greedy agreement and teacher-forced continuation perplexity, each codec vs `none`, every
-    prompt's KV shipped prefill engine → `transport` → decode engine.
+                     bf16_reference: bool = True, varied: bool = False) -> dict:
+    """Greedy agreement, forks and teacher-forced continuation perplexity and bits per byte, each codec
+    vs `none`, every prompt's KV shipped prefill engine → `transport` → decode engine.
 
+    `varied`: passage i's prompt is `varied_prompt_lens(num_passages)[i]` tokens instead of `prompt_len`.
     `bf16_reference` adds a row that is no codec: the `none` KV rounded to bfloat16 in the decode
-    cache (what a bf16 deployment holds), to show how often a harmless rounding flips greedy paths."""
+    cache (what a bf16 deployment holds), to show how often a harmless rounding flips greedy paths.
+    Each codec's `gate` (KV_GATE): every greedy fork where codec none's top-1 - top-2 margin was below
+    `max_margin_at_fork`, and continuation bits per byte within `bpb_rel_diff` of none's."""
     model_dir = resolve_model(model)
     passages = load_passages(model_dir)[:num_passages]
+    prompt_lens = varied_prompt_lens(len(passages)) if varied else [prompt_len] * len(passages)
     prefill = Engine(EngineArgs(model_dir, dtype=dtype, num_blocks=256, enable_prefix_cache=False, attention=attention))
     decode = Engine(EngineArgs(model_dir, dtype=dtype, num_blocks=256, enable_prefix_cache=False, attention=attention))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -195,8 +213,8 @@ def kv_codec_quality(model: str = "pydoc", num_passages: int = 64, codecs: tuple
     wire_bytes = dict.fromkeys(names, 0)
     margins: list[list[float]] = []
     try:
-        for i, passage in enumerate(passages):
-            prompt, continuation = passage[:prompt_len], passage[prompt_len:]
+        for i, (passage, plen) in enumerate(zip(passages, prompt_lens)):
+            prompt, continuation = passage[:plen], passage[plen:]
             rid = f"p{i}"
             prefill.add_request(prompt, params, request_id=rid, prefill_only=True)
             out = next(o for o in _drain(prefill) if o.request_id == rid)
@@ -207,7 +225,7 @@ def kv_codec_quality(model: str = "pydoc", num_passages: int = 64, codecs: tuple
                 if name == "bf16_ref":
                     ids = torch.tensor(result.dst_block_ids)
                     decode.kv_cache[:, ids] = decode.kv_cache[:, ids].to(torch.bfloat16).to(decode.kv_cache.dtype)
-                nll[name].append(_continuation_nll(decode, result.dst_block_ids, prompt_len, continuation))
+                nll[name].append(_continuation_nll(decode, result.dst_block_ids, plen, continuation))
                 tokens, step_margins = _greedy_after_adopt(decode, f"{rid}-{name}", prompt, result, params)
                 greedy[name].append(tokens)
                 if name == "none":
@@ -220,26 +238,84 @@ def kv_codec_quality(model: str = "pydoc", num_passages: int = 64, codecs: tuple
             link.close()
     prefill.block_manager.check_no_leaks()
     decode.block_manager.check_no_leaks()
-    scored = sum(len(p) - prompt_len - 1 for p in passages)
+    num_scored = [len(p) - plen - 1 for p, plen in zip(passages, prompt_lens)]
+    scored = sum(num_scored)
+    # bytes of the scored tokens (continuation[1:]), the same for every codec
+    scored_bytes = sum(len(decode.tokenizer.decode(p[plen + 1:]).encode()) for p, plen in zip(passages, prompt_lens))
     ref_ppl = math.exp(sum(nll["none"]) / scored)
-    result = {"passages": len(passages), "prompt_tokens": prompt_len, "scored_tokens_per_passage":
-              scored // max(1, len(passages)), "greedy_tokens": max_tokens, "transport": transport,
-              "none": {"ppl": ref_ppl, "wire_bytes": wire_bytes["none"]}}
+    ref_bpb = sum(nll["none"]) / math.log(2) / scored_bytes
+    token_shape = (decode.kv_cache.shape[0], 1, *decode.kv_cache.shape[2:])     # one block, every layer
+    block_size = decode.kv_cache.shape[4]
+
+    def bytes_per_token(name: str) -> float:
+        return get_codec(name).payload_nbytes(token_shape, decode.kv_cache.dtype) / block_size
+
+    result = {"passages": len(passages), "prompt_tokens": prompt_len if not varied else None,
+              "prompt_lens": prompt_lens, "scored_tokens_per_passage": scored // max(1, len(passages)),
+              "scored_tokens": scored, "scored_bytes": scored_bytes, "greedy_tokens": max_tokens,
+              "transport": transport, "dtype": str(decode.kv_cache.dtype).removeprefix("torch."),
+              "block_size": block_size,
+              "gate": dict(KV_GATE),
+              "none": {"ppl": ref_ppl, "bits_per_byte": ref_bpb, "wire_bytes": wire_bytes["none"],
+                       "bytes_per_token": bytes_per_token("none")}}
     for name in names[1:]:
         ppl = math.exp(sum(nll[name]) / scored)
-        per_passage = [abs(math.exp((a - b) / (len(p) - prompt_len - 1)) - 1)
-                       for a, b, p in zip(nll[name], nll["none"], passages)]
+        bpb = sum(nll[name]) / math.log(2) / scored_bytes
+        per_passage = [abs(math.exp((a - b) / n) - 1) for a, b, n in zip(nll[name], nll["none"], num_scored)]
         prefix = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), len(y))
                   for x, y in zip(greedy[name], greedy["none"])]
         # where a sequence first differs, how sure was codec `none` of its token (top-1 - top-2, nats)
         forks = [m[k] for k, m, y in zip(prefix, margins, greedy["none"]) if k < len(y)]
-        result[name] = {
+        row = result[name] = {
             "ppl": ppl, "ppl_rel_diff": abs(ppl / ref_ppl - 1), "ppl_rel_diff_max_passage": max(per_passage),
+            "bits_per_byte": bpb, "bpb_rel_diff": bpb / ref_bpb - 1,
             "greedy_prefix_agreement": sum(prefix) / sum(len(y) for y in greedy["none"]),
             "identical_sequences": sum(x == y for x, y in zip(greedy[name], greedy["none"])) / len(passages),
+            "num_forks": len(forks), "margins_at_forks": sorted(forks, reverse=True),
             "max_margin_at_fork": max(forks, default=0.0), "wire_bytes": wire_bytes[name],
         }
+        if name != "bf16_ref":
+            row["bytes_per_token"] = bytes_per_token(name)
+            row["gate_pass"] = (row["max_margin_at_fork"] < KV_GATE["max_margin_at_fork"]
+                                and abs(row["bpb_rel_diff"]) <= KV_GATE["bpb_rel_diff"])
     return result
+
+
+def print_kv_quality(q: dict) -> None:
+    """The codecs side by side: bytes per token on the wire, fidelity, and the gate (KV_GATE)."""
+    lens = q["prompt_lens"]
+    inside = sum(n % q["block_size"] != 0 for n in lens)
+    prompts = f"{q['prompt_tokens']}-token prompts" if q["prompt_tokens"] else \
+        f"prompts of {min(lens)}-{max(lens)} tokens ({inside} of {len(lens)} end inside a block)"
+    print(f"{q['passages']} held-out passages, KV ({q['dtype']}) shipped prefill engine -> {q['transport']} -> "
+          f"decode engine: {prompts}; the rest of each passage ({q['scored_tokens']} tokens, {q['scored_bytes']} "
+          f"bytes) scored teacher-forced on the received KV; {q['greedy_tokens']} greedy tokens")
+    names = [n for n, r in q.items() if isinstance(r, dict) and "ppl" in r]
+    head = ["KV", "bytes/token", "payload MB", "bits/byte", "vs none", "ppl", "max/passage", "greedy prefix",
+            "identical", "forks", "max margin at fork", "gate"]
+    rows = []
+    for name in names:
+        r = q[name]
+        bpt = f"{r['bytes_per_token']:.0f}" if "bytes_per_token" in r else "(none)"
+        mb = f"{r['wire_bytes'] / 1e6:.2f}" if name != "bf16_ref" else "(none)"
+        if name == "none":
+            rows.append([name, bpt, mb, f"{r['bits_per_byte']:.5f}", "", f"{r['ppl']:.4f}", "", "1.000", "1.000",
+                         "0", "", ""])
+            continue
+        gate = "" if "gate_pass" not in r else ("pass" if r["gate_pass"] else "FAIL")
+        rows.append([name, bpt, mb, f"{r['bits_per_byte']:.5f}", f"{r['bpb_rel_diff']:+.3%}", f"{r['ppl']:.4f}",
+                     f"{r['ppl_rel_diff_max_passage']:.3%}", f"{r['greedy_prefix_agreement']:.3f}",
+                     f"{r['identical_sequences']:.3f}", str(r["num_forks"]), f"{r['max_margin_at_fork']:.4f}", gate])
+    widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
+    for row in [head, *rows]:
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    for name in names[1:]:
+        if q[name]["num_forks"]:
+            print(f"{name} margins at its forks (nats): "
+                  + ", ".join(f"{m:.3f}" for m in q[name]["margins_at_forks"]))
+    print(f"(gate: every greedy fork where codec none's top-1 - top-2 logprob was below "
+          f"{q['gate']['max_margin_at_fork']} nats, and bits per byte within {q['gate']['bpb_rel_diff']:.1%} of "
+          f"none's; bf16_ref: the none KV rounded to bfloat16 in the decode cache, no codec)")
 
 
 def _greedy(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list:
@@ -340,7 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", default="grpc", choices=("grpc", "fake"),
                     help="KV transport between the prefill and the decode engine (default grpc on loopback)")
     ap.add_argument("--no-bpb", action="store_true", help="skip held-out bits per byte (needs the corpus)")
-    ap.add_argument("--no-kv", action="store_true", help="skip the FP8 KV measures")
+    ap.add_argument("--no-kv", action="store_true", help="skip the KV codec measures")
+    ap.add_argument("--kv-codecs", default=",".join(KV_CODECS),
+                    help=f"KV codecs to compare with codec none (default {','.join(KV_CODECS)}; also fp8_tensor)")
+    ap.add_argument("--varied-prompts", action="store_true",
+                    help=f"prompts of {VARIED_PROMPTS[0]}-{VARIED_PROMPTS[1]} tokens, most ending inside a block "
+                    f"(default: {PROMPT_TOKENS} tokens each)")
+    ap.add_argument("--no-bf16-ref", action="store_true", help="skip the none-KV-rounded-to-bf16 row")
     ap.add_argument("--weights", default="int8,int4",
                     help="weight quantizations to compare with unquantized weights ('' skips them)")
     ap.add_argument("--group-size", type=int, default=128, help="int4 group size (32, 64, 128)")
@@ -369,30 +451,16 @@ def main(argv: list[str] | None = None) -> int:
         print()
         ok = ok and all(q[w]["pass"] for w in weights)
     if not args.no_kv:
-        q = result["kv"] = kv_codec_quality(args.model, args.passages, attention=args.attention,
-                                            transport=args.transport)
-        print(f"{q['passages']} held-out passages, KV shipped prefill engine -> {q['transport']} -> decode engine: "
-              f"{q['prompt_tokens']}-token prompt, continuation of {q['scored_tokens_per_passage']} tokens scored "
-              f"teacher-forced on the received KV, {q['greedy_tokens']} greedy tokens")
-        print(f"{'KV':<11} {'payload MB':>10} {'ppl':>8} {'ppl vs none':>12} {'max/passage':>12} {'greedy prefix':>14} "
-              f"{'identical':>10} {'max margin at fork':>19}")
-        print(f"{'none':<11} {q['none']['wire_bytes'] / 1e6:>10.2f} {q['none']['ppl']:>8.4f} {'':>12} {'':>12} "
-              f"{1.0:>14.3f} {1.0:>10.3f} {'':>19}")
-        for name in ("fp8", "fp8_tensor", "bf16_ref"):
-            r = q[name]
-            wire = f"{r['wire_bytes'] / 1e6:.2f}" if name != "bf16_ref" else "(none)"
-            print(f"{name:<11} {wire:>10} {r['ppl']:>8.4f} {r['ppl_rel_diff']:>11.3%} "
-                  f"{r['ppl_rel_diff_max_passage']:>11.3%} {r['greedy_prefix_agreement']:>14.3f} "
-                  f"{r['identical_sequences']:>10.3f} {r['max_margin_at_fork']:>19.4f}")
-        print("(bf16_ref: the none KV rounded to bfloat16 in the decode cache, no codec; margin at fork: codec none's "
-              "top-1 - top-2 logprob, nats, where a greedy sequence first differs)")
-        r = q["fp8"]
-        met = {"ppl": r["ppl_rel_diff"] <= TARGETS["ppl_rel_diff"],
-               "identical": r["identical_sequences"] >= TARGETS["identical_sequences"]}
-        print(f"\nfp8 targets: perplexity within {TARGETS['ppl_rel_diff']:.0%}: {'met' if met['ppl'] else 'NOT met'}; "
-              f"identical greedy sequences >= {TARGETS['identical_sequences']:.0%}: "
-              f"{'met' if met['identical'] else 'NOT met'}")
-        ok = ok and all(met.values())
+        codecs = tuple(c for c in args.kv_codecs.split(",") if c)
+        q = result["kv"] = kv_codec_quality(args.model, args.passages, codecs, attention=args.attention,
+                                            transport=args.transport, bf16_reference=not args.no_bf16_ref,
+                                            varied=args.varied_prompts)
+        print_kv_quality(q)
+        default = KVTransferSection().compression
+        for name in codecs:
+            print(f"{name}: gate {'passed' if q[name]['gate_pass'] else 'FAILED'}"
+                  + (" (the default kv_transfer.compression)" if name == default else ""))
+        ok = ok and (default not in codecs or q[default]["gate_pass"])
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

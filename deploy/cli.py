@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-actors", type=int, help=_config_help("pools.decode.count", "decode actors"))
     p.add_argument("--transport", choices=["grpc", "tcp", "torch", "ray"],
                    help=_config_help("kv_transfer.transport", "how prefill ships KV blocks to decode"))
-    p.add_argument("--kv-compression", choices=["fp8", "none"],
+    p.add_argument("--kv-compression", choices=["fp8", "int8", "none"],
                    help=_config_help("kv_transfer.compression", "KV block encoding on the wire"))
     p.add_argument("--address", help=_config_help("ray.address", "Ray address to join (e.g. auto); none: a local "
                                                   "Ray on 127.0.0.1"))

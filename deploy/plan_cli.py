@@ -20,6 +20,7 @@ from deploy.profiler import (Profile, default_profile_path, load_profile, profil
                              save_profile)
 from engine.model.config import ModelConfig
 from engine.model.presets import resolve_model
+from kv_transfer import wire_bytes_per_kv_byte
 
 
 def measure(cfg: PDServeConfig, local: bool = False, progress: bool = True) -> dict:
@@ -40,18 +41,17 @@ def plan_for(cfg: PDServeConfig, profile: dict) -> Plan:
     model_dir = resolve_model(cfg.model.name)
     args = engine_args(cfg, "decode", model_dir)
     measured = Profile(profile)
-    values_per_scale = args.block_size * ModelConfig.from_dir(model_dir).head_dim
+    head_dim = ModelConfig.from_dir(model_dir).head_dim
     return plan(measured, *inputs_from_config(cfg, args.num_blocks),
-                network=network_for(cfg, measured, values_per_scale))
+                network=network_for(cfg, measured, args.block_size, head_dim))
 
 
-def network_for(cfg: PDServeConfig, profile: Profile, values_per_scale: int) -> Network | None:
+def network_for(cfg: PDServeConfig, profile: Profile, block_size: int, head_dim: int) -> Network | None:
     """The link figure: ``kv_transfer.link_gbps`` when set, else the profile's measurement of this
-    transport and codec; None when neither is there (the plan then says the term is missing).
-    ``values_per_scale``: block_size · head_dim, the values one fp8 scale covers."""
+    transport and codec; None when neither is there (the plan then says the term is missing)."""
     t = cfg.kv_transfer
     if t.link_gbps is not None:
-        ratio = wire_bytes_per_kv_byte(t.compression, profile.costs.dtype_bytes, values_per_scale)
+        ratio = wire_bytes_per_kv_byte(t.compression, profile.costs.dtype_bytes, block_size, head_dim)
         return Network(link_kv_bytes_per_s(t.link_gbps, ratio),
                        f"kv_transfer.link_gbps {t.link_gbps:g} Gbit/s, {ratio:.2f} wire bytes per KV byte "
                        f"({t.compression})")
@@ -61,12 +61,6 @@ def network_for(cfg: PDServeConfig, profile: Profile, values_per_scale: int) -> 
         return None
     return Network(measured["kv_bytes_per_s"], f"measured by pdserve profile: {t.transport}, {t.compression}, "
                    f"{measured.get('where', 'loopback')}")
-
-
-def wire_bytes_per_kv_byte(codec: str, dtype_bytes: int, values_per_scale: int) -> float:
-    """Wire bytes per model-dtype KV byte: 1 for none; for fp8 one byte per value plus a float32 scale per
-    ``values_per_scale`` values, against ``dtype_bytes`` per value (0.502 for bf16 with 16 × 64 per scale)."""
-    return 1.0 if codec == "none" else (1.0 + 4.0 / values_per_scale) / dtype_bytes
 
 
 def obtain_profile(cfg: PDServeConfig, profile_path: str | None, local: bool = False) -> tuple[dict, str]:

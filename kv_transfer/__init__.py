@@ -1,14 +1,14 @@
 """Paged KV-cache transfer from prefill to decode actors.
 
 Wire format (msgpack header + raw bytes), codecs (``none``, ``fp8`` per
-block, ``fp8_tensor`` baseline) and transports (``grpc``, ``torch``,
+block, ``int8`` per token, ``fp8_tensor`` baseline) and transports (``grpc``, ``torch``,
 ``ray``, in-process ``fake``) behind one sender/receiver interface; see
 ``kv_transfer.interface`` for the methods by side. No ray import here.
 
     interface.py       KVSender / KVReceiver ABCs, status enums, results, BlockAllocator
     layout.py          the cache layout both ends agree on, the handshake check
     wire.py            chunk header, frames, checksums (the handoff travels in the header)
-    codec.py           none / fp8 / fp8_tensor; codec_compiled.py: fused fp8 kernels
+    codec.py           none / fp8 / int8 / fp8_tensor; codec_compiled.py: fused fp8 kernels
     buffers.py         pooled scratch and payload buffers; chunker.py: chunk plans, encode pipeline
     sender.py          BaseSender: what every transport's sender shares
     receiver.py        BaseReceiver: reserve, write, complete, free
@@ -16,7 +16,7 @@ block, ``fp8_tensor`` baseline) and transports (``grpc``, ``torch``,
     transports/        grpc.py, ray.py, fake.py, torch/
 """
 
-from kv_transfer.codec import CODECS, Codec, CodecError, get_codec
+from kv_transfer.codec import CODECS, Codec, CodecError, get_codec, wire_bytes_per_kv_byte
 from kv_transfer.codec_compiled import release_gil_in_compiled_kernels
 from kv_transfer.interface import (
     BlockAllocator,
@@ -39,6 +39,7 @@ from kv_transfer.wire import DEFAULT_CHUNK_BYTES, TOKEN_KEY, WIRE_VERSION, Chunk
 __all__ = [
     "BlockAllocator",
     "CODECS",
+    "wire_bytes_per_kv_byte",
     "ChunkHeader",
     "Codec",
     "CodecError",

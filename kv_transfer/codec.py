@@ -9,6 +9,9 @@ Codecs:
     none       model dtype, bit-exact, no scales.
     fp8        float8_e4m3fn data, one float32 scale per (layer, block, K/V,
                kv head): scale = amax / 448. All-zero groups get scale 0.
+    int8       int8 data, one float32 scale per (layer, block, K/V, kv head,
+               token): scale = amax over head_dim / 127, round to nearest,
+               clamp to +-127. All-zero rows get scale 0.
     fp8_tensor float8_e4m3fn data, one scale per encoded tensor (the
                per-tensor baseline; on the wire one scale per chunk).
 
@@ -27,6 +30,7 @@ from kv_transfer.buffers import Scratch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+INT8_MAX = 127.0
 
 
 def pin_transfer_thread() -> None:
@@ -47,7 +51,7 @@ class CodecError(ValueError):
 
 class Codec(ABC):
     name: str
-    scale_layout: str  # "none" | "block" | "tensor"
+    scale_layout: str  # "none" | "block" | "token" | "tensor"
     lossy: bool = True
 
     @abstractmethod
@@ -91,8 +95,8 @@ class Codec(ABC):
     def roundtrip(self, kv_cache: torch.Tensor, index: torch.Tensor) -> None:
         """Rewrite ``kv_cache[:, index]`` (every layer) as a transfer through this codec delivers it.
 
-        Per-block scales (fp8) make this exact for any grouping of blocks; the per-tensor
-        baseline's one scale depends on which blocks a chunk held.
+        Per-block (fp8) and per-token (int8) scales make this exact for any grouping of blocks;
+        the per-tensor baseline's one scale depends on which blocks a chunk held.
         """
         shape = (kv_cache.shape[0], index.numel(), *kv_cache.shape[2:])
         payload = torch.empty(self.payload_nbytes(shape, kv_cache.dtype), dtype=torch.uint8, device=kv_cache.device)
@@ -140,9 +144,8 @@ _ABS_MASK = {torch.float32: 0x7FFFFFFF, torch.bfloat16: 0x7FFF, torch.float16: 0
 _INF_BITS = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
 
-class _Fp8Codec(Codec):
-    def wire_dtype(self, dtype):
-        return FP8
+class _ScaledCodec(Codec):
+    """One float32 scale per group of values; a group is what ``_reduce_dims`` reduces over."""
 
     @abstractmethod
     def _reduce_dims(self, x: torch.Tensor) -> tuple[int, ...]: ...
@@ -154,8 +157,13 @@ class _Fp8Codec(Codec):
         torch.bitwise_and(int_view, _ABS_MASK[x.dtype], out=bits)
         amax_bits = bits.amax(dim=self._reduce_dims(x))
         if bool((amax_bits >= _INF_BITS[x.dtype]).any()):
-            raise CodecError("KV cache holds NaN or Inf; refusing to encode it as fp8")
+            raise CodecError(f"KV cache holds NaN or Inf; refusing to encode it as {self.name}")
         return amax_bits.view(x.dtype).float()
+
+
+class _Fp8Codec(_ScaledCodec):
+    def wire_dtype(self, dtype):
+        return FP8
 
     def encode(self, x, out, scratch=None):
         # x: [l, n, 2, H, B, D]; scales: scales_shape (float32)
@@ -276,7 +284,61 @@ class Fp8TensorCodec(_Fp8Codec):
         return tuple(range(x.dim()))
 
 
-CODECS: dict[str, Codec] = {codec.name: codec for codec in (NoneCodec(), Fp8BlockCodec(), Fp8TensorCodec())}
+class Int8TokenCodec(_ScaledCodec):
+    """int8 with one float32 scale per (layer, block, K/V, kv head, token), the scheme of LMDeploy's
+    int8 KV cache. A row's step is its own amax / 127, so the error does not depend on the other
+    tokens of the block, and any grouping of blocks into chunks makes the same bytes."""
+
+    name = "int8"
+    scale_layout = "token"
+
+    def scales_shape(self, shape):
+        return tuple(shape[:5])  # [l, n, 2, H, B]
+
+    def wire_dtype(self, dtype):
+        return torch.int8
+
+    def _reduce_dims(self, x):
+        return (-1,)
+
+    def encode(self, x, out, scratch=None):
+        # x: [l, n, 2, H, B, D]; scales: [l, n, 2, H, B] (float32)
+        scratch = scratch or Scratch()
+        scales, data = self._split(out, tuple(x.shape), x.dtype)
+        amax = self._amax(x, scratch)
+        torch.div(amax, INT8_MAX, out=scales)
+        inv = torch.where(amax > 0, INT8_MAX / amax, 0.0)     # all-zero row -> multiply by 0
+        inv = inv.clamp_(max=torch.finfo(torch.float32).max).unsqueeze(-1)  # a subnormal amax: no inf (0 * inf = NaN)
+        scaled = scratch.get("scaled", tuple(x.shape), torch.float32, x.device)
+        scaled.copy_(x)
+        scaled.mul_(inv).round_().clamp_(-INT8_MAX, INT8_MAX)   # nearest, ties to even
+        data.copy_(scaled)
+
+    def decode(self, payload, shape, dtype, scratch=None):
+        scratch = scratch or Scratch()
+        scales, data = self._split(payload, shape, dtype)
+        values = scratch.get("values", shape, torch.float32, data.device)
+        values.copy_(data)
+        values.mul_(scales.unsqueeze(-1))
+        if dtype == torch.float32:
+            return values
+        out = scratch.get("out", shape, dtype, data.device)
+        out.copy_(values)
+        return out
+
+
+CODECS: dict[str, Codec] = {codec.name: codec
+                            for codec in (NoneCodec(), Fp8BlockCodec(), Int8TokenCodec(), Fp8TensorCodec())}
+
+
+def wire_bytes_per_kv_byte(name: str, dtype_bytes: int, block_size: int, head_dim: int) -> float:
+    """Bytes codec `name` puts on the wire per byte of a KV cache of `dtype_bytes`-byte values, scales
+    included, for blocks of `block_size` tokens of `head_dim` values (the planner's and the simulator's
+    link price): 1 for none; fp8 (1 + 4 / (block_size · head_dim)) / dtype_bytes; int8 (1 + 4 / head_dim) /
+    dtype_bytes."""
+    dtype = {1: FP8, 2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    cell = (1, 1, 2, 1, block_size, head_dim)                  # [l, n, K/V, H, B, D]
+    return get_codec(name).payload_nbytes(cell, dtype) / (math.prod(cell) * dtype_bytes)
 
 
 def get_codec(name: str) -> Codec:

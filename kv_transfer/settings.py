@@ -26,7 +26,7 @@ from kv_transfer.wire import DEFAULT_CHUNK_BYTES
 @dataclass(slots=True)
 class TransferSettings:
     transport: str = "grpc"           # grpc | tcp | torch | ray | fake
-    codec: str = "fp8"                # fp8 | none
+    codec: str = "fp8"                # fp8 | int8 | none
     token: str = ""                   # internal secret (internal_auth.internal_secret), never the public token
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     deadline_s: float = 30.0

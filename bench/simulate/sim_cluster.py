@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from bench.serving.local_actors import LocalDecodeClient, LocalPrefillClient
 from bench.simulate.sim_engine import SimEngine, SimTokenizer
-from bench.simulate.sim_transport import SimNetwork, SimReceiver, SimSender, wire_ratio
+from bench.simulate.sim_transport import SimNetwork, SimReceiver, SimSender
 from bench.simulate.step_time import Chunk, StepTimeModel
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
@@ -36,6 +36,7 @@ from engine.args import EngineArgs
 from engine.model.config import ModelConfig
 from engine.scheduling.loop import EngineLoop
 from prefill_worker.worker import PrefillWorker
+from kv_transfer import wire_bytes_per_kv_byte
 from router.dispatcher import Dispatcher
 from router.placement import LiveProfile
 from router.placement.live_profile import ProfileSeed
@@ -207,8 +208,8 @@ class SimCluster:
         self.cfg, self.model, self.shape, self.mode, self.chunked = cfg, model, shape, mode, chunked
         self.network = SimNetwork()
         dtype_bytes = max(model.kv_bytes_per_token // max(shape.kv_bytes_per_token(1), 1), 1)
-        self.wire_ratio = wire_ratio(cfg.kv_transfer.compression, dtype_bytes, cfg.kv_cache.block_size,
-                                     shape.head_dim)
+        self.wire_ratio = wire_bytes_per_kv_byte(cfg.kv_transfer.compression, dtype_bytes, cfg.kv_cache.block_size,
+                                                 shape.head_dim)
         self.actors: list[SimActor] = []
         self.dispatcher: Dispatcher | None = None
         self._next_index: dict[str, int] = {}

@@ -44,14 +44,6 @@ class SimNetwork:
         return self._receivers.get(endpoint)
 
 
-def wire_ratio(codec: str, dtype_bytes: int, block_size: int, head_dim: int) -> float:
-    """Wire bytes per cache byte: 1 for `none`; fp8 / int8 keep one byte per element plus a float32
-    scale per (block, layer, K/V, head) — `block_size · head_dim` elements."""
-    if codec == "none":
-        return 1.0
-    return (1.0 + 4.0 / (block_size * head_dim)) / dtype_bytes
-
-
 @dataclass(slots=True)
 class _Transfer:
     transfer_id: str
@@ -165,7 +157,7 @@ class SimSender(KVSender):
         actor: the sending simulated actor (`busy_until`: when the current step ends; `step_s`: its length).
         model: the link's time (`link_s`) and the layer count.
         kv_bytes_per_block: the simulated cache's bytes per block (all layers, K and V).
-        ratio: wire bytes per cache byte (`wire_ratio`).
+        ratio: wire bytes per cache byte (`kv_transfer.wire_bytes_per_kv_byte`).
         layerwise: the send overlaps the prefill's layers.
     """
 

@@ -91,7 +91,8 @@ def test_speed_and_transfer_checks_run_on_cpu(on_cpu):
                                        "prefill FLOP/s (2 × 64)"]
     assert rows[1].data["bytes_per_s"] > 0 and rows[2].data["flops_per_s"] > 0
     rows = gpu_check.check_transfer(1)
-    assert [r.check for r in rows] == ["KV transfer GPU→GPU grpc none", "KV transfer GPU→GPU grpc fp8"]
+    assert [r.check for r in rows] == ["KV transfer GPU→GPU grpc none", "KV transfer GPU→GPU grpc fp8",
+                                       "KV transfer GPU→GPU grpc int8"]
     assert all(r.data["gb_per_s"] > 0 and r.data["bytes"] == 1 << 20 for r in rows)
 
 

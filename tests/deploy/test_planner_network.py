@@ -46,18 +46,19 @@ def test_without_a_link_figure_the_term_is_left_out_and_said_so():
     assert any(r.startswith("network term left out") for r in p.reasons)
 
 
-def test_link_gbps_and_the_fp8_wire_ratio():
-    from deploy.plan_cli import wire_bytes_per_kv_byte
-    from kv_transfer import get_codec
+def test_link_gbps_and_the_codecs_wire_ratios():
+    from kv_transfer import get_codec, wire_bytes_per_kv_byte
 
     assert link_kv_bytes_per_s(10, 1.0) == pytest.approx(1.25e9)
     assert link_kv_bytes_per_s(1, 0.5) == pytest.approx(0.25e9)
     cell = (1, 1, 2, 4, 16, 64)  # [l, n, 2, H, B, D]
     for dtype in (torch.bfloat16, torch.float32):
         raw = 2 * 4 * 16 * 64 * dtype.itemsize
-        assert wire_bytes_per_kv_byte("fp8", dtype.itemsize, 16 * 64) == pytest.approx(
-            get_codec("fp8").payload_nbytes(cell, dtype) / raw)
-    assert wire_bytes_per_kv_byte("none", 2, 1024) == 1.0
+        for codec, per_value in (("fp8", 1 + 4 / (16 * 64)), ("int8", 1 + 4 / 64)):    # a scale per block / per row
+            ratio = wire_bytes_per_kv_byte(codec, dtype.itemsize, 16, 64)
+            assert ratio == pytest.approx(get_codec(codec).payload_nbytes(cell, dtype) / raw)
+            assert ratio == pytest.approx(per_value / dtype.itemsize)
+    assert wire_bytes_per_kv_byte("none", 2, 16, 64) == 1.0
 
 
 def _plan_json(main, capsys, tiny_model_dir, profile_path, *sets) -> dict:

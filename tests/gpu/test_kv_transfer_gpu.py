@@ -41,7 +41,7 @@ def cache(num_blocks: int, seed: int = 0, device: str = "cuda") -> torch.Tensor:
     return torch.randn(LAYOUT.cache_shape(num_blocks), generator=generator).to(LAYOUT.dtype).to(device)
 
 
-@pytest.mark.parametrize("name", ["none", "fp8", "fp8_tensor"])
+@pytest.mark.parametrize("name", ["none", "fp8", "int8", "fp8_tensor"])
 def test_codec_on_cuda_matches_cpu(name):
     codec = get_codec(name)
     x = cache(8)[:, [5, 2, 7]]  # [L, n, 2, H, B, D]
@@ -55,7 +55,7 @@ def test_codec_on_cuda_matches_cpu(name):
 
 
 @pytest.mark.parametrize("kind", ["fake", "grpc", "tcp"])
-@pytest.mark.parametrize("codec", ["none", "fp8"])
+@pytest.mark.parametrize("codec", ["none", "fp8", "int8"])
 def test_device_caches_round_trip(kind, codec):
     pool = SimpleBlockPool(32)
     pool.take([0, 3])

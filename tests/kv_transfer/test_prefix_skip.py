@@ -11,6 +11,7 @@ from kv_transfer import KVPiece, TransferStatus
 
 
 CASES = [(kind, codec) for kind in ("fake", "grpc", "tcp", "torch") for codec in ("none", "fp8")] + [("ray", "none")]
+CASES += [("fake", "int8"), ("tcp", "int8")]
 
 
 @pytest.mark.parametrize("kind,codec", CASES)

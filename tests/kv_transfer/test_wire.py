@@ -6,6 +6,7 @@ import msgpack
 import pytest
 import torch
 
+from kv_transfer.layout import HandshakeError
 from kv_transfer.wire import (
     FRAME_PREFIX,
     MAX_HEADER_BYTES,
@@ -133,3 +134,25 @@ def test_the_proto_defines_the_header_the_code_sends():
     proto = (Path(__file__).resolve().parents[2] / "proto/pdserve/v1/kv_transfer.proto").read_text()
     assert re.search(r"Wire format version \(kv_transfer/wire.py WIRE_VERSION\): (\d+)", proto).group(1) == \
         str(WIRE_VERSION)
+
+
+def test_int8_header_carries_token_scales_and_its_payload_size():
+    """int8's scales are per token x head: the size check before allocation counts them."""
+    shape_numel = 2 * 3 * 2 * 1 * 4 * 2                   # [l, n, 2, H, B, D]
+    num_scales = 2 * 3 * 2 * 1 * 4                        # [l, n, 2, H, B]
+    receiver = {**RECEIVER, "codec": "int8"}
+    good = header(codec="int8", scale_layout="token", payload_len=4 * num_scales + shape_numel)
+    validate_header(good, receiver)
+    assert unpack_header(pack_header(good)) == good
+    with pytest.raises(WireError, match="scale layout 'block' does not match codec 'int8'"):
+        validate_header(header(codec="int8", scale_layout="block", payload_len=good.payload_len), receiver)
+    fp8_sized = 4 * (2 * 3 * 2 * 1) + shape_numel          # one scale per block: too short for int8
+    with pytest.raises(WireError, match=f"payload_len {fp8_sized} != {good.payload_len}"):
+        validate_header(header(codec="int8", scale_layout="token", payload_len=fp8_sized), receiver)
+
+
+def test_a_codec_the_receiver_does_not_run_is_refused_naming_both():
+    with pytest.raises(HandshakeError, match="codec: sender='int8' receiver='fp8'"):
+        validate_header(header(codec="int8", scale_layout="token"), {**RECEIVER, "codec": "fp8"})
+    with pytest.raises(HandshakeError, match="codec: sender='int4' receiver='none'"):
+        validate_header(header(codec="int4", scale_layout="token"), RECEIVER)

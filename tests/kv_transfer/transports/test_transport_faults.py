@@ -130,6 +130,17 @@ def test_codec_mismatch_is_refused(make_pair, layout):
 
 
 @pytest.mark.parametrize("kind", ["fake", "grpc", "tcp", "torch"])
+@pytest.mark.parametrize("sender_codec, receiver_codec", [("int8", "fp8"), ("fp8", "int8")])
+def test_fp8_and_int8_ends_refuse_each_other_naming_both(make_pair, layout, kind, sender_codec, receiver_codec):
+    pair = make_pair(kind, layout, codec=receiver_codec)
+    pair.sender.codec = sender_module.get_codec(sender_codec)
+    handle = pair.sender.send(KVPiece("r", random_cache(layout, 3), [0, 1]), pair.dest)
+    assert handle.wait(30) == TransferStatus.FAILED
+    assert f"codec: sender={sender_codec!r} receiver={receiver_codec!r}" in handle.error, handle.error
+    assert_no_leak(pair.pool)
+
+
+@pytest.mark.parametrize("kind", ["fake", "grpc", "tcp", "torch"])
 def test_receiver_out_of_blocks(make_pair, layout, kind):
     pair = make_pair(kind, layout, num_dst_blocks=4)
     pair.pool.take([1, 3])
@@ -139,9 +150,10 @@ def test_receiver_out_of_blocks(make_pair, layout, kind):
     assert_no_leak(pair.pool, [1, 3])
 
 
-@pytest.mark.parametrize("kind", ["fake", "grpc", "tcp", "torch", "ray"])
-def test_nan_in_kv_fails_on_the_sender_side(make_pair, layout, kind):
-    pair = make_pair(kind, layout, codec="fp8", chunk_bytes=200)
+@pytest.mark.parametrize("kind, codec", [(kind, "fp8") for kind in ("fake", "grpc", "tcp", "torch", "ray")]
+                         + [("fake", "int8"), ("tcp", "int8")])
+def test_nan_in_kv_fails_on_the_sender_side(make_pair, layout, kind, codec):
+    pair = make_pair(kind, layout, codec=codec, chunk_bytes=200)
     src = random_cache(layout, 4)
     src[2, 3, 1, 0, 0, 0] = float("nan")  # last layer: earlier chunks were already shipped
     handle = pair.sender.send(KVPiece("r", src, [0, 1, 2, 3]), pair.dest)
