@@ -101,7 +101,8 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str, mcfg: ModelConfig
                       max_model_len=cfg.model.max_model_len, torch_threads=p.resources.threads(),
                       attention=cfg.model.attention,
                       weight_layout=cfg.model.weight_layout if device.type == "cpu" else "auto",
-                      quantization=quantization, quantization_group_size=group_size)
+                      quantization=quantization, quantization_group_size=group_size,
+                      quantize_lm_head=cfg.model.quantize_lm_head)
     if device.type == "cuda":
         args.kv_memory_fraction = kv.device_fraction()
     if pool == "prefill":

@@ -50,6 +50,8 @@ class EngineArgs:
             GPTQ / AWQ / compressed-tensors 4-bit checkpoint is served int4 as stored under `none` or
             `int4` (its own group size); `int8` is refused for it.
         quantization_group_size: int4's group (32, 64 or 128).
+        quantize_lm_head: with `quantization` int8 / int4, the LM head is quantized the same way (it is
+            read whole every decode step: a large vocabulary makes it a large share of the bytes).
         torch_threads: torch's intra-op thread count, set when the engine is built (None: unchanged).
     """
 
@@ -70,6 +72,7 @@ class EngineArgs:
     weight_layout: str = "auto"
     quantization: str = "none"
     quantization_group_size: int = 128
+    quantize_lm_head: bool = False
     torch_threads: int | None = None
 
     def model_dir(self) -> str:

@@ -10,7 +10,8 @@ and the engine benchmark (`bench.engine`) both count with it.
 P = matmul parameters of the decoder layers (q/k/v, o, gate/up, down), L = layers, d = query heads ·
 head_dim, V·h = the LM head. W = the weights a decode step reads whole: P, the q/k/v and MLP biases
 (when the model has them), the 2·L + 1 RMSNorm vectors and the LM head, at the weights' dtype; with
-int8 / int4 weight-only projections (engine/model/quantized_linear.py) P counts their stored bytes.
+int8 / int4 weight-only projections (engine/model/quantized_linear.py) P (and the LM head, when it is
+quantized too) count their stored bytes.
 Left out: the embedding gather (B rows of h: B/V of the LM head's bytes), so decode bytes stay
 linear in B·C; and the RoPE, softmax and norm arithmetic.
 """
@@ -51,12 +52,13 @@ class ModelCosts:
     dtype_bytes: int
 
     @classmethod
-    def of(cls, cfg: ModelConfig, dtype_bytes: int, matmul_weight_bytes: int | None = None) -> "ModelCosts":
-        """`matmul_weight_bytes`: the decoder projections' stored bytes when they are not P · dtype_bytes
-        (quantized: `LlamaModel.matmul_weight_bytes`)."""
+    def of(cls, cfg: ModelConfig, dtype_bytes: int, quantized: tuple[int, int] | None = None) -> "ModelCosts":
+        """`quantized`: (bytes as stored, parameters) of the projections stored int8 / int4, which a
+        decode step reads instead of parameters · dtype_bytes (`LlamaModel.quantized_weights`)."""
         weight_bytes = decode_weight_params(cfg) * dtype_bytes
-        if matmul_weight_bytes is not None:
-            weight_bytes += matmul_weight_bytes - layer_matmul_params(cfg) * dtype_bytes
+        if quantized is not None:
+            stored, params = quantized
+            weight_bytes += stored - params * dtype_bytes
         return cls(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
                    attn_dim=cfg.num_attention_heads * cfg.head_dim, layer_params=layer_matmul_params(cfg),
                    head_params=cfg.vocab_size * cfg.hidden_size,

@@ -99,7 +99,8 @@ class Engine:
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.vocab_size = cfg.vocab_size
         self.model = load_model(self.model_dir, cfg, self.device, self.dtype, self.max_model_len,
-                                args.quantization, args.quantization_group_size)
+                                args.quantization, args.quantization_group_size,
+                                quantize_lm_head=args.quantize_lm_head)
         self.quantization = self.model.quantization       # none | int8 | int4 (a quantized checkpoint: int4)
         # Of the directory's weights, not of how they are stored: a decode actor running int4 and a
         # prefill actor running unquantized share it, and the KV handshake admits them (docs/engine.md).

@@ -8,7 +8,7 @@ models, unknown keys forbidden)::
 
     PDServeConfig                       root.py
       model: ModelSection               model.py        name, dtype, attention, weight_layout, quantization,
-                                                        quantization_group_size, max_model_len
+                                                        quantization_group_size, quantize_lm_head, max_model_len
       pools: PoolsSection               pools.py        prefill, decode, long_context (optional)
         <pool>: PoolSection                             count, min, max, resources, max_restarts,
                                                         model, kv_cache, quantization, quantization_group_size

@@ -56,6 +56,9 @@ class ModelSection(Section):
     quantization_group_size: QuantizationGroupSize = Field(
         128, description="int4: input channels per scale (32, 64 or 128; smaller groups: closer to the "
         "unquantized model, a few % more bytes).")
+    quantize_lm_head: bool = Field(
+        False, description="With quantization int8 / int4: quantize the LM head too (read whole every decode "
+        "step; with a large vocabulary a large share of its bytes). The embedding stays in dtype.")
     max_model_len: Optional[Int] = Field(
         None, gt=0, description="Longest prompt + output in tokens; default: the model's "
         "max_position_embeddings.")

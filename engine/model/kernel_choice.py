@@ -184,7 +184,7 @@ def weight_layout(model, prefill_tokens: int = 256, memory: int | None = None) -
     """
     layer = model.layers[0]
     dense = [m for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) if isinstance(m, Linear)]
-    if not dense and model.lm_head.weight is not model.embed_tokens.weight:
+    if not dense and isinstance(model.lm_head, Linear) and model.lm_head.weight is not model.embed_tokens.weight:
         dense = [model.lm_head]       # quantized projections (quantized_linear.py): only the LM head is dense
     if not dense:
         return ROW_MAJOR

@@ -93,21 +93,23 @@ def resolve_quantization(cfg: ModelConfig, quantization: str, group_size: int) -
 
 def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                max_positions: int, quantization: str = "none", group_size: int = 128,
-               plan: QuantPlan | None = None) -> LlamaModel:
+               plan: QuantPlan | None = None, quantize_lm_head: bool = False) -> LlamaModel:
     """Build the model and copy HF weights into it, fusing q/k/v and gate/up (Phi-3 ships them fused).
 
     `quantization` int8 / int4 (or a quantized checkpoint): the decoder projections are packed for
-    the weight-only kernels under `plan` (default: measured for this machine, kernel_choice.quantized_plan).
+    the weight-only kernels under `plan` (default: measured for this machine, kernel_choice.quantized_plan);
+    with `quantize_lm_head` the LM head too, round-to-nearest from its float weight (a tied head from
+    the embedding, which stays as loaded for lookups).
     """
     scheme, group_size = resolve_quantization(cfg, quantization, group_size)
     if scheme != "none" and plan is None:
         plan = kernel_choice.quantized_plan(cfg, scheme, group_size, dtype, device)
     quant = plan if scheme != "none" else None
     with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions, torch.device("meta"), dtype, quant)
+        model = LlamaModel(cfg, max_positions, torch.device("meta"), dtype, quant, quantize_lm_head)
     model = model.to_empty(device=device)
     model.rope = type(model.rope)(cfg, max_positions, device, dtype)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and isinstance(model.lm_head, Linear):
         model.lm_head.weight = model.embed_tokens.weight
     checkpoint = cfg.quantization
     src = read_state_dict(model_dir, quantized=checkpoint is not None)
@@ -157,7 +159,11 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
     with torch.no_grad():
         copy(model.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         copy(model.norm.weight, take("model.norm.weight"), "model.norm.weight")
-        if not cfg.tie_word_embeddings:
+        if isinstance(model.lm_head, QuantizedLinear):
+            head = model.embed_tokens.weight if cfg.tie_word_embeddings else take("lm_head.weight")
+            check((model.lm_head.out_features, model.lm_head.in_features), head, "lm_head.weight")
+            model.lm_head.set_weight(quantize(head, scheme, group_size), device)
+        elif not cfg.tie_word_embeddings:
             copy(model.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."

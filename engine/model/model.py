@@ -77,7 +77,7 @@ class LlamaModel(nn.Module):
     embedding, the norms and the LM head stay in `dtype`."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype,
-                 quant: QuantPlan | None = None):
+                 quant: QuantPlan | None = None, quantize_lm_head: bool = False):
         super().__init__()
         self.cfg = cfg
         self.quant = quant
@@ -85,9 +85,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, quant, scratch) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head = projection(cfg.hidden_size, cfg.vocab_size, False, quant if quantize_lm_head else None, scratch)
+        if cfg.tie_word_embeddings and isinstance(self.lm_head, Linear):
+            self.lm_head.weight = self.embed_tokens.weight      # a quantized head packs its own copy
         self.to(device=device, dtype=dtype)
         self.rope = RotaryEmbedding(cfg, max_positions, device, dtype)
         self.weight_layout = ROW_MAJOR
@@ -111,14 +111,11 @@ class LlamaModel(nn.Module):
         """`none`, `int8` or `int4`: how the decoder layers' projections are stored."""
         return "none" if self.quant is None else self.quant.scheme
 
-    def matmul_weight_bytes(self) -> int:
-        """Bytes of the decoder layers' projection weights as stored (what a decode step reads of them)."""
-        total = 0
-        for layer in self.layers:
-            for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                total += m.nbytes if isinstance(m, QuantizedLinear) else m.out_features * m.in_features * \
-                    self.embed_tokens.weight.element_size()
-        return total
+    def quantized_weights(self) -> tuple[int, int]:
+        """(bytes as stored, parameters) of the quantized projections: what a decode step reads of them
+        and what they stand for (engine/cost_model.py `ModelCosts.of`)."""
+        modules = [m for m in self.modules() if isinstance(m, QuantizedLinear)]
+        return sum(m.nbytes for m in modules), sum(m.out_features * m.in_features for m in modules)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

@@ -32,10 +32,10 @@ class ModelRunner:
         self.graphs = None                  # decode_graphs.DecodeGraphs: pure-decode steps replayed
         if weight_layout == "auto":
             weight_layout = kernel_choice.weight_layout(model)     # measured once per machine (CPU only)
-        elif weight_layout not in layouts_for(model.lm_head.weight):
-            raise ValueError(f"weight_layout {weight_layout!r} is not available for {model.lm_head.weight.dtype} "
-                             f"on {model.lm_head.weight.device.type}; choose one of "
-                             f"{', '.join(('auto',) + layouts_for(model.lm_head.weight))}")
+        elif weight_layout not in layouts_for(model.embed_tokens.weight):
+            dense = model.embed_tokens.weight          # the dtype and device of every dense projection
+            raise ValueError(f"weight_layout {weight_layout!r} is not available for {dense.dtype} "
+                             f"on {dense.device.type}; choose one of {', '.join(('auto',) + layouts_for(dense))}")
         model.store_weights(weight_layout)
         self.kv_cache = kv_cache          # [L, NB, 2, Hkv, bs, D]
         self.block_size = block_size

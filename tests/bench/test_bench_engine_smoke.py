@@ -51,18 +51,19 @@ def test_bench_engine_quick_tiny_reports_every_figure(tmp_path, tiny_model_dir, 
 def test_bench_engine_quantization_tiny_reports_each_engine(tmp_path, tiny_model_dir, capsys):
     """--quantization: one engine per quantization side by side (no HF); `none` is added when left out."""
     out, md = tmp_path / "quant.json", tmp_path / "quant.md"
-    assert bench_engine.main(["--model", "tiny", "--quick", "--quantization", "int8,int4", "--group-size", "64",
-                              "--json", str(out), "--markdown", str(md)]) == 0
+    assert bench_engine.main(["--model", "tiny", "--quick", "--quantization", "int8,int4,int4+head", "--group-size",
+                              "64", "--json", str(out), "--markdown", str(md)]) == 0
     r = json.loads(out.read_text())
-    assert list(r["runs"]) == ["none", "int8", "int4"] and r["group_size"] == 64
-    none, int8, int4 = (r["runs"][q] for q in ("none", "int8", "int4"))
+    assert list(r["runs"]) == ["none", "int8", "int4", "int4+head"] and r["group_size"] == 64
+    none, int8, int4, head = (r["runs"][q] for q in ("none", "int8", "int4", "int4+head"))
     assert none["plan"] is None and int4["plan"].startswith("int4 group 64: packed kernel")
-    assert int4["weight_bytes"] < int8["weight_bytes"] < none["weight_bytes"]
+    assert head["weight_bytes"] < int4["weight_bytes"] < int8["weight_bytes"] < none["weight_bytes"]
     for run in r["runs"].values():
         assert set(run["prefill"]) == {"512", "2048"} and set(run["decode"]) == {"1", "8", "32"}
         assert all(_positive(d["s"]) and _positive(d["bytes_per_s"]) for d in run["decode"].values())
     names = [t["target"] for t in r["targets"]]
     assert names[:3] == ["int8 decode batch 1: step vs none", "int8 prefill 512: time vs none",
-                         "int8 prefill 2048: time vs none"] and len(names) == 6
+                         "int8 prefill 2048: time vs none"] and len(names) == 9
+    assert names[-3] == "int4+head decode batch 1: step vs none"
     printed = capsys.readouterr().out
-    assert printed.count("PASS") + printed.count("MISS") == 6 and md.read_text().count("| ") > 6
+    assert printed.count("PASS") + printed.count("MISS") == 9 and md.read_text().count("| ") > 9

@@ -75,6 +75,46 @@ def test_quantized_engine_computes_the_model_of_its_dequantized_weights(tiny_mod
         torch.testing.assert_close(_logits(engine, rows), _logits(reference, rows), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("scheme,group", [("int8", 128), ("int4", 64)])
+def test_quantized_lm_head_computes_the_model_of_its_dequantized_head(tiny_model_dir, float32_plan, scheme, group):
+    """quantize_lm_head: the head is one more quantized projection; the embedding stays as loaded."""
+    engine = _engine(tiny_model_dir, quantization=scheme, quantization_group_size=group, quantize_lm_head=True)
+    reference = _engine(tiny_model_dir, weight_layout="row-major")
+    assert isinstance(engine.model.lm_head, QuantizedLinear)
+    assert torch.equal(engine.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    with torch.no_grad():
+        for m in [reference.model.lm_head] + [p for layer in reference.model.layers
+                                              for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                        layer.down_proj)]:
+            m.weight.copy_(quantize(m.weight, scheme, group).dequantize())
+    ids = list(range(5, 45))
+    for rows in (ids[:3], ids):
+        torch.testing.assert_close(_logits(engine, rows), _logits(reference, rows), atol=2e-5, rtol=2e-5)
+    costs = engine_costs(engine)
+    head_stored = engine.model.lm_head.nbytes
+    assert costs.weight_bytes == engine_costs(_engine(tiny_model_dir, quantization=scheme,
+                                                      quantization_group_size=group)).weight_bytes \
+        - costs.head_params * 4 + head_stored
+
+
+def test_a_tied_head_is_quantized_from_the_embedding_which_stays_exact(float32_plan):
+    """pydoc ties its head to the embedding: the quantized head packs its own copy; lookups read the
+    embedding as loaded."""
+    engine = _engine("pydoc", quantization="int8", quantize_lm_head=True)
+    reference = _engine("pydoc", weight_layout="row-major")
+    assert isinstance(engine.model.lm_head, QuantizedLinear)
+    assert torch.equal(engine.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    with torch.no_grad():
+        head = Linear(*reversed(reference.model.embed_tokens.weight.shape), bias=False)
+        head.weight.copy_(quantize(reference.model.embed_tokens.weight, "int8").dequantize())
+        reference.model.lm_head = head                      # untied: the reference's embedding stays exact
+        for layer in reference.model.layers:
+            for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                m.weight.copy_(quantize(m.weight, "int8").dequantize())
+    ids = list(range(5, 45))
+    torch.testing.assert_close(_logits(engine, ids), _logits(reference, ids), atol=2e-5, rtol=2e-5)
+
+
 def test_quantization_changes_neither_fingerprint_nor_kv_layout(tiny_model_dir):
     """An int4 decode engine takes an unquantized prefill engine's KV: the handshake compares the
     weights' fingerprint, KV layout and dtype, none of which quantization changes."""
