@@ -128,6 +128,8 @@ def parse_only(run) -> str | None:
 
 
 def check_pdserve(args: list[str]) -> str | None:
+    if args[:1] == ["simulate"]:          # deploy.cli hands every flag to the simulator's own parser
+        return parse_only(lambda: importlib.import_module("bench.simulate.cli").main(args[1:]))
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
