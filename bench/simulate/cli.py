@@ -220,22 +220,47 @@ def planned_split(args, specs: list, rate: float, devices: int) -> str:
         (f", more than the {devices} given)" if p.n_prefill + p.n_decode > devices else ")")
 
 
+DEFAULT_RATIOS = "200:200,1000:200,2000:200,5000:500,10000:1000"
+
+
 def sweep_ratio(args) -> dict:
-    """Disaggregated vs colocated (chunked) at each prompt:output ratio, at equal actors."""
-    pairs = [tuple(int(x) for x in v.split(":")) for v in (args.sweep_values or "200:200,1000:200,2000:200,"
-                                                                             "5000:500,10000:1000").split(",")]
+    """Disaggregated vs colocated (chunked) at each prompt:output ratio, at equal actors. Each variant's
+    rates reach 1.5x the larger of the two capacities; a figure every rate held is a lower bound (≥)."""
+    cfg = variant_config(args, "colocated")
+    _, shape = time_model(args, cfg)
+    context = min(cfg.model.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
+    pairs = []
+    for value in (args.sweep_values or DEFAULT_RATIOS).split(","):
+        try:
+            prompt_len, output_len = (int(x) for x in value.split(":"))
+        except ValueError:
+            raise ValueError(f"--sweep-values: {value!r} is not PROMPT:OUTPUT (e.g. 2000:200)") from None
+        if prompt_len < 1 or output_len < 1:
+            raise ValueError(f"--sweep-values: {value!r}: both lengths must be at least 1")
+        if prompt_len + output_len > context:
+            if args.sweep_values:
+                raise ValueError(f"--sweep-values: {value} needs {prompt_len + output_len} tokens, more than the "
+                                 f"model's context of {context}")
+            print(f"skipping {value}: more than the model's context of {context} tokens", file=sys.stderr)
+            continue
+        pairs.append((prompt_len, output_len))
     rows = []
     for prompt_len, output_len in pairs:
         specs = make_workload("chat", args.num_requests, args.seed, 1.0, prompt_len, output_len)
-        values = rates_around(capacity(args, "colocated-chunked", specs))
-        held = {v: max_rate_rps(rate_points(args, v, specs, values))["max_rate_rps"]
-                for v in ("colocated-chunked", "disaggregated")}
-        gain = held["disaggregated"] / held["colocated-chunked"] if held["colocated-chunked"] else math.inf
-        rows.append({"prompt_len": prompt_len, "output_len": output_len, **held, "gain": gain})
-    print(f"\n{'prompt:output':>14} {'colocated':>10} {'disagg.':>10} {'disagg./coloc.':>15}   (req/s at >= 90% SLO)")
+        caps = [capacity(args, v, specs) for v in ("colocated-chunked", "disaggregated")]
+        values = rates_around(max(caps) * 1.5)
+        held = {v: max_rate_rps(rate_points(args, v, specs, values)) for v in ("colocated-chunked", "disaggregated")}
+        rate = {v: m["max_rate_rps"] for v, m in held.items()}
+        gain = rate["disaggregated"] / rate["colocated-chunked"] if rate["colocated-chunked"] else math.inf
+        rows.append({"prompt_len": prompt_len, "output_len": output_len, **rate, "gain": gain,
+                     "bounded": {v: m["bounded"] for v, m in held.items()}})
+    print(f"\n{'prompt:output':>14} {'colocated':>11} {'disagg.':>11} {'disagg./coloc.':>15}   (req/s at >= 90% SLO; "
+          "≥: every rate held it)")
     for r in rows:
-        print(f"{r['prompt_len']:>8}:{r['output_len']:<5} {r['colocated-chunked']:>10.3g} "
-              f"{r['disaggregated']:>10.3g} {r['gain']:>14.2f}×")
+        def cell(v: str) -> str:
+            return ("" if r["bounded"][v] else "≥") + f"{r[v]:.3g}"
+        print(f"{r['prompt_len']:>8}:{r['output_len']:<5} {cell('colocated-chunked'):>11} {cell('disaggregated'):>11} "
+              f"{r['gain']:>14.2f}×")
     return {"sweep": "ratio", "rows": rows}
 
 

@@ -306,3 +306,24 @@ def test_split_sweep_names_a_best_split_and_the_plan(capsys):
     printed = capsys.readouterr().out
     assert "1P2D" in printed and "2P1D" in printed and "colocated" in printed
     assert "best:" in printed and "pdserve plan at that rate:" in printed
+
+
+def test_ratio_sweep_rows_and_a_pair_past_the_context_is_refused(tmp_path, capsys):
+    """Each pair's row holds both variants' max rates, marked as lower bounds when every rate held; a
+    pair longer than the model's context (llama-2-7b: 4096) is a clear error, not a crash."""
+    out = tmp_path / "ratio.json"
+    assert cli.main(["--hardware", "H100-SXM", "--model", "llama-2-7b", "--num-requests", "16", "--sweep", "ratio",
+                     "--sweep-values", "200:20,1500:20", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["prompt_len"], r["output_len"]) for r in rows] == [(200, 20), (1500, 20)]
+    for r in rows:
+        assert r["colocated-chunked"] > 0 and r["disaggregated"] > 0
+        assert r["gain"] == pytest.approx(r["disaggregated"] / r["colocated-chunked"])
+        assert set(r["bounded"]) == {"colocated-chunked", "disaggregated"}
+    printed = capsys.readouterr().out
+    assert "1500:20" in printed and "disagg./coloc." in printed
+    assert cli.main(["--hardware", "H100-SXM", "--model", "llama-2-7b", "--sweep", "ratio",
+                     "--sweep-values", "4000:200"]) == 2
+    assert "4000:200 needs 4200 tokens, more than the model's context of 4096" in capsys.readouterr().err
+    assert cli.main(["--hardware", "H100-SXM", "--sweep", "ratio", "--sweep-values", "2000-200"]) == 2
+    assert "'2000-200' is not PROMPT:OUTPUT" in capsys.readouterr().err
