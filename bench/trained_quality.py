@@ -38,6 +38,7 @@ import time
 
 import torch
 
+from bench.engine.quantization import HEAD, scheme_of
 from bench.kv_quality import _drain
 from deploy.config.kv_transfer import KVTransferSection
 from engine import Engine, EngineArgs, SamplingParams
@@ -340,7 +341,8 @@ def weight_quality(model: str = "pydoc", quantizations: tuple[str, ...] = ("int8
     reference: dict | None = None
     for name in ("none", *quantizations):
         engine = Engine(EngineArgs(model_dir, dtype=dtype, num_blocks=64 + GREEDY_BATCH * 20, enable_prefix_cache=False,
-                                   attention="eager", quantization=name, quantization_group_size=group_size))
+                                   attention="eager", quantization=scheme_of(name),
+                                   quantization_group_size=group_size, quantize_lm_head=name.endswith(HEAD)))
         nbytes = [len(engine.tokenizer.decode(p[1:]).encode()) for p in passages]     # the scored tokens' bytes
         nll = [engine_nll(engine, [p])[0] for p in passages]
         row = {"bits_per_byte": sum(nll) / math.log(2) / sum(nbytes), "nll": nll,
@@ -367,7 +369,7 @@ def weight_quality(model: str = "pydoc", quantizations: tuple[str, ...] = ("int8
             row.update(greedy_prefix_agreement=sum(prefix) / sum(map(len, theirs)),
                        identical_sequences=sum(x == y for x, y in zip(ours, theirs)) / len(passages),
                        max_margin_at_fork=max(forks, default=0.0))
-        row["target"] = WEIGHT_TARGETS.get(name)
+        row["target"] = WEIGHT_TARGETS.get(scheme_of(name))
         row["pass"] = row["target"] is None or abs(row["bpb_rel_diff"]) <= row["target"]
         result[name] = row
     for row in (result[n] for n in ("none", *quantizations)):
@@ -424,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"(default: {PROMPT_TOKENS} tokens each)")
     ap.add_argument("--no-bf16-ref", action="store_true", help="skip the none-KV-rounded-to-bf16 row")
     ap.add_argument("--weights", default="int8,int4",
-                    help="weight quantizations to compare with unquantized weights ('' skips them)")
+                    help="weight quantizations to compare with unquantized weights, e.g. int8,int4,int4+head "
+                    "(+head: the LM head too; '' skips them)")
     ap.add_argument("--group-size", type=int, default=128, help="int4 group size (32, 64, 128)")
     ap.add_argument("--cache", help="corpus cache directory (default ~/.cache/pdserve/corpus)")
     ap.add_argument("--json")
