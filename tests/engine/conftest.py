@@ -36,3 +36,17 @@ def _default_attention(monkeypatch):
     """Engine tests run the engine's own default decode attention (compiled on CPU);
     the rest of the suite pins the eager path for speed (tests/conftest.py)."""
     monkeypatch.delenv("PDSERVE_ATTENTION", raising=False)
+
+
+@pytest.fixture
+def float32_plan(monkeypatch):
+    """Quantized projections with both paths in float32 (the packed kernel for up to 4 rows): tests
+    compare the loaded weights, not the machine's bfloat16 rounding of activations."""
+    import torch
+
+    from engine.model import kernel_choice
+    from engine.model.quantized_linear import QuantPlan
+
+    def plan(cfg, scheme, group_size, dtype, device, prefill_tokens=256):
+        return QuantPlan(scheme, group_size, torch.float32, torch.float32, 4)
+    monkeypatch.setattr(kernel_choice, "quantized_plan", plan)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quantized_support import prompt_logits, small_engine
 
-from engine import Engine, EngineArgs
-from engine.model import kernel_choice
 from engine.model.linear import Linear
 from engine.model.quantization import concat, quantize, regroup
-from engine.model.quantized_linear import QuantizedLinear, QuantPlan
+from engine.model.quantized_linear import QuantizedLinear
 from engine.profile import engine_costs
 from kv_transfer import check_compatible, layout_of
 
@@ -37,29 +36,10 @@ def test_concat_and_regroup_keep_the_weights():
     assert torch.equal(regroup(qa, 32).dequantize(), qa.dequantize()) and regroup(qa, 32).scales.shape == (16, 4)
 
 
-@pytest.fixture
-def float32_plan(monkeypatch):
-    def plan(cfg, scheme, group_size, dtype, device, prefill_tokens=256):
-        return QuantPlan(scheme, group_size, torch.float32, torch.float32, 4)
-    monkeypatch.setattr(kernel_choice, "quantized_plan", plan)
-
-
-def _engine(model_dir: str, **kw) -> Engine:
-    return Engine(EngineArgs(model_dir, dtype="float32", num_blocks=32, attention="eager", **kw))
-
-
-def _logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    blocks = engine.block_manager.allocate(4)
-    try:
-        return engine.runner.score(ids, blocks)
-    finally:
-        engine.block_manager.free(blocks)
-
-
 @pytest.mark.parametrize("scheme,group", [("int8", 128), ("int4", 64)])
 def test_quantized_engine_computes_the_model_of_its_dequantized_weights(tiny_model_dir, float32_plan, scheme, group):
-    engine = _engine(tiny_model_dir, quantization=scheme, quantization_group_size=group)
-    reference = _engine(tiny_model_dir, weight_layout="row-major")    # weights it reads as copied below
+    engine = small_engine(tiny_model_dir, quantization=scheme, quantization_group_size=group)
+    reference = small_engine(tiny_model_dir, weight_layout="row-major")    # weights it reads as copied below
     layer = engine.model.layers[0]
     assert engine.quantization == scheme and engine.model.lm_head.weight.dtype == torch.float32
     assert all(isinstance(m, QuantizedLinear) for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
@@ -72,14 +52,14 @@ def test_quantized_engine_computes_the_model_of_its_dequantized_weights(tiny_mod
                 m.weight.copy_(quantize(m.weight, scheme, group).dequantize())
     ids = list(range(5, 45))
     for rows in (ids[:3], ids):               # packed kernel, dense path
-        torch.testing.assert_close(_logits(engine, rows), _logits(reference, rows), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(prompt_logits(engine, rows), prompt_logits(reference, rows), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("scheme,group", [("int8", 128), ("int4", 64)])
 def test_quantized_lm_head_computes_the_model_of_its_dequantized_head(tiny_model_dir, float32_plan, scheme, group):
     """quantize_lm_head: the head is one more quantized projection; the embedding stays as loaded."""
-    engine = _engine(tiny_model_dir, quantization=scheme, quantization_group_size=group, quantize_lm_head=True)
-    reference = _engine(tiny_model_dir, weight_layout="row-major")
+    engine = small_engine(tiny_model_dir, quantization=scheme, quantization_group_size=group, quantize_lm_head=True)
+    reference = small_engine(tiny_model_dir, weight_layout="row-major")
     assert isinstance(engine.model.lm_head, QuantizedLinear)
     assert torch.equal(engine.model.embed_tokens.weight, reference.model.embed_tokens.weight)
     with torch.no_grad():
@@ -89,10 +69,10 @@ def test_quantized_lm_head_computes_the_model_of_its_dequantized_head(tiny_model
             m.weight.copy_(quantize(m.weight, scheme, group).dequantize())
     ids = list(range(5, 45))
     for rows in (ids[:3], ids):
-        torch.testing.assert_close(_logits(engine, rows), _logits(reference, rows), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(prompt_logits(engine, rows), prompt_logits(reference, rows), atol=2e-5, rtol=2e-5)
     costs = engine_costs(engine)
     head_stored = engine.model.lm_head.nbytes
-    assert costs.weight_bytes == engine_costs(_engine(tiny_model_dir, quantization=scheme,
+    assert costs.weight_bytes == engine_costs(small_engine(tiny_model_dir, quantization=scheme,
                                                       quantization_group_size=group)).weight_bytes \
         - costs.head_params * 4 + head_stored
 
@@ -100,8 +80,8 @@ def test_quantized_lm_head_computes_the_model_of_its_dequantized_head(tiny_model
 def test_a_tied_head_is_quantized_from_the_embedding_which_stays_exact(float32_plan):
     """pydoc ties its head to the embedding: the quantized head packs its own copy; lookups read the
     embedding as loaded."""
-    engine = _engine("pydoc", quantization="int8", quantize_lm_head=True)
-    reference = _engine("pydoc", weight_layout="row-major")
+    engine = small_engine("pydoc", quantization="int8", quantize_lm_head=True)
+    reference = small_engine("pydoc", weight_layout="row-major")
     assert isinstance(engine.model.lm_head, QuantizedLinear)
     assert torch.equal(engine.model.embed_tokens.weight, reference.model.embed_tokens.weight)
     with torch.no_grad():
@@ -112,13 +92,13 @@ def test_a_tied_head_is_quantized_from_the_embedding_which_stays_exact(float32_p
             for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 m.weight.copy_(quantize(m.weight, "int8").dequantize())
     ids = list(range(5, 45))
-    torch.testing.assert_close(_logits(engine, ids), _logits(reference, ids), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(prompt_logits(engine, ids), prompt_logits(reference, ids), atol=2e-5, rtol=2e-5)
 
 
 def test_quantization_changes_neither_fingerprint_nor_kv_layout(tiny_model_dir):
     """An int4 decode engine takes an unquantized prefill engine's KV: the handshake compares the
     weights' fingerprint, KV layout and dtype, none of which quantization changes."""
-    prefill, decode = _engine(tiny_model_dir), _engine(tiny_model_dir, quantization="int4")
+    prefill, decode = small_engine(tiny_model_dir), small_engine(tiny_model_dir, quantization="int4")
     assert prefill.fingerprint == decode.fingerprint
     check_compatible(layout_of(prefill.kv_cache, prefill.fingerprint).describe("none"),
                      layout_of(decode.kv_cache, decode.fingerprint).describe("none"))
@@ -129,7 +109,7 @@ def test_quantization_changes_neither_fingerprint_nor_kv_layout(tiny_model_dir):
 def test_decode_bytes_count_the_stored_weights(tiny_model_dir, float32_plan):
     """int8: a byte per weight + a float32 scale per output channel; int4: half a byte + a float32
     scale and zero per group of 128 (the float32 plan); the LM head and norms as before."""
-    costs = {q: engine_costs(_engine(tiny_model_dir, quantization=q)) for q in ("none", "int8", "int4")}
+    costs = {q: engine_costs(small_engine(tiny_model_dir, quantization=q)) for q in ("none", "int8", "int4")}
     params = costs["none"].layer_params
     head = costs["none"].weight_bytes - params * 4
     outputs = sum(n for n in (256 + 2 * 128, 256, 2 * 512, 256)) * 4        # tiny: qkv, o, gate_up, down rows
@@ -139,6 +119,6 @@ def test_decode_bytes_count_the_stored_weights(tiny_model_dir, float32_plan):
 
 def test_unknown_quantization_and_group_size_are_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="quantization must be one of none, int8, int4; got 'int3'"):
-        _engine(tiny_model_dir, quantization="int3")
+        small_engine(tiny_model_dir, quantization="int3")
     with pytest.raises(ValueError, match="quantization_group_size must be one of 32, 64, 128; got 48"):
-        _engine(tiny_model_dir, quantization="int4", quantization_group_size=48)
+        small_engine(tiny_model_dir, quantization="int4", quantization_group_size=48)

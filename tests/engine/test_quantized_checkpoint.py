@@ -11,10 +11,9 @@ import pytest
 import torch
 from hf_checkpoints import random_prompt, write_checkpoint
 from quantized_checkpoints import write_quantized
+from quantized_support import prompt_logits, small_engine
 
-from engine import Engine, EngineArgs
-from engine.model import kernel_choice
-from engine.model.quantized_linear import QuantizedLinear, QuantPlan
+from engine.model.quantized_linear import QuantizedLinear
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,32 +28,11 @@ def float_dir(tmp_path_factory, tiny_model_dir) -> str:
     return write_checkpoint(str(tmp_path_factory.mktemp("qckpt") / "float"), cfg, tiny_model_dir, seed=7)
 
 
-@pytest.fixture
-def float32_plan(monkeypatch):
-    """Both paths in float32 (the kernel for up to 4 rows): the loaded weights are compared, not the
-    machine's bfloat16 rounding of activations."""
-    def plan(cfg, scheme, group_size, dtype, device, prefill_tokens=256):
-        return QuantPlan(scheme, group_size, torch.float32, torch.float32, 4)
-    monkeypatch.setattr(kernel_choice, "quantized_plan", plan)
-
-
-def _engine(model_dir: str, **kw) -> Engine:
-    return Engine(EngineArgs(model_dir, dtype="float32", num_blocks=32, attention="eager", **kw))
-
-
-def _logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    blocks = engine.block_manager.allocate(4)
-    try:
-        return engine.runner.score(ids, blocks)
-    finally:
-        engine.block_manager.free(blocks)
-
-
 @pytest.mark.parametrize("fmt,group", [("gptq", 32), ("gptq_v2", 64), ("gptq", -1), ("awq", 32),
                                        ("compressed-tensors", 32), ("compressed-tensors", -1)])
 def test_checkpoint_loads_into_int4_and_matches_its_dequantized_weights(float_dir, tmp_path, float32_plan, fmt, group):
     qdir, ref_dir = write_quantized(float_dir, str(tmp_path / "q"), str(tmp_path / "ref"), fmt, group)
-    engine, reference = _engine(qdir), _engine(ref_dir)
+    engine, reference = small_engine(qdir), small_engine(ref_dir)
     layer = engine.model.layers[0]
     assert engine.quantization == "int4" and reference.quantization == "none"
     assert all(isinstance(m, QuantizedLinear) for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
@@ -62,33 +40,34 @@ def test_checkpoint_loads_into_int4_and_matches_its_dequantized_weights(float_di
     assert layer.qkv_proj.plan.group_size == (64 if group == -1 else group)   # per channel: as groups of 64
     ids = random_prompt(40, seed=3, vocab=VOCAB)
     for rows in (ids[:3], ids):               # the packed kernel (<= 4 rows) and the dense path
-        torch.testing.assert_close(_logits(engine, rows), _logits(reference, rows), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(prompt_logits(engine, rows), prompt_logits(reference, rows), atol=2e-5, rtol=2e-5)
 
 
 def test_measured_plan_serves_a_checkpoint_close_to_its_weights(float_dir, tmp_path):
     """The machine's own plan (bfloat16 activations where that measured faster): bf16-rounding close."""
     qdir, ref_dir = write_quantized(float_dir, str(tmp_path / "q"), str(tmp_path / "ref"), "awq", 32)
-    engine, reference = _engine(qdir, quantization="int4"), _engine(ref_dir)
+    engine, reference = small_engine(qdir, quantization="int4"), small_engine(ref_dir)
     ids = random_prompt(40, seed=4, vocab=VOCAB)
     for rows in (ids[:1], ids[:8], ids):
-        got, want = _logits(engine, rows), _logits(reference, rows)
+        got, want = prompt_logits(engine, rows), prompt_logits(reference, rows)
         assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
 def test_projections_the_checkpoint_left_float_load_dense(float_dir, tmp_path, float32_plan):
     qdir, ref_dir = write_quantized(float_dir, str(tmp_path / "q"), str(tmp_path / "ref"), "gptq", 32,
                                     skip=("layers.1.mlp.down_proj",))
-    engine = _engine(qdir)
+    engine = small_engine(qdir)
     assert type(engine.model.layers[1].down_proj).__name__ == "Linear"
     assert isinstance(engine.model.layers[0].down_proj, QuantizedLinear)
     ids = random_prompt(20, seed=5, vocab=VOCAB)
-    torch.testing.assert_close(_logits(engine, ids), _logits(_engine(ref_dir), ids), atol=2e-5, rtol=2e-5)
+    expected = prompt_logits(small_engine(ref_dir), ids)
+    torch.testing.assert_close(prompt_logits(engine, ids), expected, atol=2e-5, rtol=2e-5)
 
 
 def test_int8_on_a_4bit_checkpoint_is_refused(float_dir, tmp_path):
     qdir, _ = write_quantized(float_dir, str(tmp_path / "q"), str(tmp_path / "ref"), "gptq", 32)
     with pytest.raises(ValueError, match="quantization int8 cannot apply to a 4-bit gptq checkpoint"):
-        _engine(qdir, quantization="int8")
+        small_engine(qdir, quantization="int8")
 
 
 def _with_config(float_dir: str, tmp_path, quant: dict) -> str:
@@ -122,7 +101,7 @@ def _with_config(float_dir: str, tmp_path, quant: dict) -> str:
 ])
 def test_unsupported_quantization_config_is_refused_naming_the_field(float_dir, tmp_path, quant, shown):
     with pytest.raises(ValueError, match=f"config.json: quantized checkpoint .*not supported: .*{shown}"):
-        _engine(_with_config(float_dir, tmp_path, quant))
+        small_engine(_with_config(float_dir, tmp_path, quant))
 
 
 def test_act_order_g_idx_is_refused_naming_the_tensor(float_dir, tmp_path, float32_plan):
@@ -134,4 +113,4 @@ def test_act_order_g_idx_is_refused_naming_the_tensor(float_dir, tmp_path, float
     tensors[name] = tensors[name].flip(0).contiguous()
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"gptq tensor '{name}' is not k // group_size"):
-        _engine(qdir)
+        small_engine(qdir)

@@ -18,8 +18,6 @@ from compressed_tensors.quantization import (  # noqa: E402
 from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
 
 from engine import Engine, EngineArgs  # noqa: E402
-from engine.model import kernel_choice  # noqa: E402
-from engine.model.quantized_linear import QuantPlan  # noqa: E402
 
 PROMPT = list(range(5, 45))
 
@@ -52,9 +50,7 @@ def _write(src: str, out: str, strategy: str, group_size: int | None) -> None:
 
 @pytest.mark.parametrize("strategy,group_size", [("group", 32), ("channel", None)])
 def test_library_written_checkpoint_matches_transformers_on_its_decompressed_weights(
-        tiny_model_dir, tmp_path, monkeypatch, strategy, group_size):
-    monkeypatch.setattr(kernel_choice, "quantized_plan", lambda cfg, scheme, group, dtype, device, prefill_tokens=256:
-                        QuantPlan(scheme, group, torch.float32, torch.float32, 4))
+        tiny_model_dir, tmp_path, float32_plan, strategy, group_size):
     out = str(tmp_path / "ct")
     _write(tiny_model_dir, out, strategy, group_size)
     reference = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)   # decompressed
