@@ -85,6 +85,7 @@ class SimActor:
         self._poked = False
         self._wake: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
+        engine.runner.on_step = self._priced
         self.worker = self._make_worker(role)
 
     def _make_worker(self, role: str):
@@ -142,6 +143,11 @@ class SimActor:
             await asyncio.sleep(IDLE_POLL_S)
         return True
 
+    def _priced(self, step_s: float) -> None:
+        """The step the worker is taking lasts `step_s` from now: what a KV send of its output waits for."""
+        if step_s > 0:
+            self.busy_until, self.step_s = asyncio.get_running_loop().time() + step_s, step_s
+
     def bridge(self, fn: Callable) -> Callable:
         """The worker → router path: held while a step runs, delivered when its time has passed."""
         def deliver(value) -> None:
@@ -166,7 +172,6 @@ class SimActor:
             self._task = None
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         engine_loop = self.worker.loop
         while True:
             self._poked = False
@@ -177,8 +182,7 @@ class SimActor:
                 log.exception("simulated engine loop error on %s: %s", self.actor_id, e)
                 wait_s = 0.05
             step_s = self.engine.runner.take_step_s()
-            if step_s > 0:
-                self.busy_until, self.step_s = loop.time() + step_s, step_s
+            if step_s > 0:                  # busy_until: set when the step was priced (`_priced`)
                 self.num_steps += 1
                 self.busy_s += step_s
                 await asyncio.sleep(step_s)

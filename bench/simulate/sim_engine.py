@@ -11,6 +11,8 @@ behave as in the real cache); `kv_bytes_per_block` reports the simulated model's
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from bench.simulate.step_time import Chunk, StepTimeModel
@@ -50,6 +52,9 @@ class TimedRunner:
         self.model = model
         self.layer_hook = None             # the prefill worker sets it; a timed step has no layers to report
         self.last_step_s = 0.0             # the last step's time (read by the simulated actor, then reset)
+        # Told each step's time as soon as it is priced, before the worker acts on the step's output
+        # (a KV send then starts from the end of this step, not the previous one).
+        self.on_step: Callable[[float], None] | None = None
         self._rows = torch.zeros(64, 1)    # the logits rows `draw` ignores
 
     def run(self, batch: list[ScheduledRequest]) -> ModelOutput:
@@ -60,6 +65,8 @@ class TimedRunner:
             if start + n == req.num_tokens:
                 sampled.append(req)
         self.last_step_s = self.model.step_s(chunks)
+        if self.on_step is not None:
+            self.on_step(self.last_step_s)
         if len(sampled) > len(self._rows):
             self._rows = torch.zeros(2 * len(sampled), 1)
         return ModelOutput(sampled, self._rows[:len(sampled)])
