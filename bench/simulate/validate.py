@@ -9,7 +9,9 @@ made first when the config has none) finds the disaggregated variant's capacity 
 disaggregated,auto` runs the real cluster and `pdserve simulate` the same workload, seed and
 arrivals. Printed side by side: TTFT and TPOT p50/p90 of every variant and their ratio, and per
 variant the highest rate held at >= 90% SLO attainment over the three rates, and which variant is best.
-Role flips are off on both sides (the simulator does not move actors between roles).
+Role flips are off on both sides. `--measured JSON` reuses an earlier run's rates and measured
+figures and simulates again, e.g. after `python -m bench.serving.plan_check --calibrate` stored the
+serving path's time factors in the profile (the measured model applies them).
 """
 from __future__ import annotations
 
@@ -88,20 +90,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--rates", help="workload=r1:r2:r3,... (default: 0.4/0.7/1.0 of the simulated capacity)")
+    p.add_argument("--measured", metavar="JSON", help="take the rates and measured figures of an earlier run's "
+                   "--json and simulate only (e.g. again with a calibrated profile)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     ensure_profile(args)
     given = dict(item.split("=") for item in args.rates.split(",")) if args.rates else {}
-    result = {"profile": args.profile, "model": args.model, "scale": args.scale, "workloads": {}}
+    earlier = {}
+    if args.measured:
+        with open(args.measured) as f:
+            earlier = json.load(f)["workloads"]
+    from deploy.profiler import load_profile
+    result = {"profile": args.profile, "calibration": load_profile(args.profile).get("calibration", {}),
+              "model": args.model, "scale": args.scale, "measured_from": args.measured, "workloads": {}}
     for workload in args.workloads.split(","):
-        if workload in given:
+        if workload in earlier:
+            rates = earlier[workload]["rates"]
+            old = {pt["rate"]: pt["measured"] for pt in earlier[workload]["points"]}
+        elif workload in given:
             rates = [float(r) for r in given[workload].split(":")]
         else:
             a = sim_args(args, workload)
             cap = cli.capacity(a, "disaggregated", cli.workload(a))
             rates = [round(cap * f, 2) for f in FRACTIONS]
-        points = [{"rate": r, "measured": measured(args, workload, r), "simulated": simulated(args, workload, r)}
-                  for r in rates]
+        points = [{"rate": r, "measured": old[r] if workload in earlier else measured(args, workload, r),
+                   "simulated": simulated(args, workload, r)} for r in rates]
         held = {side: {v: max_rate_rps([{"x": pt["rate"], "slo_attainment": pt[side][v]["slo_attainment"]}
                                         for pt in points]) for v in VARIANTS} for side in ("measured", "simulated")}
         result["workloads"][workload] = {"rates": rates, "points": points, "max_rate": held}
