@@ -39,6 +39,10 @@ from kv_transfer.transports.torch.pair import (
 from kv_transfer.transports.torch.rendezvous import dial, rendezvous_key
 from kv_transfer.transports.torch.store import PairStore, RemoteSpace
 
+# A wait bounded by the time left (`left()`) can give up a hair before the deadline by this clock:
+# an error that close to it is the deadline's, not the peer's.
+DEADLINE_SLACK_S = 0.05
+
 
 class _Pair:
     def __init__(self, store: PairStore, group, index: int, layout: dict) -> None:
@@ -103,7 +107,7 @@ class TorchSender(BaseSender):
             raise
         except Exception as exc:
             _close_space(space)
-            if time.monotonic() < end:
+            if time.monotonic() < end - DEADLINE_SLACK_S:
                 raise  # refused or broken before the time was up: the error says it
             by_deadline = deadline_at is not None and deadline_at <= start + self.connect_timeout_s
             limit = "the transfer deadline" if by_deadline else "connect_timeout_s"
