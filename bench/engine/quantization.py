@@ -24,6 +24,7 @@ import statistics
 import torch
 
 from bench.engine import peers
+from bench.engine.ours import OursDecoder, load_average, ours_prefill, random_prompt
 from bench.engine.report import markdown_table, table, target_rows
 from engine import Engine, EngineArgs
 from engine.profile import engine_costs
@@ -56,7 +57,6 @@ def scheme_of(name: str) -> str:
 
 
 def bench_prefill(plan, engines: dict[str, Engine], vocab: int, rng, log) -> dict:
-    from bench.engine.suite import ours_prefill, random_prompt
     names = list(engines)
     results: dict[str, dict] = {q: {} for q in names}
     for nominal in plan.prefill_lens:
@@ -76,7 +76,6 @@ def bench_prefill(plan, engines: dict[str, Engine], vocab: int, rng, log) -> dic
 
 
 def bench_decode(plan, engines: dict[str, Engine], vocab: int, rng, log) -> dict:
-    from bench.engine.suite import OursDecoder, random_prompt
     names = list(engines)
     results: dict[str, dict] = {q: {} for q in names}
     for batch in plan.decode_batches:
@@ -158,7 +157,6 @@ def render_markdown(result: dict) -> str:
 
 def run(args, plan, log) -> dict:
     """The comparison (module docstring) for the suite's parsed `args` and `plan`."""
-    from bench.engine.suite import load_average
     quantizations = [q for q in args.quantization.split(",") if q]
     if "none" not in quantizations:
         quantizations.insert(0, "none")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import statistics
 import sys
@@ -37,8 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from bench.engine import peers
+from bench.engine.ours import OursDecoder, greedy, load_average, ours_prefill, random_prompt
 from bench.engine.report import check_targets, render_markdown, render_text
-from engine import Engine, EngineArgs, SamplingParams
+from engine import Engine, EngineArgs
 from engine.model.config import ModelConfig
 from engine.engine import pick_dtype
 from engine.model.linear import INPUT_MAJOR, ONEDNN_PACKED, ROW_MAJOR
@@ -77,51 +77,6 @@ class Progress:
 
     def __call__(self, msg: str) -> None:
         print(f"[{time.perf_counter() - self.start:6.1f}s] {msg}", file=self.stream, flush=True)
-
-
-def load_average() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
-def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
-    return [rng.randrange(2, vocab) for _ in range(length)]     # 0, 1 are <s>, </s>
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-# ---- ours ------------------------------------------------------------------
-def ours_prefill(engine: Engine, prompt: list[int]) -> float:
-    return peers.timed(lambda: engine.generate([prompt], greedy(1)))
-
-
-class OursDecoder:
-    """B requests prefilled once; `steps(n)` times n `Engine.step()` calls of the pure decode batch."""
-
-    def __init__(self, engine: Engine, prompts: list[list[int]], max_tokens: int):
-        self.engine = engine
-        self.ids = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
-        self.reqs = [engine.requests[i] for i in self.ids]
-        while any(not r.output_token_ids for r in self.reqs):      # prefill (maybe several steps)
-            engine.step()
-
-    def steps(self, num_steps: int) -> float:
-        before = sum(len(r.output_token_ids) for r in self.reqs)
-        start = time.perf_counter()
-        for _ in range(num_steps):
-            self.engine.step()
-        elapsed = time.perf_counter() - start
-        assert sum(len(r.output_token_ids) for r in self.reqs) - before == num_steps * len(self.reqs), \
-            "not a pure decode batch"
-        return elapsed / num_steps
-
-    def close(self) -> None:
-        for i in self.ids:
-            self.engine.abort(i)
 
 
 # ---- the three parts ---------------------------------------------------------
