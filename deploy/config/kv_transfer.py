@@ -30,9 +30,9 @@ class KVTransferSection(Section):
         "the cache rows: the fastest on CPU), torch (torch.distributed: NCCL on CUDA, gloo on CPU) or ray "
         "(object store, same node).")
     compression: Literal["fp8", "int8", "none"] = Field(
-        "fp8", description="fp8 (float8_e4m3fn + one scale per block × layer × K/V × head: 1 + 4/(block_size · "
-        "head_dim) bytes per value), int8 (one scale per token × layer × K/V × head: 1 + 4/head_dim bytes per value, "
-        "about 4x less error) or none (bit-exact).")
+        "fp8", description="fp8 (float8_e4m3fn + one scale per block × layer × K/V × head: "
+        "1 + 4/(block_size · head_dim) bytes per value), int8 (one scale per token × layer × K/V × head: "
+        "1 + 4/head_dim bytes per value, about 4x less error) or none (bit-exact).")
     chunk_bytes: Annotated[Int, BeforeValidator(_parse_bytes)] = Field(
         4 * MIB, gt=0, le=MAX_CHUNK_BYTES,
         description="Largest message on the wire, bytes (also '4MiB'); at most 64 MiB.")

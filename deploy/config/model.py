@@ -13,9 +13,9 @@ Quantization = Literal["none", "int8", "int4"]
 QuantizationGroupSize = Literal[32, 64, 128]
 QUANTIZATION_HELP = (
     "Weight-only quantization of the decoder layers' projections, at load: none; int8 (one scale per "
-    "output channel); int4 (a scale per group of quantization_group_size input channels). Embeddings and "
-    "the LM head stay in dtype. A GPTQ / AWQ / compressed-tensors 4-bit checkpoint is served int4 as "
-    "stored under none or int4 (int8 is refused for it).")
+    "output channel); int4 (a scale per group of quantization_group_size input channels). The embedding "
+    "stays in dtype, and the LM head too unless quantize_lm_head. A GPTQ / AWQ / compressed-tensors "
+    "4-bit checkpoint is served int4 as stored under none or int4 (int8 is refused for it).")
 
 
 def check_model_name(value: str, info: ValidationInfo | None) -> str:

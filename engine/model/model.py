@@ -73,8 +73,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """`quant`: the decoder layers' projections are int8 / int4 weight-only under this plan; the
-    embedding, the norms and the LM head stay in `dtype`."""
+    """`quant`: the decoder layers' projections are int8 / int4 weight-only under this plan, and the LM
+    head too with `quantize_lm_head`; the embedding and the norms stay in `dtype`."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype,
                  quant: QuantPlan | None = None, quantize_lm_head: bool = False):

@@ -117,9 +117,9 @@ def test_quantized_check_runs_on_cpu(on_cpu, monkeypatch):
     from engine.model.presets import resolve_model
     monkeypatch.setattr(gpu_check, "FLEX_NUM_BLOCKS", 48)
     rows = gpu_check.check_quantized(resolve_model("tiny"))
-    assert [r.check for r in rows] == ["int8 projection vs dequantized (bf16)", "int4 projection vs dequantized (bf16)",
-                                       "decode step int8 weights (1 × 64 ctx)", "decode step int8 weights (4 × 64 ctx)",
-                                       "decode step int4 weights (1 × 64 ctx)", "decode step int4 weights (4 × 64 ctx)"]
+    decode = [f"decode step {s} weights ({b} × 64 ctx)" for s in ("int8", "int4") for b in (1, 4)]
+    assert [r.check for r in rows] == ["int8 projection vs dequantized (bf16)",
+                                       "int4 projection vs dequantized (bf16)", *decode]
     assert rows[0].status == rows[1].status == "ok", rows[:2]
     assert all(0 < e <= gpu_check.QUANT_RTOL for r in rows[:2] for e in r.data["rel_err"].values())
     assert all(r.data["seconds"] > 0 and r.data["bf16"] > 0 for r in rows[2:])
