@@ -20,8 +20,7 @@ from engine.sampling.params import SamplingParams
 
 
 def engine_costs(engine) -> ModelCosts:
-    quantized = engine.model.quantization != "none"
-    return ModelCosts.of(engine.config, engine.dtype.itemsize, engine.model.quantized_weights() if quantized else None)
+    return ModelCosts.of(engine.config, engine.dtype.itemsize, engine.model.quantized_weights())
 
 
 def describe(engine) -> dict:

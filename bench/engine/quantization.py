@@ -31,6 +31,12 @@ from engine.profile import engine_costs
 
 STEP_TARGETS = {"int8": 0.6, "int4": 0.4}      # batch-1 decode step vs unquantized
 PREFILL_TARGET = 1.1
+HEAD = "+head"          # `int8+head`: the LM head quantized too (EngineArgs.quantize_lm_head)
+
+
+def scheme_of(name: str) -> str:
+    """The quantization scheme of an engine's name (`int4+head` -> `int4`)."""
+    return name.removesuffix(HEAD)
 
 
 def _alternating(names: list[str], rep: int) -> list[str]:
@@ -47,13 +53,6 @@ def build_engines(plan, model: str, dtype: str, quantizations: list[str], attent
                                  weight_layout=weight_layout, quantization=scheme_of(q),
                                  quantization_group_size=group_size, quantize_lm_head=q.endswith(HEAD)))
             for q in quantizations}
-
-
-HEAD = "+head"          # `int8+head`: the LM head quantized too (EngineArgs.quantize_lm_head)
-
-
-def scheme_of(name: str) -> str:
-    return name.removesuffix(HEAD)
 
 
 def bench_prefill(plan, engines: dict[str, Engine], vocab: int, rng, log) -> dict:

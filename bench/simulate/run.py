@@ -143,7 +143,6 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
         core.ready = True
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(d.poll_kv_events())]
-        cluster.autoscaler = None
         if wants_autoscaler(cluster):
             profile = model.profile.data if isinstance(model, MeasuredModel) else None
             cluster.autoscaler = start_autoscaler(cluster, profile, autoscale or AutoscaleSettings(), actor_start_s)
@@ -175,7 +174,7 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
     summary = summarize(records, duration, slo_ttft_s, slo_tpot_s)
     actors = [{"actor_id": a.actor_id, "role": a.role, "steps": a.num_steps,
                "busy": a.busy_s / duration if duration > 0 else 0.0} for a in cluster.actors]
-    scaler = getattr(cluster, "autoscaler", None)
+    scaler = cluster.autoscaler
     flips = [] if scaler is None else [dict(actor_id=f.actor_id, from_role=f.from_role, to_role=f.to_role,
                                             seconds=f.seconds) for f in scaler.manager.flips]
     return SimRun(label, records, duration, wall, summary, actors, roles, flips)

@@ -216,6 +216,7 @@ class SimCluster:
                                                  shape.head_dim)
         self.actors: list[SimActor] = []
         self.dispatcher: Dispatcher | None = None
+        self.autoscaler = None                       # deploy.autoscaler.Autoscaler, when the run has one
         self._next_index: dict[str, int] = {}
 
     def flippable(self, pool: str) -> bool:

@@ -262,8 +262,9 @@ def quantized_plan(cfg, scheme: str, group_size: int, dtype: torch.dtype, device
         return run
     key = shapes + (scheme, group_size, str(dtype))
     kernel_dtype = torch.bfloat16
-    dense_dtype = min(dtypes, key=lambda d: measure("quantized/dense", key + (prefill_tokens,), {
-        str(d): timed("dense", dtype, d, prefill_tokens) for d in dtypes})[str(d)])
+    dense_s = measure("quantized/dense", key + (prefill_tokens,),
+                      {str(d): timed("dense", kernel_dtype, d, prefill_tokens) for d in dtypes})
+    dense_dtype = min(dtypes, key=lambda d: dense_s[str(d)])
     max_rows = 0
     for rows in QUANT_ROWS:
         seconds = measure("quantized/rows", key + (rows, str(kernel_dtype), str(dense_dtype)), {
