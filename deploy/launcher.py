@@ -31,6 +31,7 @@ from proto.internal_auth import internal_secret
 from router.pools import DecodeView, Pools, PrefillView
 
 log = logging.getLogger(f"pdserve.{__name__}")
+LOCAL_START_ATTEMPTS = 2      # a local Ray instance that times out starting is started afresh once
 
 # Budget base per actor on CPU when only memory_fraction is set. GPU actors size their cache from the
 # device instead (EngineArgs.kv_memory_fraction); for them this only gives the planner an estimate.
@@ -57,10 +58,20 @@ def init_ray(address: str | None = None, namespace: str = "pdserve", num_cpus: f
         ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # keep Ray on loopback
-    with environment_without(secret_values):
-        # address="local": always a fresh instance, never a cluster some other process left behind.
-        ray.init(address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=log_to_driver, configure_logging=False)
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        try:
+            with environment_without(secret_values):
+                # address="local": always a fresh instance, never a cluster some other process left behind.
+                ray.init(address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=False,
+                         _node_ip_address="127.0.0.1", log_to_driver=log_to_driver, configure_logging=False)
+            return
+        except Exception as e:
+            # On a busy host the raylet can miss Ray's start-up timeout; a second fresh instance usually starts.
+            if "timed out during startup" not in str(e) or attempt == LOCAL_START_ATTEMPTS:
+                raise
+            log.warning("local Ray did not start (%s); starting a fresh instance (attempt %d of %d)",
+                        str(e).split(".")[0], attempt + 1, LOCAL_START_ATTEMPTS)
+            ray.shutdown()
 
 
 def init_ray_for(cfg: PDServeConfig, **kwargs) -> None:
