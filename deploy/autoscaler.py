@@ -5,8 +5,10 @@ Every `interval_s`:
     observe  ─ finished requests of the last `window_s` (Dispatcher.recent_finished): arrival
                rate, mean prompt/output lengths, measured TTFT and TPOT; in-flight work
                (decode requests running or waiting for admission, queued prefill tokens)
-    correct  ─ correction = measured / predicted TTFT and TPOT (smoothed, clamped), so the
-               profile's times follow what the cluster really does under load
+    correct  ─ correction = measured / predicted TTFT and TPOT (smoothed, clamped): what the
+               planner's queueing model misses under load. The times themselves come from the
+               router's live performance model (`router.placement.live_profile`), the one
+               placement asks, already corrected by every request's own report
     plan     ─ planner.plan(observed workload, corrections) → n_prefill, n_decode; a backlog
                term (in-flight decode requests / planned batch; queued prefill tokens that
                the TTFT SLO must clear) can only raise the target
@@ -35,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 
 from deploy.planner import SLO, Corrections, Plan, Workload, inputs_from_config, p99_ttft, plan
-from deploy.profiler import Profile
+from engine.performance import PerformanceModel
 from deploy.pool_manager import Flip, drain_actor
 from deploy.role_balance import TO_PREFILL, BalanceSettings, RoleBalancer, SplitDecision
 
@@ -50,7 +52,8 @@ class AutoscaleSettings:
     drain_timeout_s: float = 300.0      # longest wait for a draining actor's in-flight requests
     correction_bounds: tuple[float, float] = (0.5, 4.0)
     smoothing: float = 0.5              # EMA weight of the newest correction
-    profile: dict | None = None         # None: the cached profile of the config, else measure the actors
+    profile: dict | None = None         # the performance model's profile (None: the config's cached one, else
+                                        # measured on the first actors; deploy.performance)
 
 
 @dataclass(slots=True)
@@ -77,10 +80,11 @@ class Decision:
 
 
 class Autoscaler:
-    def __init__(self, cfg, backend, factory, profile: Profile, settings: AutoscaleSettings | None = None,
+    def __init__(self, cfg, backend, factory, model: PerformanceModel, settings: AutoscaleSettings | None = None,
                  manager=None, balancer: RoleBalancer | None = None):
-        """manager: the `PoolManager` that runs role flips (routing.role_flips auto, fixed counts)."""
-        self.cfg, self.backend, self.factory, self.profile = cfg, backend, factory, profile
+        """model: the performance model the autoscaler plans with (the router's live model, which placement
+        asks too); manager: the `PoolManager` that runs role flips (routing.role_flips auto, fixed counts)."""
+        self.cfg, self.backend, self.factory, self.model = cfg, backend, factory, model
         self.settings = settings or AutoscaleSettings()
         self.pools = [name for name, p in cfg.pools.items() if p.is_auto and name in ("prefill", "decode")]
         self.manager = manager
@@ -110,7 +114,7 @@ class Autoscaler:
         kv_blocks = min((v.kv_blocks_total for v in self.backend.views("decode")), default=1)
         _, slo, limits = inputs_from_config(self.cfg, kv_blocks)
         self.corrections = self._correct(obs, slo)
-        result = plan(self.profile, obs.workload, slo, limits, self.corrections)
+        result = plan(self.model, obs.workload, slo, limits, self.corrections)
         targets = self.targets(result, obs, slo)
         decision = Decision(time.monotonic(), obs, result, self.corrections, targets)
         for name in self.pools:
@@ -157,7 +161,7 @@ class Autoscaler:
         ttft, tpot = self.corrections.ttft, self.corrections.tpot
         w = obs.workload
         if obs.ttft_s is not None:
-            t_p = self.profile.prefill_seconds(w.input_tokens)
+            t_p = self.model.prefill_seconds(w.input_tokens)
             n = max(len(self.backend.views("prefill")), 1)
             util = min(w.arrival_rate_rps * t_p / n, 0.95)
             predicted = p99_ttft(t_p, util)
@@ -165,7 +169,7 @@ class Autoscaler:
         if obs.tpot_s is not None:
             n = max(len(self.backend.views("decode")), 1)
             concurrency = max(w.arrival_rate_rps * w.output_tokens * obs.tpot_s / n, 1.0)
-            predicted = self.profile.decode_step_seconds(concurrency, w.input_tokens + w.output_tokens / 2)
+            predicted = self.model.decode_step_seconds(concurrency, w.input_tokens + w.output_tokens / 2)
             tpot = (1 - a) * tpot + a * min(max(obs.tpot_s / predicted, lo), hi)
         return Corrections(ttft, tpot)
 
@@ -258,21 +262,6 @@ class Autoscaler:
 
 async def start_autoscaler(cfg, backend, factory, settings: AutoscaleSettings | None = None,
                            manager=None) -> Autoscaler:
-    """Autoscaler with the config's cached profile, or one measured now on the first actors (quick)."""
-    import os
-
-    from deploy.profiler import default_profile_path, load_profile, plan_points, profile_actors
-    settings = settings or AutoscaleSettings()
-    data = settings.profile
-    if data is None:
-        path = default_profile_path(cfg)
-        if os.path.isfile(path):
-            try:
-                data = load_profile(path)
-            except ValueError:
-                data = None
-    if data is None:
-        log.info("autoscaler: no profile for this config yet; measuring the first actors (quick)")
-        handles = {name: backend.views(name)[0].client.handle for name in ("prefill", "decode")}
-        data = await profile_actors(handles, plan_points(cfg, factory.model_dir, quick=True), progress=False)
-    return Autoscaler(cfg, backend, factory, Profile(data), settings, manager)
+    """The autoscaler over `backend`, planning with the router's live performance model (`deploy.performance`
+    built it on the measured profile)."""
+    return Autoscaler(cfg, backend, factory, backend.live, settings or AutoscaleSettings(), manager)

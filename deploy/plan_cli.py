@@ -16,10 +16,11 @@ import sys
 from deploy.config import PDServeConfig
 from deploy.launcher import engine_args
 from deploy.planner import Network, Plan, inputs_from_config, link_kv_bytes_per_s, plan
-from deploy.profiler import (Profile, default_profile_path, load_profile, profile_cluster, profile_local,
+from deploy.profiler import (default_profile_path, load_profile, profile_cluster, profile_local,
                              save_profile)
 from engine.model.config import ModelConfig
 from engine.model.presets import resolve_model
+from engine.performance import MeasuredPerformance
 from kv_transfer import wire_bytes_per_kv_byte
 
 
@@ -30,7 +31,7 @@ def measure(cfg: PDServeConfig, local: bool = False, progress: bool = True) -> d
 def run_profile(cfg: PDServeConfig, out: str | None = None, local: bool = False) -> int:
     profile = measure(cfg, local)
     path = save_profile(profile, out or default_profile_path(cfg))
-    p = Profile(profile)
+    p = MeasuredPerformance(profile)
     print(f"profile saved to {path}: peak prefill {p.peak_flops_per_s / 1e9:.1f} GFLOP/s, "
           f"peak decode {p.peak_bytes_per_s / 1e9:.2f} GB/s, {len(profile['prefill']['points'])} prefill + "
           f"{len(profile['decode']['points'])} decode points ({profile['source']})")
@@ -40,13 +41,13 @@ def run_profile(cfg: PDServeConfig, out: str | None = None, local: bool = False)
 def plan_for(cfg: PDServeConfig, profile: dict) -> Plan:
     model_dir = resolve_model(cfg.model.name)
     args = engine_args(cfg, "decode", model_dir)
-    measured = Profile(profile)
+    measured = MeasuredPerformance(profile)
     head_dim = ModelConfig.from_dir(model_dir).head_dim
     return plan(measured, *inputs_from_config(cfg, args.num_blocks),
                 network=network_for(cfg, measured, args.block_size, head_dim))
 
 
-def network_for(cfg: PDServeConfig, profile: Profile, block_size: int, head_dim: int) -> Network | None:
+def network_for(cfg: PDServeConfig, profile: MeasuredPerformance, block_size: int, head_dim: int) -> Network | None:
     """The link figure: ``kv_transfer.link_gbps`` when set, else the profile's measurement of this
     transport and codec; None when neither is there (the plan then says the term is missing)."""
     t = cfg.kv_transfer

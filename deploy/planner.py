@@ -1,4 +1,4 @@
-"""Pool sizing from a profile: pure functions, no I/O.
+"""Pool sizing from the performance model (`engine.performance`): pure functions, no I/O.
 
     decode:  B* = the largest batch whose measured step time at the workload's mean
              context (prompt + output/2) meets the TPOT SLO, within max_batch_size and
@@ -14,16 +14,17 @@
              `kv_transfer.link_gbps`) carries at most link KV bytes/s ÷ bytes requests per second.
              The planned pools serve min(prefill, decode, link) req/s; the plan says which binds,
              and when it is the link, that more actors will not help.
-Counts follow from the measurements and the workload; no ratio is assumed. The
-autoscaler calls `plan` with observed lengths and rate and correction factors
-(measured / predicted TTFT and TPOT) that scale the predicted times.
+Counts follow from the measurements and the workload; no ratio is assumed. `pdserve plan` asks the
+measured profile; the autoscaler asks the router's live model (the same profile, corrected by what
+the cluster reports) with observed lengths and rate, and correction factors (measured / predicted
+TTFT and TPOT) that scale the predicted times.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
 
-from deploy.profiler import Profile
+from engine.performance import PerformanceModel
 
 
 @dataclass(slots=True, frozen=True)
@@ -121,13 +122,13 @@ def max_utilization(service_s: float, ttft_slo_s: float) -> float:
     return lo
 
 
-def decode_batch(profile: Profile, context: float, slo_s: float, kv_limit: int, max_batch: int,
+def decode_batch(model: PerformanceModel, context: float, slo_s: float, kv_limit: int, max_batch: int,
                  tpot_correction: float = 1.0) -> tuple[int, bool]:
     """(largest batch meeting the TPOT SLO within the limits, whether B=1 meets it)."""
     top = max(min(kv_limit, max_batch), 1)
     best = 0
     for b in range(1, top + 1):
-        if profile.decode_step_seconds(b, context) * tpot_correction <= slo_s:
+        if model.decode_step_seconds(b, context) * tpot_correction <= slo_s:
             best = b
     return max(best, 1), best > 0
 
@@ -136,21 +137,24 @@ def _clamp(n: int, bounds: tuple[int, int]) -> int:
     return min(max(n, bounds[0]), bounds[1])
 
 
-def plan(profile: Profile, workload: Workload, slo: SLO, limits: Limits, corrections: Corrections = Corrections(),
-         decode_utilization: float = 0.9, min_prefill_utilization: float = 0.5,
-         network: Network | None = None) -> Plan:
-    """Size the pools. Args:
+def plan(model: PerformanceModel, workload: Workload, slo: SLO, limits: Limits,
+         corrections: Corrections = Corrections(), decode_utilization: float = 0.9,
+         min_prefill_utilization: float = 0.5, network: Network | None = None) -> Plan:
+    """Size the pools with `model`'s times (it must rest on a measured profile: the ledger reads its costs
+    and peaks). Args:
         decode_utilization: share of a decode actor's token rate the plan may use (headroom for bursts).
         min_prefill_utilization: the plan never runs prefill actors below this utilization; when the
             TTFT SLO would need less (or one prompt alone misses it) the SLO is reported as not met.
         network: the KV link's figure; None leaves the network term out (and says so).
     """
     s_in, s_out, rate = workload.input_tokens, workload.output_tokens, workload.arrival_rate_rps
+    profile = model.measured
+    if profile is None:
+        raise ValueError("planning needs a measured profile (pdserve profile)")
     costs = profile.costs
     reasons: list[str] = []
     cal = profile.calibration
-    if cal:
-        corrections = Corrections(corrections.ttft * cal.get("prefill", 1.0), corrections.tpot * cal.get("decode", 1.0))
+    if cal:                 # (the profile's times include the factors)
         reasons.append("profile calibrated on the running cluster: serving takes " + ", ".join(
             f"{v:.2f}× the profiled {k} time" for k, v in cal.items()))
     context = s_in + s_out / 2
@@ -159,9 +163,9 @@ def plan(profile: Profile, workload: Workload, slo: SLO, limits: Limits, correct
     if kv_limit < 1:
         reasons.append(f"KV budget: one request needs {per_request_blocks} blocks, a decode actor has "
                        f"{limits.decode_kv_blocks}: requests of this length cannot be served")
-    batch, tpot_ok = decode_batch(profile, context, slo.tpot_s, max(kv_limit, 1), limits.max_batch_size,
+    batch, tpot_ok = decode_batch(model, context, slo.tpot_s, max(kv_limit, 1), limits.max_batch_size,
                                   corrections.tpot)
-    step_s = profile.decode_step_seconds(batch, context) * corrections.tpot
+    step_s = model.decode_step_seconds(batch, context) * corrections.tpot
     decode_tps = batch / step_s
     binding = ("TPOT SLO" if batch < min(kv_limit, limits.max_batch_size) else
                "KV budget" if kv_limit <= limits.max_batch_size else "max_batch_size")
@@ -174,8 +178,8 @@ def plan(profile: Profile, workload: Workload, slo: SLO, limits: Limits, correct
     reasons.append(f"decode demand {rate * s_out:.1f} tokens/s ÷ ({decode_utilization:.0%} × {decode_tps:.1f}) "
                    f"= {needed_decode:.2f} actors")
 
-    prefill_s = profile.prefill_seconds(s_in) * corrections.ttft
-    capacity = profile.prefill_capacity(s_in) / corrections.ttft
+    prefill_s = model.prefill_seconds(s_in) * corrections.ttft
+    capacity = model.prefill_capacity(s_in) / corrections.ttft
     util = max_utilization(prefill_s, slo.ttft_s)
     ttft_ok = util >= min_prefill_utilization
     if util == 0:

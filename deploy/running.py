@@ -8,14 +8,13 @@ from dataclasses import dataclass
 from deploy.config import PDServeConfig
 from deploy.launcher import (ActorFactory, cluster_token, init_ray_for, load_generation_defaults, load_tokenizer,
                              start_pools)
-from deploy.live_seed import live_seed
+from deploy.performance import base_model, cached_profile, live_model, quick_profile
 from deploy.pool_manager import PoolManager
 from engine.model.presets import resolve_model
 from router.dispatcher import Dispatcher
 from router.metrics import Metrics, poll_stats
 from router.openai_api import served_model_name
 from router.openai_api.http_limits import HTTPLimits
-from router.placement import LiveProfile
 from router.routing import RoutingSettings
 from router.security import TLSConfig
 from router.server import RouterServer, start_server
@@ -105,9 +104,12 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     r = cfg.routing
     routing = routing_settings(cfg)
     metrics = Metrics() if cfg.server.metrics_port else None
-    live = None
-    if r.mode == "auto" and mode == "disaggregated":
-        live = LiveProfile(live_seed(cfg, factory.model_dir), cfg.kv_cache.block_size)
+    autoscaled = mode == "disaggregated" and (any(p.is_auto for _, p in cfg.pools.items()) or r.role_flips == "auto")
+    profile = getattr(autoscale, "profile", None) or cached_profile(cfg)
+    if profile is None and autoscaled and pools.prefill and pools.decode:     # the autoscaler plans from measurements
+        profile = await quick_profile(cfg, {name: pools.get(name)[0].client.handle for name in ("prefill", "decode")},
+                                      factory.model_dir)
+    live = live_model(cfg, base_model(cfg, factory.model_dir, profile))
     backend = Dispatcher(pools, tokenizer, max_len, cfg.kv_cache.block_size, routing,
                          codec=cfg.kv_transfer.compression, metrics=metrics,
                          generation_defaults=load_generation_defaults(cfg), live=live)
@@ -131,7 +133,7 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     manager_task = asyncio.get_running_loop().create_task(manager.run())
     cluster = RunningCluster(cfg, backend, server, factory, metrics, metrics_task, manager, manager_task)
     cluster.kv_poller_task = asyncio.get_running_loop().create_task(backend.poll_kv_events())
-    if mode == "disaggregated" and (any(p.is_auto for _, p in cfg.pools.items()) or r.role_flips == "auto"):
+    if autoscaled:
         from deploy.autoscaler import start_autoscaler
         cluster.autoscaler = await start_autoscaler(cfg, backend, factory, autoscale, manager)
         cluster.autoscaler_task = asyncio.get_running_loop().create_task(cluster.autoscaler.run())

@@ -78,7 +78,8 @@ class Dispatcher(Backend):
         codec: the KV wire codec.
         metrics: None, or an object with kv_transfer(seconds, kv_bytes, wire_bytes, codec), transfer_failed(),
             local_prefill(), prefix_hit_tokens(n) and, in auto mode, placement(choice) (router.metrics.Metrics).
-        live: the actors' live profile (seeded by deploy; else generic figures).
+        live: the cluster's live performance model, which placement and the autoscaler ask (deploy builds it on
+            the measured profile; else generic figures).
     """
 
     def __init__(self, pools: Pools, tokenizer, max_model_len: int, block_size: int, routing: RoutingSettings,
@@ -295,8 +296,10 @@ class Dispatcher(Backend):
         now = time.monotonic()
         ttft = (d.first_token_at or now) - d.started
         tpot = time_per_output_token(ttft, now - d.started, len(d.emitted))
-        self.finished.append(FinishedRequest(now, len(d.inp.prompt_token_ids), len(d.emitted), ttft, tpot))
-        self.live.finished((d.batch_at_start + d.view.running) / 2, tpot, len(d.emitted))
+        num_prompt = len(d.inp.prompt_token_ids)
+        self.finished.append(FinishedRequest(now, num_prompt, len(d.emitted), ttft, tpot))
+        self.live.finished((d.batch_at_start + d.view.running) / 2, tpot, len(d.emitted),
+                           num_prompt + len(d.emitted) / 2)
 
     def _attempt(self, d: RequestState) -> Attempt:
         return Attempt(d, self.placer, self.live, self.routing, self.codec, self.metrics, self._prefill_ended)

@@ -1,4 +1,5 @@
-"""Step times from a measured profile of this machine (`pdserve profile`, read by `deploy.profiler.Profile`).
+"""Step times from a measured profile of this machine (`pdserve profile`, read by
+`engine.performance.MeasuredPerformance`).
 
 The profile holds what the planner knows of the hardware: one prompt's prefill seconds by length,
 the decode step's seconds by batch and context, and the KV link's measured transfer. A step of the
@@ -8,7 +9,7 @@ simulated scheduler is priced from those points:
     each prefill chunk (n tokens → c)  prefill_seconds(c) − prefill_seconds(c − n)   (the chunk's share of its prompt)
     a mixed step                       the sum of both
 
-times the profile's serving-path calibration (`bench.serving.plan_check --calibrate`) when it has one.
+(the profile's answers include its serving-path calibration, `bench.serving.plan_check --calibrate`).
 The link moves wire bytes at the measured wire bytes per second (through the configured transport
 and codec, encode and decode included), after the measured fixed cost of a transfer.
 """
@@ -17,37 +18,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bench.simulate.step_time import Chunk, StepTimeModel
-from deploy.profiler import Profile, load_profile
+from deploy.profiler import load_profile
+from engine.performance import MeasuredPerformance
 
 DEFAULT_LINK_BYTES_PER_S = 1e9      # a profile without a link measurement
 
 
 class MeasuredModel(StepTimeModel):
-    def __init__(self, profile: Profile, name: str = "measured"):
+    def __init__(self, profile: MeasuredPerformance, name: str = "measured"):
         self.profile = profile
         self.name = name
         self.kv_bytes_per_token = profile.costs.kv_bytes_per_token
         self.num_layers = profile.costs.num_layers
-        cal = profile.calibration
-        self.prefill_factor, self.decode_factor = cal.get("prefill", 1.0), cal.get("decode", 1.0)
         link = profile.transfer
         wire, seconds = link.get("wire_bytes") or link.get("kv_bytes"), link.get("seconds")
         self.link_bytes_per_s = wire / seconds if wire and seconds else DEFAULT_LINK_BYTES_PER_S
 
     @classmethod
     def from_file(cls, path: str) -> MeasuredModel:
-        return cls(Profile(load_profile(path)), f"measured: {path}")
+        return cls(MeasuredPerformance(load_profile(path)), f"measured: {path}")
 
     def step_s(self, chunks: Sequence[Chunk]) -> float:
         decode = [c.context for c in chunks if c.new_tokens == 1]
         seconds = 0.0
         if decode:
-            seconds += self.decode_factor * self.profile.decode_step_seconds(len(decode), sum(decode) / len(decode))
+            seconds += self.profile.decode_step_seconds(len(decode), sum(decode) / len(decode))
         for c in chunks:
             if c.new_tokens > 1:
-                before, p = c.context - c.new_tokens, self.profile
-                share = p.prefill_seconds(c.context) - (p.prefill_seconds(before) if before else 0.0)
-                seconds += self.prefill_factor * max(share, 1e-6)
+                seconds += self.profile.prefill_share_seconds(c.context, c.new_tokens)
         return seconds
 
     def link_s(self, wire_bytes: float) -> float:

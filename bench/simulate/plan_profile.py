@@ -7,13 +7,14 @@ so the planner's split and the simulated best split come from the same seconds.
 from __future__ import annotations
 
 from bench.serving.workloads import RequestSpec
-from bench.simulate.sim_cluster import sim_args
-from bench.simulate.step_time import Chunk, StepTimeModel
+from bench.simulate.measured import MeasuredModel
+from bench.simulate.step_time import Chunk, StepTimeModel, sim_args
 from deploy.launcher import engine_args
 from deploy.planner import SLO, Limits, Network, Plan, Workload, plan
-from deploy.profiler import DECODE_BATCHES, PROFILE_VERSION, Profile
+from deploy.profiler import DECODE_BATCHES, PROFILE_VERSION
 from engine.cost_model import ModelCosts
 from engine.model.config import ModelConfig
+from engine.performance import MeasuredPerformance, PerformanceModel
 
 PREFILL_POINTS = (128, 512, 1024, 2048, 4096, 8192)
 
@@ -42,13 +43,22 @@ def profile_of(model: StepTimeModel, shape: ModelConfig, contexts: tuple[int, ..
                          "kv_bytes_per_s": probe / model.link_s(probe)}}
 
 
+def performance_of(model: StepTimeModel, shape: ModelConfig, cfg) -> PerformanceModel:
+    """The performance model the simulated router and autoscaler ask: the measured profile of a `MeasuredModel`,
+    else a profile written from the time model at the config's workload context."""
+    if isinstance(model, MeasuredModel):
+        return model.profile
+    w = cfg.workload
+    return MeasuredPerformance(profile_of(model, shape, (128, round(w.input_tokens_mean + w.output_tokens_mean / 2))))
+
+
 def plan_with_model(cfg, model: StepTimeModel, shape: ModelConfig, specs: list[RequestSpec], rate: float,
                     slo_ttft_s: float, slo_tpot_s: float) -> Plan:
     """The planner's pools for `specs`' mean lengths at `rate` and these SLOs, from `model`'s seconds (pool
     sizes unbounded: the question is which split, not what the config allows)."""
     s_in = sum(s.prompt_len for s in specs) / len(specs)
     s_out = sum(s.output_len for s in specs) / len(specs)
-    profile = Profile(profile_of(model, shape, (128, round(s_in + s_out / 2))))
+    profile = MeasuredPerformance(profile_of(model, shape, (128, round(s_in + s_out / 2))))
     args = sim_args(engine_args(cfg, "decode", cfg.model.name, shape), model)
     limits = Limits(args.num_blocks, args.block_size, cfg.pools.decode.max_batch_size)
     link = profile.transfer["kv_bytes_per_s"]

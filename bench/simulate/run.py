@@ -23,7 +23,6 @@ from bench.serving.metrics import summarize
 from bench.serving.workloads import Conversation, RequestSpec
 from bench.simulate.clock import run_virtual
 from bench.serving.runs import sample_roles
-from bench.simulate.measured import MeasuredModel
 from bench.simulate.sim_cluster import SimCluster, build_cluster
 from bench.simulate.sim_control import ACTOR_START_S, start_autoscaler, wants_autoscaler
 from bench.simulate.step_time import StepTimeModel
@@ -144,8 +143,7 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(d.poll_kv_events())]
         if wants_autoscaler(cluster):
-            profile = model.profile.data if isinstance(model, MeasuredModel) else None
-            cluster.autoscaler = start_autoscaler(cluster, profile, autoscale or AutoscaleSettings(), actor_start_s)
+            cluster.autoscaler = start_autoscaler(cluster, autoscale or AutoscaleSettings(), actor_start_s)
             tasks.append(cluster.autoscaler.task)
         tasks.append(loop.create_task(sample_roles(d.pools, roles, cluster.autoscaler, ROLE_SAMPLE_S)))
         try:

@@ -25,21 +25,20 @@ from collections.abc import Callable
 from bench.serving.local_actors import LocalDecodeClient, LocalPrefillClient
 from bench.simulate.sim_engine import SimEngine, SimTokenizer
 from bench.simulate.sim_transport import SimNetwork, SimReceiver, SimSender
-from bench.simulate.step_time import Chunk, StepTimeModel
+from bench.simulate.plan_profile import performance_of
+from bench.simulate.step_time import StepTimeModel, sim_args
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from deploy.config import PDServeConfig
 from deploy.actor import IDLE_POLL_S, holds_nothing
 from deploy.launcher import colocated_engine_args, engine_args, role_engine_args
+from deploy.performance import live_model
 from deploy.running import routing_settings
-from engine.args import EngineArgs
 from engine.model.config import ModelConfig
 from engine.scheduling.loop import EngineLoop
 from prefill_worker.worker import PrefillWorker
 from kv_transfer import wire_bytes_per_kv_byte
 from router.dispatcher import Dispatcher
-from router.placement import LiveProfile
-from router.placement.live_profile import ProfileSeed
 from router.pools import DecodeView, Pools, PrefillView
 
 log = logging.getLogger(f"pdserve.{__name__}")
@@ -267,28 +266,6 @@ def pool_sizes(cfg: PDServeConfig, counts: dict[str, int] | None = None) -> dict
     return {pool: counts.get(pool) or p.bounds()[0] for pool, p in cfg.pools.items()}
 
 
-def sim_args(args: EngineArgs, model: StepTimeModel) -> EngineArgs:
-    """The actor's engine settings with the pool size the hardware gives, when the time model knows it."""
-    blocks = model.kv_blocks(args.block_size)
-    if blocks is not None:
-        args.num_blocks = blocks
-    return args
-
-
-def seed_of(model: StepTimeModel, cfg: PDServeConfig) -> ProfileSeed:
-    """Auto placement's starting figures from the time model, as `deploy.live_seed` takes them from a profile."""
-    w, batch = cfg.workload, max(cfg.pools.decode.max_batch_size, 2)
-    s_in, context = w.input_tokens_mean, round(w.input_tokens_mean + w.output_tokens_mean / 2)
-    step_1 = model.step_s([Chunk(1, context)])
-    step_n = model.step_s([Chunk(1, context)] * batch)
-    per_seq = max((step_n - step_1) / (batch - 1), 0.0)
-    probe = 1 << 24
-    return ProfileSeed(prefill_tokens_per_s=s_in / model.step_s([Chunk(s_in, s_in)]),
-                       kv_bytes_per_s=probe / model.link_s(probe), kv_bytes_per_token=model.kv_bytes_per_token,
-                       step_base_s=max(step_1 - per_seq, 0.0), step_per_seq_s=per_seq,
-                       chunk_tokens=cfg.pools.prefill.chunk_tokens)
-
-
 def build_cluster(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig, mode: str = "disaggregated",
                   chunked: bool = True, counts: dict[str, int] | None = None) -> SimCluster:
     """The simulated actors of `cfg` (in `mode`: disaggregated or colocated, as `deploy.launcher.start_pools`
@@ -303,7 +280,7 @@ def build_cluster(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig
         for pool, n in size.items():
             for _ in range(n):
                 pools.get(pool).append(cluster.view_of(pool, cluster.new_actor(pool)))
-    live = LiveProfile(seed_of(model, cfg), cfg.kv_cache.block_size) if cfg.routing.mode == "auto" else None
+    live = live_model(cfg, performance_of(model, sim_cfg, cfg))
     max_len = min(cfg.model.max_model_len or sim_cfg.max_position_embeddings, sim_cfg.max_position_embeddings)
     cluster.dispatcher = Dispatcher(pools, SimTokenizer(sim_cfg.vocab_size), max_len, cfg.kv_cache.block_size,
                                     routing_settings(cfg), codec=cfg.kv_transfer.compression, live=live)

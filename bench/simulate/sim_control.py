@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 
-from bench.simulate.plan_profile import profile_of
 from bench.simulate.sim_cluster import SimActor, SimCluster
 from deploy.autoscaler import Autoscaler, AutoscaleSettings
 from deploy.pool_manager import PoolManager
-from deploy.profiler import Profile
 
 ACTOR_START_S = 30.0          # default: a new actor's weights load and warm-up before it serves
 
@@ -53,16 +51,12 @@ def wants_autoscaler(cluster: SimCluster) -> bool:
                                                 or cfg.routing.role_flips == "auto")
 
 
-def start_autoscaler(cluster: SimCluster, profile: dict | None, settings: AutoscaleSettings,
-                     start_s: float = ACTOR_START_S) -> Autoscaler:
-    """The autoscaler over `cluster` with `profile` (the measured one; else one written from the time model),
-    its loop started on the running (virtual) event loop."""
+def start_autoscaler(cluster: SimCluster, settings: AutoscaleSettings, start_s: float = ACTOR_START_S) -> Autoscaler:
+    """The autoscaler over `cluster`, planning with its router's live performance model (as
+    `deploy.autoscaler.start_autoscaler`), its loop started on the running (virtual) event loop."""
     cfg, d = cluster.cfg, cluster.dispatcher
-    if profile is None:
-        w = cfg.workload
-        profile = profile_of(cluster.model, cluster.shape, (128, round(w.input_tokens_mean + w.output_tokens_mean / 2)))
     factory = SimFactory(cluster, start_s)
     manager = PoolManager(d, factory)
-    scaler = Autoscaler(cfg, d, factory, Profile(profile), settings, manager)
+    scaler = Autoscaler(cfg, d, factory, d.live, settings, manager)
     scaler.task = asyncio.get_running_loop().create_task(scaler.run())
     return scaler

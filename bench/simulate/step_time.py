@@ -16,6 +16,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.args import EngineArgs
+
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
@@ -52,3 +54,11 @@ class StepTimeModel(ABC):
         """KV blocks one actor holds when its budget comes from the hardware (memory left after the
         weights), or None when the pool's configured budget applies."""
         return None
+
+
+def sim_args(args: EngineArgs, model: StepTimeModel) -> EngineArgs:
+    """The actor's engine settings with the pool size the hardware gives, when the time model knows it."""
+    blocks = model.kv_blocks(args.block_size)
+    if blocks is not None:
+        args.num_blocks = blocks
+    return args

@@ -33,6 +33,7 @@ request still runs local; the answer says whether flipping an actor back to pref
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -60,15 +61,17 @@ class LinkProfile:
 
 @dataclass(slots=True, frozen=True)
 class DecodeProfile:
-    """A decode actor's step time vs batch (linear), and its chunked-prefill rate."""
+    """A decode actor's step time vs running batch (at the request's context), and its chunked-prefill rate."""
 
-    step_base_s: float           # a decode step's seconds at batch 0 (the intercept)
-    step_per_seq_s: float        # extra seconds per running sequence
+    step_s: Callable[[float], float]   # a decode step's seconds at a running batch
     prefill_tokens_per_s: float  # prompt tokens/s it prefills between decode steps
     chunk_tokens: int = 512      # prompt tokens per step when it prefills in chunks
 
-    def step_s(self, batch: float) -> float:
-        return self.step_base_s + self.step_per_seq_s * max(batch, 0.0)
+    @classmethod
+    def linear(cls, step_base_s: float, step_per_seq_s: float, prefill_tokens_per_s: float,
+               chunk_tokens: int = 512) -> DecodeProfile:
+        """A step of `step_base_s` + `step_per_seq_s` per running sequence."""
+        return cls(lambda batch: step_base_s + step_per_seq_s * max(batch, 0.0), prefill_tokens_per_s, chunk_tokens)
 
 
 @dataclass(slots=True, frozen=True)

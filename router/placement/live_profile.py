@@ -1,43 +1,37 @@
-"""The router's live profile of its actors, learned from what each request reports (no Ray, no I/O).
+"""The router's live performance model: a base model corrected by what the cluster reports (no Ray, no I/O).
 
-`routing.mode: auto` places requests from these figures (`router.placement.auto`). They start from a seed
-(the deploy profile, `pdserve profile`, when one exists; else generic figures) and follow the cluster
-as it serves, by exponential moving averages over what the router already receives:
+Auto placement (`router.placement.auto`) and the autoscaler (`deploy.autoscaler`, through the planner) ask
+this one object, so they cannot disagree about the cluster. It answers the questions of
+`engine.performance.PerformanceModel` from a base model (the measured profile, `pdserve profile`, when
+one exists; else `LinearPerformance`'s figures), corrected by exponential moving averages over what the
+router already receives:
 
-    PrefillResult (remote prefill)   uncached tokens / prefill_s        → prefill tokens/s
+    PrefillResult (remote prefill)   base time of the uncached tokens / prefill_s  → prefill speed factor
                                      kv_bytes / transfer_s              → link bytes/s; kv_bytes per token
                                      router TTFT − actor stages         → remote overhead
-    first event of a local prefill   uncached tokens / the actor's compute_s → chunked-prefill tokens/s
-    finished request                 (mean running batch, its TPOT)     → decode step = base + per_seq · batch
+    first event of a local prefill   base time of its tokens / the actor's compute_s → chunked-prefill factor
+    finished request                 (mean running batch, its context, its TPOT) → decode step
+                                     = a · base step(batch, context) + b, refitted over recent requests
 
-Per decode actor it also keeps what placement needs now: the prompt tokens it is prefilling locally
-(the router's own count). What each decode actor holds cached comes from the cache-event index
-(`router.placement.kv_index`), not from here.
+The decode fit keeps `a` at 1 (only `b` moves, a fixed per-step cost the profile does not see) until the
+recent requests' batches spread by `MIN_BATCH_SPREAD`; then both are fitted. Per decode actor it also
+keeps what placement needs now: the prompt tokens it is prefilling locally (the router's own count).
+What each decode actor holds cached comes from the cache-event index (`router.placement.kv_index`).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
+from engine.performance import LinearPerformance, MeasuredPerformance, PerformanceModel
 from router.placement.auto import DecodeProfile, LinkProfile, PrefillProfile
 
 SMOOTHING = 0.2              # EMA weight of the newest observation
-STEP_SAMPLES = 64            # recent (batch, TPOT) pairs the decode step fit uses
-MIN_BATCH_SPREAD = 2.0       # batches must span this much before the slope is fitted (else the seed's)
-
-
-@dataclass(slots=True)
-class ProfileSeed:
-    """Starting figures (deploy fills them from a measured profile)."""
-
-    prefill_tokens_per_s: float = 2000.0
-    remote_overhead_s: float = 0.005
-    kv_bytes_per_s: float = 1e9
-    kv_bytes_per_token: float = 0.0
-    step_base_s: float = 0.02
-    step_per_seq_s: float = 0.001
-    local_prefill_tokens_per_s: float | None = None     # None: the prefill actors' rate
-    chunk_tokens: int = 512
+STEP_SAMPLES = 64            # recent (batch, base step, TPOT) triples the decode step fit uses
+MIN_BATCH_SPREAD = 2.0       # batches must span this much before the slope is fitted
+MIN_STEP_S = 1e-6
+DEFAULT_REMOTE_OVERHEAD_S = 0.005
+DEFAULT_CHUNK_TOKENS = 512
 
 
 def _ema(old: float, new: float) -> float:
@@ -49,33 +43,63 @@ class _DecodeActorState:
     local_prefill_tokens: int = 0
 
 
-class LiveProfile:
-    """Learned figures for every actor of a role, and per-decode-actor state."""
+class LiveProfile(PerformanceModel):
+    """`base`'s answers, corrected live; and per-decode-actor state.
 
-    def __init__(self, seed: ProfileSeed | None = None, block_size: int = 16):
-        s = seed or ProfileSeed()
-        self.block_size = block_size
-        self.prefill_tokens_per_s = s.prefill_tokens_per_s
-        self.remote_overhead_s = s.remote_overhead_s
-        self.kv_bytes_per_s = s.kv_bytes_per_s
-        self.kv_bytes_per_token = s.kv_bytes_per_token
-        self.step_base_s, self.step_per_seq_s = s.step_base_s, s.step_per_seq_s
-        self.local_prefill_tokens_per_s = s.local_prefill_tokens_per_s
-        self.chunk_tokens = s.chunk_tokens
+    Args:
+        base: the model the corrections start from (none yet: `LinearPerformance()`).
+        block_size: prefills shorter than a block teach nothing (their time is overhead).
+        chunk_tokens: prompt tokens a decode actor prefills per step when it prefills locally.
+        remote_overhead_s: the starting dispatch + handoff time of a remote prefill, until measured.
+    """
+
+    def __init__(self, base: PerformanceModel | None = None, block_size: int = 16,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, remote_overhead_s: float = DEFAULT_REMOTE_OVERHEAD_S):
+        self.base = base or LinearPerformance()
+        self.block_size, self.chunk_tokens = block_size, chunk_tokens
+        self.prefill_speed = 1.0                     # base prefill time / observed (EMA)
+        self.local_prefill_speed: float | None = None    # the same for local prefill; None: prefill_speed
+        self.step_scale, self.step_offset_s = 1.0, 0.0   # decode step = scale · base step + offset
+        self.remote_overhead_s = remote_overhead_s
+        self._kv_bytes_per_s = self.base.kv_bytes_per_s
+        self.kv_bytes_per_token = self.base.kv_bytes_per_token
         self.output_tokens: float | None = None       # mean output length of finished requests
-        self._steps: deque[tuple[float, float]] = deque(maxlen=STEP_SAMPLES)
+        self._steps: deque[tuple[float, float, float]] = deque(maxlen=STEP_SAMPLES)
         self._decode: dict[str, _DecodeActorState] = {}
 
-    # ---- the figures placement reads ------------------------------------
-    def prefill_profile(self) -> PrefillProfile:
-        return PrefillProfile(self.prefill_tokens_per_s, self.remote_overhead_s)
+    # ---- the performance model ------------------------------------------
+    @property
+    def measured(self) -> MeasuredPerformance | None:
+        return self.base.measured
+
+    @property
+    def kv_bytes_per_s(self) -> float:
+        return self._kv_bytes_per_s
+
+    def prefill_seconds(self, prompt_len: float) -> float:
+        return self.base.prefill_seconds(prompt_len) / self.prefill_speed
+
+    def prefill_capacity(self, prompt_len: float) -> float:
+        return self.base.prefill_capacity(prompt_len) * self.prefill_speed
+
+    def decode_step_seconds(self, batch: float, context: float) -> float:
+        return max(self.step_scale * self.base.decode_step_seconds(batch, context) + self.step_offset_s, MIN_STEP_S)
+
+    def local_prefill_seconds(self, prompt_len: float) -> float:
+        """A prompt prefilled in chunks on a decode actor, between its decode steps."""
+        return self.base.prefill_seconds(prompt_len) / (self.local_prefill_speed or self.prefill_speed)
+
+    # ---- the figures placement reads (at one request's lengths) ---------
+    def prefill_profile(self, prompt_len: float) -> PrefillProfile:
+        return PrefillProfile(prompt_len / self.prefill_seconds(prompt_len), self.remote_overhead_s)
 
     def link(self) -> LinkProfile:
         return LinkProfile(self.kv_bytes_per_s, self.kv_bytes_per_token)
 
-    def decode_profile(self) -> DecodeProfile:
-        rate = self.local_prefill_tokens_per_s or self.prefill_tokens_per_s
-        return DecodeProfile(self.step_base_s, self.step_per_seq_s, rate, self.chunk_tokens)
+    def decode_profile(self, prompt_len: float, context: float) -> DecodeProfile:
+        """The decode actor's step vs batch at `context`, and its chunked-prefill rate at `prompt_len`."""
+        return DecodeProfile(lambda batch: self.decode_step_seconds(batch, context),
+                             prompt_len / self.local_prefill_seconds(prompt_len), self.chunk_tokens)
 
     def local_backlog(self, actor_id: str) -> int:
         return self._actor(actor_id).local_prefill_tokens
@@ -85,9 +109,10 @@ class LiveProfile:
                      num_prompt_tokens: int) -> None:
         """A remote prefill's result (the actor's own figures)."""
         if uncached_tokens >= self.block_size and prefill_s > 0:
-            self.prefill_tokens_per_s = _ema(self.prefill_tokens_per_s, uncached_tokens / prefill_s)
+            predicted = self.base.prefill_share_seconds(max(num_prompt_tokens, uncached_tokens), uncached_tokens)
+            self.prefill_speed = _ema(self.prefill_speed, predicted / prefill_s)
         if kv_bytes > 0 and transfer_s > 0:
-            self.kv_bytes_per_s = _ema(self.kv_bytes_per_s, kv_bytes / transfer_s)
+            self._kv_bytes_per_s = _ema(self._kv_bytes_per_s, kv_bytes / transfer_s)
             if num_prompt_tokens > 0:
                 self.kv_bytes_per_token = kv_bytes / num_prompt_tokens      # a property of the model: exact
 
@@ -103,23 +128,26 @@ class LiveProfile:
         state = self._actor(actor_id)
         state.local_prefill_tokens = max(state.local_prefill_tokens - tokens, 0)
         if compute_s and compute_s > 0 and tokens >= self.block_size:
-            old = self.local_prefill_tokens_per_s or self.prefill_tokens_per_s
-            self.local_prefill_tokens_per_s = _ema(old, tokens / compute_s)
+            old = self.local_prefill_speed or self.prefill_speed
+            self.local_prefill_speed = _ema(old, self.base.prefill_seconds(tokens) / compute_s)
 
-    def finished(self, mean_batch: float, tpot_s: float, num_output_tokens: int) -> None:
-        """A request finished: its TPOT at the batch it decoded in refits the decode step."""
+    def finished(self, mean_batch: float, tpot_s: float, num_output_tokens: int, context: float) -> None:
+        """A request finished: its TPOT at the batch it decoded in (at `context`, its prompt and half its
+        output) refits the decode step."""
         self.output_tokens = num_output_tokens if self.output_tokens is None else \
             _ema(self.output_tokens, num_output_tokens)
         if num_output_tokens < 2 or tpot_s <= 0:
             return
-        self._steps.append((max(mean_batch, 1.0), tpot_s))
-        xs = [b for b, _ in self._steps]
-        ys = [t for _, t in self._steps]
+        batch = max(mean_batch, 1.0)
+        self._steps.append((batch, self.base.decode_step_seconds(batch, context), tpot_s))
+        batches = [b for b, _, _ in self._steps]
+        xs = [x for _, x, _ in self._steps]
+        ys = [y for _, _, y in self._steps]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        if max(xs) - min(xs) >= MIN_BATCH_SPREAD:
-            var = sum((x - mx) ** 2 for x in xs)
-            self.step_per_seq_s = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0)
-        self.step_base_s = max(my - self.step_per_seq_s * mx, 0.0)
+        var = sum((x - mx) ** 2 for x in xs)
+        if max(batches) - min(batches) >= MIN_BATCH_SPREAD and var > 1e-18:
+            self.step_scale = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0)
+        self.step_offset_s = my - self.step_scale * mx
 
     def forget(self, actor_id: str) -> None:
         """The actor left the decode pool (flipped, replaced or removed)."""

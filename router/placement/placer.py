@@ -108,20 +108,23 @@ class Placer:
             uncached = num_prompt_tokens - usable_cached_tokens(cached, num_prompt_tokens, self.block_size)
             return uncached < self.routing.local_prefill_tokens, None
         live, now, shadow = self.live, time.monotonic(), pview is None
+        output_tokens = max(live.output_tokens or max_tokens, 1.0)
+        prefill_profile = live.prefill_profile(num_prompt_tokens)
         if shadow:                   # no prefill actor: would one have helped? (router.placement.auto)
-            prefill = self.shadow.state(now, live.prefill_tokens_per_s)
+            prefill = self.shadow.state(now, prefill_profile.tokens_per_s)
         else:
             prefill = PrefillState(pview.actor_id, pview.queued_tokens, cached * self.block_size)
         decode = DecodeState(view.actor_id, max(view.running - 1, 0), live.local_backlog(view.actor_id),
                              self.kv_index.prefix_blocks(view.actor_id, hashes) * self.block_size)
+        decode_profile = live.decode_profile(num_prompt_tokens, num_prompt_tokens + output_tokens / 2)
         placement = place(PlacementInputs(
-            num_prompt_tokens, max(live.output_tokens or max_tokens, 1.0), self.routing.ttft_slo_s,
-            self.routing.tpot_slo_s, decode, live.decode_profile(), prefill, live.prefill_profile(), live.link()),
+            num_prompt_tokens, output_tokens, self.routing.ttft_slo_s, self.routing.tpot_slo_s, decode,
+            decode_profile, prefill, prefill_profile, live.link()),
             shadow=shadow, all_decode_running=self.all_decode_running(pool, decode.running))
         needs = placement.needs_prefill_actor
         self.placements.append(PlacementRecord(now, max(num_prompt_tokens - decode.cached_tokens, 1), needs))
         if shadow and needs:
-            self.shadow.take(max(num_prompt_tokens - prefill.cached_tokens, 1), now, live.prefill_tokens_per_s)
+            self.shadow.take(max(num_prompt_tokens - prefill.cached_tokens, 1), now, prefill_profile.tokens_per_s)
         if self.metrics:
             self.metrics.placement(placement.choice.value)
         return placement.choice is Choice.LOCAL, placement

@@ -22,7 +22,7 @@ from bench.simulate.sim_transport import SimNetwork, SimReceiver, SimSender
 from bench.simulate.step_time import Chunk, StepTimeModel
 from decode_worker.worker import DecodeWorker
 from deploy.config import load_config
-from deploy.profiler import Profile
+from engine.performance import MeasuredPerformance as Profile
 from engine.model.config import ModelConfig
 from engine.model.presets import resolve_model
 from engine.sampling.params import SamplingParams

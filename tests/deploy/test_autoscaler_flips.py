@@ -12,9 +12,9 @@ import pytest
 from deploy.autoscaler import Autoscaler, AutoscaleSettings
 from deploy.config import load_config
 from deploy.pool_manager import Flip
-from deploy.profiler import Profile
+from engine.performance import MeasuredPerformance as Profile
 from deploy.role_balance import TO_DECODE, TO_PREFILL
-from profile_helpers import synthetic
+from profile_support import synthetic
 from router.dispatcher import Dispatcher, FinishedRequest
 from router.placement import PlacementRecord
 from router.pools import DecodeView, Pools, PrefillView

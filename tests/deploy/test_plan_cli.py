@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from profile_helpers import synthetic
+from profile_support import synthetic
 
 
 def test_plan_cli_json_from_profile_file(tmp_path, tiny_model_dir, capsys):

@@ -4,10 +4,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from profile_helpers import COSTS, synthetic
+from profile_support import COSTS, synthetic
 
 from deploy.planner import SLO, Corrections, Limits, Workload, decode_batch, max_utilization, p99_ttft, plan
-from deploy.profiler import Profile
+from engine.performance import MeasuredPerformance as Profile
 
 LIMITS = Limits(decode_kv_blocks=100_000, block_size=16, max_batch_size=256)
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
-from profile_helpers import COSTS, synthetic
+from profile_support import COSTS, synthetic
 
 from deploy.planner import SLO, Limits, Network, Workload, link_kv_bytes_per_s, plan
-from deploy.profiler import Profile
+from engine.performance import MeasuredPerformance as Profile
 
 LIMITS = Limits(decode_kv_blocks=100_000, block_size=16, max_batch_size=256)
 SLOS = SLO(ttft_s=2.0, tpot_s=0.1)

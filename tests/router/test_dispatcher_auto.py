@@ -7,17 +7,20 @@ import asyncio
 import logging
 import math
 
+import pytest
+
 from fake_actors import expected_tokens, fake_cluster
 from router.backend import GenerationInput
 from router.dispatcher import Dispatcher
-from router.placement.live_profile import LiveProfile, ProfileSeed
+from engine.performance import LinearPerformance
+from router.placement.live_profile import LiveProfile
 from router.routing import RoutingSettings
 from router.request_core import RequestRecord, _log_finished
 from test_dispatcher import BLOCK_SIZE, Counts, assert_nothing_held, collect, request
 
 # 1000 prompt tokens/s on both sides, 10 ms decode steps, 50 ms remote overhead; SLOs 1 s / 50 ms.
-SEED = ProfileSeed(prefill_tokens_per_s=1000.0, remote_overhead_s=0.05, kv_bytes_per_s=1e9, kv_bytes_per_token=100,
-                   step_base_s=0.01, step_per_seq_s=0.0, chunk_tokens=64)
+SEED = LinearPerformance(prefill_tokens_per_s=1000.0, kv_bytes_per_s=1e9, kv_bytes_per_token=100, step_base_s=0.01,
+                         step_per_seq_s=0.0)
 LONG = list(range(1, 201))          # 200 tokens: 0.2 s of local prefill over 6 tokens would cost TPOT 33 ms
 
 
@@ -34,7 +37,8 @@ def make(cluster, mode: str = "auto", **routing) -> Dispatcher:
     settings = RoutingSettings(**{"max_queue": 8, "stream_idle_s": 2.0, "mode": mode, "ttft_slo_s": 1.0,
                                   "tpot_slo_s": 0.05, **routing})
     return Dispatcher(cluster.pools, tokenizer=None, max_model_len=1024, block_size=BLOCK_SIZE, routing=settings,
-                      metrics=PlacementCounts(), live=LiveProfile(SEED, BLOCK_SIZE))
+                      metrics=PlacementCounts(),
+                      live=LiveProfile(SEED, BLOCK_SIZE, chunk_tokens=64, remote_overhead_s=0.05))
 
 
 def run(coro):
@@ -85,7 +89,7 @@ def test_auto_learns_the_prefill_rate_and_the_kv_size_from_prefill_results():
         d = make(c)
         await collect(d, request("long", max_tokens=6, prompt=LONG))
         # the fake reports 200 tokens in prefill_s 0.01 and 1000 KV bytes in 0.002 s
-        assert d.live.prefill_tokens_per_s == 0.8 * 1000 + 0.2 * 20000
+        assert d.live.prefill_profile(200).tokens_per_s == pytest.approx(0.8 * 1000 + 0.2 * 20000)
         assert d.live.kv_bytes_per_s == 0.8 * 1e9 + 0.2 * 500_000
         assert d.live.kv_bytes_per_token == 1000 / 200
         assert d.live.output_tokens == 6

@@ -1,8 +1,6 @@
 """`router.placement.auto`: exact choices and estimates for constructed profiles and queues."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from router.placement.auto import (Choice, DecodeProfile, DecodeState, LinkProfile, PlacementInputs, PrefillProfile,
@@ -11,7 +9,7 @@ from router.placement.auto import (Choice, DecodeProfile, DecodeState, LinkProfi
 
 # A decode actor: 20 ms + 1 ms per running sequence per step; it prefills 2000 tokens/s between steps in
 # chunks of 512. A prefill actor: 4000 tokens/s, 10 ms overhead. The link: 1 MB/s of KV... per 1 kB token.
-DECODE = DecodeProfile(step_base_s=0.020, step_per_seq_s=0.001, prefill_tokens_per_s=2000.0, chunk_tokens=512)
+DECODE = DecodeProfile.linear(step_base_s=0.020, step_per_seq_s=0.001, prefill_tokens_per_s=2000.0, chunk_tokens=512)
 PREFILL = PrefillProfile(tokens_per_s=4000.0, overhead_s=0.010)
 LINK = LinkProfile(kv_bytes_per_s=100e6, kv_bytes_per_token=1000.0)
 
@@ -80,7 +78,7 @@ def test_without_a_prefill_actor_placement_is_local():
 
 
 def test_when_neither_keeps_the_slos_the_smaller_violation_wins():
-    slow = dataclasses.replace(DECODE, step_base_s=0.2)      # every step misses the 100 ms TPOT already
+    slow = DecodeProfile.linear(0.2, 0.001, 2000.0, 512)      # every step misses the 100 ms TPOT already
     p = place(inputs(3000, running=4, decode=slow))
     assert not p.local.keeps_slo and not p.remote.keeps_slo
     assert (p.choice, p.reason) == (Choice.REMOTE, "least_violation")     # local adds its prefill on top
@@ -99,7 +97,7 @@ def test_a_request_needs_a_prefill_actor_only_when_local_breaks_an_slo_and_remot
     assert not place(inputs(24, running=8)).needs_prefill_actor            # local
     near = place(inputs(1500, running=60, output=32))                      # local breaks TPOT, remote keeps it
     assert near.choice is Choice.REMOTE and near.needs_prefill_actor
-    slow = dataclasses.replace(DECODE, step_base_s=0.2)
+    slow = DecodeProfile.linear(0.2, 0.001, 2000.0, 512)
     assert place(inputs(3000, running=4, decode=slow)).needs_prefill_actor  # the smaller violation is remote
     swamped = place(inputs(1500, running=60, output=32, prefill_queued=40000))   # 10 s of prefill queue
     assert swamped.choice is Choice.LOCAL and not swamped.needs_prefill_actor

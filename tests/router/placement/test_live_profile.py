@@ -1,36 +1,67 @@
-"""`router.placement.live_profile`: the figures auto placement reads follow what requests report."""
+"""`router.placement.live_profile`: the live model answers as its base, corrected by what requests report."""
 from __future__ import annotations
 
 import pytest
+from profile_support import synthetic
 
-from router.placement.live_profile import LiveProfile, ProfileSeed
+from engine.performance import LinearPerformance, MeasuredPerformance
+from router.placement.live_profile import LiveProfile
 
 
 def test_decode_step_fit_recovers_a_line_once_batches_spread():
-    live = LiveProfile(ProfileSeed(step_base_s=0.5, step_per_seq_s=0.5), block_size=4)
-    live.finished(4, 0.030, 10)                 # one batch size only: the slope stays the seed's
-    assert (live.step_per_seq_s, live.step_base_s) == (0.5, 0.0)
+    live = LiveProfile(LinearPerformance(step_base_s=0.5, step_per_seq_s=0.5), block_size=4)
+    live.finished(4, 0.030, 10, context=100)     # one batch size only: the slope stays the base's, the level moves
+    assert live.decode_step_seconds(4, 100) == pytest.approx(0.030)
+    assert live.decode_step_seconds(5, 100) - live.decode_step_seconds(4, 100) == pytest.approx(0.5)
     for batch in (1, 2, 4, 8, 16):
-        live.finished(batch, 0.010 + 0.002 * batch, 10)
-    profile = live.decode_profile()
-    assert profile.step_per_seq_s == pytest.approx(0.002, rel=0.15)
-    assert profile.step_s(8) == pytest.approx(0.026, rel=0.15)
+        live.finished(batch, 0.010 + 0.002 * batch, 10, context=100)
+    per_seq = live.decode_step_seconds(9, 100) - live.decode_step_seconds(8, 100)
+    assert per_seq == pytest.approx(0.002, rel=0.15)
+    assert live.decode_profile(100, 100).step_s(8) == pytest.approx(0.026, rel=0.15)
 
 
 def test_one_token_requests_do_not_refit_the_step():
-    live = LiveProfile(ProfileSeed(step_base_s=0.02, step_per_seq_s=0.001), block_size=4)
-    live.finished(3, 0.0, 1)
-    assert (live.step_base_s, live.step_per_seq_s, live.output_tokens) == (0.02, 0.001, 1)
+    live = LiveProfile(LinearPerformance(step_base_s=0.02, step_per_seq_s=0.001), block_size=4)
+    live.finished(3, 0.0, 1, context=10)
+    assert live.decode_step_seconds(3, 10) == pytest.approx(0.023) and live.output_tokens == 1
+
+
+def test_a_measured_base_keeps_its_shape_in_batch_and_context():
+    base = MeasuredPerformance(synthetic(step=lambda b, c: 0.01 + 0.001 * b + 1e-6 * b * c))
+    live = LiveProfile(base, block_size=4)
+    for _ in range(20):          # serving adds 5 ms to every step at batch 4 (a per-step cost the profile misses)
+        live.finished(4, base.decode_step_seconds(4, 1024) + 0.005, 10, context=1024)
+    assert live.decode_step_seconds(4, 1024) == pytest.approx(base.decode_step_seconds(4, 1024) + 0.005)
+    assert live.decode_step_seconds(16, 2048) == pytest.approx(base.decode_step_seconds(16, 2048) + 0.005)
+    assert live.measured is base
+
+
+def test_prefill_reports_scale_the_base_prefill_time():
+    base = MeasuredPerformance(synthetic(flops_per_s=1e10))
+    live = LiveProfile(base, block_size=4)
+    for _ in range(40):          # prefill actors report half the profile's speed, on prompts with a cached prefix
+        live.prefill_done(256, 2 * base.prefill_share_seconds(512, 256), 0, 0.0, 512)
+    assert live.prefill_seconds(700) == pytest.approx(2 * base.prefill_seconds(700), rel=0.01)
+    assert live.prefill_capacity(700) == pytest.approx(base.prefill_capacity(700) / 2, rel=0.01)
+    assert live.prefill_profile(700).tokens_per_s == pytest.approx(700 / live.prefill_seconds(700))
+
+
+def test_link_figures_follow_transfers():
+    live = LiveProfile(LinearPerformance(kv_bytes_per_s=1e9, kv_bytes_per_token=10), block_size=4)
+    assert (live.kv_bytes_per_s, live.kv_bytes_per_token) == (1e9, 10)
+    live.prefill_done(0, 0.0, 4000, 1e-3, 100)                        # 4 MB/s; 40 bytes per prompt token
+    assert live.kv_bytes_per_s == pytest.approx(0.8 * 1e9 + 0.2 * 4e6) and live.kv_bytes_per_token == 40
+    assert live.link_seconds(8e6) == pytest.approx(8e6 / live.kv_bytes_per_s)
 
 
 def test_local_backlog_and_rate():
-    live = LiveProfile(ProfileSeed(prefill_tokens_per_s=1000.0), block_size=4)
-    assert live.decode_profile().prefill_tokens_per_s == 1000.0      # the prefill actors' until measured
+    live = LiveProfile(LinearPerformance(prefill_tokens_per_s=1000.0), block_size=4)
+    assert live.decode_profile(100, 100).prefill_tokens_per_s == 1000.0    # the prefill actors' until measured
     live.local_started("d0", 100)
     live.local_started("d0", 50)
     assert live.local_backlog("d0") == 150 and live.local_backlog("d1") == 0
     live.local_ended("d0", 100, compute_s=0.2)                       # 500 tokens/s measured
     assert live.local_backlog("d0") == 50
-    assert live.decode_profile().prefill_tokens_per_s == pytest.approx(0.8 * 1000 + 0.2 * 500)
+    assert live.decode_profile(100, 100).prefill_tokens_per_s == pytest.approx(0.8 * 1000 + 0.2 * 500)
     live.local_ended("d0", 50)                                       # failed: no rate
     assert live.local_backlog("d0") == 0

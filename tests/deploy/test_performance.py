@@ -1,0 +1,72 @@
+"""One performance model per cluster: the planner's times, the autoscaler's and auto placement's are the same
+object's answers (`engine.performance`, `deploy.performance`, `router.placement.live_profile`)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from profile_support import synthetic
+
+from deploy.autoscaler import AutoscaleSettings, start_autoscaler
+from deploy.config import load_config
+from deploy.performance import base_model, live_model
+from deploy.planner import SLO, Limits, Workload, plan
+from engine.model.config import ModelConfig
+from engine.model.presets import resolve_model
+from engine.performance import LinearPerformance, MeasuredPerformance
+from router.dispatcher import Dispatcher, FinishedRequest
+from router.pools import DecodeView, Pools, PrefillView
+from router.routing import RoutingSettings
+
+LIMITS = Limits(decode_kv_blocks=100_000, block_size=16, max_batch_size=256)
+
+
+def config(**overrides):
+    pools = {f"pools.{name}.{key}": value for name in ("prefill", "decode")
+             for key, value in (("count", "auto"), ("min", 1), ("max", 1))}
+    return load_config(None, {"model.name": "tiny", **pools, "slo.ttft_p99_ms": 2000, "slo.tpot_p99_ms": 100,
+                              **overrides})
+
+
+def test_base_model_is_the_profile_else_generic_figures_with_the_models_kv_size():
+    cfg = config()
+    model_dir = resolve_model("tiny")
+    measured = base_model(cfg, model_dir, synthetic())
+    assert isinstance(measured, MeasuredPerformance) and measured.measured is measured
+    generic = base_model(cfg, model_dir, None)
+    assert isinstance(generic, LinearPerformance) and generic.measured is None
+    assert generic.kv_bytes_per_token == ModelConfig.from_dir(model_dir).kv_bytes_per_token(4)     # float32 on CPU
+    with pytest.raises(ValueError, match="measured profile"):
+        plan(live_model(cfg, generic), Workload(512, 64, 1.0), SLO(1.0, 0.1), LIMITS)
+
+
+def test_calibration_is_inside_every_answer():
+    data = synthetic()
+    plain = MeasuredPerformance(data)
+    data["calibration"] = {"prefill": 2.0, "decode": 1.5}
+    calibrated = MeasuredPerformance(data)
+    assert calibrated.prefill_seconds(700) == pytest.approx(2.0 * plain.prefill_seconds(700))
+    assert calibrated.prefill_capacity(700) == pytest.approx(plain.prefill_capacity(700) / 2.0)
+    assert calibrated.decode_step_seconds(10, 1536) == pytest.approx(1.5 * plain.decode_step_seconds(10, 1536))
+
+
+def test_the_autoscaler_and_placement_ask_the_same_live_model():
+    cfg = config()
+    live = live_model(cfg, MeasuredPerformance(synthetic()))
+    pools = Pools([PrefillView("prefill-0", None, 512)], [DecodeView("decode-0", None, "kv://decode-0", 512)])
+    backend = Dispatcher(pools, tokenizer=None, max_model_len=4096, block_size=16, routing=RoutingSettings(),
+                         live=live)
+    scaler = asyncio.run(start_autoscaler(cfg, backend, None, AutoscaleSettings()))
+    assert scaler.model is backend.live is backend.placer.live
+    before = asyncio.run(scaler.tick()).plan.decode["step_s"]
+    for _ in range(30):                   # serving reports every step 20 ms slower than the profile
+        live.finished(4, live.base.decode_step_seconds(4, 544) + 0.02, 64, context=544)
+    now = time.monotonic()
+    backend.finished.extend(FinishedRequest(now - i, 512, 64, 0.5, 0.05) for i in range(10))
+    decision = asyncio.run(scaler.tick())
+    batch, context = decision.plan.decode["batch"], 512 + 64 / 2
+    assert decision.plan.decode["step_s"] == pytest.approx(
+        live.decode_step_seconds(batch, context) * decision.corrections.tpot)
+    assert live.decode_profile(512, context).step_s(batch) == pytest.approx(live.decode_step_seconds(batch, context))
+    assert decision.plan.decode["step_s"] > before
