@@ -24,7 +24,7 @@ _HOME = {
     "PRESETS": "engine.model.presets", "init_preset": "engine.model.presets", "resolve_model": "engine.model.presets",
     "Completion": "engine.scheduling.request", "Request": "engine.scheduling.request",
     "RequestOutput": "engine.scheduling.request", "RequestStatus": "engine.scheduling.request",
-    "SamplingParams": "engine.sampling.params",
+    "SamplingParams": "engine.sampling.params", "StructuredOutput": "engine.sampling.structured",
     "IncrementalDetokenizer": "engine.tokenizer", "Tokenizer": "engine.tokenizer",
 }
 __all__ = sorted(_HOME)

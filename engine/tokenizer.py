@@ -78,6 +78,10 @@ class Tokenizer:
             self._max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
         return self._max_token_chars
 
+    def to_json(self) -> str:
+        """The pipeline encode/decode run, as tokenizer.json text (a grammar library builds its vocabulary from it)."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; `skip_special_tokens=False` keeps special tokens (e.g. `</s>`) in it."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

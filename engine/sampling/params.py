@@ -6,6 +6,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from engine.sampling.structured import StructuredOutput
 from proto.pdserve.v1 import generation_pb2
 
 MAX_STOP_STRINGS = 16
@@ -36,13 +37,17 @@ class SamplingParams:
     """How to pick tokens and when to stop.
 
     Sampling order (fixed): repetition / frequency / presence penalties →
-    logit_bias → min_tokens mask → temperature → top-k → top-p → min-p → seeded
-    draw. ``temperature == 0`` is greedy (argmax after penalties, bias and mask);
+    logit_bias → min_tokens mask → structured-output mask → temperature → top-k →
+    top-p → min-p → seeded draw. ``temperature == 0`` is greedy (argmax after
+    penalties, bias and masks);
     a positive temperature is at least `MIN_TEMPERATURE` (1e-5), and the
     repetition penalty at least `MIN_REPETITION_PENALTY` (1e-5): both divide logits.
 
     ``n`` sequences are returned for the prompt; ``best_of`` (>= n) are generated
     (`num_sequences`), each with its own seed (`engine.sampling.sampler.child_seed`).
+
+    ``structured`` constrains every sequence's output to a grammar (`StructuredOutput`): EOS is
+    allowed only where the grammar accepts, and only EOS once it is complete.
     """
 
     max_tokens: int = 16
@@ -65,6 +70,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; k: per prompt token from the second on, + k alternatives
     n: int = 1
     best_of: int | None = None          # None = n
+    structured: StructuredOutput | None = None      # a grammar the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,7 +87,8 @@ class SamplingParams:
         """Proto → params. An unset (optional) field takes ``defaults[name]`` when present (e.g. the
         model's `GenerationConfig.sampling_defaults`), else the class default. Not validated."""
         params = cls(stop=tuple(msg.stop), ignore_eos=msg.ignore_eos, stop_token_ids=tuple(msg.stop_token_ids),
-                     logit_bias=dict(msg.logit_bias), include_stop_str_in_output=msg.include_stop_str_in_output)
+                     logit_bias=dict(msg.logit_bias), include_stop_str_in_output=msg.include_stop_str_in_output,
+                     structured=StructuredOutput.from_proto(msg.structured) if msg.HasField("structured") else None)
         defaults = defaults or {}
         for name in _PROTO_OPTIONAL:
             if msg.HasField(name):
@@ -99,6 +106,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 setattr(msg, name, value)
+        if self.structured is not None:
+            msg.structured.CopyFrom(self.structured.to_proto())
         return msg
 
     @property
@@ -170,6 +179,10 @@ class SamplingParams:
             _check_int("best_of", self.best_of, low=1, high=MAX_SEQUENCES)
             if self.best_of < self.n:
                 raise ValueError(f"best_of must be in [n ({self.n}), {MAX_SEQUENCES}], got {self.best_of}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r:.80}")
+            self.structured.validate()
 
 
 # Fields with presence in the proto (`optional`): unset means "use the default".

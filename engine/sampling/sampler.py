@@ -1,5 +1,12 @@
-"""Token sampling in a fixed order: penalties → logit_bias → min_tokens mask → temperature → top-k →
-top-p → min-p → seeded draw. Greedy (temperature 0) is the argmax after penalties, bias and mask.
+"""Token sampling in a fixed order: penalties → logit_bias → min_tokens mask → structured-output mask →
+temperature → top-k → top-p → min-p → seeded draw. Greedy (temperature 0) is the argmax after penalties,
+bias and masks.
+
+The structured-output mask (params.structured, engine/sampling/grammar.py) leaves only the tokens the
+sequence's grammar allows next: every constrained row's bitmask in one batched call, applied to those
+rows in one tensor op. Where it and the min_tokens mask together leave no token (the grammar is complete
+and allows only EOS, which min_tokens bans), the grammar wins: EOS is drawn and, below min_tokens, does
+not end the sequence.
 
 Each draw uses a generator seeded from (sequence seed, output position), so a
 request samples the same tokens alone or batched, before or after preemption,
@@ -7,8 +14,8 @@ and on a prefill actor or a decode actor. Sequence i of a request with n > 1
 draws with `child_seed(seed, i)` (sequence 0 with the request's seed).
 
 Logprobs (`token_logprobs`) are the log-softmax of the model's raw float32
-logits: before penalties, logit_bias, the min_tokens mask and temperature, so
-they say what the model thinks of a token whatever the sampling settings.
+logits: before penalties, logit_bias, the masks and temperature, so they say
+what the model thinks of a token whatever the sampling settings.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from collections.abc import Collection
 
 import torch
 
+from engine.sampling.grammar import apply_token_bitmask, fill_bitmask
 from engine.scheduling.request import Request
 from proto.pdserve.v1 import generation_pb2 as pb
 
@@ -107,12 +115,18 @@ def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: Collect
         if len(fast) == len(requests):
             return tokens
     fast_set = set(fast)
-    for i, req in enumerate(requests):
-        if i in fast_set:
-            continue
-        row = logits[i].clone()
+    slow = [i for i in range(len(requests)) if i not in fast_set]
+    rows = logits.clone() if not fast else logits.index_select(0, torch.tensor(slow, device=logits.device))  # [S, V]
+    views = rows.unbind(0)              # row j of `rows`, changed in place
+    for i, row in zip(slow, views):
+        req = requests[i]
         if _shapes_logits(req):
             apply_min_tokens(apply_logit_bias(apply_penalties(row, req), req), req, eos_token_ids)
+    constrained = [j for j, i in enumerate(slow) if requests[i].grammar is not None]
+    if constrained:
+        _apply_grammars(logits, rows, slow, constrained, requests)
+    for i, row in zip(slow, views):
+        req = requests[i]
         p = req.params
         if p.greedy:
             tokens[i] = int(row.argmax())
@@ -120,6 +134,27 @@ def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: Collect
         probs = top_k_top_p_probs(row, p.temperature, p.top_k, p.top_p, p.min_p)
         tokens[i] = seeded_draw(probs, req.seed, len(req.output_token_ids))
     return tokens
+
+
+def _apply_grammars(logits: torch.Tensor, rows: torch.Tensor, slow: list[int], constrained: list[int],
+                    requests: list[Request]) -> None:
+    """rows: [S, V] (row j is logits[slow[j]] after penalties, bias and min_tokens); mask rows[constrained]
+    by their sequences' grammars: one bitmask for all of them, one op over those rows."""
+    seqs = [requests[slow[j]] for j in constrained]
+    bitmask = fill_bitmask([s.grammar for s in seqs], [s.output_token_ids for s in seqs])     # [G, W] int32
+    bitmask = bitmask.to(rows.device, non_blocking=True)
+    if len(constrained) == rows.shape[0]:
+        apply_token_bitmask(rows, bitmask)
+    else:
+        index = torch.tensor(constrained, device=rows.device)
+        masked = rows.index_select(0, index)
+        apply_token_bitmask(masked, bitmask)
+        rows.index_copy_(0, index, masked)
+    for k, (j, seq) in enumerate(zip(constrained, seqs)):
+        if len(seq.output_token_ids) < seq.params.min_tokens and bool(torch.isneginf(rows[j]).all()):
+            row = apply_logit_bias(apply_penalties(logits[slow[j]].clone(), seq), seq)   # no min_tokens ban
+            apply_token_bitmask(row[None], bitmask[k:k + 1])
+            rows[j] = row
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[pb.TokenLogprob]:
@@ -143,4 +178,4 @@ def _shapes_logits(req: Request) -> bool:
     """Whether anything before temperature changes this sequence's logits this step."""
     p = req.params
     return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-            or bool(p.logit_bias) or len(req.output_token_ids) < p.min_tokens)
+            or bool(p.logit_bias) or len(req.output_token_ids) < p.min_tokens or req.grammar is not None)

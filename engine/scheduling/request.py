@@ -4,10 +4,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling.params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
 from proto.pdserve.v1 import generation_pb2 as pb
+
+if TYPE_CHECKING:
+    from engine.sampling.grammar import SequenceGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -64,11 +68,18 @@ class Request:
     matched_stop: str | int | None = None      # the stop string or token id that ended the sequence
     # While the prompt is prefilled with params.prompt_logprobs: entry p scores prompt[p + 1].
     prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    # params.structured: this sequence's matcher (its compiled grammar may still be on its way).
+    grammar: SequenceGrammar | None = None
 
     @property
     def root(self) -> Request:
         """Sequence 0: the request as `Engine.requests` knows it."""
         return self.parent if self.parent is not None else self
+
+    @property
+    def grammar_ready(self) -> bool:
+        """No grammar, or its compiled grammar is here: the request may be scheduled."""
+        return self.grammar is None or self.grammar.ready
 
     @property
     def owes_prompt_logprobs(self) -> bool:

@@ -7,6 +7,9 @@ slots and KV blocks allow. When a running request cannot get a block, the most
 recently arrived running request is preempted: its blocks are freed and it goes
 back to the front of the queue, to be recomputed from prompt + output so far.
 
+A request with structured output joins its queue only once its grammar is compiled (until then it
+waits in `compiling`): no step samples it before its mask can be computed. Prompts behind it go on.
+
 With a sliding window (Mistral), a query at position p reads only keys in
 (p - window, p]. After each step, a running sequence drops its reference on the
 blocks wholly before its next query's window (their table entries become
@@ -45,25 +48,43 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.adopted: deque[Request] = deque()  # KV already in their blocks, waiting for a batch slot
         self.running: list[Request] = []
+        # Grammar still compiling: each request with the queue it joins once the grammar is ready.
+        self.compiling: list[tuple[Request, deque[Request]]] = []
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        self._enqueue(req, self.waiting)
 
     def add_running(self, req: Request) -> None:
         """A request whose KV already sits in its blocks (adopted from a prefill actor): it joins the
         batch, ahead of waiting prompts, as soon as the batch has a slot (`max_num_seqs`)."""
         req.status = RequestStatus.WAITING
-        self.adopted.append(req)
+        self._enqueue(req, self.adopted)
+
+    def _enqueue(self, req: Request, queue: deque[Request]) -> None:
+        if req.grammar_ready:
+            queue.append(req)
+        else:
+            self.compiling.append((req, queue))
+
+    def _promote_compiled(self) -> None:
+        """Requests whose grammar is now compiled join their queues, in the order they came."""
+        still = []
+        for req, queue in self.compiling:
+            if req.grammar_ready:
+                queue.append(req)
+            else:
+                still.append((req, queue))
+        self.compiling = still
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.adopted or self.running)
+        return bool(self.waiting or self.adopted or self.running or self.compiling)
 
     @property
     def num_queued(self) -> int:
-        """Requests waiting for a batch slot (prompts to prefill and adopted ones)."""
-        return len(self.waiting) + len(self.adopted)
+        """Requests waiting for a batch slot (prompts to prefill and adopted ones, grammars compiling)."""
+        return len(self.waiting) + len(self.adopted) + len(self.compiling)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -87,6 +108,8 @@ class Scheduler:
             return self._schedule()
 
     def _schedule(self) -> list[ScheduledRequest]:
+        if self.compiling:
+            self._promote_compiled()
         budget = self.max_num_batched_tokens
         out: list[ScheduledRequest] = []
         preempted = False
@@ -176,6 +199,7 @@ class Scheduler:
             if req in queue:
                 queue.remove(req)
                 return
+        self.compiling = [(r, q) for r, q in self.compiling if r is not req]
 
     def commit(self, scheduled: list[ScheduledRequest]) -> None:
         """After the model ran: advance computed counts and cache newly full blocks."""

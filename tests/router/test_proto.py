@@ -42,8 +42,11 @@ def test_public_contract_field_numbers():
         "max_tokens": 1, "temperature": 2, "top_p": 3, "top_k": 4, "repetition_penalty": 5,
         "frequency_penalty": 6, "presence_penalty": 7, "seed": 8, "stop": 9, "ignore_eos": 10,
         "min_p": 11, "min_tokens": 12, "stop_token_ids": 13, "logit_bias": 14, "include_stop_str_in_output": 15,
-        "skip_special_tokens": 16, "logprobs": 17, "prompt_logprobs": 18, "n": 19, "best_of": 20,
+        "skip_special_tokens": 16, "logprobs": 17, "prompt_logprobs": 18, "n": 19, "best_of": 20, "structured": 21,
     }
+    assert _fields(pb.StructuredOutput) == {"json_schema": 1, "json_object": 2, "regex": 3, "choice": 4, "grammar": 5}
+    assert [f.name for f in pb.StructuredOutput.DESCRIPTOR.oneofs_by_name["kind"].fields] == [
+        "json_schema", "json_object", "regex", "choice", "grammar"]
     assert _fields(pb.GenerateResponse) == {
         "request_id": 1, "token_ids": 2, "text": 3, "finish_reason": 4, "usage": 5, "timing": 6,
         "index": 7, "logprobs": 8, "prompt_logprobs": 9, "stop_str": 10, "stop_token_id": 11,

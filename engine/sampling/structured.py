@@ -1,0 +1,99 @@
+"""`StructuredOutput`: the grammar a request's output must match (mirrors the gRPC message; loads without torch).
+
+Exactly one kind is set: ``json_schema`` (a JSON Schema as JSON text), ``json_object`` (any JSON
+object), ``regex``, ``choice`` (one of a list of strings) or ``grammar`` (GBNF or Lark). `validate`
+checks the shape and the size bounds only; what the grammar library cannot express (an unsupported
+schema keyword, look-around in a regex, an undefined rule) is found when the spec is compiled
+(engine/sampling/grammar.py), still before the request is queued.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from proto.pdserve.v1 import generation_pb2
+
+MAX_SPEC_CHARS = 64 * 1024          # a schema, regex or grammar; the choices together
+MAX_CHOICES = 1024
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """One of the kinds below (hashable: compiled grammars are cached by it).
+
+    ``json_schema`` may be given as a mapping; it is kept as JSON text (key order preserved).
+    """
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json_schema, Mapping):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str | None:
+        """The kind that is set (the first, if a bad spec sets several)."""
+        return next((k for k in KINDS if getattr(self, k) not in (None, False)), None)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field when the spec is malformed or too large."""
+        kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            got = ", ".join(kinds) if kinds else "none"
+            raise ValueError(f"structured: exactly one of {', '.join(KINDS)} must be set, got {got}")
+        if self.json_object is not False and self.json_object is not True:
+            raise ValueError(f"structured.json_object must be true or false, got {self.json_object!r}")
+        for name in ("json_schema", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"structured.{name} must be a non-empty string, got {value!r:.80}")
+            if len(value) > MAX_SPEC_CHARS:
+                raise ValueError(f"structured.{name} must be at most {MAX_SPEC_CHARS} characters, got {len(value)}")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured.json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"structured.json_schema must be a JSON object, got {type(schema).__name__}")
+        if self.choice is not None:
+            if not isinstance(self.choice, tuple) or not self.choice:
+                raise ValueError("structured.choice must be a non-empty list of strings")
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured.choice must hold at most {MAX_CHOICES} strings, got {len(self.choice)}")
+            if not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured.choice must hold only strings")
+            total = sum(map(len, self.choice))
+            if total > MAX_SPEC_CHARS:
+                raise ValueError(f"structured.choice must total at most {MAX_SPEC_CHARS} characters, got {total}")
+
+    @classmethod
+    def from_proto(cls, msg: generation_pb2.StructuredOutput) -> StructuredOutput:
+        """Proto → spec; a message with no kind set gives a spec that `validate` refuses."""
+        kind = msg.WhichOneof("kind")
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind == "choice":
+            return cls(choice=tuple(msg.choice.options))
+        return cls(**{kind: getattr(msg, kind)}) if kind else cls()
+
+    def to_proto(self) -> generation_pb2.StructuredOutput:
+        msg = generation_pb2.StructuredOutput()
+        kind = self.kind
+        if kind == "json_object":
+            msg.json_object.SetInParent()
+        elif kind == "choice":
+            msg.choice.options.extend(self.choice)
+        elif kind is not None:
+            setattr(msg, kind, getattr(self, kind))
+        return msg
