@@ -189,6 +189,7 @@ async def start_server(
     model_dir: str | None = None,
     chat_template: ChatTemplate | None = None,
     http_limits: HTTPLimits | None = None,
+    tool_parser: str = "auto",
 ) -> RouterServer:
     """Start the router's gRPC server on the running event loop.
 
@@ -210,6 +211,8 @@ async def start_server(
         chat_template: the chat template (default: from ``model_dir``, else ChatML).
         http_limits: the HTTP connections' bounds (header size and time, body pace, idle keep-alive,
             connections per client address; default `HTTPLimits()`).
+        tool_parser: the HTTP API's tool-call format: auto (from the chat template), hermes, llama3_json,
+            none (`router.openai_api.tool_parsers`).
 
     Returns:
         The running `RouterServer`; health is SERVING while the backend is ready.
@@ -255,7 +258,7 @@ async def start_server(
     router = RouterServer(server, servicer, health, host, bound)
     if http_port is not None:
         app = create_app(core, model_name=model_name, chat_template=chat_template, token=token,
-                         max_body_bytes=max_message_bytes, is_serving=lambda: router.is_ready)
+                         max_body_bytes=max_message_bytes, is_serving=lambda: router.is_ready, tool_parser=tool_parser)
         router.http = HTTPServer(app, host, http_port, tls, http_limits, lambda refusal: core.rejected(
             "http", refusal.status_name, "-", "", refusal.value, log=False))    # the guard logs, rate limited
         try:

@@ -1,7 +1,8 @@
 """Turn a `GenerateRequest` into a `GenerationInput`, or reject it naming the field.
 
 Checks run cheapest first: request id, input presence, sampling ranges (via
-`SamplingParams.validate`, the one source of truth for them), the count of
+`SamplingParams.validate`, the one source of truth for them), a structured-output spec
+(`check_structured`: the engine's own grammar check, bounded in size first, cached), the count of
 token ids against the context-length budget (before a single id is copied, so
 millions of ids cost nothing), the ids' range, tokenization, then the budget.
 
@@ -12,15 +13,18 @@ holds the GIL long enough to stall the event loop.
 """
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Container, Sequence
 
 from engine.sampling.params import SamplingParams
+from engine.sampling.structured import StructuredOutput, to_llguidance
 from proto.pdserve.v1 import generation_pb2 as pb
 from router.backend import GenerationInput, Tokenizer
 
 MAX_REQUEST_ID_CHARS = 256
 TOKEN_IDS_SLICE = 65536     # ids copied and range-checked per C call
+STRUCTURED_CACHE_SIZE = 256     # specs whose check is remembered (a client reuses its schemas)
 THREAD_TOKEN_IDS = 32768    # inputs of at least this many ids are worth validating off the event loop
 
 
@@ -105,10 +109,36 @@ def sampling_params_from_proto(sampling: pb.SamplingParams, defaults: dict | Non
     params = SamplingParams.from_proto(sampling, defaults)
     try:
         params.validate()
+        if params.structured is not None:
+            check_structured(params.structured)
     except ValueError as e:
         name = str(e).split(" ", 1)[0].strip(":,.")   # validate() starts each message with the field's name
         raise invalid(f"sampling.{e}", f"sampling.{name}") from None
     return params
+
+
+def check_structured(spec: StructuredOutput) -> None:
+    """Refuse a structured-output spec that is malformed or too large (`StructuredOutput.validate`) or that
+    the grammar library cannot express (an unsupported JSON Schema keyword, look-around in a regex, an
+    undefined grammar rule): the engine's own check (`to_llguidance`), without a tokenizer, ~1 ms for a
+    typical schema; a spec checked before costs a dictionary lookup.
+
+    Raises:
+        ValueError: starting ``structured.<kind>``, naming the problem.
+    """
+    spec.validate()
+    error = _grammar_error(spec)
+    if error is not None:
+        raise ValueError(error)
+
+
+@functools.lru_cache(maxsize=STRUCTURED_CACHE_SIZE)
+def _grammar_error(spec: StructuredOutput) -> str | None:
+    try:
+        to_llguidance(spec)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:

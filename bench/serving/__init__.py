@@ -4,7 +4,8 @@
     runs.py            one measured run against a target; the same run over every variant
     sweep.py           a swept variable (lengths, concurrency, rate) per variant, as PNGs
     cluster.py         targets: a running router or an embedded cluster per serving variant
-    workloads.py       the requests: chat, rag, mixed, shared-prefix or a JSONL file
+    workloads.py       the requests: chat, rag, mixed, shared-prefix, structured or a JSONL file
+    structured_cost.py TPOT with and without a structured-output mask, per batch size
     load.py            the load generator and each request's client-side record
     metrics.py         the figures of a run (TTFT, TPOT, ITL, goodput) and the router's counters
     tables.py          text and Markdown tables of runs, the serving targets

@@ -6,6 +6,7 @@
     python -m bench.serving --embedded --sweep concurrency --compare colocated,disaggregated --plot-dir img/
     python -m bench.serving --embedded --compare colocated,disaggregated,auto --slo-scale 4 --sweep rate
     python -m bench.serving --embedded --workload phases --set routing.role_flips=auto --request-rate 2
+    python -m bench.serving --embedded --workload structured --batch-sizes 1,32 --num-requests 32
 
 One run = warm-up requests (excluded, prompts unrelated to the measured ones), then the
 workload on its arrival schedule; with ``--cache cold,warm`` the identical workload runs a
@@ -27,8 +28,8 @@ from bench.serving.slo_scale import slo_line, slo_record
 from bench.serving.sweep import run_sweep
 from bench.serving.tables import lengths_line, table
 from bench.serving.timeline_view import median_request, render
-from bench.serving import multi_turn
-from bench.serving.workloads import MULTI_TURN, describe, make_conversations, make_workload
+from bench.serving import multi_turn, structured_cost
+from bench.serving.workloads import MULTI_TURN, STRUCTURED, describe, make_conversations, make_workload
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,9 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chunk size of the colocated-chunked variant (default: pools.prefill.chunk_tokens)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="mixed", help="chat | rag | mixed | shared-prefix | multi-turn | phases "
-                   "(chat → rag → chat, with actors per role over time) | FILE.jsonl")
+                   "(chat → rag → chat, with actors per role over time) | structured (TPOT with vs without a "
+                   "JSON-schema mask, per --batch-sizes) | FILE.jsonl")
     w.add_argument("--num-requests", type=int, default=64, help="requests (multi-turn: conversations)")
     w.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    w.add_argument("--batch-sizes", default="1,32", help="structured: the concurrencies to compare at (each runs "
+                   "max(--num-requests, size) requests, free and constrained)")
     w.add_argument("--num-warmup", type=int, default=2)
     w.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length")
     w.add_argument("--prompt-len", type=int, help="fix every prompt's length")
@@ -173,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         print("--compare starts each variant itself: use it with --embedded", file=sys.stderr)
         return 2
     try:
-        if args.workload == MULTI_TURN:
+        if args.workload == STRUCTURED:
+            result = asyncio.run(structured_cost.bench_structured(args))
+            print(f"\nworkload structured, {lengths_line(result['lengths'])}")
+            print(structured_cost.table(result))
+        elif args.workload == MULTI_TURN:
             result = asyncio.run(bench_multi_turn(args))
             print(multi_turn.turn_table(result["runs"]))
             for name, run in result["runs"].items():

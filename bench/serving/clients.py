@@ -5,7 +5,8 @@ load generator times both the same way: TTFT at the first piece with tokens, ITL
 The OpenAI client is what any OpenAI-compatible server gets from a load generator: `POST
 /v1/completions` with the prompt's token ids, `stream: true`, `stream_options.include_usage`;
 one SSE chunk is one token arrival, and the final usage chunk gives the token counts. It carries no
-server-side timing breakdown (the OpenAI API has none).
+server-side timing breakdown (the OpenAI API has none). A spec's grammar goes as ``sampling.structured``
+(gRPC) or the matching ``guided_*`` field (OpenAI).
 """
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ class Piece:
     timing: object | None = None              # the gRPC response's Timing (server breakdown), last piece only
 
 
+def guided_fields(spec) -> dict:
+    """A `StructuredOutput` as the OpenAI API's (vLLM's) request field."""
+    kind = spec.kind
+    if kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if kind == "json_schema":
+        return {"guided_json": json.loads(spec.json_schema)}
+    return {f"guided_{kind}": list(spec.choice) if kind == "choice" else getattr(spec, kind)}
+
+
 class RequestFailed(Exception):
     """The server answered the request with an error status."""
 
@@ -45,6 +56,8 @@ class GrpcLoadClient:
     async def stream(self, spec: RequestSpec, request_id: str, timeout: float) -> AsyncIterator[Piece]:
         kwargs = dict(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True, request_id=request_id,
                       timeout=timeout)
+        if spec.structured is not None:
+            kwargs["structured"] = spec.structured.to_proto()
         if spec.prompt_token_ids is not None:
             responses = self._client.generate(token_ids=spec.prompt_token_ids, **kwargs)
         else:
@@ -99,6 +112,8 @@ class OpenAILoadClient:
         body = {"model": self.model, "max_tokens": spec.output_len, "temperature": 0.0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}, "user": request_id,
                 "prompt": spec.prompt_token_ids if spec.prompt_token_ids is not None else spec.prompt}
+        if spec.structured is not None:
+            body.update(guided_fields(spec.structured))
         finish = ""
         async with self._http().post(f"{self._base_url}/completions", json=body,
                                      timeout=aiohttp.ClientTimeout(total=timeout)) as response:

@@ -7,6 +7,8 @@
     multi-turn     conversations (`make_conversations`): each turn's prompt is the previous turn's
                    prompt + its answer + a new user message; run by `bench.serving.multi_turn`
     phases         chat, then rag, then chat (a third each): the load shifts twice (role flips)
+    structured     short prompts, every output held to a JSON schema (`STRUCTURED_SCHEMA`); run by
+                   `bench.serving.structured_cost`: TPOT with and without the grammar mask, side by side
     FILE.jsonl     one object a line: {"prompt": str} or {"prompt_len": int}, plus "output_len"
 
 Prompts are token ids (exact lengths, any tokenizer) drawn from ids 2..999, which every
@@ -20,7 +22,9 @@ import random
 import statistics
 from dataclasses import dataclass
 
-WORKLOADS = ("chat", "rag", "mixed", "shared-prefix", "phases")
+from engine.sampling.structured import StructuredOutput
+
+WORKLOADS = ("chat", "rag", "mixed", "shared-prefix", "phases", "structured")
 TOKEN_ID_RANGE = (2, 1000)
 
 # (prompt_min, prompt_max, output_min, output_max) before scaling
@@ -28,22 +32,37 @@ SHAPES = {
     "chat": (64, 256, 128, 384),
     "rag": (1024, 2048, 16, 64),
     "shared-prefix": (32, 128, 64, 192),   # unique part; the common prefix is SHARED_PREFIX_LEN
+    "structured": (32, 128, 128, 128),
 }
 SHARED_PREFIX_LEN = 1024
 MIXED_RAG_FRACTION = 0.3
 MULTI_TURN = "multi-turn"
 # (system prompt + first user message, each later user message, each answer): (min, max) before scaling
 CONVERSATION_SHAPE = ((512, 1024), (32, 128), (64, 192))
+STRUCTURED = "structured"
+# An array of at least 256 records (nested object, bounded integer and number, enum array, bounded string):
+# no output within its length completes it, so every step of a constrained request computes a live mask
+# (a complete grammar would leave only EOS, which the benchmark's ignore_eos then draws again and again).
+STRUCTURED_SCHEMA = {
+    "type": "array", "minItems": 256, "items": {
+        "type": "object", "additionalProperties": False, "required": ["id", "name", "tags", "score"],
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 100000},
+                       "name": {"type": "string", "maxLength": 24},
+                       "tags": {"type": "array", "maxItems": 3,
+                                "items": {"enum": ["red", "green", "blue", "urgent", "later"]}},
+                       "score": {"type": "number", "minimum": 0, "maximum": 1}}}}
 
 
 @dataclass(slots=True)
 class RequestSpec:
-    """One request of a workload: token ids (or text) and how many tokens to generate."""
+    """One request of a workload: token ids (or text), how many tokens to generate, and the grammar the
+    output must match (None: free text)."""
 
     prompt_token_ids: list[int] | None
     output_len: int
     prompt: str | None = None
     kind: str = ""
+    structured: StructuredOutput | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -80,6 +99,11 @@ def make_workload(name: str, num_requests: int, seed: int = 0, scale: float = 1.
         specs = [specs[i % len(specs)] for i in range(num_requests)]
     elif name in ("chat", "rag"):
         specs = [_shaped(rng, name, scale) for _ in range(num_requests)]
+    elif name == STRUCTURED:
+        spec = StructuredOutput(json_schema=json.dumps(STRUCTURED_SCHEMA))
+        specs = [_shaped(rng, name, scale) for _ in range(num_requests)]
+        for s in specs:
+            s.structured = spec
     elif name == "mixed":
         specs = [_shaped(rng, "rag" if rng.random() < MIXED_RAG_FRACTION else "chat", scale)
                  for _ in range(num_requests)]

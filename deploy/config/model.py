@@ -59,6 +59,12 @@ class ModelSection(Section):
     quantize_lm_head: bool = Field(
         False, description="With quantization int8 / int4: quantize the LM head too (read whole every decode "
         "step; with a large vocabulary a large share of its bytes). The embedding stays in dtype.")
+    tool_parser: Literal["auto", "hermes", "llama3_json", "none"] = Field(
+        "auto", description="How the OpenAI API writes and reads tool calls (tools, tool_choice): hermes = "
+        "{\"name\", \"arguments\"} objects in tool_call tags (Hermes, Qwen2.5, the default chat template); "
+        "llama3_json = the reply is {\"name\", \"parameters\"} objects (Llama 3.1+); auto = from the chat "
+        "template's text (hermes when it names neither); none = no tool calls (requests with tools need "
+        "tool_choice none).")
     max_model_len: Optional[Int] = Field(
         None, gt=0, description="Longest prompt + output in tokens; default: the model's "
         "max_position_embeddings.")

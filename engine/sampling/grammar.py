@@ -22,7 +22,6 @@ that meets a token its grammar refuses (a handoff that does not match) logs it a
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import sys
 import threading
@@ -33,16 +32,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 import torch
 
-from engine.sampling.structured import StructuredOutput
+from engine.sampling.structured import StructuredOutput, first_line as _first_line, to_llguidance
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
 CACHE_SIZE = 256                    # compiled specs kept per engine (a sequence keeps its own alive)
-# JSON: up to 24 whitespace characters between two tokens (a pretty-printed line break and indentation to
-# depth 5 at 4 spaces, 11 at 2), never more, so a model that keeps emitting blanks cannot stall a document.
-# Properties come in the schema's order; others are allowed unless the schema says
-# "additionalProperties": false (JSON Schema's default).
-JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,24}"}
 
 # Row b, for a bitmask byte of value b: 8 floats, 0.0 where bit j of b is set (token allowed), -inf where clear.
 _ADD_TABLE = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
@@ -137,28 +131,6 @@ class GrammarCompiler:
                     del self._cache[key]
 
 
-def to_llguidance(spec: StructuredOutput) -> str:
-    """The llguidance grammar of a validated spec; ValueError naming what llguidance refuses."""
-    kind = spec.kind
-    try:
-        if kind in ("json_schema", "json_object"):
-            schema = spec.json_schema if kind == "json_schema" else '{"type": "object"}'
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-        elif kind == "regex":
-            grammar = llguidance.LLMatcher.grammar_from_regex(spec.regex)
-        elif kind == "choice":
-            grammar = llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
-        else:
-            grammar = llguidance.grammar_from("grammar", spec.grammar)       # GBNF is converted to Lark
-    except ValueError as e:
-        raise ValueError(f"structured.{kind}: {_first_line(str(e))}") from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise ValueError(f"structured.{kind}: {_first_line(messages[0])}")
-    return grammar
-
-
 class SequenceGrammar:
     """One sequence's matcher, made from its compiled grammar once that is ready, and kept in step with
     the sequence's output tokens (`sync`)."""
@@ -217,11 +189,3 @@ def fill_bitmask(grammars: list[SequenceGrammar], token_ids: list[list[int]]) ->
     elif live:
         compiler.executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), row_bytes, len(grammars))
     return bitmask
-
-
-def _first_line(message: str) -> str:
-    """llguidance's message without its echo of the input and state dump: the first line, plus the
-    `error: ...` line a regex parse error puts further down."""
-    lines = [line.strip() for line in message.strip().splitlines()] or [""]
-    detail = next((line for line in lines[1:] if line.startswith("error:")), None)
-    return lines[0] if detail is None else f"{lines[0]} {detail}"

@@ -3,8 +3,9 @@
 Exactly one kind is set: ``json_schema`` (a JSON Schema as JSON text), ``json_object`` (any JSON
 object), ``regex``, ``choice`` (one of a list of strings) or ``grammar`` (GBNF or Lark). `validate`
 checks the shape and the size bounds only; what the grammar library cannot express (an unsupported
-schema keyword, look-around in a regex, an undefined rule) is found when the spec is compiled
-(engine/sampling/grammar.py), still before the request is queued.
+schema keyword, look-around in a regex, an undefined rule) is found by `to_llguidance`, which needs no
+tokenizer and no torch: the router calls it before a request is admitted, the engine again when the spec
+is compiled (engine/sampling/grammar.py), still before the request is queued.
 """
 from __future__ import annotations
 
@@ -12,11 +13,18 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import llguidance
+
 from proto.pdserve.v1 import generation_pb2
 
 MAX_SPEC_CHARS = 64 * 1024          # a schema, regex or grammar; the choices together
 MAX_CHOICES = 1024
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# JSON: up to 24 whitespace characters between two tokens (a pretty-printed line break and indentation to
+# depth 5 at 4 spaces, 11 at 2), never more, so a model that keeps emitting blanks cannot stall a document.
+# Properties come in the schema's order; others are allowed unless the schema says
+# "additionalProperties": false (JSON Schema's default).
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,24}"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +105,33 @@ class StructuredOutput:
         elif kind is not None:
             setattr(msg, kind, getattr(self, kind))
         return msg
+
+
+def to_llguidance(spec: StructuredOutput) -> str:
+    """The llguidance grammar of a validated spec; ValueError naming what llguidance refuses."""
+    kind = spec.kind
+    try:
+        if kind in ("json_schema", "json_object"):
+            schema = spec.json_schema if kind == "json_schema" else '{"type": "object"}'
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        elif kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(spec.regex)
+        elif kind == "choice":
+            grammar = llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+        else:
+            grammar = llguidance.grammar_from("grammar", spec.grammar)       # GBNF is converted to Lark
+    except ValueError as e:
+        raise ValueError(f"structured.{kind}: {first_line(str(e))}") from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise ValueError(f"structured.{kind}: {first_line(messages[0])}")
+    return grammar
+
+
+def first_line(message: str) -> str:
+    """llguidance's message without its echo of the input and state dump: the first line, plus the
+    `error: ...` line a regex parse error puts further down."""
+    lines = [line.strip() for line in message.strip().splitlines()] or [""]
+    detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return lines[0] if detail is None else f"{lines[0]} {detail}"

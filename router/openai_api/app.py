@@ -9,8 +9,11 @@ Endpoints:
   event, then ``[DONE]``.
 - ``GET /v1/models``, ``GET /v1/models/{model}``: the served model.
 - ``GET /health``: 200 when ready, 503 when not ready or draining (no token needed).
-- ``POST /tokenize`` (``{"prompt"}`` or ``{"messages"}`` → ``{"count", "max_model_len",
+- ``POST /tokenize`` (``{"prompt"}`` or ``{"messages"[, "tools"]}`` → ``{"count", "max_model_len",
   "tokens"}``), ``POST /detokenize`` (``{"tokens"}`` → ``{"prompt"}``), as vLLM shapes them.
+
+Structured outputs (``response_format``, ``guided_*``): structured.py; a chat request's tools (checked
+before admission, forced by a grammar or parsed from the text): tools.py and tool_parsers.py.
 
 Every other request needs ``Authorization: Bearer <token>`` when the server has a token (else
 401). Bodies over ``max_body_bytes`` get 413. ``X-Request-Id`` sets the request id (as gRPC's
@@ -45,6 +48,8 @@ from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest,
     TokenizeRequest, ignored_fields, parse_body
 from router.openai_api.responses import usage_json
 from router.openai_api.sse import ClientGone, EventStream, all_or_none, sse_events, until_disconnected
+from router.openai_api.tool_parsers import tool_format
+from router.openai_api.tools import tool_request
 from router.security import check_http_bearer
 from router.request_core import THREAD_TOKENIZE_CHARS, AdmittedRequest, RequestCore
 from router.validation import THREAD_TOKEN_IDS, RequestError, check_text_fits
@@ -63,14 +68,17 @@ class OpenAIApp:
         chat_template: renders chat messages to a prompt.
         max_body_bytes: largest request body accepted (413 beyond).
         is_serving: whether /health answers 200 (default: the core is ready and not draining).
+        tool_parser: the tool-call format (`router.openai_api.tool_parsers.TOOL_PARSERS`; auto: from the
+            chat template).
     """
 
     def __init__(self, core: RequestCore, model_name: str, chat_template: ChatTemplate,
-                 max_body_bytes: int, is_serving: Callable[[], bool] | None = None) -> None:
+                 max_body_bytes: int, is_serving: Callable[[], bool] | None = None, tool_parser: str = "auto") -> None:
         self.core = core
         self.is_serving = is_serving or (lambda: core.ready and not core.draining)
         self.model_name = model_name
         self.chat_template = chat_template
+        self.tool_format = tool_format(tool_parser, chat_template.source + (chat_template.tool_source or ""))
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self._ignored_logged: set[tuple[str, ...]] = set()
@@ -137,14 +145,18 @@ class OpenAIApp:
         self._check_stream_options(body)
         if body.stream and body.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs: not available when stream is true", "prompt_logprobs")
+        try:
+            tools = tool_request(body, self.tool_format)
+        except RequestError as e:
+            raise api_error(e, body) from None
         chars = sum(len(m.content) if isinstance(m.content, str) else 0 for m in body.messages)
         backend = self.backend
         admitted = await self._admit(request.headers.get("x-request-id", ""), body, chars >= THREAD_TOKENIZE_CHARS,
                                      lambda rid, in_flight: chat_input(
             body, self.chat_template, backend.tokenizer, backend.max_model_len, backend.generation_defaults, rid,
-            in_flight))
+            in_flight, tools))
         return await self._respond(request, admitted, body, lambda: ChatView(
-            admitted.inp, body, backend.tokenizer, self.model_name, int(time.time())))
+            admitted.inp, body, backend.tokenizer, self.model_name, int(time.time()), tools))
 
     async def tokenize(self, request: Request) -> Response:
         body: TokenizeRequest = parse_body(TokenizeRequest, await self._read_body(request))
@@ -159,8 +171,9 @@ class OpenAIApp:
                 check_text_fits(body.prompt, tokenizer, self.backend.max_model_len, "prompt")
                 tokens = list(await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=add))
             else:
+                tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
                 tokens = await asyncio.to_thread(chat_prompt_ids, body, self.chat_template, tokenizer,
-                                                 self.backend.max_model_len)
+                                                 self.backend.max_model_len, tools)
         except RequestError as e:
             raise api_error(e, body) from None
         return JSONResponse({"count": len(tokens), "max_model_len": self.backend.max_model_len, "tokens": tokens})
@@ -424,7 +437,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 def create_app(core: RequestCore, *, model_name: str, chat_template: ChatTemplate | None = None,
                token: str | None = None, max_body_bytes: int = 4 * 1024 * 1024,
-               is_serving: Callable[[], bool] | None = None) -> ASGIApp:
+               is_serving: Callable[[], bool] | None = None, tool_parser: str = "auto") -> ASGIApp:
     """The ASGI app of the OpenAI-compatible API.
 
     Args:
@@ -434,9 +447,11 @@ def create_app(core: RequestCore, *, model_name: str, chat_template: ChatTemplat
         token: when set, every path but /health needs ``Authorization: Bearer <token>``.
         max_body_bytes: largest request body (413 beyond).
         is_serving: /health answers 200 while this is True (and the core is not draining).
+        tool_parser: how tool calls are written and read: auto (from the chat template), hermes,
+            llama3_json or none (`router.openai_api.tool_parsers`).
     """
     api = OpenAIApp(core, model_name, chat_template or ChatTemplate.from_model_dir(None), max_body_bytes,
-                    is_serving)
+                    is_serving, tool_parser)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),

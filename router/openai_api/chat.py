@@ -13,6 +13,13 @@ when the chunk has no text) and, on a sequence's last, its ``finish_reason`` and
 ``stop_reason``; with ``stream_options.include_usage`` every chunk has ``"usage": null`` (the counts so far
 with ``continuous_usage_stats``: `StreamUsage`) and a
 last one has ``"choices": []`` and the usage; then ``[DONE]``.
+
+With tools (and ``tool_choice`` not none) each sequence's text goes through its tool-call parser
+(router/openai_api/tool_parsers.py): the message has ``tool_calls`` (``[{"id": "call_...", "type":
+"function", "function": {"name", "arguments"}}]``), ``content`` the text outside them (null when there is
+none), and ``finish_reason`` "tool_calls" when a sequence that made calls ended on a stop. Streamed, the
+role delta has ``content: null``, text that may start a call is held back, a call's first delta carries
+``index``, ``id``, ``type`` and ``name`` (``arguments: ""``), and later ones its ``arguments`` as written.
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ from router.backend import GenerationChunk, GenerationInput, Tokenizer
 from router.openai_api.protocol import ChatCompletionRequest
 from router.openai_api.responses import StreamUsage, TokenTexts, chat_logprobs, finish_reason_json, stop_reason, \
     usage_json, vllm_prompt_logprobs
+from router.openai_api.tool_parsers import ToolCallParser
+from router.openai_api.tools import ToolRequest
 
 
 class ChatView:
@@ -35,10 +44,11 @@ class ChatView:
         tokenizer: for token texts in logprobs.
         model: the served model name.
         created: the response's Unix time.
+        tools: the request's tools (their parser finds the calls in each sequence's text).
     """
 
     def __init__(self, inp: GenerationInput, body: ChatCompletionRequest, tokenizer: Tokenizer, model: str,
-                 created: int) -> None:
+                 created: int, tools: ToolRequest | None = None) -> None:
         self.inp = inp
         self.body = body
         self.model = model
@@ -46,6 +56,15 @@ class ChatView:
         self.id = f"chatcmpl-{inp.request_id}"
         self.texts = TokenTexts(tokenizer)
         self.want_logprobs = bool(body.logprobs)
+        self.tools = tools
+
+    def _parser(self) -> ToolCallParser | None:
+        return self.tools.parser() if self.tools is not None else None
+
+    @staticmethod
+    def _finish(chunk: GenerationChunk | None, parser: ToolCallParser | None) -> str | None:
+        reason = finish_reason_json(chunk)
+        return "tool_calls" if reason == "stop" and parser is not None and parser.calls else reason
 
     def _logprobs(self, chunk: GenerationChunk) -> list[dict[str, Any]] | None:
         if not self.want_logprobs or chunk.logprobs is None:
@@ -72,10 +91,17 @@ class ChatView:
         choices = []
         for index in range(n):
             end = ends[index]
+            text = "".join(texts[index])
+            message = {"role": "assistant", "content": text}
+            parser = self._parser()
+            if parser is not None:
+                message["content"], calls = parser.parse(text)
+                if calls:
+                    message["tool_calls"] = [call.json() for call in calls]
             choices.append({
-                "index": index, "message": {"role": "assistant", "content": "".join(texts[index])},
+                "index": index, "message": message,
                 "logprobs": {"content": logprobs[index]} if self.want_logprobs else None,
-                "finish_reason": finish_reason_json(end),
+                "finish_reason": self._finish(end, parser),
                 "stop_reason": stop_reason(end, self.inp) if end else None,
             })
         body = self._object("chat.completion", choices)
@@ -89,20 +115,22 @@ class ChatView:
         stream_usage = StreamUsage(self.body.stream_options, len(self.inp.prompt_token_ids))
         usage = None
         first = True
+        parsers = [self._parser() for _ in range(self.inp.params.n)]
         async with contextlib.aclosing(chunks):      # closing the events closes the request's chunks
             async for chunk in chunks:
                 if first:
                     first = False
                     for index in range(self.inp.params.n):
-                        role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}
+                        delta = {"role": "assistant", "content": "" if parsers[index] is None else None}
+                        role = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
                         yield stream_usage.stamp(self._object("chat.completion.chunk", [role]))
                 if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
                     continue
                 logprobs = self._logprobs(chunk)
-                choice = {"index": chunk.index, "delta": {"content": chunk.text} if chunk.text else {},
+                parser = parsers[chunk.index]
+                choice = {"index": chunk.index, "delta": self._delta(chunk, parser),
                           "logprobs": {"content": logprobs} if logprobs is not None else None,
-                          "finish_reason": finish_reason_json(chunk)}
+                          "finish_reason": self._finish(chunk, parser)}
                 if chunk.finish_reason is not None:
                     choice["stop_reason"] = stop_reason(chunk, self.inp)
                 stream_usage.count(chunk)
@@ -113,3 +141,17 @@ class ChatView:
             body["usage"] = usage_json(usage)
             yield body
 
+    @staticmethod
+    def _delta(chunk: GenerationChunk, parser: ToolCallParser | None) -> dict[str, Any]:
+        """The chunk's text as a delta: as it is, or what its sequence's tool-call parser lets through."""
+        if parser is None:
+            return {"content": chunk.text} if chunk.text else {}
+        parsed = parser.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            parsed.add(parser.finish())
+        delta: dict[str, Any] = {}
+        if parsed.content:
+            delta["content"] = parsed.content
+        if parsed.calls:
+            delta["tool_calls"] = [call.json() for call in parsed.calls]
+        return delta

@@ -9,10 +9,15 @@ add_generation_prompt=True)``: an immutable sandboxed jinja environment with ``t
 ``lstrip_blocks``, the loop-control extension, ``raise_exception``, ``strftime_now``, and a
 ``tojson`` that does not HTML-escape (``json.dumps(..., ensure_ascii=False)``).
 
+Tools reach the template as ``apply_chat_template(tools=...)`` passes them: ``tools`` is the list of
+OpenAI tool definitions (None without tools), and a named ``tool_use`` template is used for requests
+with tools when the model has one (as transformers picks it).
+
 Models without a template get `DEFAULT_CHAT_TEMPLATE`, ChatML (``<|im_start|>role\\ncontent
 <|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n``), prefixed with the BOS token when
-the tokenizer config defines one. The rendered text is tokenized without adding special tokens
-(the template holds the BOS).
+the tokenizer config defines one; with tools it is Qwen2.5's (Hermes) tool format: the tools in a
+system turn, an assistant's calls as ``<tool_call>`` blocks, tool results as ``<tool_response>`` in a
+user turn. The rendered text is tokenized without adding special tokens (the template holds the BOS).
 """
 from __future__ import annotations
 
@@ -27,9 +32,27 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token if bos_token else '' }}"
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+    "with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}{{ '<|im_start|>assistant' }}"
+    "{% if message['content'] %}{{ '\n' + message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}{{ '\n<tool_call>\n{\"name\": \"' + call['function']['name'] + "
+    "'\", \"arguments\": ' + (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -74,14 +97,17 @@ class ChatTemplate:
         source: the jinja template text.
         special_tokens: ``bos_token`` etc. → their text (what the template sees).
         is_default: True when the model had no template of its own.
+        tool_source: the model's ``tool_use`` template, used for requests with tools (None: ``source``).
     """
 
     def __init__(self, source: str, special_tokens: dict[str, object] | None = None,
-                 is_default: bool = False) -> None:
+                 is_default: bool = False, tool_source: str | None = None) -> None:
         self.source = source
+        self.tool_source = tool_source
         self.special_tokens = dict(special_tokens or {})
         self.is_default = is_default
         self._template = _environment().from_string(source)
+        self._tool_template = _environment().from_string(tool_source) if tool_source else self._template
 
     @classmethod
     def from_model_dir(cls, model_dir: str | None) -> ChatTemplate:
@@ -104,6 +130,7 @@ class ChatTemplate:
         if isinstance(extra, list):
             special["additional_special_tokens"] = [t for t in map(_token_text, extra) if t is not None]
         source = _template_source(config.get("chat_template"))
+        tool_source = _template_source(config.get("chat_template"), "tool_use")
         jinja_path = os.path.join(model_dir, "chat_template.jinja") if model_dir else None
         if jinja_path and os.path.isfile(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
@@ -111,12 +138,13 @@ class ChatTemplate:
         try:
             if source is None:
                 return cls(DEFAULT_CHAT_TEMPLATE, special, is_default=True)
-            return cls(source, special)
+            return cls(source, special, tool_source=tool_source)
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"{path}: chat_template does not compile: {e}") from None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, extra: dict[str, Any] | None = None) -> str:
+               continue_final_message: bool = False, extra: dict[str, Any] | None = None,
+               tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text for ``messages`` (dicts with ``role`` and ``content``, as the template reads them).
 
         Args:
@@ -125,6 +153,8 @@ class ChatTemplate:
                 the model continues it (vLLM's prefill of a partial answer); needs
                 ``add_generation_prompt`` False.
             extra: further template variables (``chat_template_kwargs``: ``enable_thinking``, ...).
+            tools: OpenAI tool definitions (``{"type": "function", "function": {...}}``), as transformers
+                passes them; None without tools.
 
         Raises:
             ChatTemplateError: the template raised (``raise_exception``) or failed on these messages,
@@ -132,10 +162,11 @@ class ChatTemplate:
         """
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true")
-        variables = {**self.special_tokens, **(extra or {}), "messages": messages, "tools": None,
+        variables = {**self.special_tokens, **(extra or {}), "messages": messages, "tools": tools or None,
                      "documents": None, "add_generation_prompt": add_generation_prompt}
+        template = self._tool_template if tools else self._template
         try:
-            text = self._template.render(**variables)
+            text = template.render(**variables)
         except jinja2.TemplateError as e:       # raise_exception, undefined names, sandbox refusals
             raise ChatTemplateError(str(e) or type(e).__name__) from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
@@ -150,12 +181,12 @@ class ChatTemplate:
         return text[:end + len(final)]
 
 
-def _template_source(value: object) -> str | None:
-    """``chat_template`` as tokenizer_config.json holds it: a string, or named templates ("default")."""
+def _template_source(value: object, name: str = "default") -> str | None:
+    """``chat_template`` as tokenizer_config.json holds it: a string (the default), or named templates."""
     if isinstance(value, str):
-        return value
+        return value if name == "default" else None
     if isinstance(value, list):
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        default = named.get("default")
-        return default if isinstance(default, str) else None
+        template = named.get(name)
+        return template if isinstance(template, str) else None
     return None

@@ -16,6 +16,10 @@ defaults (`Backend.generation_defaults`) are the gRPC front door's. What is HTTP
   ``top_logprobs`` k become ``sampling.logprobs`` k.
 - ``truncate_prompt_tokens`` k keeps the prompt's last k tokens (-1: the last max_model_len).
 - ``top_k: -1`` (vLLM's old "off") is 0; ``logit_bias`` keys are token ids as strings.
+- ``response_format`` / ``guided_*`` become ``sampling.structured`` (router/openai_api/structured.py);
+  a chat request's ``tools`` reach the template, and a forced ``tool_choice`` becomes the grammar of a
+  call (router/openai_api/tools.py); assistant messages' ``tool_calls`` and ``tool`` messages go back
+  through the template.
 
 Errors name the OpenAI parameter (`api_error`).
 """
@@ -23,11 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Container
 
+from engine.sampling.structured import StructuredOutput
 from proto.pdserve.v1 import generation_pb2 as pb
 from router.backend import GenerationInput, Tokenizer
 from router.openai_api.chat_template import ChatTemplate, ChatTemplateError
 from router.openai_api.errors import APIError
 from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest
+from router.openai_api.structured import structured_output
+from router.openai_api.tools import ToolRequest, template_tool_calls
 from router.validation import RequestError, check_text_fits, invalid, validate_request
 
 UINT32_MAX = 2**32 - 1
@@ -68,8 +75,9 @@ def completion_input(body: CompletionRequest, tokenizer: Tokenizer, max_model_le
             raise invalid("max_tokens: 0 asks for no output; it is only for scoring the prompt with echo",
                           "sampling.max_tokens")
         max_tokens = 1                  # the prompt's pass yields one token, which the answer leaves out
+    structured, _ = structured_output(body)
     request = _request(body, request_id, _sampling(body, logprobs=body.logprobs, max_tokens=max_tokens,
-                                                   best_of=body.best_of, echo=bool(body.echo)))
+                                                   best_of=body.best_of, echo=bool(body.echo), structured=structured))
     if isinstance(prompt, str) and body.add_special_tokens is not False and body.truncate_prompt_tokens is None:
         request.prompt = prompt         # validate_request tokenizes it, special tokens (BOS) included
     else:
@@ -99,9 +107,15 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
 
 
 def chat_input(body: ChatCompletionRequest, template: ChatTemplate, tokenizer: Tokenizer, max_model_len: int,
-               defaults: dict, request_id: str, in_flight: Container[str]) -> GenerationInput:
-    """Render, tokenize and validate a /v1/chat/completions body (raises `RequestError`)."""
-    prompt_ids = truncate_prompt(chat_prompt_ids(body, template, tokenizer, max_model_len),
+               defaults: dict, request_id: str, in_flight: Container[str],
+               tools: ToolRequest | None = None) -> GenerationInput:
+    """Render, tokenize and validate a /v1/chat/completions body (raises `RequestError`); ``tools``: its
+    checked tools (`router.openai_api.tools.tool_request`)."""
+    structured, _ = structured_output(body)
+    if tools is not None and tools.forced is not None:
+        structured = tools.forced
+    prompt_ids = truncate_prompt(chat_prompt_ids(body, template, tokenizer, max_model_len,
+                                                 tools.tools if tools is not None else None),
                                  body.truncate_prompt_tokens, max_model_len)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
@@ -112,17 +126,18 @@ def chat_input(body: ChatCompletionRequest, template: ChatTemplate, tokenizer: T
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs: set logprobs to true to use top_logprobs", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    request = _request(body, request_id, _sampling(body, logprobs=logprobs, max_tokens=max_tokens))
+    request = _request(body, request_id, _sampling(body, logprobs=logprobs, max_tokens=max_tokens,
+                                                   structured=structured))
     request.token_ids.ids.extend(prompt_ids)
     return validate_request(request, tokenizer, max_model_len, in_flight, None, defaults)
 
 
 def chat_prompt_ids(body: ChatCompletionRequest | TokenizeRequest, template: ChatTemplate,
-                    tokenizer: Tokenizer, max_model_len: int) -> list[int]:
+                    tokenizer: Tokenizer, max_model_len: int, tools: list[dict] | None = None) -> list[int]:
     """The token ids of the rendered conversation of ``body``.
 
-    ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` go to the
-    template; the text is tokenized with ``add_special_tokens`` (default False: the template holds
+    ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs`` and ``tools`` go to
+    the template; the text is tokenized with ``add_special_tokens`` (default False: the template holds
     the BOS).
     """
     if not body.messages:
@@ -130,7 +145,7 @@ def chat_prompt_ids(body: ChatCompletionRequest | TokenizeRequest, template: Cha
     extra = body.chat_template_kwargs or {}
     try:
         text = template.render(template_messages(body.messages), body.add_generation_prompt,
-                               body.continue_final_message, extra)
+                               body.continue_final_message, extra, tools)
     except ChatTemplateError as e:
         raise invalid(f"messages: {e}", "messages") from None
     check_text_fits(text, tokenizer, max_model_len, "messages")
@@ -138,7 +153,8 @@ def chat_prompt_ids(body: ChatCompletionRequest | TokenizeRequest, template: Cha
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the template reads them: content as one string (text parts joined by newlines)."""
+    """Messages as the template reads them: content as one string (text parts joined by newlines), an
+    assistant's ``tool_calls`` with their arguments as objects (`template_tool_calls`)."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -157,6 +173,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
             message["name"] = m.name
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            message["tool_calls"] = template_tool_calls(m, i)
         out.append(message)
     return out
 
@@ -166,7 +184,7 @@ def _request(body, request_id: str, sampling: pb.SamplingParams) -> pb.GenerateR
 
 
 def _sampling(body, *, logprobs: int | None, max_tokens: int | None, best_of: int | None = None,
-              echo: bool = False) -> pb.SamplingParams:
+              echo: bool = False, structured: StructuredOutput | None = None) -> pb.SamplingParams:
     """The proto's sampling fields from the body (unset stays unset, so the defaults apply)."""
     values = {
         "max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "n": body.n,
@@ -201,6 +219,8 @@ def _sampling(body, *, logprobs: int | None, max_tokens: int | None, best_of: in
         msg.logit_bias[token_id] = float(bias)
     msg.ignore_eos = bool(body.ignore_eos)
     msg.include_stop_str_in_output = bool(body.include_stop_str_in_output)
+    if structured is not None:
+        msg.structured.CopyFrom(structured.to_proto())
     return msg
 
 

@@ -3,13 +3,14 @@ such as ``"max_tokens": "5"`` are refused, as OpenAI refuses them; an integer is
 
 OpenAI's fields, plus the vLLM extensions clients send (top_k, min_p, repetition_penalty,
 min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens, ignore_eos,
-prompt_logprobs). `parse_body` turns a validation failure into an `APIError` (400) naming the field.
+prompt_logprobs, guided_json / guided_regex / guided_choice / guided_grammar). `parse_body` turns a
+validation failure into an `APIError` (400) naming the field.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router.openai_api.errors import APIError
 
@@ -21,6 +22,21 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None     # vLLM: usage on every chunk (with include_usage)
+
+
+class JSONSchemaFormat(_Body):
+    """``response_format.json_schema``: the schema the output must match (``strict`` is accepted; the
+    schema is always enforced)."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class _Sampling(_Body):
@@ -51,6 +67,12 @@ class _Sampling(_Body):
     prompt_logprobs: int | None = None
     add_special_tokens: bool | None = None      # completions: True (BOS added); chat: False (the template has it)
     truncate_prompt_tokens: int | None = None   # keep the prompt's last k tokens
+    # structured outputs (router/openai_api/structured.py): at most one of these
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted and ignored (they have no meaning here), logged once per set of names: `ignored_fields`.
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -77,11 +99,49 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str                              # JSON text, as OpenAI returns it
+    parsed_arguments: Any = None                # the openai SDK's parse() result, sent back with it: ignored
+
+
+class ToolCall(_Body):
+    """A call an assistant message made (as a response carried it, sent back in the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None             # role tool: the call it answers
+    tool_calls: list[ToolCall] | None = None    # role assistant: the calls it made
+    refusal: str | None = None                  # as responses carry them back: ignored
+    parsed: Any = None
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Sampling):
@@ -95,6 +155,9 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Body):
@@ -103,6 +166,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None             # rendered by the chat template, as for chat completions
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -138,9 +202,13 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
         raise APIError(400, f"{_path(loc, model)}: {err['msg']}", param=str(loc[0])) from None
 
 
+_NESTED = (ChatMessage, StreamOptions, ResponseFormat, JSONSchemaFormat, ToolCall, FunctionCall, Tool,
+           FunctionDefinition, NamedToolChoice, FunctionName)
+
+
 def _path(loc: tuple, model: type[BaseModel]) -> str:
     """``messages[0].content``: field names and list positions, without pydantic's union labels."""
-    known = set(model.model_fields) | set(ChatMessage.model_fields) | set(StreamOptions.model_fields)
+    known = set(model.model_fields) | {"schema"} | set().union(*(m.model_fields for m in _NESTED))
     out = ""
     for part in loc:
         if isinstance(part, int):

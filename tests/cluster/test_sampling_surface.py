@@ -159,3 +159,29 @@ def test_the_openai_client_gets_what_grpc_gets(clusters):
             usage = chunk.usage or usage
         assert finishes == {0: "length", 1: "length"} and texts[0] == texts[1], mode   # greedy: alike
         assert usage is not None and usage.completion_tokens == 10, mode
+
+
+def test_a_constrained_request_is_the_same_disaggregated_and_colocated(clusters):
+    """A JSON-schema request crosses the handoff (the prefill actor's first token under the mask, the decode
+    actor's matcher replaying it): the same tokens as colocated, and the document validates; the HTTP door's
+    response_format gets the same text."""
+    import json
+
+    import jsonschema
+    from openai import OpenAI
+
+    from engine.sampling.structured import StructuredOutput
+    schema = {"type": "object", "additionalProperties": False, "required": ["id", "tags"],
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                             "tags": {"type": "array", "maxItems": 2, "items": {"enum": ["a", "b"]}}}}
+    spec = StructuredOutput(json_schema=json.dumps(schema)).to_proto()
+    summary, messages = _both(clusters, max_tokens=200, temperature=0.7, seed=5, structured=spec)
+    text = summary["sequences"][0]["text"]
+    assert summary["sequences"][0]["finish"] == pb.FINISH_REASON_STOP
+    jsonschema.validate(json.loads(text), schema)
+    client = OpenAI(base_url=clusters["disaggregated"].cluster.http_url, api_key="unused", max_retries=0)
+    [model] = [m.id for m in client.models.list().data]
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=200, temperature=0.7, seed=5,
+                                    extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                        "name": "record", "schema": schema}}})
+    assert out.choices[0].text == text

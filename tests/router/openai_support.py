@@ -63,9 +63,11 @@ def _logprob(token_id: int, logprob: float, k: int) -> pb.TokenLogprob:
 class ScriptedBackend(Backend):
     """See the module docstring. ``release`` (cleared) holds requests in flight before their first chunk;
     with ``pause_after`` set, each request stops after that many chunks until ``resume`` is set;
-    ``fail_with`` fails them (``fail_after`` chunks in); ``inputs`` records each request's `GenerationInput`."""
+    ``fail_with`` fails them (``fail_after`` chunks in); ``inputs`` records each request's `GenerationInput`;
+    ``replies`` (ASCII) replace `REPLIES`."""
 
-    def __init__(self, max_model_len: int = 256) -> None:
+    def __init__(self, max_model_len: int = 256, replies: tuple[str, ...] = REPLIES) -> None:
+        self.replies = replies
         self.tokenizer = SpecialByteTokenizer()
         self.max_model_len = max_model_len
         self.generation_defaults = {}
@@ -98,7 +100,7 @@ class ScriptedBackend(Backend):
         p = inp.params
         num = p.num_sequences
         k = p.logprobs if p.logprobs is not None else (0 if p.needs_logprobs else None)
-        scripts = [list(REPLIES[i % len(REPLIES)].encode()) + [EOS] for i in range(num)]
+        scripts = [list(self.replies[i % len(self.replies)].encode()) + [EOS] for i in range(num)]
         texts = [""] * num
         emitted = [0] * num
         pos = [0] * num
@@ -154,7 +156,7 @@ class ScriptedBackend(Backend):
                 yield chunk
 
     def expected_text(self, i: int, max_tokens: int | None = None) -> str:
-        text = REPLIES[i % len(REPLIES)]
+        text = self.replies[i % len(self.replies)]
         return text if max_tokens is None else text[:max_tokens]
 
     async def stats(self) -> list[ActorStats]:
@@ -162,3 +164,47 @@ class ScriptedBackend(Backend):
 
     async def ready(self) -> bool:
         return self.is_ready
+
+
+class EngineCluster:
+    """Real engines behind the router: one prefill and one decode worker (the tiny model, float32, the
+    in-process fake KV transport; bench/serving/local_actors.py) under the router's own `Dispatcher`, so a
+    request served here is prefilled, shipped and decoded as a deployment does it. `serve` starts a router
+    on it (gRPC + HTTP on free ports); `stop` checks that every block came back."""
+
+    def __init__(self, model_dir: str, loop_thread, num_blocks: int = 512) -> None:
+        from bench.serving.local_actors import start_local_cluster
+        from engine import EngineArgs
+        from router.dispatcher import Dispatcher
+        from router.routing import RoutingSettings
+        args = EngineArgs(model_dir)
+        self.model_dir = model_dir
+        self.loop_thread = loop_thread
+        self.tokenizer = args.load_tokenizer()
+        self.cluster = start_local_cluster(model_dir, 1, 1, num_blocks, num_blocks, 16)
+        self.dispatcher = Dispatcher(self.cluster.pools, self.tokenizer, args.context_length(), 16,
+                                     RoutingSettings(max_queue=64, stream_idle_s=30.0))
+        self.servers = []
+
+    @property
+    def engines(self) -> list:
+        return [w.engine for w in self.cluster.workers]
+
+    def serve(self, **kwargs):
+        from router import start_server
+        server = self.loop_thread.run(start_server(self.dispatcher, port=0, http_port=0, ready_poll_s=0.01,
+                                                   **{"model_name": "tiny", "model_dir": self.model_dir, **kwargs}))
+        assert self.loop_thread.run(server.wait_ready(10.0))
+        self.servers.append(server)
+        return server
+
+    def stop(self) -> None:
+        from worker_support import wait_blocks_returned
+        for server in self.servers:
+            self.loop_thread.run(server.stop(0))
+            assert server.core.num_in_flight == 0
+        try:
+            wait_blocks_returned(*self.engines)
+            assert not any(e.has_unfinished() for e in self.engines)
+        finally:
+            self.cluster.stop()
