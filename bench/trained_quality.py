@@ -15,7 +15,9 @@
    A codec passes the gate (`KV_GATE`) when it forks greedy paths only where `none`'s margin was
    below 0.1 nats and keeps bits per byte within 0.5 % of `none`'s. `fp8` (e4m3, one scale per
    block × layer × K/V × kv-head) and `int8` (one scale per token × layer × K/V × kv-head) by
-   default; `fp8_tensor` (one scale per shipped tensor) on request.
+   default; `fp8_tensor` (one scale per shipped tensor) on request; `fp8_cache` / `int8_cache` (a KV
+   cache stored fp8 / int8 on both engines, `kv_cache.dtype`: quantized where it is written, shipped as
+   stored, and the continuation's own KV quantized too) on request.
 3. Weight-only quantization (`--weights int8,int4`): an engine per quantization on the same
    weights; held-out bits per byte of the fixed passages (each a fresh context: prefill, the
    dense path) with the per-passage worst change, and greedy agreement of 64 tokens after each
@@ -46,6 +48,7 @@ from engine.model.attention import build_metadata
 from engine.model.presets import resolve_model
 from bench.train.passages import load_passages
 from kv_transfer import codec_compiled, get_codec
+from kv_transfer.codec import cache_dtype_of
 from kv_transfer import FakeHub, KVPiece, TransferResult, TransferStatus, layout_of, make_receiver, make_sender
 
 PROMPT_TOKENS = 128
@@ -126,10 +129,10 @@ class KVLink:
         token = secrets.token_hex(16)
         hub = {"hub": FakeHub()} if transport == "fake" else {}
         self.prefill, self.codec = prefill, codec
-        self.receiver = make_receiver(transport, layout_of(decode.kv_cache, decode.fingerprint), decode.kv_cache,
-                                      decode.block_manager, codec=codec, token=token, **hub)
-        self.sender = make_sender(transport, layout_of(prefill.kv_cache, prefill.fingerprint), codec=codec,
-                                  token=token, **hub)
+        self.receiver = make_receiver(transport, layout_of(decode.kv_cache, decode.fingerprint, decode.kv_format),
+                                      decode.kv_cache, decode.block_manager, codec=codec, token=token, **hub)
+        self.sender = make_sender(transport, layout_of(prefill.kv_cache, prefill.fingerprint, prefill.kv_format),
+                                  codec=codec, token=token, **hub)
 
     def ship(self, request_id: str, block_ids: list[int], num_tokens: int, first_token_id: int) -> TransferResult:
         """Send the prompt's blocks; returns the DONE result (its dst_block_ids now belong to the caller)."""
@@ -158,7 +161,7 @@ def _continuation_nll(decode: Engine, prompt_blocks: list[int], prompt_len: int,
     need = (prompt_len + m + bs - 1) // bs - (prompt_len + bs - 1) // bs
     extra = decode.block_manager.allocate(need)
     blocks = prompt_blocks[:(prompt_len + bs - 1) // bs] + extra
-    meta = build_metadata([(prompt_len, m, blocks)], bs, decode.device)
+    meta = build_metadata([(prompt_len, m, blocks)], bs, decode.device, kv_format=decode.kv_format)
     positions = torch.arange(prompt_len, prompt_len + m)
     logits = decode.model(torch.tensor(continuation[:-1]), positions, decode.kv_cache, meta, None)
     nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(continuation[1:]), reduction="sum").item()
@@ -201,11 +204,15 @@ def kv_codec_quality(model: str = "pydoc", num_passages: int = 64, codecs: tuple
     model_dir = resolve_model(model)
     passages = load_passages(model_dir)[:num_passages]
     prompt_lens = varied_prompt_lens(len(passages)) if varied else [prompt_len] * len(passages)
-    prefill = Engine(EngineArgs(model_dir, dtype=dtype, num_blocks=256, enable_prefix_cache=False, attention=attention))
-    decode = Engine(EngineArgs(model_dir, dtype=dtype, num_blocks=256, enable_prefix_cache=False, attention=attention))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     names = ("none", *codecs, *(("bf16_ref",) if bf16_reference else ()))
-    links = {c: KVLink(prefill, decode, c, transport) for c in ("none", *codecs)}
+    # a pair of engines per KV cache dtype: `fp8_cache` / `int8_cache` store the KV quantized where it is
+    # written (prefill and decode alike) and ship it as stored; the others a model-dtype cache
+    kinds = list(dict.fromkeys(cache_dtype_of(n) for n in ("none", *codecs)))
+    pairs = {k: tuple(Engine(EngineArgs(model_dir, dtype=dtype, num_blocks=256, enable_prefix_cache=False,
+                                        attention=attention, kv_cache_dtype=k)) for _ in range(2)) for k in kinds}
+    prefill, decode = pairs["auto"]
+    links = {c: KVLink(*pairs[cache_dtype_of(c)], c, transport) for c in ("none", *codecs)}
     # The receivers start compiling fp8 kernels on a background thread; torch.compile's tracing
     # patches torch.nn.Module.__call__ process-wide, so no model may run until it is done.
     codec_compiled.wait_ready()
@@ -217,28 +224,34 @@ def kv_codec_quality(model: str = "pydoc", num_passages: int = 64, codecs: tuple
         for i, (passage, plen) in enumerate(zip(passages, prompt_lens)):
             prompt, continuation = passage[:plen], passage[plen:]
             rid = f"p{i}"
-            prefill.add_request(prompt, params, request_id=rid, prefill_only=True)
-            out = next(o for o in _drain(prefill) if o.request_id == rid)
+            outs = {}
+            for kind, (p_engine, _) in pairs.items():
+                p_engine.add_request(prompt, params, request_id=rid, prefill_only=True)
+                outs[kind] = next(o for o in _drain(p_engine) if o.request_id == rid)
             for name in names:
+                kind = cache_dtype_of("none" if name == "bf16_ref" else name)
+                out, d_engine = outs[kind], pairs[kind][1]
                 result = links["none" if name == "bf16_ref" else name].ship(f"{rid}-{name}", out.block_ids,
                                                                               len(prompt), out.new_token_ids[0])
                 wire_bytes[name] += result.nbytes
                 if name == "bf16_ref":
                     ids = torch.tensor(result.dst_block_ids)
                     decode.kv_cache[:, ids] = decode.kv_cache[:, ids].to(torch.bfloat16).to(decode.kv_cache.dtype)
-                nll[name].append(_continuation_nll(decode, result.dst_block_ids, plen, continuation))
-                tokens, step_margins = _greedy_after_adopt(decode, f"{rid}-{name}", prompt, result, params)
+                nll[name].append(_continuation_nll(d_engine, result.dst_block_ids, plen, continuation))
+                tokens, step_margins = _greedy_after_adopt(d_engine, f"{rid}-{name}", prompt, result, params)
                 greedy[name].append(tokens)
                 if name == "none":
                     margins.append(step_margins)
-            prefill.release(rid)
+            for p_engine, _ in pairs.values():
+                p_engine.release(rid)
             if (i + 1) % 8 == 0 or i + 1 == len(passages):
                 print(f"kv quality: {i + 1}/{len(passages)} passages", file=sys.stderr, flush=True)
     finally:
         for link in links.values():
             link.close()
-    prefill.block_manager.check_no_leaks()
-    decode.block_manager.check_no_leaks()
+    for engines in pairs.values():
+        for engine in engines:
+            engine.block_manager.check_no_leaks()
     num_scored = [len(p) - plen - 1 for p, plen in zip(passages, prompt_lens)]
     scored = sum(num_scored)
     # bytes of the scored tokens (continuation[1:]), the same for every codec

@@ -5,7 +5,8 @@
 127.0.0.1, over caches of the decode pool's KV layout and dtype; the blocks of one
 mean-length prompt go across ``reps`` times after a warm-up send, and the best time
 counts (on a shared machine other work only adds time). The figure is effective KV
-bytes/s: model-dtype KV bytes ÷ the whole send, encode and decode included. It is this
+bytes/s: the cache's KV bytes ÷ the whole send, encode and decode included (with an fp8 /
+int8 cache, its stored bytes, shipped as they are). It is this
 host's loopback, with both ends in one process: between nodes, give the link's
 bandwidth as ``kv_transfer.link_gbps`` instead.
 
@@ -31,22 +32,27 @@ def measure_link(cfg: PDServeConfig, model_dir: str, reps: int = 3, timeout_s: f
     from kv_transfer import (KVLayout, KVPiece, SimpleBlockPool, TransferStatus, codec_compiled, make_receiver,
                              make_sender)
 
-    t = cfg.kv_transfer
-    result: dict = {"transport": t.transport, "codec": t.compression, "where": "loopback"}
+    t, codec = cfg.kv_transfer, cfg.transfer_codec()
+    result: dict = {"transport": t.transport, "codec": codec, "where": "loopback"}
     args = engine_args(cfg, "decode", model_dir)
     mcfg = ModelConfig.from_dir(model_dir)
     dtype = pick_dtype(cfg.model.dtype, torch.device("cpu"))
     layout = KVLayout(mcfg.num_hidden_layers, mcfg.num_key_value_heads, args.block_size, mcfg.head_dim, dtype,
-                      "link-profile")
+                      "link-profile", args.kv_cache_dtype)
     num_blocks = -(-cfg.workload.input_tokens_mean // args.block_size)
     pool = SimpleBlockPool(num_blocks)
-    src = torch.randn(layout.cache_shape(num_blocks)).to(dtype)
+    if layout.quantized:     # the cache's own cells (their bytes do not matter to the link)
+        src = torch.randint(0, 256, layout.cache_shape(num_blocks), dtype=torch.uint8)
+    else:
+        src = torch.randn(layout.cache_shape(num_blocks)).to(dtype)
     dst = torch.zeros_like(src)
     receiver = sender = None
     try:
-        receiver = make_receiver(t.transport, layout, dst, pool, codec=t.compression, token=TOKEN,
-                                 on_complete=lambda r: pool.free(r.dst_block_ids) if r.dst_block_ids else None)
-        sender = make_sender(t.transport, layout, codec=t.compression, token=TOKEN, chunk_bytes=t.chunk_bytes)
+        nixl = (dict(mode=t.nixl.mode, ucx_tls=t.nixl.ucx_tls, backend=t.nixl.backend,
+                     staging_bytes=t.nixl.staging_bytes) if t.transport == "nixl" else {})
+        receiver = make_receiver(t.transport, layout, dst, pool, codec=codec, token=TOKEN,
+                                 on_complete=lambda r: pool.free(r.dst_block_ids) if r.dst_block_ids else None, **nixl)
+        sender = make_sender(t.transport, layout, codec=codec, token=TOKEN, chunk_bytes=t.chunk_bytes, **nixl)
         sender.codec.prepare(src)
         codec_compiled.wait_ready(timeout_s)  # measure the codec a warm serving process runs
         best, wire_bytes = float("inf"), 0

@@ -16,6 +16,7 @@ import torch
 from deploy.config import PDServeConfig
 from deploy.profiler import default_profile_path, load_profile, plan_points, profile_actors
 from engine.engine import pick_dtype
+from engine.kv_cache.kv_format import KVFormat
 from engine.model.config import ModelConfig
 from engine.performance import LinearPerformance, MeasuredPerformance, PerformanceModel
 from router.placement import LiveProfile
@@ -50,7 +51,9 @@ def base_model(cfg: PDServeConfig, model_dir: str, profile: dict | None) -> Perf
         return MeasuredPerformance(profile)
     mcfg = ModelConfig.from_dir(model_dir)
     device = torch.device("cuda" if cfg.pools.decode.resources.num_gpus else "cpu")
-    kv_per_token = float(mcfg.kv_bytes_per_token(pick_dtype(cfg.model.dtype, device).itemsize))
+    kv = cfg.pool_kv_cache("decode")
+    kv_per_token = KVFormat(kv.dtype, mcfg.num_hidden_layers, mcfg.num_key_value_heads, kv.block_size, mcfg.head_dim,
+                            pick_dtype(cfg.model.dtype, device)).bytes_per_token
     log.info("performance model: generic figures until requests report")
     return LinearPerformance(kv_bytes_per_token=kv_per_token)
 

@@ -50,17 +50,17 @@ def plan_for(cfg: PDServeConfig, profile: dict) -> Plan:
 def network_for(cfg: PDServeConfig, profile: MeasuredPerformance, block_size: int, head_dim: int) -> Network | None:
     """The link figure: ``kv_transfer.link_gbps`` when set, else the profile's measurement of this
     transport and codec; None when neither is there (the plan then says the term is missing)."""
-    t = cfg.kv_transfer
+    t, codec = cfg.kv_transfer, cfg.transfer_codec()
     if t.link_gbps is not None:
-        ratio = wire_bytes_per_kv_byte(t.compression, profile.costs.dtype_bytes, block_size, head_dim)
+        ratio = wire_bytes_per_kv_byte(codec, profile.costs.dtype_bytes, block_size, head_dim)
         return Network(link_kv_bytes_per_s(t.link_gbps, ratio),
                        f"kv_transfer.link_gbps {t.link_gbps:g} Gbit/s, {ratio:.2f} wire bytes per KV byte "
-                       f"({t.compression})")
+                       f"({codec})")
     measured = profile.transfer
-    if (measured.get("transport"), measured.get("codec")) != (t.transport, t.compression) \
+    if (measured.get("transport"), measured.get("codec")) != (t.transport, codec) \
             or not measured.get("kv_bytes_per_s"):
         return None
-    return Network(measured["kv_bytes_per_s"], f"measured by pdserve profile: {t.transport}, {t.compression}, "
+    return Network(measured["kv_bytes_per_s"], f"measured by pdserve profile: {t.transport}, {codec}, "
                    f"{measured.get('where', 'loopback')}")
 
 

@@ -111,7 +111,7 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
                                       factory.model_dir)
     live = live_model(cfg, base_model(cfg, factory.model_dir, profile))
     backend = Dispatcher(pools, tokenizer, max_len, cfg.kv_cache.block_size, routing,
-                         codec=cfg.kv_transfer.compression, metrics=metrics,
+                         codec=cfg.transfer_codec(), metrics=metrics,
                          generation_defaults=load_generation_defaults(cfg), live=live)
     public_token = cfg.security.token.get_secret_value() if cfg.security.token else None
     # port=0 (tests, embedded benchmarks) puts HTTP on a free port too, when it is on at all
@@ -121,14 +121,15 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
                                 metrics=metrics,
                                 http_port=http_port, model_name=served_model_name(cfg.model.name),
                                 model_dir=resolve_model(cfg.model.name),
-                                http_limits=HTTPLimits(**cfg.server.http_limits.model_dump()))
+                                http_limits=HTTPLimits(**cfg.server.http_limits.model_dump()),
+                                tool_parser=cfg.model.tool_parser)
     metrics_task = None
     if metrics is not None:
         metrics.serve(cfg.server.host, cfg.server.metrics_port, public_token)   # with a token, scrapes need it
         metrics_task = asyncio.get_running_loop().create_task(poll_stats(backend, metrics))
     log.info("pdserve ready on %s:%d (%s) — %d prefill + %d decode actors, model %s, KV %s/%s",
              cfg.server.host, server.port, mode, len(pools.prefill), len(pools.decode), cfg.model.name,
-             cfg.kv_transfer.transport, cfg.kv_transfer.compression)
+             cfg.kv_transfer.transport, cfg.transfer_codec())
     manager = PoolManager(backend, factory, metrics=metrics)
     manager_task = asyncio.get_running_loop().create_task(manager.run())
     cluster = RunningCluster(cfg, backend, server, factory, metrics, metrics_task, manager, manager_task)

@@ -21,6 +21,9 @@ class EngineArgs:
         block_size: tokens per KV block.
         num_blocks: KV blocks in the pool (default: from `kv_cache_gib`).
         kv_cache_gib: the pool's size when `num_blocks` is not given.
+        kv_cache_dtype: `auto` (the model dtype), `fp8` or `int8`: how the paged cache stores K and V
+            (engine/kv_cache/kv_format.py: one byte per value with float32 scales; the budget then holds
+            about 2x the blocks of bf16, 4x of float32).
         kv_memory_fraction: on a CUDA device, size the KV cache from the device instead of
             `num_blocks`/`kv_cache_gib`: this share of its memory less the weights, a profiled
             largest step's activations and a reserve (engine/kv_cache/memory_budget.py); ignored on CPU.
@@ -62,6 +65,7 @@ class EngineArgs:
     num_blocks: int | None = None
     kv_cache_gib: float = 1.0
     kv_memory_fraction: float | None = None
+    kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int = 2048
     chunk_size: int | None = 512
     max_num_seqs: int = 64

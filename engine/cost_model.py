@@ -11,7 +11,7 @@ P = matmul parameters of the decoder layers (q/k/v, o, gate/up, down), L = layer
 head_dim, V·h = the LM head. W = the weights a decode step reads whole: P, the q/k/v and MLP biases
 (when the model has them), the 2·L + 1 RMSNorm vectors and the LM head, at the weights' dtype; with
 int8 / int4 weight-only projections (engine/model/quantized_linear.py) P (and the LM head, when it is
-quantized too) count their stored bytes.
+quantized too) count their stored bytes, and an fp8 / int8 KV cache its stored bytes per token.
 Left out: the embedding gather (B rows of h: B/V of the LM head's bytes), so decode bytes stay
 linear in B·C; and the RoPE, softmax and norm arithmetic.
 """
@@ -52,9 +52,12 @@ class ModelCosts:
     dtype_bytes: int
 
     @classmethod
-    def of(cls, cfg: ModelConfig, dtype_bytes: int, quantized: tuple[int, int] | None = None) -> "ModelCosts":
+    def of(cls, cfg: ModelConfig, dtype_bytes: int, quantized: tuple[int, int] | None = None,
+           kv_bytes_per_token: float | None = None) -> "ModelCosts":
         """`quantized`: (bytes as stored, parameters) of the projections stored int8 / int4, which a
-        decode step reads instead of parameters · dtype_bytes (`LlamaModel.quantized_weights`)."""
+        decode step reads instead of parameters · dtype_bytes (`LlamaModel.quantized_weights`).
+        `kv_bytes_per_token`: what a token's K and V take in the cache when it is not stored in the model
+        dtype (an fp8 / int8 cache: `KVFormat.bytes_per_token`, scales included)."""
         weight_bytes = decode_weight_params(cfg) * dtype_bytes
         if quantized is not None:
             stored, params = quantized
@@ -63,7 +66,8 @@ class ModelCosts:
                    attn_dim=cfg.num_attention_heads * cfg.head_dim, layer_params=layer_matmul_params(cfg),
                    head_params=cfg.vocab_size * cfg.hidden_size,
                    weight_bytes=weight_bytes,
-                   kv_bytes_per_token=cfg.kv_bytes_per_token(dtype_bytes), dtype_bytes=dtype_bytes)
+                   kv_bytes_per_token=round(kv_bytes_per_token or cfg.kv_bytes_per_token(dtype_bytes)),
+                   dtype_bytes=dtype_bytes)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelCosts":

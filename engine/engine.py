@@ -13,6 +13,13 @@ each) and gets its own copy of the partial last block, and decodes on its own
 (preempted and recomputed alone). A prefill-only request does not fork: each
 sequence's first token goes out with the prompt's blocks, and the decode side's
 ``adopt`` forks. ``requests[request_id]`` is sequence 0 until every sequence ended.
+
+Structured output (``params.structured``): the spec is validated when the request comes in
+(``add_request`` / ``expect_kv`` raise ValueError naming the problem) and compiled on a background
+thread; the scheduler holds the request until its grammar is ready. Every sequence has its own
+matcher, which consumes the sequence's output tokens it has not seen before each mask: a request
+adopted, forked or resumed elsewhere (migration) replays the tokens drawn before; a preempted one
+keeps its output, and with it its matcher (engine/sampling/grammar.py).
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import os
 import random
 import time
 import uuid
+from concurrent import futures
 
 import torch
 
@@ -28,6 +36,7 @@ from engine.args import EngineArgs
 from engine.kv_cache import memory_budget
 from engine.kv_cache.block_manager import BlockManager, prompt_block_hashes
 from engine.kv_cache.events import KVEventLog
+from engine.kv_cache.kv_format import KVFormat
 from engine.kv_cache.prompt_kv import Roundtrip, roundtrip_prompt_blocks, zero_prompt_tails
 from engine.model import attention_compiled, attention_flex, kernel_choice
 from engine.model.config import ModelConfig
@@ -37,6 +46,7 @@ from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.layer_hook import LayerHook
 from engine.runner.model_runner import ModelRunner
 from engine.sampling.generation_config import GenerationConfig
+from engine.sampling.grammar import GrammarCompiler, SequenceGrammar
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import child_seed, sample, token_logprobs
 from engine.scheduling.request import Completion, Request, RequestOutput, RequestStatus
@@ -57,6 +67,7 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 
 ATTENTION_ENV = "PDSERVE_ATTENTION"
+GRAMMAR_WAIT_S = 0.005      # an idle step with grammars compiling waits this long for one (never longer)
 
 
 ATTENTION_MODES = ("compiled", "eager", "flex", "flex-eager")
@@ -106,19 +117,26 @@ class Engine:
         # prefill actor running unquantized share it, and the KV handshake admits them (docs/engine.md).
         self.fingerprint = fingerprint(self.model_dir, cfg)
         self.block_size = block_size
+        # how the cache stores K/V: the model dtype, or fp8 / int8 cells with scales (engine/kv_cache/kv_format.py)
+        self.kv_format = KVFormat(args.kv_cache_dtype, cfg.num_hidden_layers, cfg.num_key_value_heads, block_size,
+                                  cfg.head_dim, self.dtype)
         self.kv_budget: memory_budget.KVBudget | None = None    # the device's budget table (CUDA only)
         if args.kv_memory_fraction is not None and self.device.type == "cuda":
             self.kv_budget = memory_budget.measure_kv_budget(
                 self.model, cfg, device=self.device, dtype=self.dtype, block_size=block_size,
                 fraction=args.kv_memory_fraction, max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs, chunk_size=chunk_size, max_model_len=self.max_model_len)
+                max_num_seqs=max_num_seqs, chunk_size=chunk_size, max_model_len=self.max_model_len,
+                bytes_per_block=self.kv_format.bytes_per_block)
             num_blocks = self.kv_budget.num_blocks
         elif num_blocks is None:
-            per_block = cfg.kv_bytes_per_token(self.dtype.itemsize) * block_size
-            num_blocks = max(int(args.kv_cache_gib * (1 << 30)) // per_block, 1)
-        # kv_cache: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
-        self.kv_cache = torch.zeros(cfg.num_hidden_layers, num_blocks, 2, cfg.num_key_value_heads,
-                                    block_size, cfg.head_dim, dtype=self.dtype, device=self.device)
+            num_blocks = max(int(args.kv_cache_gib * (1 << 30)) // self.kv_format.bytes_per_block, 1)
+        # kv_cache: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim] (fp8 / int8: byte cells)
+        self.kv_cache = self.kv_format.allocate(num_blocks, self.device)
+        if self.kv_format.quantized and attention.startswith("flex"):
+            if requested != "auto":
+                raise ValueError(f"attention={requested!r} does not read a kv_cache_dtype "
+                                 f"{self.kv_format.kind!r} cache; use 'eager' or 'compiled'")
+            attention = "eager"              # the gather path dequantizes what it reads (CUDA too)
         graphs = args.cuda_graphs and attention.startswith("flex") and num_blocks > 8
         # with decode graphs the pool's last block is the padded entries' scratch, never handed out
         self.block_manager = BlockManager(num_blocks - graphs, block_size, args.enable_prefix_cache)
@@ -127,7 +145,7 @@ class Engine:
                                    cfg.sliding_window)
         kernel = flex = None
         if attention == "compiled":
-            kernel = attention_compiled.build(self.kv_cache[0], cfg.num_attention_heads)
+            kernel = attention_compiled.build(self.kv_cache[0], cfg.num_attention_heads, self.kv_format)
             if kernel is not None and requested == "auto" and not os.environ.get(ATTENTION_ENV) and \
                     not kernel_choice.compiled_decode_wins(kernel, self.kv_cache[0], cfg.num_attention_heads):
                 kernel = None              # the gather + bmm path measured faster on this machine
@@ -138,7 +156,8 @@ class Engine:
             raise RuntimeError(f"attention={attention!r} was asked for but the kernel cannot be built here "
                                "(see the log); use attention='eager'")
         self.attention = "compiled" if kernel is not None else attention if flex is not None else "eager"
-        self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device, kernel, flex, args.weight_layout)
+        self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device, kernel, flex, args.weight_layout,
+                                  self.kv_format)
         if args.cuda_graphs and not (graphs and flex is not None):
             log.warning("cuda_graphs needs the flex attention kernel (and a pool above 8 blocks); decoding without")
         elif args.cuda_graphs:
@@ -147,6 +166,7 @@ class Engine:
             self.runner.graphs.capture_all()
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self._grammars: GrammarCompiler | None = None     # made by the first request with structured output
 
     # ---- requests in ----------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -178,8 +198,11 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
+        grammar = None
+        if params.structured is not None:        # validated here (ValueError), compiled off this thread
+            grammar = SequenceGrammar(self.grammars, self.grammars.compile(params.structured))
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        req = Request(request_id, ids, params, seed, prefill_only=prefill_only)
+        req = Request(request_id, ids, params, seed, prefill_only=prefill_only, grammar=grammar)
         req.output_token_ids = list(resume_output_ids)
         req.prompt_kv_lossy = prompt_kv_lossy and self.prompt_kv_roundtrip is not None
         self.output.attach(req, resume_text_chars)
@@ -309,11 +332,23 @@ class Engine:
     # delivers them; requests with prompt_kv_lossy recompute their prompt through it (engine/kv_cache/prompt_kv.py).
     prompt_kv_roundtrip: Roundtrip | None = None
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler for this engine's tokenizer (engine/sampling/grammar.py)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), max(self.vocab_size, self.tokenizer.vocab_size),
+                                             self.eos_token_ids)
+        return self._grammars
+
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch:
+            if self.scheduler.compiling:       # only grammars to wait for: wait a little rather than spin
+                futures.wait([req.grammar.future for req, _ in self.scheduler.compiling], timeout=GRAMMAR_WAIT_S,
+                             return_when=futures.FIRST_COMPLETED)
             return []
-        zero_prompt_tails(batch, self.kv_cache, self.block_size)
+        if not self.kv_format.quantized:      # (quantized blocks take their scales from the rows written)
+            zero_prompt_tails(batch, self.kv_cache, self.block_size)
         run = self.runner.run(batch)
         self.last_run_done = time.monotonic()
         if self.prompt_kv_roundtrip is not None:
@@ -413,7 +448,7 @@ class Engine:
                             prefill_only=root.prefill_only, prompt_kv_lossy=root.prompt_kv_lossy,
                             arrival_time=root.arrival_time,
                             num_cached_tokens=root.num_cached_tokens, first_scheduled_time=root.first_scheduled_time,
-                            index=i, parent=root)
+                            index=i, parent=root, grammar=root.grammar.fork() if root.grammar is not None else None)
             self.output.attach(child)
             children.append(child)
         root.sequences = [root] + children

@@ -20,13 +20,14 @@ from engine.sampling.params import SamplingParams
 
 
 def engine_costs(engine) -> ModelCosts:
-    return ModelCosts.of(engine.config, engine.dtype.itemsize, engine.model.quantized_weights())
+    return ModelCosts.of(engine.config, engine.dtype.itemsize, engine.model.quantized_weights(),
+                         engine.kv_format.bytes_per_token)
 
 
 def describe(engine) -> dict:
     """What a profile was measured on (saved beside the points)."""
     return {"model_dir": engine.model_dir, "fingerprint": engine.fingerprint, "dtype": str(engine.dtype),
-            "quantization": engine.model.quantization,
+            "quantization": engine.model.quantization, "kv_cache_dtype": engine.kv_format.kind,
             "device": str(engine.device), "torch_threads": torch.get_num_threads(),
             "block_size": engine.block_size, "kv_blocks": engine.block_manager.num_blocks,
             "chunk_size": engine.scheduler.chunk_size if hasattr(engine.scheduler, "chunk_size") else None,

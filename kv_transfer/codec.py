@@ -14,6 +14,9 @@ Codecs:
                clamp to +-127. All-zero rows get scale 0.
     fp8_tensor float8_e4m3fn data, one scale per encoded tensor (the
                per-tensor baseline; on the wire one scale per chunk).
+    fp8_cache, int8_cache
+               the cells of an fp8 / int8 KV cache as stored (`StoredCodec`):
+               the fp8 / int8 schemes above, shipped without encode or decode.
 
 Everything is vectorized over the whole chunk; NaN/Inf in the KV raises.
 """
@@ -53,6 +56,7 @@ class Codec(ABC):
     name: str
     scale_layout: str  # "none" | "block" | "token" | "tensor"
     lossy: bool = True
+    as_stored: bool = False   # the payload is the cache's own cells (transports may send and receive them in place)
 
     @abstractmethod
     def scales_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
@@ -116,6 +120,7 @@ class NoneCodec(Codec):
     name = "none"
     scale_layout = "none"
     lossy = False
+    as_stored = True
 
     def scales_shape(self, shape):
         return ()
@@ -327,15 +332,84 @@ class Int8TokenCodec(_ScaledCodec):
         return out
 
 
+class StoredCodec(Codec):
+    """The cells of a quantized KV cache (`kv_cache.dtype` fp8 / int8: engine/kv_cache/kv_format.py) as they are
+    stored. Per (layer, block): the fp8 / int8 data [2, H, B, D], then its float32 scales [2, H, S] (S = 1 per
+    block for fp8, B per token for int8): the scheme, scales included, of the wire codec it is named after. A
+    prefill actor with such a cache ships its blocks as they are, and the decode actor stores them as they
+    come: sending and receiving copy bytes, bit-exact (`encode` / `decode` exist for tests and tools)."""
+
+    lossy = False
+    as_stored = True
+
+    def __init__(self, wire: _ScaledCodec):
+        self.wire = wire
+        self.name = f"{wire.name}_cache"
+        self.scale_layout = wire.scale_layout
+
+    def scales_shape(self, shape):
+        return self.wire.scales_shape(shape)
+
+    def wire_dtype(self, dtype):
+        return self.wire.wire_dtype(dtype)
+
+    def _data_nbytes(self, shape) -> int:
+        return math.prod(shape[2:])
+
+    def payload_nbytes(self, shape, dtype):
+        cell = self._data_nbytes(shape) + 4 * math.prod(self.scales_shape(shape)[2:])
+        return shape[0] * shape[1] * cell
+
+    def encode_from(self, kv_cache, layers, index, out, scratch=None):
+        cells = out.view(layers[1] - layers[0], index.numel(), -1)
+        torch.index_select(kv_cache[layers[0]:layers[1]], 1, index, out=cells)
+
+    def decode_into(self, payload, shape, kv_cache, layers, index, scratch=None):
+        write_blocks(kv_cache[layers[0]:layers[1]], index, payload.view(shape[0], shape[1], -1))
+
+    def roundtrip(self, kv_cache, index):
+        return None       # the blocks travel as stored: nothing changes
+
+    def encode(self, x, out, scratch=None):
+        shape = tuple(x.shape)
+        staged = torch.empty(self.wire.payload_nbytes(shape, x.dtype), dtype=torch.uint8, device=x.device)
+        self.wire.encode(x, staged, scratch)
+        scales, data = self.wire._split(staged, shape, x.dtype)
+        cells, split = out.view(shape[0], shape[1], -1), self._data_nbytes(shape)
+        cells[..., :split].copy_(data.reshape(shape[0], shape[1], -1).view(torch.uint8))
+        cells[..., split:].copy_(scales.reshape(shape[0], shape[1], -1).view(torch.uint8))
+
+    def decode(self, payload, shape, dtype, scratch=None):
+        cells, split = payload.view(shape[0], shape[1], -1), self._data_nbytes(shape)
+        staged = torch.empty(self.wire.payload_nbytes(shape, dtype), dtype=torch.uint8, device=payload.device)
+        scales, data = self.wire._split(staged, shape, dtype)
+        data.view(torch.uint8).view(shape[0], shape[1], -1).copy_(cells[..., :split])
+        scales.view(torch.uint8).view(shape[0], shape[1], -1).copy_(cells[..., split:])
+        return self.wire.decode(staged, shape, dtype, scratch).clone()
+
+
 CODECS: dict[str, Codec] = {codec.name: codec
-                            for codec in (NoneCodec(), Fp8BlockCodec(), Int8TokenCodec(), Fp8TensorCodec())}
+                            for codec in (NoneCodec(), Fp8BlockCodec(), Int8TokenCodec(), Fp8TensorCodec(),
+                                          StoredCodec(Fp8BlockCodec()), StoredCodec(Int8TokenCodec()))}
+
+
+def stored_codec(cache_dtype: str) -> str:
+    """The codec that ships a `kv_cache.dtype` cache's blocks as they are ("none" for the model dtype)."""
+    return "none" if cache_dtype == "auto" else f"{cache_dtype}_cache"
+
+
+def cache_dtype_of(codec: str) -> str:
+    """The `kv_cache.dtype` a codec's payloads come from and go to."""
+    return codec[:-len("_cache")] if codec.endswith("_cache") else "auto"
 
 
 def wire_bytes_per_kv_byte(name: str, dtype_bytes: int, block_size: int, head_dim: int) -> float:
     """Bytes codec `name` puts on the wire per byte of a KV cache of `dtype_bytes`-byte values, scales
     included, for blocks of `block_size` tokens of `head_dim` values (the planner's and the simulator's
     link price): 1 for none; fp8 (1 + 4 / (block_size · head_dim)) / dtype_bytes; int8 (1 + 4 / head_dim) /
-    dtype_bytes."""
+    dtype_bytes; a quantized cache's stored codecs (`fp8_cache`, `int8_cache`) 1: they ship the cache's own bytes."""
+    if get_codec(name).as_stored:
+        return 1.0
     dtype = {1: FP8, 2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
     cell = (1, 1, 2, 1, block_size, head_dim)                  # [l, n, K/V, H, B, D]
     return get_codec(name).payload_nbytes(cell, dtype) / (math.prod(cell) * dtype_bytes)

@@ -5,6 +5,10 @@ The engine keeps ONE tensor over layers:
     kv_cache: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
               (index 0 on dim 2 = K, 1 = V)
 
+or, with `kv_cache.dtype` fp8 / int8, [num_layers, num_blocks, cell bytes] uint8 (the values, then their
+scales: engine/kv_cache/kv_format.py), shipped as stored by the `fp8_cache` / `int8_cache` codecs. Both
+ends must store the same way: the handshake compares `cache_dtype` and names both values.
+
 A request's blocks are ``kv_cache[:, block_ids]``; the transfer ships exactly
 that slab (all layers, or a layer range), so the wire layout follows the cache.
 """
@@ -43,6 +47,7 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     model_fingerprint: str = ""
+    cache_dtype: str = "auto"      # kv_cache.dtype: auto (the model dtype) | fp8 | int8 (byte cells with scales)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "block_size", "head_dim"):
@@ -50,6 +55,20 @@ class KVLayout:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         dtype_name(self.dtype)
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"KVLayout.cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.cache_dtype != "auto"
+
+    @property
+    def cell_nbytes(self) -> int:
+        """Bytes of one (layer, block) cell as the cache stores it (a quantized cell: data, then scales)."""
+        if not self.quantized:
+            return self.block_numel * self.dtype.itemsize
+        scales_per_head = 1 if self.cache_dtype == "fp8" else self.block_size
+        return self.block_numel + 4 * 2 * self.num_kv_heads * scales_per_head
 
     @property
     def dtype_name(self) -> str:
@@ -62,20 +81,27 @@ class KVLayout:
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block over all layers in the model dtype."""
-        return self.num_layers * self.block_numel * self.dtype.itemsize
+        """Bytes of one block over all layers as the cache stores it."""
+        return self.num_layers * self.cell_nbytes
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.quantized else self.dtype
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        if self.quantized:
+            return (self.num_layers, num_blocks, self.cell_nbytes)
         return (self.num_layers, num_blocks, 2, self.num_kv_heads, self.block_size, self.head_dim)
 
     def check_cache(self, kv_cache: torch.Tensor) -> None:
         """Assert that a cache tensor matches this layout (any num_blocks)."""
-        expected = self.cache_shape(kv_cache.shape[1]) if kv_cache.dim() == 6 else None
-        if expected is None or tuple(kv_cache.shape) != expected or kv_cache.dtype != self.dtype:
+        expected = self.cache_shape(kv_cache.shape[1]) if kv_cache.dim() >= 2 else None
+        if expected is None or tuple(kv_cache.shape) != expected or kv_cache.dtype != self.storage_dtype:
             raise ValueError(
                 f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match layout "
                 f"[num_layers={self.num_layers}, num_blocks, 2, num_kv_heads={self.num_kv_heads}, "
-                f"block_size={self.block_size}, head_dim={self.head_dim}] {self.dtype}"
+                f"block_size={self.block_size}, head_dim={self.head_dim}] {self.dtype}, "
+                f"kv_cache.dtype {self.cache_dtype}"
             )
 
     def describe(self, codec: str) -> dict[str, object]:
@@ -87,11 +113,14 @@ class KVLayout:
             "block_size": self.block_size,
             "head_dim": self.head_dim,
             "dtype": self.dtype_name,
+            "cache_dtype": self.cache_dtype,
             "codec": codec,
         }
 
 
-HANDSHAKE_KEYS = ("model_fingerprint", "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "codec")
+HANDSHAKE_KEYS = ("model_fingerprint", "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "cache_dtype",
+                  "codec")
+CACHE_DTYPES = ("auto", "fp8", "int8")
 
 
 def check_compatible(sender: dict, receiver: dict) -> None:

@@ -24,7 +24,7 @@ import torch
 import xxhash
 from google.protobuf.descriptor import FieldDescriptor
 
-from kv_transfer.codec import get_codec
+from kv_transfer.codec import cache_dtype_of, get_codec
 from kv_transfer.layout import DTYPES, HANDSHAKE_KEYS, check_compatible
 from proto.pdserve.v1 import kv_transfer_pb2
 
@@ -58,8 +58,9 @@ class _ChunkShape:
         )
 
     def describe(self) -> dict[str, object]:
-        """The handshake fields this chunk claims (same keys as `KVLayout.describe`)."""
-        return {key: getattr(self, key) for key in HANDSHAKE_KEYS}
+        """The handshake fields this chunk claims (same keys as `KVLayout.describe`; the cache dtype is its codec's)."""
+        return {key: cache_dtype_of(self.codec) if key == "cache_dtype" else getattr(self, key)
+                for key in HANDSHAKE_KEYS}
 
 
 def _header_fields() -> dict[str, type]:

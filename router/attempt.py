@@ -37,6 +37,7 @@ from router.timing import Timing
 
 STATUS_NAME = {code.value[0]: code.name for code in grpc.StatusCode}
 SUSPECT_SIDES = (wpb.TRANSFER_SIDE_RECEIVER, wpb.TRANSFER_SIDE_TRANSPORT)
+LOSSLESS_CODECS = ("none", "fp8_cache", "int8_cache")     # the kv_transfer codecs that are not lossy
 
 
 class RetryPrefill(Exception):
@@ -136,7 +137,8 @@ class Attempt:
         placer: placement decisions for this attempt.
         live: the live profile (local prefill backlog, measured rates).
         routing: the routing settings (deadlines, idle limit, prefix reuse).
-        codec: the KV wire codec ("none" is lossless).
+        codec: the KV wire codec ("none" and a quantized cache's stored cells, "fp8_cache" / "int8_cache", are
+            lossless).
         metrics: None, or an object with kv_transfer(seconds, kv_bytes, wire_bytes, codec), transfer_failed(),
             local_prefill() and prefix_hit_tokens(n) (router.metrics.Metrics).
         prefill_ended: awaited once each prefill call ends (the dispatcher polls that actor's cache events
@@ -171,7 +173,7 @@ class Attempt:
             decode_cached = 0
         transfer_id = "" if local else uuid.uuid4().hex
         if not d.emitted:           # a migration recomputes the prompt as the KV its stream began from
-            d.prompt_kv_lossy = not local and self.codec != "none"
+            d.prompt_kv_lossy = not local and self.codec not in LOSSLESS_CODECS
         d.batch_at_start = view.running
         if local:
             d.local_tokens = placer.local_tokens(view, d.hashes, len(prompt) + len(d.emitted))

@@ -11,6 +11,8 @@ import torch
 from decode_worker.worker import DecodeWorker
 from engine import Engine, EngineArgs, SamplingParams
 from kv_transfer import FakeHub, KVLayout, make_receiver, make_sender
+from kv_transfer.codec import stored_codec
+from kv_transfer.settings import layout_of
 from prefill_worker.worker import PrefillWorker
 from proto.pdserve.v1 import worker_pb2 as wpb
 
@@ -70,15 +72,19 @@ def layout_of_engine(engine: Engine) -> KVLayout:
 
 
 def worker_pair(model_dir: str, num_blocks: int = 256, transport: str = "fake", codec: str = "none",
-                **decode_engine) -> tuple[PrefillWorker, DecodeWorker, FakeHub]:
+                kv_cache_dtype: str = "auto", **decode_engine) -> tuple[PrefillWorker, DecodeWorker, FakeHub]:
     """Started prefill and decode workers over one transport (the in-process fake by default; grpc, tcp
     and torch listen on 127.0.0.1); stop both when done. `decode_engine`: extra `Engine` arguments of
-    the decode side (e.g. max_num_seqs)."""
+    the decode side (e.g. max_num_seqs). A `kv_cache_dtype` fp8 / int8 cache on both sides ships its
+    blocks as stored (`codec` is then its stored codec)."""
     hub = FakeHub()
     extra = {"hub": hub} if transport == "fake" else {}
-    p_engine = Engine(EngineArgs(model_dir, dtype="float32", num_blocks=num_blocks))
-    d_engine = Engine(EngineArgs(model_dir, dtype="float32", num_blocks=num_blocks, **decode_engine))
-    layout = layout_of_engine(p_engine)
+    p_engine = Engine(EngineArgs(model_dir, dtype="float32", num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype))
+    d_engine = Engine(EngineArgs(model_dir, dtype="float32", num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype,
+                                 **decode_engine))
+    layout = layout_of(p_engine.kv_cache, p_engine.fingerprint, p_engine.kv_format)
+    if kv_cache_dtype != "auto":
+        codec = stored_codec(kv_cache_dtype)
     prefill = PrefillWorker(p_engine, make_sender(transport, layout, codec=codec, **extra))
     decode = DecodeWorker(d_engine, lambda on_complete: make_receiver(
         transport, layout, d_engine.kv_cache, d_engine.block_manager, codec=codec, on_complete=on_complete,

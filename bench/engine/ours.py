@@ -44,8 +44,10 @@ class OursDecoder:
         for _ in range(num_steps):
             self.engine.step()
         elapsed = time.perf_counter() - start
-        assert sum(len(r.output_token_ids) for r in self.reqs) - before == num_steps * len(self.reqs), \
-            "not a pure decode batch"
+        made = sum(len(r.output_token_ids) for r in self.reqs) - before
+        assert made == num_steps * len(self.reqs), (
+            f"not a pure decode batch: {made} tokens in {num_steps} steps of {len(self.reqs)} sequences "
+            f"({sorted({r.status.name for r in self.reqs})}, {self.engine.block_manager.num_free_blocks} free blocks)")
         return elapsed / num_steps
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
     python -m bench.engine [--model small] [--dtype float32|bfloat16] [--quick] [--json FILE] [--markdown FILE]
     python -m bench.engine --quantization none,int8,int4 [...]     # weight-only quantization side by side
+    python -m bench.engine --kv-cache-dtype auto,fp8,int8 --decode-context 1024   # KV cache dtypes side by side
 
 Three parts, each on the same weights and dtype as HF (see `bench/engine/peers.py`
 for the peers and exactly what each limit counts; `engine/cost_model.py` for the counts):
@@ -31,6 +32,7 @@ import random
 import statistics
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +182,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="compare weight quantizations instead of HF, e.g. none,int8,int4 "
                    "(bench/engine/quantization.py)")
     p.add_argument("--group-size", type=int, default=128, help="int4 group size with --quantization (32, 64, 128)")
+    p.add_argument("--kv-cache-dtype", default="",
+                   help="compare KV cache dtypes instead of HF, e.g. auto,fp8,int8 (with --quantization's engines)")
+    p.add_argument("--decode-context", type=int, help="tokens of context per decode sequence (default 256)")
     return p.parse_args(argv)
 
 
@@ -188,8 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = Plan.quick() if args.quick else Plan()
+    if args.decode_context:
+        plan = dataclasses.replace(plan, decode_context=args.decode_context)
     log = Progress()
-    if args.quantization:
+    if args.quantization or args.kv_cache_dtype:
         from bench.engine import quantization
         result = quantization.run(args, plan, log)
         print(quantization.render_text(result))

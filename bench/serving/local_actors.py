@@ -131,4 +131,4 @@ def start_local_cluster(model: str, num_prefill: int, num_decode: int, prefill_b
 
 
 def _layout(engine: Engine):
-    return layout_of(engine.kv_cache, engine.fingerprint)
+    return layout_of(engine.kv_cache, engine.fingerprint, engine.kv_format)

@@ -211,7 +211,7 @@ class SimCluster:
         self.cfg, self.model, self.shape, self.mode, self.chunked = cfg, model, shape, mode, chunked
         self.network = SimNetwork()
         dtype_bytes = max(model.kv_bytes_per_token // max(shape.kv_bytes_per_token(1), 1), 1)
-        self.wire_ratio = wire_bytes_per_kv_byte(cfg.kv_transfer.compression, dtype_bytes, cfg.kv_cache.block_size,
+        self.wire_ratio = wire_bytes_per_kv_byte(cfg.transfer_codec(), dtype_bytes, cfg.kv_cache.block_size,
                                                  shape.head_dim)
         self.actors: list[SimActor] = []
         self.dispatcher: Dispatcher | None = None

@@ -20,6 +20,7 @@ from engine.args import EngineArgs
 from engine.engine import Engine
 from engine.kv_cache.block_manager import BlockManager
 from engine.kv_cache.events import KVEventLog
+from engine.kv_cache.kv_format import KVFormat
 from engine.model.config import ModelConfig
 from engine.output.processor import OutputProcessor
 from engine.runner.model_runner import ModelOutput
@@ -95,6 +96,8 @@ class SimEngine(Engine):
         self.kv_budget = None
         num_blocks = args.num_blocks or 1
         self.kv_cache = torch.zeros(1, num_blocks, 2, 1, block_size, 1, dtype=torch.uint8)
+        self.kv_format = KVFormat("auto", 1, 1, block_size, 1, self.dtype)     # (the stand-in cache above)
+        self._grammars = None
         self.block_manager = BlockManager(num_blocks, block_size, args.enable_prefix_cache)
         self.kv_events = KVEventLog(self.block_manager)
         self.scheduler = Scheduler(self.block_manager, args.max_num_batched_tokens, args.max_num_seqs,

@@ -1,7 +1,7 @@
-"""The ``kv_cache`` section (also a per-pool override): block size and the block memory budget."""
+"""The ``kv_cache`` section (also a per-pool override): block size, storage dtype and the block memory budget."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -17,6 +17,11 @@ class KVCacheSection(Section):
 
     block_size: Int = Field(16, description="Tokens per KV block; a power of 2 in 1..256. "
                             "Prefill and decode must agree (it fixes the transfer layout).")
+    dtype: Literal["auto", "fp8", "int8"] = Field(
+        "auto", description="How the cache stores K and V: auto (the model dtype), fp8 (float8_e4m3fn + one "
+        "float32 scale per block × layer × K/V × head) or int8 (+ one scale per token × head): about half the "
+        "bytes of bf16, a quarter of float32, so about 2x / 4x the blocks at equal memory. Blocks then travel as "
+        "stored (kv_transfer.compression is implied); every pool must use the same.")
     memory_fraction: Optional[Float] = Field(
         None, gt=0, le=1, description="GPU: the actor's share of its device's total memory; the KV "
         "cache gets it less the weights, a profiled largest step's activations and a reserve "

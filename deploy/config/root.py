@@ -62,6 +62,11 @@ class PDServeConfig(Section):
         """Model (preset name or absolute directory) served by pool ``name``."""
         return self._pool(name).model or self.model.name
 
+    def transfer_codec(self) -> str:
+        """The KV codec on the wire: `kv_transfer.compression`, or with an fp8 / int8 cache its blocks as stored."""
+        # (kv_transfer.codec.stored_codec's names, without importing torch into the config)
+        return f"{self.kv_cache.dtype}_cache" if self.kv_cache.dtype != "auto" else self.kv_transfer.compression
+
     def pool_kv_cache(self, name: str) -> KVCacheSection:
         """Effective KV cache of pool ``name``: its override's keys win; the
         budget comes from the override when it sets any budget key."""
@@ -106,6 +111,12 @@ class PDServeConfig(Section):
                 raise FieldProblem(
                     f"/pools.{key}.kv_cache.block_size", f"pools must share one KV block "
                     f"layout (pools.{first}: {theirs}, pools.{name}: {mine})")
+            mine, theirs = self.pool_kv_cache(name).dtype, self.pool_kv_cache(first).dtype
+            if mine != theirs:
+                key = name if pool.kv_cache and "dtype" in pool.kv_cache.model_fields_set else first
+                raise FieldProblem(
+                    f"/pools.{key}.kv_cache.dtype", f"pools must store KV the same way: blocks travel as "
+                    f"stored (pools.{first}: {theirs}, pools.{name}: {mine})")
         if self.routing.long_request_tokens is not None and self.pools.long_context is None:
             raise FieldProblem("/routing.long_request_tokens",
                                "needs a pools.long_context pool to route long requests to")

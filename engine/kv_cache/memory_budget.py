@@ -201,11 +201,12 @@ def _cumsum(values: list[int]):
 
 def measure_kv_budget(model, cfg, *, device: torch.device, dtype: torch.dtype, block_size: int, fraction: float,
                       max_num_batched_tokens: int, max_num_seqs: int, chunk_size: int | None, max_model_len: int,
-                      memory: DeviceMemory | None = None) -> KVBudget:
+                      memory: DeviceMemory | None = None, bytes_per_block: int | None = None) -> KVBudget:
     """Profile the loaded ``model`` (config ``cfg``: an engine ModelConfig) on ``device`` and
     return its KV budget; logs the table in one line.
 
     ``memory`` is the device query (default: :class:`CudaMemory` of ``device``); tests pass a stub.
+    ``bytes_per_block``: what one block takes in the cache (a quantized cache's; default: ``dtype``'s).
     """
     fraction = check_fraction(fraction)
     memory = memory or CudaMemory(device)
@@ -222,6 +223,6 @@ def measure_kv_budget(model, cfg, *, device: torch.device, dtype: torch.dtype, b
     memory.release_cached()
     total, free = memory.total_and_free()
     budget = compute_budget(total, free, fraction, weights, activations,
-                            cfg.kv_bytes_per_token(dtype.itemsize) * block_size)
+                            bytes_per_block or cfg.kv_bytes_per_token(dtype.itemsize) * block_size)
     log.info("%s (profiled: %d sequences, %d tokens)", budget.log_line(), len(seq_lens), sum(seq_lens))
     return budget

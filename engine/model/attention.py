@@ -4,6 +4,9 @@ Cache layout (also the KV-transfer wire layout), one tensor over all layers:
 
     kv_cache: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]   (dim 2: 0 = K, 1 = V)
 
+or, with `kv_cache.dtype` fp8 / int8, one byte cell per (layer, block) with its scales
+(`engine.kv_cache.kv_format`): the step writes and reads it through `AttentionMetadata.kv_format`.
+
 Token `t` of a sequence lives in block `block_table[t // block_size]` at offset
 `t % block_size`. Each step writes the new tokens' K/V through a slot mapping,
 then attends: prefill chunks one sequence at a time (causal over cached prefix +
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine.kv_cache.kv_format import KVFormat
 
 
 @dataclass(slots=True)
@@ -48,6 +53,7 @@ class AttentionMetadata:
     sliding_window: int | None = None    # keys a query reads: (p - window, p]; None = all of (0, p]
     flex: object | None = None           # attention_flex.FlexMetadata: the whole step through the flex kernel
     flex_kernel: Callable | None = None  # attention_flex.FlexAttention
+    kv_format: KVFormat | None = None    # a quantized cache (engine.kv_cache.kv_format); None: the model dtype
 
 
 def window_start(position: int, sliding_window: int | None) -> int:
@@ -57,7 +63,8 @@ def window_start(position: int, sliding_window: int | None) -> int:
 
 def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
                    device: torch.device, decode_kernel: Callable | None = None,
-                   sliding_window: int | None = None, flex_kernel=None) -> AttentionMetadata:
+                   sliding_window: int | None = None, flex_kernel=None,
+                   kv_format: KVFormat | None = None) -> AttentionMetadata:
     """seqs: (start, num_new, block_table) per sequence, in batch order.
 
     With a `flex_kernel` (attention_flex.FlexAttention) every token of the step attends through it:
@@ -66,8 +73,11 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
     With a `decode_kernel` the decode tables are padded to at least 2 blocks and
     always carry a bias (the compiled kernel keeps one graph for every shape).
     With a `sliding_window` each table is read from the block of its first query's
-    window start; the decode bias masks the keys before the window.
+    window start; the decode bias masks the keys before the window. A quantized `kv_format`
+    (fp8 / int8 cache) is written and read through it; flex does not read one.
     """
+    if kv_format is not None and not kv_format.quantized:
+        kv_format = None
     if flex_kernel is not None:
         blocks, offsets = [], []
         for start, num_new, table in seqs:
@@ -98,7 +108,8 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
     meta = AttentionMetadata(
         torch.tensor(blocks, dtype=torch.long, device=device),
         torch.tensor(offsets, dtype=torch.long, device=device),
-        prefills, None, None, None, decode_kernel=decode_kernel, sliding_window=sliding_window)
+        prefills, None, None, None, decode_kernel=decode_kernel, sliding_window=sliding_window,
+        kv_format=kv_format)
     if decode_rows:
         width = max(len(t) for t in decode_tables)
         if decode_kernel is not None:
@@ -129,17 +140,22 @@ def window_mask(qpos: torch.Tensor, kpos: torch.Tensor, sliding_window: int | No
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-    # layer_cache: [num_blocks, 2, Hkv, bs, D]; k, v: [T, Hkv, D]
+    # layer_cache: [num_blocks, 2, Hkv, bs, D] (quantized: [num_blocks, cell_bytes]); k, v: [T, Hkv, D]
+    if meta.kv_format is not None:
+        meta.kv_format.write(layer_cache, k, v, meta.slot_blocks, meta.slot_offsets)
+        return
     layer_cache[meta.slot_blocks, 0, :, meta.slot_offsets] = k
     layer_cache[meta.slot_blocks, 1, :, meta.slot_offsets] = v
 
 
-def gather_kv(layer_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """One copy of the K/V a batch reads, kv-heads leading.
+def gather_kv(layer_cache: torch.Tensor, block_table: torch.Tensor, kv_format: KVFormat | None = None) -> torch.Tensor:
+    """One copy of the K/V a batch reads, kv-heads leading (dequantized from a quantized cache).
 
     block_table: [B, nb] -> [2, Hkv, B, nb * bs, D]. Heads lead so that GQA needs
     no repeat: each kv head's query group attends as one batch entry.
     """
+    if kv_format is not None:
+        return kv_format.gather(layer_cache, block_table)
     num_seqs, nb = block_table.shape
     src = layer_cache.permute(1, 2, 0, 3, 4)              # [2, Hkv, NB, bs, D] (view)
     x = src.index_select(2, block_table.reshape(-1))      # [2, Hkv, B * nb, bs, D]
@@ -212,8 +228,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=window_mask(pos, pos, window), scale=scale)
             out[rows].view(p.num_new, num_kv_heads, group, -1).copy_(o.permute(2, 0, 1, 3))
         else:                 # continuing a cached prefix: causal with an offset
-            base, total = p.first_block * layer_cache.shape[3], p.start + p.num_new
-            kv = gather_kv(layer_cache, p.block_table[None])[:, :, :, :total - base]   # [2, Hkv, 1, total - base, D]
+            block_size = meta.kv_format.block_size if meta.kv_format is not None else layer_cache.shape[3]
+            base, total = p.first_block * block_size, p.start + p.num_new
+            kv = gather_kv(layer_cache, p.block_table[None], meta.kv_format)[:, :, :, :total - base]
             qpos = torch.arange(p.start, total, device=q.device)
             mask = window_mask(qpos, torch.arange(base, total, device=q.device), window)  # [n, total - base]
             out[rows] = grouped_attention(q[rows][None], kv, mask[None], scale)[0]
@@ -222,7 +239,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if meta.decode_kernel is not None:
             o = meta.decode_kernel(qd, layer_cache, meta.decode_block_tables, meta.decode_bias, scale)
         else:
-            o = decode_attention(qd, gather_kv(layer_cache, meta.decode_block_tables), meta.decode_bias, scale)
+            kv = gather_kv(layer_cache, meta.decode_block_tables, meta.kv_format)
+            o = decode_attention(qd, kv, meta.decode_bias, scale)
         if meta.decode_only:
             return o
         out[meta.decode_rows] = o

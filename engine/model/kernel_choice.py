@@ -282,13 +282,19 @@ def compiled_decode_wins(kernel, layer_cache: torch.Tensor, num_heads: int, batc
                          context: int = 256) -> bool:
     """Is the compiled decode attention faster than the gather + bmm path here, at this model's shapes?"""
     from engine.model.attention import decode_attention, gather_kv
-    num_blocks, _, num_kv_heads, block_size, dim = layer_cache.shape
+    fmt = kernel.kv_format              # a quantized cache's format, or None
+    if fmt is None:
+        num_blocks, _, num_kv_heads, block_size, dim = layer_cache.shape
+        dtype, stored = layer_cache.dtype, str(layer_cache.dtype)
+    else:
+        num_blocks, num_kv_heads, block_size, dim = layer_cache.shape[0], fmt.num_kv_heads, fmt.block_size, fmt.head_dim
+        dtype, stored = fmt.dtype, f"{fmt.kind}/{fmt.dtype}"
     width = max(min(-(-context // block_size), num_blocks // batch), 2)
     gen = torch.Generator().manual_seed(0)
     tables = torch.randint(0, num_blocks, (batch, width), generator=gen).to(layer_cache.device)
     bias = torch.zeros(batch, width * block_size, device=layer_cache.device)
     with torch.inference_mode():
-        q = torch.randn(batch, num_heads, dim, generator=gen).to(layer_cache)
+        q = torch.randn(batch, num_heads, dim, generator=gen).to(layer_cache.device, dtype)
 
         def compiled() -> None:
             with torch.inference_mode():
@@ -296,6 +302,6 @@ def compiled_decode_wins(kernel, layer_cache: torch.Tensor, num_heads: int, batc
 
         def eager() -> None:
             with torch.inference_mode():
-                decode_attention(q, gather_kv(layer_cache, tables), bias, dim ** -0.5)
-    shapes = (num_heads, num_kv_heads, block_size, dim, str(layer_cache.dtype), batch, width)
+                decode_attention(q, gather_kv(layer_cache, tables, fmt), bias, dim ** -0.5)
+    shapes = (num_heads, num_kv_heads, block_size, dim, stored, batch, width)
     return choose("decode_attention", shapes, {"compiled": compiled, "eager": eager}) == "compiled"

@@ -25,8 +25,9 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, device: torch.device,
-                 decode_kernel=None, flex_kernel=None, weight_layout: str = "auto"):
+                 decode_kernel=None, flex_kernel=None, weight_layout: str = "auto", kv_format=None):
         self.model = model
+        self.kv_format = kv_format          # engine.kv_cache.kv_format.KVFormat (None: the model dtype)
         self.decode_kernel = decode_kernel  # attention_compiled.CompiledDecode, or None for the eager gather
         self.flex_kernel = flex_kernel      # attention_flex.FlexAttention: all attention through it
         self.graphs = None                  # decode_graphs.DecodeGraphs: pure-decode steps replayed
@@ -37,7 +38,7 @@ class ModelRunner:
             raise ValueError(f"weight_layout {weight_layout!r} is not available for {dense.dtype} "
                              f"on {dense.device.type}; choose one of {', '.join(('auto',) + layouts_for(dense))}")
         model.store_weights(weight_layout)
-        self.kv_cache = kv_cache          # [L, NB, 2, Hkv, bs, D]
+        self.kv_cache = kv_cache          # [L, NB, 2, Hkv, bs, D] (quantized: [L, NB, cell_bytes])
         self.block_size = block_size
         self.device = device
         self.sliding_window = model.cfg.sliding_window    # None: full causal attention
@@ -74,7 +75,8 @@ class ModelRunner:
         dev = self.device
         if self.graphs is not None and not prompt_parts and self.graphs.accepts(seqs):
             return ModelOutput(sampling, self.graphs.run(input_ids, positions, seqs))
-        meta = build_metadata(seqs, self.block_size, dev, self.decode_kernel, self.sliding_window, self.flex_kernel)
+        meta = build_metadata(seqs, self.block_size, dev, self.decode_kernel, self.sliding_window, self.flex_kernel,
+                              self.kv_format)
         logits = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev),
                             self.kv_cache, meta,
@@ -102,6 +104,7 @@ class ModelRunner:
         """Logits at every position of one fresh sequence (for exactness checks). [S, V] float32."""
         dev = self.device
         meta = build_metadata([(0, len(token_ids), block_table)], self.block_size, dev,
-                              sliding_window=self.sliding_window, flex_kernel=self.flex_kernel)
+                              sliding_window=self.sliding_window, flex_kernel=self.flex_kernel,
+                              kv_format=self.kv_format)
         return self.model(torch.tensor(token_ids, dtype=torch.long, device=dev),
                           torch.arange(len(token_ids), device=dev), self.kv_cache, meta, None)

@@ -1,7 +1,7 @@
-"""Per-pool weight quantization through the whole cluster: an unquantized prefill pool hands its exact
+"""Quantization through the whole cluster. Per-pool weights: an unquantized prefill pool hands its exact
 KV to an int4 decode pool (the handshake admits them: quantization changes neither the weights'
-fingerprint nor the KV layout). Each actor reports how its weights are stored, and every stream
-equals the one the same pair of engines gives in process (prefill unquantized, decode int4)."""
+fingerprint nor the KV layout). An fp8 KV cache: blocks travel as stored. Each actor reports how it
+stores weights and KV, and every stream equals the one the same pair of engines gives in process."""
 from __future__ import annotations
 
 import ray
@@ -16,12 +16,11 @@ N = 4
 MAX_TOKENS = 12
 
 
-def _in_process(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
-    """The same requests one at a time through an unquantized prefill worker and an int4 decode worker."""
-    prefill, decode, _ = worker_pair(model_dir, quantization="int4")
+def _in_process(model_dir: str, prompts: list[list[int]], **pair) -> list[list[int]]:
+    """The same requests one at a time through a prefill and a decode worker (`pair`: worker_pair's options)."""
+    prefill, decode, _ = worker_pair(model_dir, **pair)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     try:
-        assert prefill.engine.quantization == "none" and decode.engine.quantization == "int4"
         out = []
         for i, prompt in enumerate(prompts):
             c, results, rid = Collector(), [], f"r{i}"
@@ -39,7 +38,7 @@ def _in_process(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
 
 def test_int4_decode_pool_serves_kv_from_an_unquantized_prefill_pool(ray_local, tiny_model_dir):
     prompts, _ = prompts_and_params(N, seed=11, max_len=120)
-    expected = _in_process(tiny_model_dir, prompts)
+    expected = _in_process(tiny_model_dir, prompts, quantization="int4")     # (the decode side's engine)
     cfg = cluster_config(tiny_model_dir, "grpc", "none", 1, 1, local_prefill_tokens=0,
                          extra={"pools.decode.quantization": "int4"})
     c = ClusterThread(cfg)
@@ -47,14 +46,38 @@ def test_int4_decode_pool_serves_kv_from_an_unquantized_prefill_pool(ray_local, 
         views = [*c.cluster.backend.pools.prefill, *c.cluster.backend.pools.decode]
         infos = [ray.get(v.client.handle.info.remote(), timeout=30) for v in views]
         assert [(i["role"], i["quantization"]) for i in infos] == [("prefill", "none"), ("decode", "int4")]
-        got = []
-        for prompt in prompts:
-            tokens = []
-            for msg in generate(c.address, token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
-                                ignore_eos=True, timeout=60):
-                tokens += msg.token_ids
-            got.append(tokens)
-        assert got == expected
+        assert _one_at_a_time(c.address, prompts) == expected
+        stats = wait_blocks_free(c.address, timeout=30)
+        assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
+    finally:
+        c.stop()
+
+
+def _one_at_a_time(address: str, prompts: list[list[int]]) -> list[list[int]]:
+    got = []
+    for prompt in prompts:
+        tokens = []
+        for msg in generate(address, token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                            ignore_eos=True, timeout=60):
+            tokens += msg.token_ids
+        got.append(tokens)
+    return got
+
+
+def test_an_fp8_kv_cache_ships_its_blocks_as_stored_through_the_cluster(ray_local, tiny_model_dir):
+    """kv_cache.dtype fp8 on every pool: the layer-wise tcp handoff carries the cells as stored (codec
+    fp8_cache, implied), and each stream equals the in-process pair with the same cache."""
+    prompts, _ = prompts_and_params(N, seed=12, max_len=120)
+    expected = _in_process(tiny_model_dir, prompts, transport="tcp", kv_cache_dtype="fp8")
+    cfg = cluster_config(tiny_model_dir, "tcp", "none", 1, 1, local_prefill_tokens=0,
+                         extra={"kv_cache.dtype": "fp8"})
+    assert cfg.transfer_codec() == "fp8_cache"
+    c = ClusterThread(cfg)
+    try:
+        views = [*c.cluster.backend.pools.prefill, *c.cluster.backend.pools.decode]
+        infos = [ray.get(v.client.handle.info.remote(), timeout=30) for v in views]
+        assert [i["kv_cache_dtype"] for i in infos] == ["fp8", "fp8"]
+        assert _one_at_a_time(c.address, prompts) == expected
         stats = wait_blocks_free(c.address, timeout=30)
         assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
     finally:

@@ -35,7 +35,7 @@ def header(**overrides) -> ChunkHeader:
 
 
 RECEIVER = {"model_fingerprint": "m", "num_layers": 2, "num_kv_heads": 1, "block_size": 4, "head_dim": 2,
-            "dtype": "float32", "codec": "none"}
+            "dtype": "float32", "cache_dtype": "auto", "codec": "none"}
 
 
 def test_header_round_trip_and_validation():
@@ -149,6 +149,15 @@ def test_int8_header_carries_token_scales_and_its_payload_size():
     fp8_sized = 4 * (2 * 3 * 2 * 1) + shape_numel          # one scale per block: too short for int8
     with pytest.raises(WireError, match=f"payload_len {fp8_sized} != {good.payload_len}"):
         validate_header(header(codec="int8", scale_layout="token", payload_len=fp8_sized), receiver)
+
+
+def test_a_cache_stored_otherwise_is_refused_naming_both():
+    stored = header(codec="fp8_cache", scale_layout="block", payload_len=2 * 3 * (2 * 1 * 4 * 2 + 4 * 2))
+    with pytest.raises(HandshakeError, match="cache_dtype: sender='fp8' receiver='auto'"):
+        validate_header(stored, RECEIVER)
+    validate_header(stored, {**RECEIVER, "cache_dtype": "fp8", "codec": "fp8_cache"})
+    with pytest.raises(HandshakeError, match="cache_dtype: sender='auto' receiver='int8'"):
+        validate_header(header(), {**RECEIVER, "cache_dtype": "int8", "codec": "int8_cache"})
 
 
 def test_a_codec_the_receiver_does_not_run_is_refused_naming_both():

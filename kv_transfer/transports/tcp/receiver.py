@@ -38,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kv_transfer.buffers import payload_pool
-from kv_transfer.codec import pin_transfer_thread
+from kv_transfer.codec import get_codec, pin_transfer_thread
 from kv_transfer.interface import TransferError
 from proto.internal_auth import InternalTLS
 from kv_transfer.layout import HandshakeError
@@ -227,7 +227,7 @@ class TcpReceiver(BaseReceiver):
         piece.deadline = time.monotonic() + min(deadline_s, self.max_deadline_s)
         set_timeout(conn, _left(piece.deadline))
         try:
-            if header.codec == "none" and self._rows is not None:
+            if get_codec(header.codec).as_stored and self._rows is not None:
                 self._receive_into_rows(conn, piece, header)
             else:
                 self._receive_staged(conn, piece, header)

@@ -150,9 +150,10 @@ class TcpSender(BaseSender):
 
     # --- chunks --------------------------------------------------------------------
     def _jobs(self, piece: KVPiece, deadline_at: float) -> list[ChunkJob]:
-        """Codec none on a contiguous CPU cache: chunks straight from the rows; otherwise the encode pipeline."""
+        """Codec none (or a quantized cache's stored cells) on a contiguous CPU cache: chunks straight from the
+        rows; otherwise the encode pipeline."""
         rows = cache_bytes(piece.kv_cache)
-        if self.codec.name != "none" or rows is None:
+        if not self.codec.as_stored or rows is None:
             return super()._jobs(piece, deadline_at)
         cell_bytes = cell_nbytes(piece.kv_cache)
         plans = piece_plans(piece, cell_bytes, self.chunk_bytes)

@@ -6,7 +6,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayoutDescription(_message.Message):
-    __slots__ = ("model_fingerprint", "num_layers", "num_kv_heads", "block_size", "head_dim", "dtype", "codec")
+    __slots__ = ("model_fingerprint", "num_layers", "num_kv_heads", "block_size", "head_dim", "dtype", "codec", "cache_dtype")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -14,6 +14,7 @@ class KVLayoutDescription(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     num_layers: int
     num_kv_heads: int
@@ -21,7 +22,8 @@ class KVLayoutDescription(_message.Message):
     head_dim: int
     dtype: str
     codec: str
-    def __init__(self, model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., block_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., codec: _Optional[str] = ...) -> None: ...
+    cache_dtype: str
+    def __init__(self, model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., block_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., codec: _Optional[str] = ..., cache_dtype: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("layout",)

@@ -1,0 +1,132 @@
+"""`kv_cache.dtype` fp8 / int8: the stored bytes follow the wire codecs' scheme, attention over the quantized
+cache equals attention over its dequantized copy (eager and compiled), and an engine serves from it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine
+from engine.args import EngineArgs
+from engine.kv_cache.kv_format import FP8_MAX, KVFormat
+from engine.model.attention import build_metadata, decode_attention, gather_kv, paged_attention
+from engine.model.attention_compiled import CompiledDecode
+from engine.sampling.params import SamplingParams
+from kv_transfer.codec import get_codec
+
+LAYERS, HEADS, BLOCK, DIM = 2, 2, 16, 32
+KINDS = ("fp8", "int8")
+
+
+def fmt(kind: str, dtype=torch.float32) -> KVFormat:
+    return KVFormat(kind, LAYERS, HEADS, BLOCK, DIM, dtype)
+
+
+def rows(n: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(n, 2, HEADS, DIM, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def write(f: KVFormat, cache: torch.Tensor, x: torch.Tensor, block: int, start: int) -> None:
+    """Rows x [n, 2, H, D] into `block` from offset `start` (one write call)."""
+    n = x.shape[0]
+    f.write(cache, x[:, 0], x[:, 1], torch.full((n,), block), torch.arange(start, start + n))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_block_written_at_once_is_the_wire_codecs_encoding(kind):
+    f, x = fmt(kind), rows(BLOCK, seed=1)
+    cache = f.allocate(4, torch.device("cpu"))[0]
+    write(f, cache, x, 2, 0)
+    data, scales = f.split(cache)
+    block = x.permute(1, 2, 0, 3)[None, None]                      # [l=1, n=1, 2, H, bs, D]
+    codec = get_codec(kind)
+    payload = torch.empty(codec.payload_nbytes(tuple(block.shape), block.dtype), dtype=torch.uint8)
+    codec.encode(block.contiguous(), payload)
+    wire_scales, wire_data = codec._split(payload, tuple(block.shape), block.dtype)
+    assert torch.equal(data[2].view(torch.uint8), wire_data[0, 0].view(torch.uint8))
+    assert torch.equal(scales[2].reshape(-1), wire_scales.reshape(-1))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_appends_follow_the_scheme_and_rows_read_back_close(kind):
+    f = fmt(kind)
+    cache = f.allocate(3, torch.device("cpu"))[0]
+    small, large = rows(5, seed=2, scale=0.5), rows(4, seed=3, scale=4.0)
+    write(f, cache, rows(BLOCK, seed=9, scale=9.0), 1, 0)       # stale rows an earlier request left
+    write(f, cache, small, 1, 0)                                  # a new block: its scale is its own rows'
+    data, scales = f.split(cache)
+    before = data[1].view(torch.uint8).clone()
+    write(f, cache, small[:2] * 0.5, 1, 5)                        # rows under the block's amax
+    if kind == "fp8":
+        assert torch.equal(scales[1, :, :, 0], small.abs().amax((0, 3)) / FP8_MAX)
+        assert torch.equal(data[1, :, :, :5].view(torch.uint8), before[:, :, :5])   # earlier bytes unchanged
+    write(f, cache, large, 1, 7)                                  # rows that raise it
+    got = f.dequantize(data[1], scales[1]).permute(2, 0, 1, 3)[:11]    # [11, 2, H, D]
+    want = torch.cat((small, small[:2] * 0.5, large))
+    if kind == "fp8":
+        assert torch.equal(scales[1, :, :, 0], want.abs().amax((0, 3)) / FP8_MAX)
+        tol = 2 * 2 ** -3 * want.abs().amax((0, 3))[None, :, :, None]      # two e4m3 roundings at most
+    else:
+        tol = want.abs().amax(-1, keepdim=True) / 127                        # one int8 step per row
+    assert ((got - want).abs() <= tol + 1e-7).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_attention_reads_the_dequantized_cache(kind, compiled):
+    """Prefill continuation and decode rows over the quantized cache equal the same attention over a
+    model-dtype cache holding its dequantized values."""
+    f = fmt(kind)
+    gen = torch.Generator().manual_seed(4)
+    cache = f.allocate(12, torch.device("cpu"))[0]
+    tables = [[3, 7, 1], [5, 2, 9, 11]]
+    lens = [40, 50]
+    for table, n in zip(tables, lens):                            # the context, written in two chunks
+        x = torch.randn(n, 2, HEADS, DIM, generator=gen)
+        pos = torch.arange(n)
+        blocks = torch.tensor(table)[pos // BLOCK]
+        for part in (slice(0, 20), slice(20, n)):
+            f.write(cache, x[part, 0], x[part, 1], blocks[part], pos[part] % BLOCK)
+    kernel = CompiledDecode(f) if compiled else None
+    q = torch.randn(3, 2 * HEADS, DIM, generator=gen)
+    k, v = (torch.randn(3, HEADS, DIM, generator=gen) for _ in range(2))
+    seqs = [(lens[0], 2, tables[0]), (lens[1], 1, tables[1])]      # a 2-token prefill chunk, one decode row
+    got = paged_attention(q, k, v, cache, build_metadata(seqs, BLOCK, q.device, kernel, kv_format=f), DIM ** -0.5)
+    # the reference reads what the quantized cache holds after this step's writes, new rows included
+    after = f.blocks(cache[None], torch.arange(12))[0]              # [NB, 2, H, bs, D] float32
+    reference = after.clone()
+    new_rows = torch.stack([after[b, :, :, o] for b, o in ((tables[0][2], 8), (tables[0][2], 9), (tables[1][3], 2))])
+    want = paged_attention(q, new_rows[:, 0], new_rows[:, 1], reference,
+                           build_metadata(seqs, BLOCK, q.device), DIM ** -0.5)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    # decode alone, through the kernel the engine uses
+    table = torch.tensor([tables[1][:3] + [0]])
+    bias = torch.zeros(1, 4 * BLOCK)
+    bias[:, lens[1] - 16:] = float("-inf")
+    qd = q[2:]
+    expect = decode_attention(qd, gather_kv(after, table), bias, DIM ** -0.5)
+    if compiled:
+        assert torch.allclose(kernel(qd, cache, table, bias, DIM ** -0.5), expect, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(decode_attention(qd, gather_kv(cache, table, f), bias, DIM ** -0.5), expect, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_engine_serves_from_a_quantized_cache(kind, tiny_model_dir):
+    auto = Engine(EngineArgs(model=tiny_model_dir, kv_cache_gib=0.01, attention="eager"))
+    quantized = Engine(EngineArgs(model=tiny_model_dir, kv_cache_gib=0.01, kv_cache_dtype=kind, attention="eager"))
+    compiled = Engine(EngineArgs(model=tiny_model_dir, kv_cache_gib=0.01, kv_cache_dtype=kind))
+    # the budget counts the smaller blocks: float32 values become one byte, plus the scales
+    ratio = quantized.block_manager.num_blocks / auto.block_manager.num_blocks
+    assert ratio == pytest.approx(auto.kv_bytes_per_block / quantized.kv_bytes_per_block, rel=0.02) and ratio > 3.5
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in (5, 16, 37)]
+    want = [c.token_ids for c in auto.generate(prompts, params)]
+    got = [c.token_ids for c in quantized.generate(prompts, params)]
+    assert [c.token_ids for c in compiled.generate(prompts, params)] == got        # eager = compiled kernel
+    agree = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y)) / sum(map(len, want))
+    assert agree >= 0.5                                            # a random model: near ties fork
+    assert quantized.block_manager.num_used_blocks == 0 or quantized.block_manager.cached     # blocks returned
+
+
+def test_flex_is_refused_for_a_quantized_cache(tiny_model_dir):
+    with pytest.raises(ValueError, match="does not read"):
+        Engine(EngineArgs(model=tiny_model_dir, kv_cache_dtype="fp8", attention="flex-eager"))
