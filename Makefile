@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	else \
 	  $(BIN)/python -m pip install -q torch==2.13.0; \
 	fi
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,nixl]'   # nixl after the torch pin: it then pulls no CUDA
 	touch $(STAMP)
 
 install: $(STAMP)

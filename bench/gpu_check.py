@@ -9,13 +9,16 @@ its peer:
 - a 1P+1D cluster on this one GPU (half a GPU per actor, KV budget from the device) over grpc with
   codec none (tokens equal to a colocated cluster's, exactly) and fp8 (agreement reported);
   float32, so the comparison tests the KV path, not bf16's batch-shape rounding;
-- KV transfer GPU→GPU through the grpc transport vs a device-to-device copy of the same bytes;
+- KV transfer GPU→GPU through the grpc transport vs a device-to-device copy of the same bytes, and through
+  the nixl transport (one-sided READ between the registered device caches; skipped without the library);
 - the engine's decode step bytes/s vs the device's memory bandwidth, and its prefill FLOP/s vs the
   device's bf16 matmul peak (both measured here; the datasheet figure too for GPUs it knows);
 - the flex paged attention kernel and the decode CUDA graphs vs the eager path: tokens equal and
   logprobs in float32, then decode step and prefill times side by side;
 - int8 / int4 weight-only projections: each path (tinygemm int4, the dequantize + GEMM path) against
   its dequantized weight in float32, then the ~1B model's decode step at batch 1 and 64 beside bf16;
+- the fp8 / int8 KV cache: decode attention over it against its dequantized copy in float32, then the
+  ~1B model's decode step at DECODE_POINT and its block count beside the bf16 cache;
 - the CUDA tests (tests/gpu) through pytest.
 
 Without CUDA it prints ``gpu-check skipped: no CUDA device`` and exits 0. ``--json PATH`` also
@@ -303,6 +306,50 @@ def check_transfer(payload_mib: int) -> list[Row]:
     return rows
 
 
+def check_nixl_transfer(payload_mib: int, ucx_tls: str = "tcp,cuda_copy,cuda_ipc") -> list[Row]:
+    """nixl device to device: both caches registered as device memory, the decode side READs (codec none:
+    cache cells straight into cache cells; fp8: device staging slots). One row per codec, or one skipped."""
+    from kv_transfer import KVLayout, KVPiece, SimpleBlockPool, TransferStatus, make_receiver, make_sender
+    from kv_transfer.transports.nixl.agent import available
+    reason = available()
+    if reason is not None:
+        return [Row("KV transfer GPU→GPU nixl", "skipped", reason[:200])]
+    layout = KVLayout(num_layers=16, num_kv_heads=8, block_size=16, head_dim=128, dtype=torch.bfloat16,
+                      model_fingerprint="gpu-check")
+    blocks = max(1, payload_mib * MIB // layout.block_nbytes)
+    src = torch.randn(layout.cache_shape(blocks + 1), device=DEVICE).to(torch.bfloat16)
+    ids = list(range(1, blocks + 1))
+    nbytes = blocks * layout.block_nbytes
+    copy_rate = gbps(src.numel() * src.element_size(), copy_seconds(src))
+    rows = []
+    for codec in ("none", "fp8"):
+        pool = SimpleBlockPool(blocks + 1)
+        dst = torch.zeros_like(src)
+        receiver = make_receiver("nixl", layout, dst, pool, lambda r, pool=pool: pool.free(r.dst_block_ids)
+                                 if r.status == TransferStatus.DONE else None, codec=codec, token="gpu-check",
+                                 ucx_tls=ucx_tls)
+        sender = make_sender("nixl", layout, src.device, kv_cache=src, codec=codec, token="gpu-check",
+                             ucx_tls=ucx_tls)
+        try:
+            times = []
+            for rep in range(4):                                    # the first one warms up
+                handle = sender.send(KVPiece(f"r{rep}", src, ids, deadline_s=120), receiver.endpoint)
+                if handle.wait(120) != TransferStatus.DONE:
+                    raise RuntimeError(f"transfer failed: {handle}")
+                times.append(handle.elapsed_s)
+            seconds = min(times[1:])
+            exact = codec != "none" or torch.equal(dst[:, :blocks], src[:, 1:])   # the last DONE took blocks 0..n-1
+        finally:
+            sender.close()
+            receiver.close()
+        rate = gbps(nbytes, seconds)
+        rows.append(Row(f"KV transfer GPU→GPU nixl {codec}", "info" if exact else "FAIL",
+                        f"{rate:.2f} GB/s ({nbytes / MIB:.0f} MiB)",
+                        f"device copy {copy_rate:.1f} GB/s, UCX_TLS {ucx_tls}",
+                        {"gb_per_s": rate, "copy_gb_per_s": copy_rate, "bytes": nbytes, "exact": exact}))
+    return rows
+
+
 def check_speed(model_dir: str, peaks: dict) -> list[Row]:
     from engine import Engine, EngineArgs
     from engine.profile import measure_decode, measure_prefill
@@ -452,6 +499,58 @@ def check_quantized(perf_model_dir: str) -> list[Row]:
     return rows
 
 
+def check_kv_cache_dtype(perf_model_dir: str) -> list[Row]:
+    """The fp8 / int8 KV cache on the device: decode attention over the quantized cache (the gather path that
+    dequantizes what it reads) against the same attention over its dequantized copy in float32; then the ~1B
+    model's decode step at DECODE_POINT and the blocks its budget holds, beside the bf16 cache."""
+    from engine import Engine, EngineArgs
+    from engine.kv_cache.kv_format import KVFormat
+    from engine.model.attention import decode_attention, gather_kv
+    from engine.profile import measure_decode
+    device = torch.device(DEVICE)
+    g = torch.Generator().manual_seed(12)
+    heads, kv_heads, block, dim, seqs, width = 16, 4, 16, 128, 8, 16
+    rows = []
+    for kind in ("fp8", "int8"):
+        fmt = KVFormat(kind, 1, kv_heads, block, dim, torch.bfloat16)
+        cache = fmt.allocate(seqs * width, device)[0]
+        kv = torch.randn(seqs * width * block, 2, kv_heads, dim, generator=g).to(device, torch.bfloat16)
+        slots = torch.arange(seqs * width * block, device=device)
+        fmt.write(cache, kv[:, 0], kv[:, 1], slots // block, slots % block)
+        tables = torch.arange(seqs * width, device=device).view(seqs, width)
+        bias = torch.zeros(seqs, width * block, device=device)
+        q = torch.randn(seqs, heads, dim, generator=g).to(device)
+        reference = KVFormat(kind, 1, kv_heads, block, dim, torch.float32).blocks(cache[None], tables.reshape(-1))[0]
+        with torch.inference_mode():
+            got = decode_attention(q.to(torch.bfloat16), gather_kv(cache, tables, fmt), bias, dim ** -0.5).float()
+            want = decode_attention(q, reference.view(seqs, width, 2, kv_heads, block, dim).permute(2, 3, 0, 1, 4, 5)
+                                    .reshape(2, kv_heads, seqs, width * block, dim), bias, dim ** -0.5)
+        err = float((got - want).abs().max() / want.abs().max())
+        rows.append(Row(f"{kind} KV cache attention vs dequantized", "ok" if err <= QUANT_RTOL else "FAIL",
+                        f"{err:.1e}", "bf16 query, float32 reference", {"rel_err": err}))
+    (batch, context) = DECODE_POINT
+    figures = {}
+    for kind in ("auto", "fp8", "int8"):
+        sizing = {"kv_memory_fraction": 0.5} if DEVICE == "cuda" else {"num_blocks": FLEX_NUM_BLOCKS}
+        engine = Engine(EngineArgs(perf_model_dir, dtype="bfloat16", device=DEVICE, block_size=16, **sizing,
+                                   max_num_seqs=batch, kv_cache_dtype=kind))
+        point = measure_decode(engine, batch=batch, context=context, repeats=5) or {}
+        figures[kind] = {"seconds": point.get("seconds"), "blocks": engine.block_manager.num_blocks,
+                         "attention": engine.attention}
+        del engine
+        _release()
+    base = figures["auto"]
+    for kind in ("fp8", "int8"):
+        ours = figures[kind]
+        step = (f"{ours['seconds'] * 1e3:.2f} ms ({ours['seconds'] / base['seconds']:.2f}x)"
+                if ours["seconds"] and base["seconds"] else "did not fit")
+        rows.append(Row(f"decode step {kind} KV cache ({batch} × {context} ctx)", "info",
+                        f"{step}, {ours['blocks']} blocks ({ours['blocks'] / base['blocks']:.2f}x)",
+                        f"bf16 cache {base['seconds'] * 1e3:.2f} ms, {base['blocks']} blocks" if base["seconds"] else
+                        f"bf16 cache {base['blocks']} blocks", {**ours, "bf16": base}))
+    return rows
+
+
 def check_gpu_tests(timeout_s: float) -> list[Row]:
     if not os.path.isdir(os.path.join(ROOT, "tests", "gpu")):
         return [Row("tests/gpu", "skipped", "no tests/gpu folder")]
@@ -501,7 +600,9 @@ def run_checks(args) -> tuple[list[Row], dict]:
         ("speed", lambda: check_speed(args.perf_model or perf_model_dir(), peaks)),
         ("flex kernel", lambda: check_flex(model_dir, args.perf_model or perf_model_dir())),
         ("quantized weights", lambda: check_quantized(args.perf_model or perf_model_dir())),
+        ("quantized KV cache", lambda: check_kv_cache_dtype(args.perf_model or perf_model_dir())),
         ("KV transfer", lambda: check_transfer(TRANSFER_MIB)),
+        ("KV transfer nixl", lambda: check_nixl_transfer(TRANSFER_MIB)),
         ("1P+1D cluster", lambda: check_cluster(model_dir, 16)),
         ("tests/gpu", lambda: check_gpu_tests(left())),
     ]

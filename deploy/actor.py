@@ -109,7 +109,7 @@ class ServingActor:
         self.incarnation = uuid.uuid4().hex     # changes when Ray restarts the actor
         release_gil_in_compiled_kernels()       # compiled CPU kernels then leave the other threads running
         self.engine = Engine(engine_args)
-        self.layout = layout_of(self.engine.kv_cache, self.engine.fingerprint)
+        self.layout = layout_of(self.engine.kv_cache, self.engine.fingerprint, self.engine.kv_format)
         self.codec = transfer.codec if transfer is not None else "none"
         if transfer is not None:
             get_codec(transfer.codec).prepare(self.engine.kv_cache)     # both sides' kernels, once
@@ -136,8 +136,8 @@ class ServingActor:
             sched.max_num_seqs, sched.max_num_batched_tokens = limits.max_num_seqs, limits.max_num_batched_tokens
             sched.chunk_size = limits.chunk_size
         if role == "prefill":
-            return PrefillWorker(engine, make_sender(transfer, layout, engine.device), self.actor_id,
-                                 layerwise=transfer.layerwise)
+            return PrefillWorker(engine, make_sender(transfer, layout, engine.device, kv_cache=engine.kv_cache),
+                                 self.actor_id, layerwise=transfer.layerwise)
         if role == "decode":
             return DecodeWorker(engine, lambda on_complete: make_receiver(
                 transfer, layout, engine.kv_cache, engine.block_manager, on_complete), self.actor_id)
@@ -225,7 +225,7 @@ class ServingActor:
                 "stream_endpoint": self.stream.endpoint, "layout": self.layout.describe(self.codec),
                 "kv_blocks_total": self.engine.block_manager.num_blocks, "block_size": self.engine.block_size,
                 "max_model_len": self.engine.max_model_len, "num_flips": self.num_flips,
-                "quantization": self.engine.quantization}
+                "quantization": self.engine.quantization, "kv_cache_dtype": self.engine.kv_format.kind}
 
     def _streams_tokens(self) -> bool:
         """A decode or colocated role, now or after a flip, streams tokens: a fixed prefill actor never does."""

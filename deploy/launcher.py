@@ -22,11 +22,13 @@ from deploy.config import ConfigError, PDServeConfig
 from deploy.placement import cpu_scale, scaled_cpus, wait_placed
 from engine.args import EngineArgs
 from engine.engine import pick_dtype
+from engine.kv_cache.kv_format import KVFormat
 from engine.model.config import ModelConfig
 from engine.model.presets import resolve_model
 from engine.sampling.generation_config import GenerationConfig
 from engine.tokenizer import Tokenizer
 from kv_transfer import HandshakeError, TransferSettings, check_compatible
+from kv_transfer.settings import NixlOptions
 from proto.internal_auth import internal_secret
 from router.pools import DecodeView, Pools, PrefillView
 
@@ -102,8 +104,9 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str, mcfg: ModelConfig
     mcfg = mcfg or ModelConfig.from_dir(model_dir)
     dtype = cfg.model.dtype
     device = torch.device("cuda" if p.resources.num_gpus else "cpu")
-    per_block = mcfg.kv_bytes_per_token(pick_dtype(dtype, device).itemsize) * kv.block_size
-    num_blocks = kv.resolve_num_blocks(per_block, CPU_KV_DEFAULT_BYTES)
+    kv_format = KVFormat(kv.dtype, mcfg.num_hidden_layers, mcfg.num_key_value_heads, kv.block_size, mcfg.head_dim,
+                         pick_dtype(dtype, device))
+    num_blocks = kv.resolve_num_blocks(kv_format.bytes_per_block, CPU_KV_DEFAULT_BYTES)
     quantization, group_size, key = cfg.pool_quantization(pool)
     if quantization == "int8" and mcfg.quantization is not None:
         raise ConfigError(f"{key}: int8 cannot apply to {model_dir}, a 4-bit {mcfg.quantization.method} "
@@ -113,7 +116,7 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str, mcfg: ModelConfig
                       attention=cfg.model.attention,
                       weight_layout=cfg.model.weight_layout if device.type == "cpu" else "auto",
                       quantization=quantization, quantization_group_size=group_size,
-                      quantize_lm_head=cfg.model.quantize_lm_head)
+                      quantize_lm_head=cfg.model.quantize_lm_head, kv_cache_dtype=kv.dtype)
     if device.type == "cuda":
         args.kv_memory_fraction = kv.device_fraction()
     if pool == "prefill":
@@ -157,8 +160,9 @@ def role_engine_args(cfg: PDServeConfig, model_dir: str, mcfg: ModelConfig | Non
 def transfer_settings(cfg: PDServeConfig, cluster_token: str, bind_host: str) -> TransferSettings:
     """The actors' transfer settings: they carry the secret derived from the token, never the token."""
     t = cfg.kv_transfer
-    return TransferSettings(t.transport, t.compression, internal_secret(cluster_token), t.chunk_bytes, t.deadline_s,
-                            bind_host, cfg.security.internal_tls(), layerwise=t.layerwise)
+    nixl = NixlOptions(t.nixl.mode, t.nixl.ucx_tls, t.nixl.backend, t.nixl.staging_bytes)
+    return TransferSettings(t.transport, cfg.transfer_codec(), internal_secret(cluster_token), t.chunk_bytes,
+                            t.deadline_s, bind_host, cfg.security.internal_tls(), layerwise=t.layerwise, nixl=nixl)
 
 
 def _actor_options(cfg: PDServeConfig, pool: str, name: str, cpu_fraction: float = 1.0) -> dict:

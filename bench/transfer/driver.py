@@ -9,6 +9,9 @@ GB/s and a raw TCP socket's GB/s between two processes on each link.
 Links: ``loopback`` and, when run as root with iproute2, two network
 namespaces joined by a veth pair shaped by ``tc`` to 10 Gbit/s and 1 Gbit/s
 (built and removed by the bench). Ray runs on loopback only (same node).
+Transports ``nixl`` (pull, the default mode) and ``nixl-push``: UCX_TLS is
+``--nixl-tls`` (default tcp,shm) on loopback and tcp on the shaped links, whose
+two namespaces share one host's memory (shm would bypass the link).
 Sender and receiver are separate processes (Ray actors for ``ray``). Times
 are the best of ``--reps`` (default 8, 5 with ``--quick``) after a warm-up send. GB/s = 1e9 bytes/s.
 """
@@ -26,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from bench.transfer import netns
-from bench.transfer.peer import LAYOUT, MIB, num_blocks_for
+from bench.transfer.peer import LAYOUT, MIB, layout_for, num_blocks_for, random_cache
 from kv_transfer import DEFAULT_CHUNK_BYTES, KVPiece, codec_compiled, get_codec
 from kv_transfer.buffers import scratch_pool
 from kv_transfer.chunker import encode_jobs, pipeline
@@ -55,8 +58,8 @@ def codec_gbps(codec_name: str, payload_mib: float, reps: int = 3, workers: int 
     pipeline and the receiver's decode pool; the table uses one (the
     senders' default), the extra line two.
     """
-    codec, num_blocks = get_codec(codec_name), num_blocks_for(payload_mib)
-    cache = torch.randn(LAYOUT.cache_shape(num_blocks)).to(LAYOUT.dtype)
+    codec, num_blocks, layout = get_codec(codec_name), num_blocks_for(payload_mib), layout_for(codec_name)
+    cache = random_cache(layout, num_blocks)
     dst = torch.zeros_like(cache)
     codec.prepare(cache)
     codec_compiled.wait_ready()
@@ -67,7 +70,7 @@ def codec_gbps(codec_name: str, payload_mib: float, reps: int = 3, workers: int 
 
     def jobs():
         piece = KVPiece("b", cache, ids, transfer_id="b").resolved(LAYOUT.num_layers)
-        return encode_jobs(piece, LAYOUT, codec, time.monotonic() + 60, DEFAULT_CHUNK_BYTES)
+        return encode_jobs(piece, layout, codec, time.monotonic() + 60, DEFAULT_CHUNK_BYTES)
 
     def decode(item) -> None:
         pin_transfer_thread()
@@ -128,13 +131,25 @@ def _sides(link):
     return link.exec_prefix("b"), link.exec_prefix("a"), link.address("b"), link.device("b"), link.device("a")
 
 
-def run_pair(link, transport: str, codec: str, payloads: list[float], reps: int) -> list[dict]:
+def nixl_args(transport: str, link, nixl_tls: str) -> list[str]:
+    """The peers' nixl flags of a ``nixl`` / ``nixl-push`` row (none for other transports)."""
+    if not transport.startswith("nixl"):
+        return []
+    mode = "push" if transport == "nixl-push" else "pull"
+    return ["--nixl-mode", mode, "--ucx-tls", nixl_tls if link is None else "tcp"]
+
+
+def run_pair(link, transport: str, codec: str, payloads: list[float], reps: int, nixl_tls: str = "tcp,shm"
+             ) -> list[dict]:
     recv_prefix, send_prefix, host, recv_dev, send_dev = _sides(link)
-    common = ["--transport", transport, "--codec", codec, "--token", TOKEN, "--payloads", ",".join(map(str, payloads))]
+    common = ["--transport", transport.split("-")[0], "--codec", codec, "--token", TOKEN,
+              "--payloads", ",".join(map(str, payloads)), *nixl_args(transport, link, nixl_tls)]
     receiver = _spawn(recv_prefix, ["recv", "--host", host, *common], _env(recv_dev))
     try:
         dest = _ready(receiver)
-        command = [sys.executable, "-m", PEER, "send", "--dest", dest, "--reps", str(reps), *common]
+        send_host = "127.0.0.1" if link is None else link.address("a")
+        command = [sys.executable, "-m", PEER, "send", "--dest", dest, "--reps", str(reps), "--host", send_host,
+                   *common]
         out = subprocess.run(send_prefix + command, cwd=ROOT, env=_env(send_dev), capture_output=True, text=True,
                              timeout=600)
         if out.returncode != 0:
@@ -190,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--quick", action="store_true", help="1 and 16 MiB, fewer reps, no ray")
     parser.add_argument("--reps", type=int, help="timed sends per figure, best taken (default 8; 5 with --quick)")
-    parser.add_argument("--transports", default="grpc,tcp,torch,ray")
+    parser.add_argument("--transports", default="grpc,tcp,torch,ray,nixl",
+                        help="comma-separated: grpc, tcp, torch, ray, nixl (pull), nixl-push")
+    parser.add_argument("--nixl-tls", default="tcp,shm", help="UCX_TLS of the nixl rows on loopback")
     parser.add_argument("--codecs", default="none,fp8")
     parser.add_argument("--links", default="loopback,10gbit,1gbit")
     args = parser.parse_args(argv)
@@ -201,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     transports = [t for t in args.transports.split(",") if not (args.quick and t == "ray")]
     codecs, links = args.codecs.split(","), args.links.split(",")
     notes: list[str] = []
+    if any(t.startswith("nixl") for t in transports):
+        notes.append(f"nixl rows: UCX_TLS={args.nixl_tls} on loopback, tcp on the shaped links; "
+                     f"nixl = pull mode, nixl-push = push mode")
     codec_speed = {(c, p): codec_gbps(c, p, reps) for c in codecs for p in payloads}
     two_threads = {f"{c}_{p:g}MiB": [round(v, 3) for v in codec_gbps(c, p, reps, workers=2)]
                    for c in codecs for p in payloads}
@@ -219,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                     if transport == "ray":
                         rows = run_ray(codec, payloads, reps)
                     else:
-                        rows = run_pair(link, transport, codec, payloads, reps)
+                        rows = run_pair(link, transport, codec, payloads, reps, args.nixl_tls)
                 except Exception as exc:
                     notes.append(f"{link_name} {transport} {codec}: failed: {exc}")
                     continue

@@ -4,6 +4,7 @@
         prints "READY <endpoint>", serves until stdin closes; frees blocks on DONE
     python -m bench.transfer.peer send --transport grpc --codec fp8 --dest E --token T --payloads 1,16 --reps 3
         prints one JSON line per payload: {"payload_mib", "seconds", "wire_bytes"}
+    (nixl, both roles: --nixl-mode pull|push --ucx-tls tcp,shm; the sender's --host picks its UCX interface)
     python -m bench.transfer.peer sock-recv --host H   /   sock-send --dest H:P --mib 128 --reps 3 [--plain]
         the raw TCP socket baseline between two processes (tuned, or the textbook loop)
 
@@ -19,11 +20,13 @@ import json
 import socket
 import struct
 import sys
+import dataclasses
 import time
 
 import torch
 
 from kv_transfer import KVLayout, KVPiece, SimpleBlockPool, TransferStatus, codec_compiled, make_receiver, make_sender
+from kv_transfer.codec import cache_dtype_of, get_codec
 
 LAYOUT = KVLayout(num_layers=16, num_kv_heads=4, block_size=16, head_dim=64, dtype=torch.bfloat16,
                   model_fingerprint="bench")
@@ -31,16 +34,37 @@ MIB = 1 << 20
 
 
 def num_blocks_for(payload_mib: float) -> int:
+    """Blocks of `payload_mib` MiB of bfloat16 KV (a quantized cache sends the same blocks, stored smaller)."""
     return max(1, int(payload_mib * MIB) // LAYOUT.block_nbytes)
 
 
+def layout_for(codec: str) -> KVLayout:
+    """The layout of the cache `codec` ships from: a quantized cache's for `fp8_cache` / `int8_cache`."""
+    kind = cache_dtype_of(codec)
+    return LAYOUT if kind == "auto" else dataclasses.replace(LAYOUT, cache_dtype=kind)
+
+
+def random_cache(layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    """Roughly unit-normal KV with a few outliers, like real keys and values (a quantized cache: those rows as
+    it stores them)."""
+    values = torch.randn(LAYOUT.cache_shape(num_blocks)).to(LAYOUT.dtype)
+    if not layout.quantized:
+        return values
+    cells = torch.empty(layout.cache_shape(num_blocks), dtype=torch.uint8)
+    get_codec(f"{layout.cache_dtype}_cache").encode(values, cells.view(-1))
+    return cells
+
+
 class RecvPeer:
-    def __init__(self, transport: str, codec: str, host: str, token: str, max_mib: int = 128) -> None:
+    def __init__(self, transport: str, codec: str, host: str, token: str, max_mib: int = 128,
+                 options: dict | None = None) -> None:
         num_blocks = num_blocks_for(max_mib) + 8
+        layout = layout_for(codec)
         self.pool = SimpleBlockPool(num_blocks)
-        self.cache = torch.zeros(LAYOUT.cache_shape(num_blocks), dtype=LAYOUT.dtype)
-        kwargs = {"host": host} if transport in ("grpc", "tcp", "torch") else {}
-        self.receiver = make_receiver(transport, LAYOUT, self.cache, self.pool, self._done, codec=codec, token=token,
+        self.cache = torch.zeros(layout.cache_shape(num_blocks), dtype=layout.storage_dtype)
+        kwargs = {"host": host} if transport in ("grpc", "tcp", "torch", "nixl") else {}
+        kwargs.update(options or {})
+        self.receiver = make_receiver(transport, layout, self.cache, self.pool, self._done, codec=codec, token=token,
                                       **kwargs)
         codec_compiled.wait_ready()  # the receiver started its kernel build: measure the warm codec
 
@@ -56,15 +80,15 @@ class RecvPeer:
 
 
 class SendPeer:
-    def __init__(self, transport: str, codec: str, token: str) -> None:
-        self.sender = make_sender(transport, LAYOUT, codec=codec, token=token, max_workers=2)
+    def __init__(self, transport: str, codec: str, token: str, options: dict | None = None) -> None:
+        self.layout = layout_for(codec)
+        self.sender = make_sender(transport, self.layout, codec=codec, token=token, max_workers=2, **(options or {}))
 
     def run(self, dest: str, payloads: list[float], reps: int) -> list[dict]:
         records = []
         for payload_mib in payloads:
             num_blocks = num_blocks_for(payload_mib)
-            # roughly unit-normal KV with a few outliers, like real keys and values
-            cache = torch.randn(LAYOUT.cache_shape(num_blocks + 2)).to(LAYOUT.dtype)
+            cache = random_cache(self.layout, num_blocks + 2)
             self.sender.codec.prepare(cache)
             codec_compiled.wait_ready()  # measure the codec a serving process runs once warm
             block_ids = list(range(1, num_blocks + 1))
@@ -135,19 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--mib", type=int, default=128)
     parser.add_argument("--plain", action="store_true", help="sock-*: the untuned textbook socket loop")
+    parser.add_argument("--nixl-mode", default="pull", choices=["pull", "push"])
+    parser.add_argument("--ucx-tls", default="tcp,shm")
     args = parser.parse_args(argv)
+    options = {"mode": args.nixl_mode, "ucx_tls": args.ucx_tls} if args.transport == "nixl" else {}
     if args.role == "sock-recv":
         sock_recv(args.host, args.plain)
     elif args.role == "sock-send":
         print(json.dumps({"socket_gbps": sock_send(args.dest, args.mib, args.reps, args.plain)}), flush=True)
     elif args.role == "recv":
         max_mib = max(int(float(p)) for p in args.payloads.split(","))
-        peer = RecvPeer(args.transport, args.codec, args.host, args.token, max_mib)
+        peer = RecvPeer(args.transport, args.codec, args.host, args.token, max_mib, options)
         print(f"READY {peer.endpoint()}", flush=True)
         sys.stdin.read()  # serve until the parent closes our stdin
         peer.close()
     else:
-        peer = SendPeer(args.transport, args.codec, args.token)
+        peer = SendPeer(args.transport, args.codec, args.token, {**options, "host": args.host} if options else None)
         for record in peer.run(args.dest, [float(p) for p in args.payloads.split(",")], args.reps):
             print(json.dumps(record), flush=True)
         peer.close()

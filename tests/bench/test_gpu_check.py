@@ -125,15 +125,26 @@ def test_quantized_check_runs_on_cpu(on_cpu, monkeypatch):
     assert all(r.data["seconds"] > 0 and r.data["bf16"] > 0 for r in rows[2:])
 
 
+def test_kv_cache_dtype_check_runs_on_cpu(on_cpu, monkeypatch):
+    """Attention over each quantized cache within tolerance of its dequantized copy; a decode row per dtype."""
+    from engine.model.presets import resolve_model
+    monkeypatch.setattr(gpu_check, "FLEX_NUM_BLOCKS", 48)
+    rows = gpu_check.check_kv_cache_dtype(resolve_model("tiny"))
+    assert [r.check for r in rows] == [*(f"{k} KV cache attention vs dequantized" for k in ("fp8", "int8")),
+                                       *(f"decode step {k} KV cache (4 × 64 ctx)" for k in ("fp8", "int8"))]
+    assert rows[0].status == rows[1].status == "ok", rows[:2]
+    assert all(r.data["seconds"] > 0 and r.data["bf16"]["seconds"] > 0 for r in rows[2:])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the driver")
 def test_a_failing_check_is_a_row(on_cpu, monkeypatch):
     """run_checks never stops at a failing check: it becomes an error row, the rest still run."""
     def broken(*_):
         raise RuntimeError("no such thing")
     for name in ("device_peaks", "check_engine_vs_hf", "check_speed", "check_flex", "check_quantized",
-                 "check_transfer", "check_cluster", "check_gpu_tests"):
+                 "check_kv_cache_dtype", "check_transfer", "check_nixl_transfer", "check_cluster", "check_gpu_tests"):
         monkeypatch.setattr(gpu_check, name, broken)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "stub")
     rows, info = gpu_check.run_checks(gpu_check.build_parser().parse_args(["--model", "tiny", "--perf-model", "x"]))
-    assert [r.status for r in rows] == ["error"] * 8
+    assert [r.status for r in rows] == ["error"] * 10
     assert rows[0].figure == "RuntimeError: no such thing" and info["device"] == "stub"

@@ -43,11 +43,15 @@ def _run(cfg, prompts, params):
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("transport,n", [("grpc", 1), ("grpc", 2), ("tcp", 1), ("torch", 1), ("torch", 2), ("ray", 1),
-                                         ("ray", 2)])
-def test_disaggregated_equals_colocated(ray_local, tiny_model_dir, reference, transport, n):
+@pytest.mark.parametrize("transport,n,layerwise", [
+    ("grpc", 1, True), ("grpc", 2, True), ("tcp", 1, True), ("torch", 1, True), ("torch", 2, True), ("ray", 1, True),
+    ("ray", 2, True), ("nixl", 1, True), ("nixl", 1, False)])
+def test_disaggregated_equals_colocated(ray_local, tiny_model_dir, reference, transport, n, layerwise):
+    if transport == "nixl":
+        _skip_without_nixl()
     prompts, params = prompts_and_params(32, seed=11)
-    replies, stats = _run(cluster_config(tiny_model_dir, transport, "none", n, n), prompts, params)
+    cfg = cluster_config(tiny_model_dir, transport, "none", n, n, extra={"kv_transfer.layerwise": layerwise})
+    replies, stats = _run(cfg, prompts, params)
     expected = reference(prompts, params)
     for i, msgs in enumerate(replies):
         assert [t for m in msgs for t in m.token_ids] == expected[i], f"request {i}"
@@ -55,6 +59,13 @@ def test_disaggregated_equals_colocated(ray_local, tiny_model_dir, reference, tr
         assert msgs[-1].usage.completion_tokens == len(expected[i])
     assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
     assert len(stats.actors) == 2 * n
+
+
+def _skip_without_nixl() -> None:
+    from kv_transfer.transports.nixl.agent import available
+    reason = available()
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def test_compiled_decode_attention_in_the_cluster(ray_local, tiny_model_dir, reference):

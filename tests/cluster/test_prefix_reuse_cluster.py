@@ -1,4 +1,4 @@
-"""Decode-side prefix reuse through the whole service on local Ray (ray transport, codec none): a
+"""Decode-side prefix reuse through the whole service on local Ray (ray and nixl transports, codec none): a
 multi-turn conversation (turn k's prompt = turn k-1's prompt + answer + new user text) streams the
 colocated engine's tokens; from turn 2 the KV shipped is exactly the blocks the decode actor lacks."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import grpc
+import pytest
 import torch
 
 from bench.serving.cluster import free_port
@@ -40,9 +41,14 @@ async def _kv_bytes_after(url: str, expected: float, timeout: float = 10.0) -> f
         await asyncio.sleep(0.05)
 
 
-def test_multi_turn_conversation_ships_only_new_blocks(ray_local, tiny_model_dir, reference):
+@pytest.mark.parametrize("transport", ["ray", "nixl"])
+def test_multi_turn_conversation_ships_only_new_blocks(ray_local, tiny_model_dir, reference, transport):
+    if transport == "nixl":
+        from kv_transfer.transports.nixl.agent import available
+        if available() is not None:
+            pytest.skip(available())
     block_bytes = ModelConfig.from_dir(tiny_model_dir).kv_bytes_per_token(4) * BLOCK_SIZE   # float32
-    cfg = cluster_config(tiny_model_dir, "ray", "none")
+    cfg = cluster_config(tiny_model_dir, transport, "none")
     cfg.server.metrics_port = free_port()
     url = f"http://127.0.0.1:{cfg.server.metrics_port}/metrics"
     g = torch.Generator().manual_seed(21)

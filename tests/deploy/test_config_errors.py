@@ -39,7 +39,7 @@ BAD_CONFIGS = [
     ("unknown-model", "model: {name: no-such-model}\n", "model.name",
      "'no-such-model' is neither a preset (pydoc, tiny, small) nor a model directory"),
     ("bad-enum-transport", "kv_transfer: {transport: udp}\n", "kv_transfer.transport",
-     "unknown value 'udp' (allowed: grpc, tcp, torch, ray)"),
+     "unknown value 'udp' (allowed: grpc, tcp, torch, ray, nixl)"),
     ("bad-enum-compression", "kv_transfer: {compression: int4}\n", "kv_transfer.compression",
      "unknown value 'int4' (allowed: fp8, int8, none)"),
     ("bad-enum-dtype", "model: {dtype: float16}\n", "model.dtype",
