@@ -29,16 +29,9 @@ def paged_decode(q: torch.Tensor, layer_cache: torch.Tensor, tables: torch.Tenso
                  scale: float) -> torch.Tensor:
     """q: [B, Hkv, g, D]; layer_cache: [NB, 2, Hkv, bs, D]; tables: [B, nb]; bias: [B, nb * bs] float32
     (0, or -inf past a sequence's length) -> [B, Hkv, g, D] in q's dtype. Math in float32."""
-    num_seqs, num_kv_heads, group, dim = q.shape
-    width, block_size = tables.shape[1], layer_cache.shape[3]
     keys = layer_cache[tables, 0].float()                   # [B, nb, Hkv, bs, D] (fused into the loops below)
     values = layer_cache[tables, 1].float()
-    scores = (q.float()[:, None, :, :, None, :] * keys[:, :, :, None, :, :]).sum(-1)   # [B, nb, Hkv, g, bs]
-    scores = scores.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group, width * block_size)
-    probs = torch.softmax(scores * scale + bias[:, None, None, :], dim=-1)
-    probs = probs.view(num_seqs, num_kv_heads, group, width, block_size).permute(0, 3, 1, 2, 4)
-    out = (probs[..., None] * values[:, :, :, None, :, :]).sum(dim=(1, 4))          # [B, Hkv, g, D]
-    return out.to(q.dtype)
+    return _attend(q, keys, values, bias, scale)
 
 
 def paged_decode_quantized(q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, tables: torch.Tensor,
@@ -46,14 +39,21 @@ def paged_decode_quantized(q: torch.Tensor, data: torch.Tensor, scales: torch.Te
     """`paged_decode` over a quantized cache (engine.kv_cache.kv_format): data [NB, 2, Hkv, bs, D] int8 (fp8
     values viewed as int8 when `fp8`), scales [NB, 2, Hkv, S] float32 (S = 1 or bs); each row is dequantized
     in the loops that read it (fp8 by bit moves: `fp8_bits_to_float`)."""
-    num_seqs, num_kv_heads, group, dim = q.shape
-    width, block_size = tables.shape[1], data.shape[3]
     if fp8:
         keys = fp8_bits_to_float(data[tables, 0]) * (scales[tables, 0] * FP8_BIT_SCALE)[..., None]
         values = fp8_bits_to_float(data[tables, 1]) * (scales[tables, 1] * FP8_BIT_SCALE)[..., None]
     else:
         keys = data[tables, 0].float() * scales[tables, 0][..., None]          # [B, nb, Hkv, bs, D]
         values = data[tables, 1].float() * scales[tables, 1][..., None]
+    return _attend(q, keys, values, bias, scale)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """The two products and the softmax over K/V [B, nb, Hkv, bs, D] float32 (still lazy: Inductor fuses
+    their loads into these loops)."""
+    num_seqs, num_kv_heads, group, dim = q.shape
+    width, block_size = keys.shape[1], keys.shape[3]
     scores = (q.float()[:, None, :, :, None, :] * keys[:, :, :, None, :, :]).sum(-1)   # [B, nb, Hkv, g, bs]
     scores = scores.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group, width * block_size)
     probs = torch.softmax(scores * scale + bias[:, None, None, :], dim=-1)
