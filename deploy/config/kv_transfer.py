@@ -34,9 +34,9 @@ class NixlSection(Section):
         "on one node, TCP between nodes), tcp (TCP only), rc,cuda_copy (RDMA between GPU nodes); cuda_copy is "
         "added for a CUDA cache.")
     mode: Literal["pull", "push"] = Field(
-        "pull", description="pull: the decode actor READs the blocks (it alone writes into its cache); push: "
-        "the prefill actor WRITEs them where the decode actor says (faster where a READ is emulated: TCP "
-        "links above ~10 Gbit/s). docs/kv-transfer.md has the figures.")
+        "pull", description="pull: the decode actor READs the blocks (it alone writes into its cache; ahead on "
+        "small pieces, level on large ones); push: the prefill actor WRITEs them where the decode actor says (for "
+        "fabrics where a READ is emulated and a WRITE is not). docs/kv-transfer.md has the figures.")
     staging_bytes: Annotated[Int, BeforeValidator(_parse_bytes)] = Field(
         64 * MIB, ge=MIB, le=4 * GIB, description="Registered staging memory per actor that fp8 / int8 "
         "chunks are encoded into and read into, bytes (also '64MiB'); at least 2 x kv_transfer.chunk_bytes.")

@@ -111,6 +111,25 @@ def test_lossy_codecs_decode_as_the_tcp_transport_does(make_pair, codec, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_piece_larger_than_the_staging_areas_cycles_their_slots(make_pair, layout, mode):
+    """fp8 chunks take staging slots on both ends; a piece of many times their size still goes through."""
+    pair = nixl_pair(make_pair, layout, mode, codec="fp8", chunk_bytes=1000, staging_bytes=2048,
+                     receiver_options={"staging_bytes": 2048})
+    src = random_cache(layout, 10, seed=6)
+    ids = [9, 3, 0, 7, 1, 4, 8, 2]
+    handle = pair.sender.send(KVPiece("r", src, ids), pair.dest)
+    assert handle.wait(30) == TransferStatus.DONE, handle
+    assert handle.wire_bytes > 2048                         # more than either staging area holds
+    result = pair.receiver.wait(handle.transfer_id, 10)
+    expected = src.clone()
+    from kv_transfer import get_codec
+
+    get_codec("fp8").roundtrip(expected, torch.tensor(ids))
+    assert torch.equal(pair.dst_cache[:, result.dst_block_ids].view(torch.uint8), expected[:, ids].view(torch.uint8))
+    assert_both_sides_clean(pair)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_every_ending_frees_both_sides(make_pair, layout, mode, monkeypatch):
     pair = nixl_pair(make_pair, layout, mode, codec="fp8", chunk_bytes=200)
     pair.sender.handshake(pair.dest)  # the set-up must not eat the short deadline on a busy machine

@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -57,6 +57,7 @@ from proto.internal_auth import token_matches
 CONNECT_TIMEOUT_S = 10.0
 MAX_CACHES = 8          # registered cache tensors (a prefill actor has one)
 WRITE_POLL_S = 0.0005
+RECLAIM_S = 0.002       # push: an encoder waiting for staging room looks for finished WRITEs this often
 READ_SCALE = 4          # a codec-none chunk: one READ of up to this many times chunk_bytes ...
 READ_STAGES = 4         # ... and at least this many of them per piece (at least MIN_CHUNK_BYTES each)
 
@@ -84,22 +85,49 @@ class _Outgoing:
 
 
 class _Slots:
-    """The staging slots one piece holds; closed when the piece ends, after which a late encode's slot goes back."""
+    """The staging slots one piece holds; closed when the piece ends, after which a late encode's slot goes back.
 
-    def __init__(self, arena: StagingArena) -> None:
-        self.arena = arena
+    Pull: a slot goes back when the receiver's ``landed`` says its READ ended. Push: when the WRITE from it
+    is done (``written``); the encoder waiting for room looks for those itself, since the thread that posts
+    the WRITEs may be waiting for that very encode."""
+
+    def __init__(self, arena: StagingArena, state=None) -> None:
+        self.arena, self.state = arena, state
         self._held: set[int] = set()
+        self._writes: list[tuple[object, int]] = []   # push: (WRITE, its slot) not seen done yet
         self._closed = False
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int, deadline: float) -> int:
-        offset = self.arena.acquire(nbytes, deadline)
+        while True:
+            self._reclaim()
+            wait_until = deadline if self.state is None else min(deadline, time.monotonic() + RECLAIM_S)
+            try:
+                offset = self.arena.acquire(nbytes, wait_until)
+                break
+            except StagingFull:
+                if wait_until >= deadline or nbytes > self.arena.nbytes:
+                    raise
         with self._lock:
             if not self._closed:
                 self._held.add(offset)
                 return offset
         self.arena.release(offset)
         raise TransferError("the piece ended while its chunk was encoded", FailedSide.SENDER)
+
+    def written(self, xfer, offset: int) -> None:
+        """Push: the slot goes back once this WRITE from it left PROC."""
+        with self._lock:
+            self._writes.append((xfer, offset))
+
+    def _reclaim(self) -> None:
+        with self._lock:
+            writes = list(self._writes)
+        done = [(xfer, offset) for xfer, offset in writes if self.state(xfer) != "PROC"] if writes else []
+        with self._lock:
+            self._writes = [entry for entry in self._writes if entry not in done]
+        for _, offset in done:
+            self.release(offset)
 
     def release(self, offset: int | None) -> None:
         with self._lock:
@@ -119,8 +147,12 @@ class _Slots:
 class _OutPiece:
     id: int
     slots: _Slots | None
-    slot_of: dict = field(default_factory=dict)     # chunk index -> staging offset
-    dests: dict = field(default_factory=dict)       # push: chunk index -> the receiver's dest message
+    slot_of: dict = field(default_factory=dict)     # pull: chunk index -> staging offset
+    offered: dict = field(default_factory=dict)     # push: chunk index -> chunk asked about, not yet written
+    writes: list = field(default_factory=list)      # push: the WRITEs posted
+    on_dest: object = None                          # push: posts a chunk's WRITE when its destination comes
+    failed: TransferError | None = None             # push: a WRITE that could not be posted
+    closed: bool = False                            # push: aborting: no more WRITEs are posted
     error: str | None = None                        # set once the piece is over ("" = acked without error)
     broken: str = ""                                # the connection broke
     cond: threading.Condition = field(default_factory=threading.Condition)
@@ -187,11 +219,11 @@ class _Link:
     @staticmethod
     def _dispatch(piece: _OutPiece, message: dict) -> None:
         kind, chunk, error = message.get("kind"), message.get("chunk"), str(message.get("error") or "")
+        if kind == "dest" and piece.on_dest is not None:  # push: WRITE it now, whatever the sender's thread does
+            piece.on_dest(message)
         with piece.cond:
             if kind == "landed" and piece.slots is not None:
                 piece.slots.release(piece.slot_of.pop(chunk, None))
-            elif kind == "dest":
-                piece.dests[chunk] = message
             elif kind == "ack":
                 piece.error = error
             piece.cond.notify_all()
@@ -366,7 +398,7 @@ class NixlSender(BaseSender):
             return [ChunkJob(functools.partial(describe, index, plan),
                              (plan.layer_end - plan.layer_start) * (plan.block_end - plan.block_start) * cell_bytes)
                     for index, plan in enumerate(plans)]
-        slots = self._local.slots = _Slots(self.staging)
+        slots = self._local.slots = _Slots(self.staging, self.agent.state if self.mode == "push" else None)
         cell_shape = (1, 1, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)
         plans = piece_plans(piece, codec.payload_nbytes(cell_shape, layout.dtype), self.chunk_bytes)
         index_of = torch.tensor(piece.block_ids, dtype=torch.long, device=kv_cache.device)
@@ -399,12 +431,12 @@ class NixlSender(BaseSender):
     def _ship(self, dest: str, chunks: Iterator[_Outgoing], deadline_at: float, transfer_id: str = "",
               sizes: list[int] | None = None) -> int:
         slots, self._local.slots = getattr(self._local, "slots", None), None
-        writes: list = []
-        offered: deque[_Outgoing] = deque()  # push: chunks asked about, not yet written
         link = piece = None
         try:
             link = self._link(dest, deadline_at)
             piece = link.open(slots)
+            if self.mode == "push":
+                piece.on_dest = functools.partial(self._write_to, link, piece)
             wire_bytes = 0
             while True:
                 try:
@@ -418,7 +450,7 @@ class NixlSender(BaseSender):
                 except TransferError:
                     raise
                 except Exception as exc:  # encode failed: tell the receiver to drop the piece
-                    self._abort(link, piece, f"{type(exc).__name__}: {exc}", writes)
+                    self._abort(link, piece, f"{type(exc).__name__}: {exc}")
                     raise
                 if time.monotonic() > deadline_at:
                     raise TransferError("the transfer deadline passed", FailedSide.TRANSPORT, TransferStatus.EXPIRED)
@@ -429,13 +461,17 @@ class NixlSender(BaseSender):
                             piece.slot_of[chunk.header.chunk_index] = chunk.slot
                     link.send({"kind": "chunk", "piece": piece.id, "header": chunk.header_bytes, "src": chunk.src})
                 else:
+                    with piece.cond:
+                        piece.offered[chunk.header.chunk_index] = chunk
                     link.send({"kind": "chunk", "piece": piece.id, "header": chunk.header_bytes})
-                    offered.append(chunk)
-                    self._write_offered(link, piece, offered, writes, deadline_at, wait=False)
+                    if piece.failed is not None:
+                        raise piece.failed
                 wire_bytes += chunk.header.payload_len
-            self._write_offered(link, piece, offered, writes, deadline_at, wait=True)
-            if writes:
-                self._wait_writes(writes, deadline_at)
+            if self.mode == "push":
+                piece.wait(lambda: not piece.offered or piece.failed is not None, deadline_at, "destinations")
+                if piece.failed is not None:
+                    raise piece.failed
+                self._wait_writes(piece.writes, deadline_at)
             if time.monotonic() > deadline_at:
                 raise TransferError("the transfer deadline passed", FailedSide.TRANSPORT, TransferStatus.EXPIRED)
             link.send({"kind": "end", "piece": piece.id})
@@ -445,16 +481,18 @@ class NixlSender(BaseSender):
             return wire_bytes
         except TransferError as exc:
             if piece is not None and piece.error is None and not link.broken:  # not acked: the receiver drops it
-                self._abort(link, piece, str(exc), writes)
+                self._abort(link, piece, str(exc))
             if link is not None and link.broken:
                 self.forget(dest)  # the next piece reconnects
             raise
         finally:
             if piece is not None:
                 link.close_piece(piece)
-            for xfer in writes:
-                if self.agent.state(xfer) != "PROC":
-                    self.agent.release(xfer)
+                with piece.cond:
+                    piece.closed, writes = True, list(piece.writes)
+                for xfer in writes:
+                    if self.agent.state(xfer) != "PROC":
+                        self.agent.release(xfer)
             if slots is not None:
                 slots.close()
 
@@ -466,19 +504,24 @@ class NixlSender(BaseSender):
                    "staging": self.staging_region.describe() if self.staging_region is not None else None})
         link.announced.add(cache.id)
 
-    def _write_offered(self, link: _Link, piece: _OutPiece, offered: deque, writes: list, deadline_at: float,
-                       wait: bool) -> None:
-        """Push: WRITE each chunk asked about (``offered``, in order) whose destination came back; with ``wait``,
-        all of them, waiting for their destinations. The receiver answers while the next chunks are asked."""
-        while offered:
-            index = offered[0].header.chunk_index
-            if wait:
-                piece.wait(lambda: index in piece.dests, deadline_at, "destination")
-            with piece.cond:
-                dest = piece.dests.pop(index, None)
-            if dest is None:
+    def _write_to(self, link: _Link, piece: _OutPiece, dest: dict) -> None:
+        """Push, on the link's reader: WRITE the chunk whose destination came back (or record why not). Under
+        the piece's lock, so that an abort sees every WRITE posted (and none is posted after it)."""
+        with piece.cond:
+            chunk = piece.offered.get(dest.get("chunk"))
+            if chunk is None or piece.failed is not None or piece.closed:
                 return
-            writes.append(self._write(link, piece, offered.popleft(), dest))
+            try:
+                xfer = self._write(link, piece, chunk, dest)
+            except TransferError as exc:
+                piece.failed = exc
+                piece.cond.notify_all()
+                return
+            piece.writes.append(xfer)
+            piece.offered.pop(chunk.header.chunk_index, None)
+            piece.cond.notify_all()
+        if chunk.slot is not None:
+            piece.slots.written(xfer, chunk.slot)
 
     def _write(self, link: _Link, piece: _OutPiece, chunk: _Outgoing, dest: dict):
         """Push: WRITE the chunk where the receiver said, with its notification; returns the WRITE."""
@@ -522,10 +565,13 @@ class NixlSender(BaseSender):
                                     TransferStatus.EXPIRED)
             time.sleep(WRITE_POLL_S)
 
-    def _abort(self, link: _Link, piece: _OutPiece, reason: str, writes: list | None = None) -> None:
+    def _abort(self, link: _Link, piece: _OutPiece, reason: str) -> None:
         """Tell the receiver to drop the piece; push: once none of its WRITEs can land any more (the receiver
         holds their blocks until then), so a WRITE still under way hands the message to a thread that waits."""
-        unsettled = [xfer for xfer in writes or [] if self.agent.state(xfer) == "PROC"]
+        with piece.cond:
+            piece.closed = True
+            writes = list(piece.writes)
+        unsettled = [xfer for xfer in writes if self.agent.state(xfer) == "PROC"]
 
         def send() -> None:
             while any(self.agent.state(xfer) == "PROC" for xfer in unsettled):
@@ -537,9 +583,7 @@ class NixlSender(BaseSender):
             except TransferError:
                 pass
 
-        if unsettled:
-            for xfer in unsettled:  # the thread releases them
-                writes.remove(xfer)
+        if unsettled:  # the thread releases them
             threading.Thread(target=send, name="kv-nixl-settle", daemon=True).start()
         else:
             send()
