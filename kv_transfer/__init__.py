@@ -1,8 +1,8 @@
 """Paged KV-cache transfer from prefill to decode actors.
 
 Wire format (msgpack header + raw bytes), codecs (``none``, ``fp8`` per
-block, ``int8`` per token, ``fp8_tensor`` baseline) and transports (``grpc``, ``torch``,
-``ray``, in-process ``fake``) behind one sender/receiver interface; see
+block, ``int8`` per token, ``fp8_tensor`` baseline) and transports (``grpc``, ``tcp``, ``torch``,
+``ray``, ``nixl``, in-process ``fake``) behind one sender/receiver interface; see
 ``kv_transfer.interface`` for the methods by side. No ray import here.
 
     interface.py       KVSender / KVReceiver ABCs, status enums, results, BlockAllocator
@@ -13,7 +13,7 @@ block, ``int8`` per token, ``fp8_tensor`` baseline) and transports (``grpc``, ``
     sender.py          BaseSender: what every transport's sender shares
     receiver.py        BaseReceiver: reserve, write, complete, free
     settings.py        TransferSettings, make_sender / make_receiver
-    transports/        grpc.py, ray.py, fake.py, torch/
+    transports/        grpc.py, tcp/, ray.py, fake.py, torch/, nixl/
 """
 
 from kv_transfer.codec import CODECS, Codec, CodecError, get_codec, wire_bytes_per_kv_byte

@@ -358,6 +358,15 @@ def test_pins_match_this_checkout():
     assert makefile_torch and makefile_torch == set(re.findall(r"torch==[\w.]+", setup))
 
 
+def test_nodes_install_the_nixl_extra():
+    """Every node can serve ``kv_transfer.transport: nixl``: the wheel goes in with the extra that carries NIXL
+    (the setup run above resolves it, offline, against the linked packages)."""
+    import tomllib
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(requirement.startswith("nixl") for requirement in extras["nixl"])
+    assert '"$WHEEL[nixl]"' in " ".join(load("cluster.yaml")["setup_commands"])
+
+
 def test_every_cloud_node_type_pins_one_image():
     node_types = load("cluster.yaml")["available_node_types"].values()
     images = {spec["node_config"].get("ImageId") for spec in node_types}
