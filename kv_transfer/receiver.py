@@ -184,16 +184,22 @@ class BaseReceiver(KVReceiver):
         (``kv_cache[l0:l1, transfer.dst_block_ids[b0:b1]]``) itself, then calls
         ``end_write``: until then the blocks are not freed, whatever ends the transfer.
         """
+        transfer = self._reserved(header)
+        with transfer.lock:
+            transfer.refuse_if_ended()
+            transfer.status = TransferStatus.TRANSFERRING
+            transfer.writers += 1
+        return transfer
+
+    def _reserved(self, header: ChunkHeader) -> _Transfer:
+        """The chunk's transfer, its blocks reserved on its first chunk; a chunk that claims another block
+        count than its transfer's fails the transfer."""
         transfer = self._get_or_reserve(header)
         if header.num_blocks != transfer.covered.shape[1]:
             error = (f"chunk {header.chunk_index} claims {header.num_blocks} blocks; its transfer has "
                      f"{transfer.covered.shape[1]}")
             self.fail(header.transfer_id, error)
             raise TransferError(error, FailedSide.RECEIVER)
-        with transfer.lock:
-            transfer.refuse_if_ended()
-            transfer.status = TransferStatus.TRANSFERRING
-            transfer.writers += 1
         return transfer
 
     def end_write(self, header: ChunkHeader, transfer: _Transfer, written: bool = True) -> None:

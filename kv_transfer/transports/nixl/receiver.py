@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kv_transfer.codec import get_codec
-from kv_transfer.interface import FailedSide, TransferError, TransferStatus
+from kv_transfer.interface import TransferError, TransferStatus
 from kv_transfer.layout import HandshakeError
 from kv_transfer.receiver import BaseReceiver
 from kv_transfer.transports.hello_slots import MAX_HELLOS, HelloSlots
@@ -426,12 +426,7 @@ class NixlReceiver(BaseReceiver):
         a writer, since the READ may outlive the transfer (HeldBlocks keeps the blocks out of the pool instead);
         the check counts one (``_verify``)."""
         header = chunk.header
-        transfer = self._get_or_reserve(header)
-        if header.num_blocks != transfer.covered.shape[1]:
-            error = (f"chunk {header.chunk_index} claims {header.num_blocks} blocks; its transfer has "
-                     f"{transfer.covered.shape[1]}")
-            self.fail(header.transfer_id, error)
-            raise TransferError(error, FailedSide.RECEIVER)
+        transfer = self._reserved(header)
         with transfer.lock:
             transfer.refuse_if_ended()
             transfer.status = TransferStatus.TRANSFERRING
