@@ -9,6 +9,7 @@ counts are printed when the module's cluster stops (they go in docs/benchmarks/s
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -16,10 +17,13 @@ import threading
 import time
 
 import grpc
+import jsonschema
 import pytest
 import ray
 
 from engine import SamplingParams
+from engine.sampling.structured import StructuredOutput
+from proto.pdserve.v1 import generation_pb2 as pb
 from router.client import generate
 
 from cluster_helpers import ClusterThread, cluster_config, prompts_and_params, wait_blocks_free
@@ -143,6 +147,57 @@ def test_kill_decode_actor_mid_stream(cluster, workload, caplog):
     # the pool manager said how it died: no exit, no traceback, so killed outright
     said = [r.getMessage() for r in caplog.records if "is not answering" in r.getMessage()]
     assert any(victim.actor_id in line and "killed outright (SIGKILL" in line for line in said), said
+
+
+JSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "tag"],
+               "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                              "tag": {"enum": ["red", "green", "blue"]}}}
+
+
+def test_kill_decode_actor_mid_constrained_stream(cluster):
+    """Constrained requests migrate with their grammar: the new decode actor replays the tokens drawn before
+    the kill through its matcher, so every stream (greedy or seeded) is the one the cluster gives without
+    the fault, and every document still validates."""
+    spec = StructuredOutput(json_schema=json.dumps(JSON_SCHEMA)).to_proto()
+    prompts, _ = prompts_and_params(8, seed=43, max_len=200)
+    sampling = [dict(temperature=0.0) if i % 2 else dict(temperature=0.8, seed=i) for i in range(len(prompts))]
+
+    def fire():
+        results: dict[int, tuple[list[int], str, str | None]] = {}
+
+        def run(i):
+            tokens, text, code = [], "", None
+            try:
+                for msg in generate(cluster.address, token_ids=prompts[i], max_tokens=160, structured=spec,
+                                    timeout=60, **sampling[i]):
+                    tokens += msg.token_ids
+                    text += msg.text
+                    if msg.finish_reason not in (pb.FINISH_REASON_UNSPECIFIED, pb.FINISH_REASON_STOP):
+                        code = pb.FinishReason.Name(msg.finish_reason)
+            except grpc.RpcError as e:
+                code = e.code().name
+            results[i] = (tokens, text, code)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        return threads, results
+
+    threads, reference = fire()
+    _join(threads)
+    assert all(code is None for _, _, code in reference.values()), reference
+    pids = {view.actor_id: _pid(view.client.handle) for view in cluster.cluster.backend.pools.decode}
+    threads, results = fire()
+    busy = []       # the decode actor that has two of them in its running batch first is the victim
+    _wait_in_flight(lambda: busy.extend(v for v in cluster.cluster.backend.pools.decode if _running_on(v) >= 2)
+                    or busy, "a decode actor")
+    os.kill(pids[busy[0].actor_id], signal.SIGKILL)
+    _join(threads)
+    assert {i: r[2] for i, r in results.items() if r[2]} == {}
+    assert {i: r[0] for i, r in results.items()} == {i: r[0] for i, r in reference.items()}
+    for _, text, _ in results.values():
+        jsonschema.validate(json.loads(text), JSON_SCHEMA)
+    REPORT["kill -9 decode actor mid constrained stream"] = f"{len(results)}/{len(results)} equal and valid"
+    _settle(cluster)
 
 
 def test_kill_prefill_actor_mid_batch(cluster, workload):
