@@ -44,17 +44,17 @@ INT8_MAX = 127.0
 
 
 FP8_BIT_SCALE = 2.0 ** 120    # what `fp8_bits_to_float` leaves out: multiply it into the scale
+_FP8_SIGN_AND_MAGNITUDE = 0x87F00000 - (1 << 32)   # bits 31 and 26..20, as a signed int32
 
 
 def fp8_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn values (viewed as int8) -> float32 / 2^120, by bit moves: the 4 exponent and 3 mantissa
-    bits go to float32's exponent and mantissa (bits 26..20), so the float32 read there is the e4m3 value ×
-    2^-120 (bias 127 against 7; an e4m3 subnormal lands on the float32 subnormal of the same ratio); the sign
-    is put back by a select. CPUs convert float8 one value at a time; these int32 ops vectorize, in eager
-    torch and in the compiled decode kernel alike."""
-    wide = bits.to(torch.int32)
-    magnitude = ((wide & 0x7F) << 20).view(torch.float32)
-    return torch.where(wide < 0, -magnitude, magnitude)
+    """float8_e4m3fn values (viewed as int8) -> float32 / 2^120, by two integer ops: widened with its sign to
+    int32 and shifted left by 20, the 4 exponent and 3 mantissa bits land on float32's (bits 26..20) and the
+    sign's copies fill bits 31..27; the mask keeps bit 31 and bits 26..20. The float32 read there is the e4m3
+    value × 2^-120 (bias 127 against 7; an e4m3 subnormal lands on the float32 subnormal of the same ratio).
+    CPUs convert float8 one value at a time; these int32 ops vectorize, in eager torch and in the compiled
+    decode kernel alike."""
+    return ((bits.to(torch.int32) << 20) & _FP8_SIGN_AND_MAGNITUDE).view(torch.float32)
 
 
 def _inverse(amax: torch.Tensor, top: float) -> torch.Tensor:

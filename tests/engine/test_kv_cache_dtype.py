@@ -7,7 +7,7 @@ import torch
 
 from engine import Engine
 from engine.args import EngineArgs
-from engine.kv_cache.kv_format import FP8_MAX, KVFormat
+from engine.kv_cache.kv_format import FP8_BIT_SCALE, FP8_MAX, KVFormat, fp8_bits_to_float
 from engine.model.attention import build_metadata, decode_attention, gather_kv, paged_attention
 from engine.model.attention_compiled import CompiledDecode
 from engine.sampling.params import SamplingParams
@@ -29,6 +29,18 @@ def write(f: KVFormat, cache: torch.Tensor, x: torch.Tensor, block: int, start: 
     """Rows x [n, 2, H, D] into `block` from offset `start` (one write call)."""
     n = x.shape[0]
     f.write(cache, x[:, 0], x[:, 1], torch.full((n,), block), torch.arange(start, start + n))
+
+
+def test_fp8_bits_read_as_torch_converts_them():
+    """Every finite float8_e4m3fn byte, signed zeros and subnormals included, reads back as torch's own
+    conversion (the bit moves the eager gather and the compiled decode kernel share)."""
+    bits = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8)
+    expected = bits.view(torch.float8_e4m3fn).float()
+    finite = torch.isfinite(expected)                              # 0x7F / 0xFF are NaN in e4m3fn
+    got = fp8_bits_to_float(bits) * FP8_BIT_SCALE
+    assert int(finite.sum()) == 254
+    assert torch.equal(got[finite], expected[finite])
+    assert torch.equal(got[finite].signbit(), expected[finite].signbit())
 
 
 @pytest.mark.parametrize("kind", KINDS)
