@@ -145,3 +145,23 @@ def test_shared_blocks_stay_while_another_sequence_holds_them(window_dir, hf):
     assert not shared_refs[-1]                 # the window moved past the shared prompt blocks
     _check_against_hf(hf, [prompts[0], prompts[0], prompts[1]], [got[rid, 0], got[rid, 1], got[other, 0]])
     engine.block_manager.check_no_leaks()
+
+
+@pytest.mark.parametrize("kind, tolerance", [("int8", 0.005), ("fp8", 0.02)])
+def test_a_quantized_cache_keeps_the_window(window_dir, hf, tmp_path, kind, tolerance):
+    """kv_cache.dtype fp8 / int8 under a sliding window, chunked prefill and decode: every token's logprob is
+    HF's (the window's) within the cache's rounding, further from a windowless model's than that, and the
+    blocks that leave the window go back to the pool."""
+    engine = _engine(window_dir, chunk_size=8, max_num_batched_tokens=256, kv_cache_dtype=kind)
+    prompts = random_prompts([41, 70], seed=6)
+    outputs = _outputs(engine.generate(prompts, GREEDY))
+    engine.block_manager.check_no_leaks()
+    windowless = hf_model(write_window_model(str(tmp_path / "full"), sliding_window=None))
+    for prompt, (tokens, logprobs) in zip(prompts, outputs):
+        def logprobs_of(model):
+            logits = hf_logits(model, prompt + tokens)[len(prompt) - 1:-1]
+            return torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+        windowed, unwindowed = logprobs_of(hf), logprobs_of(windowless)
+        ours = torch.tensor(logprobs)
+        assert (ours - windowed).abs().max() < tolerance
+        assert (ours - unwindowed).abs().mean() > 2.5 * tolerance      # the window matters more than rounding
