@@ -28,8 +28,10 @@ shipped to — and a block written in one go equals the fp8 wire codec's encodin
 
 Reading. Attention dequantizes what it reads (`gather`: rows × their scale in float32, then the model
 dtype); the compiled CPU decode kernel does the same inside its loops (`engine.model.attention_compiled`).
-A prompt chunk that starts a sequence attends over its own K/V at full precision, as vLLM's fp8 cache
-does; everything read back from the cache is the stored, quantized version.
+Every query attends over K/V as stored, a prompt's own rows included (vLLM's fp8 cache lets a fresh
+prompt attend over its unquantized K/V instead): a token's logits then do not depend on whether its
+prompt was computed whole, after a prefix-cache hit, on another actor, or replayed after a migration
+(int8 also not on the chunking; an fp8 block's scale follows the order its rows were written in).
 """
 from __future__ import annotations
 

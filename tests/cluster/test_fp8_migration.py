@@ -63,3 +63,28 @@ def test_fp8_streams_survive_a_decode_kill_unchanged(ray_local, tiny_model_dir):
         assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
     finally:
         c.stop()
+
+
+def test_int8_cache_streams_survive_a_decode_kill_unchanged(ray_local, tiny_model_dir):
+    """kv_cache.dtype int8 (blocks stored and shipped quantized): the same holds."""
+    prompts, _ = prompts_and_params(N, seed=8, max_len=200)
+    c = ClusterThread(cluster_config(tiny_model_dir, "grpc", "none", 1, 2, local_prefill_tokens=0,
+                                     extra={"kv_cache.dtype": "int8"}))
+    try:
+        c.cluster.backend.routing.stream_idle_s = 5.0
+        threads, reference = _run_all(c.address, prompts)
+        _join(threads)
+        victim = c.cluster.backend.pools.decode[0]
+        pid = ray.get(victim.client.handle.info.remote(), timeout=30)["pid"]
+        threads, results = _run_all(c.address, prompts)
+        end = time.monotonic() + 60
+        while ray.get(victim.client.handle.stats.remote(), timeout=10)["running_requests"] < 2:
+            assert time.monotonic() < end, "decode-0 never had requests in flight"
+            time.sleep(0.005)
+        os.kill(pid, signal.SIGKILL)
+        _join(threads)
+        differ = {i: next(n for n, (a, b) in enumerate(zip(results[i], reference[i])) if a != b)
+                  for i in range(N) if results.get(i) != reference[i]}
+        assert not differ, f"streams changed by the kill (first differing token): {differ}"
+    finally:
+        c.stop()
