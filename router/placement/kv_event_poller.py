@@ -9,8 +9,10 @@ applied (the ack); the actor answers with every batch after it. It runs
         the blocks it cached are then in the index before the next request is placed)
 
 One poll per actor at a time (a poke during a poll runs after it), so an actor's answers
-apply in order. A missing batch (the index's `apply` says so) is a resync: the same
-call asks that actor for a snapshot and the index rebuilds its entries from it. An actor
+apply in order. The first poll of an actor the index does not know (new, or forgotten while
+it left the pools, e.g. to change role) asks for a snapshot. A missing batch after that (the
+index's `apply` says so) is a resync: the same call asks that actor for a snapshot and the index
+rebuilds its entries from it, with a warning. An actor
 that does not answer keeps its entries (the pool manager decides about its health).
 """
 from __future__ import annotations
@@ -73,8 +75,12 @@ class KVEventPoller:
                 self._poked.discard(view.actor_id)
             st = self.index.state(view.actor_id)
             try:
-                response = await self._ask(view, kpb.KVEventsRequest(epoch=st.epoch, acked_seq=st.seq))
-                if not self.index.apply(view.actor_id, response):
+                if not st.epoch:                 # first contact (or forgotten, e.g. while it changed role)
+                    self.index.apply(view.actor_id, await self._ask(view, kpb.KVEventsRequest(snapshot=True)))
+                    response = None
+                else:
+                    response = await self._ask(view, kpb.KVEventsRequest(epoch=st.epoch, acked_seq=st.seq))
+                if response is not None and not self.index.apply(view.actor_id, response):
                     self.num_resyncs += 1
                     log.warning("KV events of %s: batch %d missing (actor at %d); resyncing from a snapshot",
                                 view.actor_id, st.seq + 1, response.last_seq)

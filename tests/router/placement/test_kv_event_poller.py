@@ -55,11 +55,33 @@ def test_an_overflowed_log_is_resynced_from_a_snapshot():
         actor, view = c.prefill[0], c.pools.prefill[0]
         actor.cache.log.max_events = 8
         poller = KVEventPoller(c.pools, KVIndex())
+        assert await poller.sync(view)                      # first contact: a snapshot, no resync
+        assert poller.num_resyncs == 0 and poller.index.state(view.actor_id).epoch
         for start in range(0, 400, 40):                     # far more than 8 events before the first poll
             actor.cache.compute(list(range(start, start + 40)))
         assert actor.cache.log.num_dropped > 0
         assert await poller.sync(view)
         assert poller.num_resyncs == 1 and poller.index.hashes_of(view.actor_id) == cached(actor)
+    run(main())
+
+
+def test_an_actor_the_index_forgot_comes_back_from_a_snapshot_without_a_warning(caplog):
+    """An actor that left the pools (its entries forgotten) and came back, as a role flip moves it between
+    pools: its acked log no longer starts at the index's seq 0, so the first poll asks for a snapshot."""
+    async def main():
+        c = fake_cluster(num_prefill=1, num_decode=0, block_size=BS)
+        actor, view = c.prefill[0], c.pools.prefill[0]
+        poller = KVEventPoller(c.pools, KVIndex())
+        actor.cache.compute(list(range(2, 22)))
+        assert await poller.sync(view)
+        actor.cache.compute(list(range(40, 60)))
+        assert await poller.sync(view)                      # batch 2 acked: the actor drops batches 1-2
+        poller.index.forget(view.actor_id)
+        actor.cache.compute(list(range(80, 90)))
+        with caplog.at_level(logging.WARNING, logger="pdserve.router.placement.kv_event_poller"):
+            assert await poller.sync(view)
+        assert poller.num_resyncs == 0 and not caplog.records
+        assert poller.index.hashes_of(view.actor_id) == cached(actor) and len(cached(actor)) == 12
     run(main())
 
 
