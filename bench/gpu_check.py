@@ -272,33 +272,47 @@ def check_cluster(model_dir: str, n: int) -> list[Row]:
     return rows
 
 
-def check_transfer(payload_mib: int) -> list[Row]:
-    from kv_transfer import KVLayout, KVPiece, SimpleBlockPool, TransferStatus, make_receiver, make_sender
+def _transfer_setup(payload_mib: int):
+    """A bf16 cache of about `payload_mib` on the device, the blocks to send (block 0 left out), their bytes
+    and the device's copy rate over the whole cache."""
+    from kv_transfer import KVLayout
     layout = KVLayout(num_layers=16, num_kv_heads=8, block_size=16, head_dim=128, dtype=torch.bfloat16,
                       model_fingerprint="gpu-check")
     blocks = max(1, payload_mib * MIB // layout.block_nbytes)
     src = torch.randn(layout.cache_shape(blocks + 1), device=DEVICE).to(torch.bfloat16)
-    ids = list(range(1, blocks + 1))
-    nbytes = blocks * layout.block_nbytes
     copy_rate = gbps(src.numel() * src.element_size(), copy_seconds(src))   # the whole cache, contiguous
+    return layout, src, list(range(1, blocks + 1)), blocks * layout.block_nbytes, copy_rate
+
+
+def _timed_sends(transport: str, layout, src: torch.Tensor, ids: list[int], codec: str,
+                 receiver_kw: dict, sender_args: tuple = (), sender_kw: dict | None = None):
+    """Four sends of `ids` from `src` into a fresh cache over `transport` (the first warms up): the fastest
+    of the other three in seconds, and that cache (the last send's blocks 0..n-1)."""
+    from kv_transfer import KVPiece, SimpleBlockPool, TransferStatus, make_receiver, make_sender
+    pool = SimpleBlockPool(len(ids) + 1)
+    dst = torch.zeros_like(src)
+    receiver = make_receiver(transport, layout, dst, pool, lambda r: pool.free(r.dst_block_ids)
+                             if r.status == TransferStatus.DONE else None, codec=codec, token="gpu-check",
+                             **receiver_kw)
+    sender = make_sender(transport, layout, *sender_args, codec=codec, token="gpu-check", **(sender_kw or {}))
+    try:
+        times = []
+        for rep in range(4):
+            handle = sender.send(KVPiece(f"r{rep}", src, ids, deadline_s=120), receiver.endpoint)
+            if handle.wait(120) != TransferStatus.DONE:
+                raise RuntimeError(f"transfer failed: {handle}")
+            times.append(handle.elapsed_s)
+    finally:
+        sender.close()
+        receiver.close()
+    return min(times[1:]), dst
+
+
+def check_transfer(payload_mib: int) -> list[Row]:
+    layout, src, ids, nbytes, copy_rate = _transfer_setup(payload_mib)
     rows = []
     for codec in ("none", "fp8", "int8"):
-        pool = SimpleBlockPool(blocks + 1)
-        dst = torch.zeros_like(src)
-        receiver = make_receiver("grpc", layout, dst, pool, lambda r, pool=pool: pool.free(r.dst_block_ids)
-                                 if r.status == TransferStatus.DONE else None, codec=codec, token="gpu-check")
-        sender = make_sender("grpc", layout, codec=codec, token="gpu-check")
-        try:
-            times = []
-            for rep in range(4):                                    # the first one warms up
-                handle = sender.send(KVPiece(f"r{rep}", src, ids, deadline_s=120), receiver.endpoint)
-                if handle.wait(120) != TransferStatus.DONE:
-                    raise RuntimeError(f"transfer failed: {handle}")
-                times.append(handle.elapsed_s)
-            seconds = min(times[1:])
-        finally:
-            sender.close()
-            receiver.close()
+        seconds, _ = _timed_sends("grpc", layout, src, ids, codec, {})
         rate = gbps(nbytes, seconds)
         rows.append(Row(f"KV transfer GPU→GPU grpc {codec}", "info", f"{rate:.2f} GB/s ({nbytes / MIB:.0f} MiB)",
                         f"device copy {copy_rate:.1f} GB/s",
@@ -309,39 +323,16 @@ def check_transfer(payload_mib: int) -> list[Row]:
 def check_nixl_transfer(payload_mib: int, ucx_tls: str = "tcp,cuda_copy,cuda_ipc") -> list[Row]:
     """nixl device to device: both caches registered as device memory, the decode side READs (codec none:
     cache cells straight into cache cells; fp8: device staging slots). One row per codec, or one skipped."""
-    from kv_transfer import KVLayout, KVPiece, SimpleBlockPool, TransferStatus, make_receiver, make_sender
     from kv_transfer.transports.nixl.agent import available
     reason = available()
     if reason is not None:
         return [Row("KV transfer GPU→GPU nixl", "skipped", reason[:200])]
-    layout = KVLayout(num_layers=16, num_kv_heads=8, block_size=16, head_dim=128, dtype=torch.bfloat16,
-                      model_fingerprint="gpu-check")
-    blocks = max(1, payload_mib * MIB // layout.block_nbytes)
-    src = torch.randn(layout.cache_shape(blocks + 1), device=DEVICE).to(torch.bfloat16)
-    ids = list(range(1, blocks + 1))
-    nbytes = blocks * layout.block_nbytes
-    copy_rate = gbps(src.numel() * src.element_size(), copy_seconds(src))
+    layout, src, ids, nbytes, copy_rate = _transfer_setup(payload_mib)
     rows = []
     for codec in ("none", "fp8"):
-        pool = SimpleBlockPool(blocks + 1)
-        dst = torch.zeros_like(src)
-        receiver = make_receiver("nixl", layout, dst, pool, lambda r, pool=pool: pool.free(r.dst_block_ids)
-                                 if r.status == TransferStatus.DONE else None, codec=codec, token="gpu-check",
-                                 ucx_tls=ucx_tls)
-        sender = make_sender("nixl", layout, src.device, kv_cache=src, codec=codec, token="gpu-check",
-                             ucx_tls=ucx_tls)
-        try:
-            times = []
-            for rep in range(4):                                    # the first one warms up
-                handle = sender.send(KVPiece(f"r{rep}", src, ids, deadline_s=120), receiver.endpoint)
-                if handle.wait(120) != TransferStatus.DONE:
-                    raise RuntimeError(f"transfer failed: {handle}")
-                times.append(handle.elapsed_s)
-            seconds = min(times[1:])
-            exact = codec != "none" or torch.equal(dst[:, :blocks], src[:, 1:])   # the last DONE took blocks 0..n-1
-        finally:
-            sender.close()
-            receiver.close()
+        seconds, dst = _timed_sends("nixl", layout, src, ids, codec, {"ucx_tls": ucx_tls}, (src.device,),
+                                    {"kv_cache": src, "ucx_tls": ucx_tls})
+        exact = codec != "none" or torch.equal(dst[:, :len(ids)], src[:, 1:])
         rate = gbps(nbytes, seconds)
         rows.append(Row(f"KV transfer GPU→GPU nixl {codec}", "info" if exact else "FAIL",
                         f"{rate:.2f} GB/s ({nbytes / MIB:.0f} MiB)",
