@@ -216,18 +216,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for p in meta.prefills:
         rows = slice(p.token_offset, p.token_offset + p.num_new)
         window = meta.sliding_window
-        if p.start == 0 and meta.kv_format is None:   # fresh prompt: attend over the new K/V, no gather
+        if p.start == 0:      # fresh prompt: attend over its own K/V, causal, no mask
             num_kv_heads = k.shape[1]
             group = q.shape[1] // num_kv_heads
             qs = q[rows].reshape(-1, num_kv_heads, group, q.shape[-1]).permute(1, 2, 0, 3)   # [Hkv, g, n, D]
-            ks, vs = (expand_heads(x[rows].transpose(0, 1), group) for x in (k, v))     # [Hkv, g, n, D]
+            if meta.kv_format is None:
+                ks, vs = (expand_heads(x[rows].transpose(0, 1), group) for x in (k, v))  # [Hkv, g, n, D]
+            else:             # as stored (what every later read of them sees), dequantized
+                kv = gather_kv(layer_cache, p.block_table[None], meta.kv_format)[:, :, 0, :p.num_new]
+                ks, vs = expand_heads(kv[0], group), expand_heads(kv[1], group)
             if window is None or p.num_new <= window:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
             else:
                 pos = torch.arange(p.num_new, device=q.device)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=window_mask(pos, pos, window), scale=scale)
             out[rows].view(p.num_new, num_kv_heads, group, -1).copy_(o.permute(2, 0, 1, 3))
-        else:   # continuing a cached prefix, or any chunk over a quantized cache: as stored, causal with an offset
+        else:                 # continuing a cached prefix: causal with an offset
             block_size = meta.kv_format.block_size if meta.kv_format is not None else layer_cache.shape[3]
             base, total = p.first_block * block_size, p.start + p.num_new
             kv = gather_kv(layer_cache, p.block_table[None], meta.kv_format)[:, :, :, :total - base]
