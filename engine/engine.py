@@ -38,6 +38,7 @@ from engine.kv_cache.block_manager import BlockManager, prompt_block_hashes
 from engine.kv_cache.events import KVEventLog
 from engine.kv_cache.kv_format import KVFormat
 from engine.kv_cache.prompt_kv import Roundtrip, roundtrip_prompt_blocks, zero_prompt_tails
+from engine.kv_cache.tiers import KVTiers, Onboarding
 from engine.model import attention_compiled, attention_flex, kernel_choice
 from engine.model.config import ModelConfig
 from engine.model.loader import fingerprint, load_model
@@ -141,6 +142,16 @@ class Engine:
         # with decode graphs the pool's last block is the padded entries' scratch, never handed out
         self.block_manager = BlockManager(num_blocks - graphs, block_size, args.enable_prefix_cache)
         self.kv_events = KVEventLog(self.block_manager)     # the prefix cache's events, pulled by the router
+        # tiers below the paged cache (engine/kv_cache/tiers): offload on eviction, onboard before scheduling
+        self.kv_tiers: KVTiers | None = None
+        self.onboarding: Onboarding | None = None
+        if args.kv_tiers:
+            self.kv_tiers = KVTiers(args.kv_tiers, self.kv_cache, f"{self.fingerprint}:{self.kv_format.kind}",
+                                    self.kv_events, args.kv_offload_queue_blocks)
+            self.kv_events.tiers = self.kv_tiers
+            self.kv_tiers.announce()
+            self.block_manager.evict_sink = self.kv_tiers.evicted
+            self.onboarding = Onboarding(self.kv_tiers, self.block_manager, self.kv_cache)
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, chunk_size,
                                    cfg.sliding_window)
         kernel = flex = None
@@ -222,7 +233,8 @@ class Engine:
         req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only, resume_output_ids,
                                 resume_text_chars, prompt_kv_lossy)
         self.requests[req.request_id] = req
-        self.scheduler.add(req)
+        if self.onboarding is None or not self.onboarding.start(req):    # else: scheduled once onboarded
+            self.scheduler.add(req)
         return req.request_id
 
     def expect_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, transfer_id: str,
@@ -243,6 +255,8 @@ class Engine:
                                  f"{req.num_prompt_tokens} tokens may skip (its last token's block is shipped)")
             hashes = prompt_block_hashes(req.prompt_token_ids, self.block_size)[:num_cached_blocks]
             req.block_table = self.pin_prefix(hashes)
+            if len(req.block_table) < num_cached_blocks and self.onboarding is not None:    # from a tier
+                req.block_table += self.onboarding.pin(hashes[len(req.block_table):])
             if len(req.block_table) < num_cached_blocks:
                 self.block_manager.free(req.block_table)
                 raise CachedPrefixLost(f"{len(req.block_table)} of the {num_cached_blocks} prompt blocks the "
@@ -254,9 +268,13 @@ class Engine:
         return req
 
     def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
-        """How many leading blocks of `hashes` (chained prompt block hashes) this pool's prefix cache holds."""
+        """How many leading blocks of `hashes` (chained prompt block hashes) this pool's prefix cache holds,
+        or can onboard from a tier below it."""
         with self.block_manager.lock:
-            return len(self.block_manager.match_prefix(hashes))
+            num_device = len(self.block_manager.match_prefix(hashes))
+        if self.kv_tiers is None:
+            return num_device
+        return num_device + self.kv_tiers.count(hashes[num_device:])
 
     def pin_prefix(self, hashes: list[bytes]) -> list[int]:
         """Take a reference on the cached blocks of the longest cached prefix of `hashes`; their ids."""
@@ -341,11 +359,16 @@ class Engine:
         return self._grammars
 
     def step(self) -> list[RequestOutput]:
+        if self.onboarding is not None and self.onboarding.num_pending:
+            for req in self.onboarding.ready():      # their tier blocks are in the paged cache now
+                self.scheduler.add(req)
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.compiling:       # only grammars to wait for: wait a little rather than spin
                 futures.wait([req.grammar.future for req, _ in self.scheduler.compiling], timeout=GRAMMAR_WAIT_S,
                              return_when=futures.FIRST_COMPLETED)
+            elif self.onboarding is not None:  # only tier reads to wait for: the same
+                self.onboarding.wait(GRAMMAR_WAIT_S)
             return []
         if not self.kv_format.quantized:      # (quantized blocks take their scales from the rows written)
             zero_prompt_tails(batch, self.kv_cache, self.block_size)
@@ -399,7 +422,7 @@ class Engine:
         return self.kv_cache[:, 0].numel() * self.kv_cache.element_size()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.onboarding is not None and self.onboarding.num_pending > 0)
 
     def _score_prompt(self, req: Request, start: int, logits) -> None:
         """Prompt logprobs of a chunk: logits [n, V] of positions start.. score prompt[start + 1..]."""
@@ -488,6 +511,8 @@ class Engine:
 
     def _drop(self, root: Request) -> None:
         """Every sequence of the request out of the queues, its blocks back, the request gone."""
+        if self.onboarding is not None:
+            self.onboarding.cancel(root)
         for seq in root.sequences or [root]:
             self.scheduler.remove(seq)
             if seq.block_table:
