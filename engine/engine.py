@@ -421,6 +421,10 @@ class Engine:
         """Bytes of one block of the paged cache over every layer (K and V): what a transfer of it moves."""
         return self.kv_cache[:, 0].numel() * self.kv_cache.element_size()
 
+    def tier_stats(self) -> list[dict]:
+        """Each tier below the paged cache, top first (`KVTiers.stats`); [] without tiers."""
+        return self.kv_tiers.stats() if self.kv_tiers is not None else []
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or (self.onboarding is not None and self.onboarding.num_pending > 0)
 

@@ -191,6 +191,7 @@ class KVTiers:
                 "hit_rate": c.num_hits / c.num_lookups if c.num_lookups else 0.0,
                 "offload_bytes": c.offload_bytes, "onboard_bytes": c.onboard_bytes,
                 "onboard_bytes_per_s": c.onboard_bytes / c.onboard_s if c.onboard_s > 0 else 0.0,
+                "onboard_s_per_block": c.onboard_s / c.num_hits if c.num_hits else 0.0,
                 "num_corrupt": getattr(tier, "num_corrupt", 0),
                 "num_dropped_offloads": self.offload.num_dropped})
         return out
