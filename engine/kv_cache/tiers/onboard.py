@@ -15,6 +15,7 @@ cache has too few free blocks, fewer are installed: the request computes the oth
 """
 from __future__ import annotations
 
+import time
 from concurrent import futures
 
 import torch
@@ -82,13 +83,16 @@ class Onboarding:
         with a reference the caller owns."""
         return self._install(hashes, self.tiers.load(hashes[:self.tiers.count(hashes)]))
 
-    def _install(self, hashes: list[bytes], blocks: list[torch.Tensor]) -> list[int]:
-        """Write `blocks` (the leading blocks of `hashes`) into fresh blocks, registered; their ids."""
+    def _install(self, hashes: list[bytes], blocks: list[tuple[torch.Tensor, int]]) -> list[int]:
+        """Write `blocks` (the leading blocks of `hashes`, each with its tier) into fresh blocks, registered;
+        their ids."""
         bm = self.block_manager
         with bm.lock:
             ids = bm.allocate(min(len(blocks), bm.num_free_blocks)) or []
-            for block_id, block_hash, block in zip(ids, hashes, blocks):
-                self.kv_cache[:, block_id].copy_(block)        # [L, 2, Hkv, bs, D]
+            for block_id, block_hash, (block, tier) in zip(ids, hashes, blocks):
+                start = time.perf_counter()
+                self.kv_cache[:, block_id].copy_(block)        # [L, 2, Hkv, bs, D]; from pinned memory: synchronous
+                self.tiers.installed(tier, time.perf_counter() - start)
                 bm.register(block_id, block_hash)
         self.num_onboarded_blocks += len(ids)
         return ids

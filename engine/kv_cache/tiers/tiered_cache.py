@@ -6,7 +6,9 @@
     (offload thread)           the copy goes to the top tier; what a tier pushes out (LRU) goes to the
                                tier below; what leaves the last tier is gone.
     count(hashes)              how many leading hashes some tier holds (what this actor can onboard).
-    load(hashes)               the leading blocks, checked, as host tensors (onboarding's thread).
+    load(hashes)               the leading blocks, checked, as host tensors with the tier each came from
+                               (onboarding's thread; `installed` then adds the copy into the paged cache
+                               to that tier's onboarding time).
 
 Each block that enters or leaves a tier is an event (`event_sink.stored/removed` with the tier), so the
 router's KV index follows the tiers as it follows the paged cache.
@@ -140,9 +142,10 @@ class KVTiers:
             n += 1
         return n
 
-    def load(self, hashes: list[bytes]) -> list[torch.Tensor]:
+    def load(self, hashes: list[bytes]) -> list[tuple[torch.Tensor, int]]:
         """The leading blocks of `hashes` the tiers hold and that pass their checks (a failing disk block
-        is dropped: the rest of the prefix is then recomputed). Counts lookups, hits and bytes."""
+        is dropped: the rest of the prefix is then recomputed), each with the index of its tier. Counts
+        lookups, hits, bytes and the time the reads took."""
         for counters, tier in zip(self.counters, self.tiers):
             if tier.enabled:
                 counters.num_lookups += len(hashes)
@@ -159,11 +162,15 @@ class KVTiers:
                 counters.num_hits += 1
                 counters.onboard_bytes += self.bytes_per_block
                 counters.onboard_s += time.perf_counter() - start
-                blocks.append(block)
+                blocks.append((block, self.tiers.index(tier)))
                 break
             else:
                 break
         return blocks
+
+    def installed(self, index: int, seconds: float) -> None:
+        """A block read from tier `index` took `seconds` to copy into the paged cache."""
+        self.counters[index].onboard_s += seconds
 
     def disable(self, index: int, reason: str) -> None:
         """Turn a disk tier off (tests, an operator): its blocks leave the index."""
