@@ -69,6 +69,7 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 ATTENTION_ENV = "PDSERVE_ATTENTION"
 GRAMMAR_WAIT_S = 0.005      # an idle step with grammars compiling waits this long for one (never longer)
+PREFETCH_WAIT_S = 0.5       # expect_kv waits this long for tier blocks loading since the router asked (then reads)
 
 
 ATTENTION_MODES = ("compiled", "eager", "flex", "flex-eager")
@@ -244,7 +245,8 @@ class Engine:
         The request is validated now, so a bad one fails before any KV arrives; it joins the
         batch at `adopt` and can be aborted while it waits. `num_cached_blocks`: leading prompt
         blocks it takes from this pool's prefix cache now (a reference each, held in its block
-        table until it ends: the transfer ships only the rest). Raises ValueError (and takes
+        table until it ends: the transfer ships only the rest), those in a tier below it loaded
+        first (prefetched since `cached_prefix_blocks`, else read here). Raises ValueError (and takes
         nothing) when that many are not cached, or when they would leave no block to ship.
         """
         req = self._new_request(request_id, prompt_token_ids, params, False)
@@ -254,6 +256,8 @@ class Engine:
                 raise ValueError(f"num_cached_blocks: {num_cached_blocks} > {most}, the most a prompt of "
                                  f"{req.num_prompt_tokens} tokens may skip (its last token's block is shipped)")
             hashes = prompt_block_hashes(req.prompt_token_ids, self.block_size)[:num_cached_blocks]
+            if self.onboarding is not None:           # blocks a tier holds: loading since the router asked
+                self.onboarding.await_prefetch(hashes, PREFETCH_WAIT_S)
             req.block_table = self.pin_prefix(hashes)
             if len(req.block_table) < num_cached_blocks and self.onboarding is not None:    # from a tier
                 req.block_table += self.onboarding.pin(hashes[len(req.block_table):])
@@ -269,12 +273,12 @@ class Engine:
 
     def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
         """How many leading blocks of `hashes` (chained prompt block hashes) this pool's prefix cache holds,
-        or can onboard from a tier below it."""
+        or can onboard from a tier below it (those start loading into the paged cache now: the request
+        that follows pins them)."""
+        if self.onboarding is not None:
+            return self.onboarding.prefetch(hashes)
         with self.block_manager.lock:
-            num_device = len(self.block_manager.match_prefix(hashes))
-        if self.kv_tiers is None:
-            return num_device
-        return num_device + self.kv_tiers.count(hashes[num_device:])
+            return len(self.block_manager.match_prefix(hashes))
 
     def pin_prefix(self, hashes: list[bytes]) -> list[int]:
         """Take a reference on the cached blocks of the longest cached prefix of `hashes`; their ids."""

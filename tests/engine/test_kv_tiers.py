@@ -13,6 +13,7 @@ from engine.kv_cache.block_manager import prompt_block_hashes
 from engine.kv_cache.tiers import KVTiers, OffloadQueue, TierSpec
 from engine.kv_cache.tiers import disk_tier
 from proto.pdserve.v1 import kv_events_pb2 as kpb
+from waiting import wait_until
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = [7] * 40 + list(range(3, 113))               # 150 tokens: 9 full blocks of 16 + 6
@@ -162,14 +163,21 @@ def test_reopened_disk_tier_serves_and_publishes(tiny_model_dir, tmp_path, refer
     assert fresh.kv_tiers.tiers[0].num_blocks == 0 and not os.listdir(tmp_path)
 
 
-def test_decode_side_counts_and_pins_tier_blocks(tiny_model_dir, reference):
+@pytest.mark.parametrize("asked", [True, False])
+def test_decode_side_counts_and_pins_tier_blocks(tiny_model_dir, reference, asked):
+    """The router's question starts loading the tier blocks (the job then pins them from the paged cache);
+    a job the question did not precede reads them itself."""
     engine = _engine(tiny_model_dir, [TierSpec("host", 1 << 30)])
     hashes = prompt_block_hashes(PROMPT, 16)[:9]
     engine.generate([PROMPT], GREEDY)
     _evict(engine, hashes)
-    assert engine.cached_prefix_blocks(hashes) == 9          # what the router asks: the transfer skips them
+    if asked:
+        assert engine.cached_prefix_blocks(hashes) == 9      # what the router asks: the transfer skips them
+        engine.onboarding.await_prefetch(hashes, timeout=30)
+        assert len(engine.block_manager.match_prefix(hashes)) == 9      # in the paged cache already
+        assert engine.cached_prefix_blocks(hashes) == 9 and engine.onboarding.num_onboarded_blocks == 9
     req = engine.expect_kv("r", PROMPT, GREEDY, transfer_id="t", deadline=float("inf"), num_cached_blocks=9)
-    assert len(req.block_table) == 9
+    assert len(req.block_table) == 9 and engine.onboarding.num_onboarded_blocks == 9
     assert torch.equal(engine.kv_cache[:, req.block_table], reference[1])
     engine.abort("r")
     engine.block_manager.check_no_leaks()
@@ -214,3 +222,29 @@ def test_offload_copies_the_block_before_it_is_overwritten():
 def test_bad_tier_is_an_error_naming_the_key(spec, key):
     with pytest.raises(ValueError, match=key.replace("[", r"\[").replace("]", r"\]")):
         KVTiers([spec], torch.zeros(2, 4, 2, 1, 2, 2), "fp")
+
+
+def test_a_request_aborted_while_onboarding_leaves_its_blocks_cached(tiny_model_dir):
+    engine = _engine(tiny_model_dir, [TierSpec("host", 1 << 30)])
+    hashes = prompt_block_hashes(PROMPT, 16)[:9]
+    engine.generate([PROMPT], GREEDY)
+    _evict(engine, hashes)
+    rid = engine.add_request(PROMPT, GREEDY)
+    assert engine.onboarding.num_pending == 1 and engine.has_unfinished()
+    assert engine.abort(rid).finish_reason == "abort"
+    assert not engine.has_unfinished() and rid not in engine.requests
+    wait_until(lambda: len(engine.block_manager.match_prefix(hashes)) == 9, timeout=30)
+    engine.block_manager.check_no_leaks()
+
+
+def test_an_fp8_cache_round_trips_as_stored(tiny_model_dir):
+    plain = _engine(tiny_model_dir, num_blocks=64, kv_cache_dtype="fp8")
+    expected = plain.generate([PROMPT], GREEDY)[0].token_ids
+    hashes = prompt_block_hashes(PROMPT, 16)[:9]
+    rows = _rows(plain, hashes)
+    engine = _engine(tiny_model_dir, [TierSpec("host", 1 << 30)], kv_cache_dtype="fp8")
+    engine.generate([PROMPT], GREEDY)
+    _evict(engine, hashes)
+    again = engine.generate([PROMPT], GREEDY)[0]
+    assert again.num_cached_tokens == NUM_HIT_TOKENS and again.token_ids == expected
+    assert torch.equal(_rows(engine, hashes), rows)           # byte cells and scales, bit for bit
