@@ -19,6 +19,8 @@ its peer:
   its dequantized weight in float32, then the ~1B model's decode step at batch 1 and 64 beside bf16;
 - the fp8 / int8 KV cache: decode attention over it against its dequantized copy in float32, then the
   ~1B model's decode step at DECODE_POINT and its block count beside the bf16 cache;
+- the KV host tier (kv_cache.tiers): blocks evicted from the device cache offloaded to pinned host memory and
+  onboarded back bit for bit, tokens equal to the first run; onboarding bytes/s beside a pinned host→device copy;
 - the CUDA tests (tests/gpu) through pytest.
 
 Without CUDA it prints ``gpu-check skipped: no CUDA device`` and exits 0. ``--json PATH`` also
@@ -542,6 +544,48 @@ def check_kv_cache_dtype(perf_model_dir: str) -> list[Row]:
     return rows
 
 
+def check_kv_tiers(model_dir: str) -> list[Row]:
+    """The host tier on the device: a prompt's blocks evicted from the device cache come back from pinned host
+    memory bit for bit, its tokens equal to the first run; then the measured onboarding bytes/s beside a
+    pinned host→device copy of the same bytes."""
+    from engine import Engine, EngineArgs, SamplingParams
+    from engine.kv_cache.block_manager import prompt_block_hashes
+    from engine.kv_cache.tiers import TierSpec
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(31)
+    prompt, *fillers = [torch.randint(2, 1000, (150,), generator=g).tolist() for _ in range(5)]
+    engine = Engine(EngineArgs(model_dir, dtype="float32", device=DEVICE, num_blocks=24, block_size=16,
+                               attention="eager", kv_tiers=(TierSpec("host", GIB),)))
+    bm, hashes = engine.block_manager, prompt_block_hashes(prompt, 16)[:9]
+    first = engine.generate([prompt], params)[0]
+    before = engine.kv_cache[:, bm.match_prefix(hashes)].cpu()
+    for filler in fillers:
+        engine.generate([filler], params)
+    drained = engine.kv_tiers.offload.drain(60)
+    evicted = drained and not bm.match_prefix(hashes)
+    host = engine.kv_tiers.tiers[0]
+    pinned = DEVICE != "cuda" or all(host.get(h).is_pinned() for h in hashes if h in host)
+    again = engine.generate([prompt], params)[0]
+    ids = bm.match_prefix(hashes)
+    exact = len(ids) == len(hashes) and torch.equal(engine.kv_cache[:, ids].cpu(), before)
+    ok = evicted and pinned and exact and again.num_cached_tokens == 9 * 16 and again.token_ids == first.token_ids
+    stats = engine.kv_tiers.stats()[0]
+    rows = [Row("KV host tier: offload → evict → onboard", "ok" if ok else "FAIL",
+                f"{again.num_cached_tokens} cached tokens, blocks {'bit-exact' if exact else 'DIFFER'}, "
+                f"pinned {pinned}, tokens {'equal' if again.token_ids == first.token_ids else 'DIFFER'}",
+                "the first (uncached) run", {"evicted": evicted, "stats": stats})]
+    src = torch.empty(64 * MIB, dtype=torch.uint8).pin_memory() if DEVICE == "cuda" else torch.empty(64 * MIB,
+                                                                                                     dtype=torch.uint8)
+    dst = torch.empty(64 * MIB, dtype=torch.uint8, device=DEVICE)
+    copy_s = _best_time(lambda: dst.copy_(src, non_blocking=True))
+    rows.append(Row("KV host tier onboarding", "info", f"{stats['onboard_bytes_per_s'] / 1e9:.2f} GB/s "
+                    f"({stats['onboard_s_per_block'] * 1e6:.0f} us a block of {engine.kv_bytes_per_block} B)",
+                    f"pinned host→device copy {gbps(64 * MIB, copy_s):.1f} GB/s"))
+    del engine
+    _release()
+    return rows
+
+
 def check_gpu_tests(timeout_s: float) -> list[Row]:
     if not os.path.isdir(os.path.join(ROOT, "tests", "gpu")):
         return [Row("tests/gpu", "skipped", "no tests/gpu folder")]
@@ -592,6 +636,7 @@ def run_checks(args) -> tuple[list[Row], dict]:
         ("flex kernel", lambda: check_flex(model_dir, args.perf_model or perf_model_dir())),
         ("quantized weights", lambda: check_quantized(args.perf_model or perf_model_dir())),
         ("quantized KV cache", lambda: check_kv_cache_dtype(args.perf_model or perf_model_dir())),
+        ("KV tiers", lambda: check_kv_tiers(model_dir)),
         ("KV transfer", lambda: check_transfer(TRANSFER_MIB)),
         ("KV transfer nixl", lambda: check_nixl_transfer(TRANSFER_MIB)),
         ("1P+1D cluster", lambda: check_cluster(model_dir, 16)),

@@ -136,4 +136,4 @@ def worker_stats(engine: Engine, actor_id: str, role: str, num_queued: int) -> d
     bm = engine.block_manager
     return {"actor_id": actor_id, "role": role, "kv_blocks_total": bm.num_blocks,
             "kv_blocks_used": bm.num_used_blocks, "queued_requests": num_queued,
-            "running_requests": len(engine.scheduler.running)}
+            "running_requests": len(engine.scheduler.running), "kv_tiers": engine.tier_stats()}

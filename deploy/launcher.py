@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -23,6 +24,7 @@ from deploy.placement import cpu_scale, scaled_cpus, wait_placed
 from engine.args import EngineArgs
 from engine.engine import pick_dtype
 from engine.kv_cache.kv_format import KVFormat
+from engine.kv_cache.tiers import TierSpec
 from engine.model.config import ModelConfig
 from engine.model.presets import resolve_model
 from engine.sampling.generation_config import GenerationConfig
@@ -116,7 +118,9 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str, mcfg: ModelConfig
                       attention=cfg.model.attention,
                       weight_layout=cfg.model.weight_layout if device.type == "cpu" else "auto",
                       quantization=quantization, quantization_group_size=group_size,
-                      quantize_lm_head=cfg.model.quantize_lm_head, kv_cache_dtype=kv.dtype)
+                      quantize_lm_head=cfg.model.quantize_lm_head, kv_cache_dtype=kv.dtype,
+                      kv_tiers=tuple(TierSpec(t.kind, t.capacity_bytes, t.path, t.fsync, t.reopen) for t in kv.tiers),
+                      kv_offload_queue_blocks=kv.offload_queue_blocks)
     if device.type == "cuda":
         args.kv_memory_fraction = kv.device_fraction()
     if pool == "prefill":
@@ -129,6 +133,13 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str, mcfg: ModelConfig
         args.max_num_seqs = p.max_batch_size
         args.chunk_size = cfg.pools.prefill.chunk_tokens
     return args
+
+
+def actor_tiers(tiers: tuple[TierSpec, ...], actor_id: str) -> tuple[TierSpec, ...]:
+    """The tiers of one actor: a disk tier's blocks in a subdirectory named after the actor (a restarted
+    actor of the same name reopens it; two actors never share one)."""
+    return tuple(dataclasses.replace(t, path=os.path.join(t.path, actor_id)) if t.kind == "disk" else t
+                 for t in tiers)
 
 
 def colocated_engine_args(cfg: PDServeConfig, model_dir: str, chunked: bool = True,
@@ -252,6 +263,7 @@ class ActorFactory:
             else:
                 args = engine_args(self.cfg, pool, self.model_dir)
         actor_id = f"{role if role == 'colocated' else pool}-{index}"
+        args.kv_tiers = actor_tiers(args.kv_tiers, actor_id)
         options = _actor_options(self.cfg, resources_of, self._name(actor_id), self.cpu_fraction)
         return ray.remote(log_named(role)).options(**options).remote(
             args, actor_id, role, transfer=transfer, stream_token=self.token, bind_host=self.bind_host, tls=self.tls,

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from engine.kv_cache.tiers.spec import TierSpec
+
     from engine.model.config import ModelConfig
     from engine.sampling.generation_config import GenerationConfig
     from engine.tokenizer import Tokenizer
@@ -56,6 +58,10 @@ class EngineArgs:
         quantize_lm_head: with `quantization` int8 / int4, the LM head is quantized the same way (it is
             read whole every decode step: a large vocabulary makes it a large share of the bytes).
         torch_threads: torch's intra-op thread count, set when the engine is built (None: unchanged).
+        kv_tiers: tiers below the paged cache, top first (`engine.kv_cache.tiers.TierSpec`: host memory, then
+            disk): evicted full blocks are offloaded into them, and a prompt prefix found there is loaded back
+            before it is scheduled. Empty (the default): no tiers.
+        kv_offload_queue_blocks: the most evicted blocks waiting to be offloaded; more are dropped (counted).
     """
 
     model: str = "tiny"
@@ -78,6 +84,8 @@ class EngineArgs:
     quantization_group_size: int = 128
     quantize_lm_head: bool = False
     torch_threads: int | None = None
+    kv_tiers: tuple[TierSpec, ...] = ()
+    kv_offload_queue_blocks: int = 64
 
     def model_dir(self) -> str:
         """The model's directory (a preset's is written on first use)."""

@@ -38,6 +38,7 @@ from engine.kv_cache.block_manager import BlockManager, prompt_block_hashes
 from engine.kv_cache.events import KVEventLog
 from engine.kv_cache.kv_format import KVFormat
 from engine.kv_cache.prompt_kv import Roundtrip, roundtrip_prompt_blocks, zero_prompt_tails
+from engine.kv_cache.tiers import KVTiers, Onboarding
 from engine.model import attention_compiled, attention_flex, kernel_choice
 from engine.model.config import ModelConfig
 from engine.model.loader import fingerprint, load_model
@@ -68,6 +69,7 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 ATTENTION_ENV = "PDSERVE_ATTENTION"
 GRAMMAR_WAIT_S = 0.005      # an idle step with grammars compiling waits this long for one (never longer)
+PREFETCH_WAIT_S = 0.5       # expect_kv waits this long for tier blocks loading since the router asked (then reads)
 
 
 ATTENTION_MODES = ("compiled", "eager", "flex", "flex-eager")
@@ -141,6 +143,16 @@ class Engine:
         # with decode graphs the pool's last block is the padded entries' scratch, never handed out
         self.block_manager = BlockManager(num_blocks - graphs, block_size, args.enable_prefix_cache)
         self.kv_events = KVEventLog(self.block_manager)     # the prefix cache's events, pulled by the router
+        # tiers below the paged cache (engine/kv_cache/tiers): offload on eviction, onboard before scheduling
+        self.kv_tiers: KVTiers | None = None
+        self.onboarding: Onboarding | None = None
+        if args.kv_tiers:
+            self.kv_tiers = KVTiers(args.kv_tiers, self.kv_cache, f"{self.fingerprint}:{self.kv_format.kind}",
+                                    self.kv_events, args.kv_offload_queue_blocks)
+            self.kv_events.tiers = self.kv_tiers
+            self.kv_tiers.announce()
+            self.block_manager.evict_sink = self.kv_tiers.evicted
+            self.onboarding = Onboarding(self.kv_tiers, self.block_manager, self.kv_cache)
         self.scheduler = Scheduler(self.block_manager, max_num_batched_tokens, max_num_seqs, chunk_size,
                                    cfg.sliding_window)
         kernel = flex = None
@@ -222,7 +234,8 @@ class Engine:
         req = self._new_request(request_id, prompt, params or SamplingParams(), prefill_only, resume_output_ids,
                                 resume_text_chars, prompt_kv_lossy)
         self.requests[req.request_id] = req
-        self.scheduler.add(req)
+        if self.onboarding is None or not self.onboarding.start(req):    # else: scheduled once onboarded
+            self.scheduler.add(req)
         return req.request_id
 
     def expect_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, transfer_id: str,
@@ -232,7 +245,8 @@ class Engine:
         The request is validated now, so a bad one fails before any KV arrives; it joins the
         batch at `adopt` and can be aborted while it waits. `num_cached_blocks`: leading prompt
         blocks it takes from this pool's prefix cache now (a reference each, held in its block
-        table until it ends: the transfer ships only the rest). Raises ValueError (and takes
+        table until it ends: the transfer ships only the rest), those in a tier below it loaded
+        first (prefetched since `cached_prefix_blocks`, else read here). Raises ValueError (and takes
         nothing) when that many are not cached, or when they would leave no block to ship.
         """
         req = self._new_request(request_id, prompt_token_ids, params, False)
@@ -242,7 +256,11 @@ class Engine:
                 raise ValueError(f"num_cached_blocks: {num_cached_blocks} > {most}, the most a prompt of "
                                  f"{req.num_prompt_tokens} tokens may skip (its last token's block is shipped)")
             hashes = prompt_block_hashes(req.prompt_token_ids, self.block_size)[:num_cached_blocks]
+            if self.onboarding is not None:           # blocks a tier holds: loading since the router asked
+                self.onboarding.await_prefetch(hashes, PREFETCH_WAIT_S)
             req.block_table = self.pin_prefix(hashes)
+            if len(req.block_table) < num_cached_blocks and self.onboarding is not None:    # from a tier
+                req.block_table += self.onboarding.pin(hashes[len(req.block_table):])
             if len(req.block_table) < num_cached_blocks:
                 self.block_manager.free(req.block_table)
                 raise CachedPrefixLost(f"{len(req.block_table)} of the {num_cached_blocks} prompt blocks the "
@@ -254,7 +272,11 @@ class Engine:
         return req
 
     def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
-        """How many leading blocks of `hashes` (chained prompt block hashes) this pool's prefix cache holds."""
+        """How many leading blocks of `hashes` (chained prompt block hashes) this pool's prefix cache holds,
+        or can onboard from a tier below it (those start loading into the paged cache now: the request
+        that follows pins them)."""
+        if self.onboarding is not None:
+            return self.onboarding.prefetch(hashes)
         with self.block_manager.lock:
             return len(self.block_manager.match_prefix(hashes))
 
@@ -341,11 +363,16 @@ class Engine:
         return self._grammars
 
     def step(self) -> list[RequestOutput]:
+        if self.onboarding is not None and self.onboarding.num_pending:
+            for req in self.onboarding.ready():      # their tier blocks are in the paged cache now
+                self.scheduler.add(req)
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.compiling:       # only grammars to wait for: wait a little rather than spin
                 futures.wait([req.grammar.future for req, _ in self.scheduler.compiling], timeout=GRAMMAR_WAIT_S,
                              return_when=futures.FIRST_COMPLETED)
+            elif self.onboarding is not None:  # only tier reads to wait for: the same
+                self.onboarding.wait(GRAMMAR_WAIT_S)
             return []
         if not self.kv_format.quantized:      # (quantized blocks take their scales from the rows written)
             zero_prompt_tails(batch, self.kv_cache, self.block_size)
@@ -398,8 +425,12 @@ class Engine:
         """Bytes of one block of the paged cache over every layer (K and V): what a transfer of it moves."""
         return self.kv_cache[:, 0].numel() * self.kv_cache.element_size()
 
+    def tier_stats(self) -> list[dict]:
+        """Each tier below the paged cache, top first (`KVTiers.stats`); [] without tiers."""
+        return self.kv_tiers.stats() if self.kv_tiers is not None else []
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.onboarding is not None and self.onboarding.num_pending > 0)
 
     def _score_prompt(self, req: Request, start: int, logits) -> None:
         """Prompt logprobs of a chunk: logits [n, V] of positions start.. score prompt[start + 1..]."""
@@ -488,6 +519,8 @@ class Engine:
 
     def _drop(self, root: Request) -> None:
         """Every sequence of the request out of the queues, its blocks back, the request gone."""
+        if self.onboarding is not None:
+            self.onboarding.cancel(root)
         for seq in root.sequences or [root]:
             self.scheduler.remove(seq)
             if seq.block_table:

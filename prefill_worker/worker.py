@@ -330,7 +330,7 @@ class PrefillWorker:
         sched = self.engine.scheduler
         return {"actor_id": self.actor_id, "role": "prefill", "kv_blocks_total": bm.num_blocks,
                 "kv_blocks_used": bm.num_used_blocks, "queued_requests": len(sched.waiting),
-                "running_requests": len(sched.running) + len(self._sending)}
+                "running_requests": len(sched.running) + len(self._sending), "kv_tiers": self.engine.tier_stats()}
 
 
 def _send_stages(stages: wpb.ActorStages, handles: list[SendHandle], sampled: float, done: float) -> None:

@@ -120,6 +120,8 @@ class ActorStats:
     # Internal connections it refused since it started, by `REFUSAL_REASONS` (decode actors: its KV
     # receiver and its token stream).
     refused_connections: dict[str, int] = field(default_factory=dict)
+    # The tiers below its paged cache, top first (`engine.kv_cache.tiers.KVTiers.stats`: one dict per tier).
+    kv_tiers: list[dict] = field(default_factory=list)
 
     @classmethod
     def from_report(cls, report: dict) -> ActorStats:

@@ -46,6 +46,7 @@ from router.admission import AdmissionQueue
 from router.attempt import Attempt, DecodeLost, RequestState, RetryPrefill
 from router.backend import ActorStats, Backend, BackendError, GenerationChunk, GenerationInput
 from router.placement import KVEventPoller, KVIndex, LiveProfile, Placer, PlacementRecord
+from router.placement.kv_index import TIER_IDS
 from router.pools import DecodeView, Pools, PrefillView
 from router.routing import RoutingSettings
 from router.timing import Timeline
@@ -53,6 +54,7 @@ from router.timing import Timeline
 log = logging.getLogger(f"pdserve.{__name__}")
 
 MAX_FINISHED_RECORDS = 4096
+TIER_PRICING_PROMPT_TOKENS = 1024     # tier hits are priced against recomputing a block of a prompt this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +110,19 @@ class Dispatcher(Backend):
         """Every actor's load; an actor that does not answer within `timeout_s` is left out."""
         results = await asyncio.gather(*(asyncio.wait_for(v.client.stats(), timeout_s) for v in self.pools.all()),
                                        return_exceptions=True)
-        return [r for r in results if isinstance(r, ActorStats)]
+        stats = [r for r in results if isinstance(r, ActorStats)]
+        self._price_tiers(stats)
+        return stats
+
+    def _price_tiers(self, stats: list[ActorStats]) -> None:
+        """The KV index prices a tier hit from the actors' measured onboarding against the measured prefill
+        rate (a block of a typical prompt)."""
+        recompute_s = self.live.prefill_seconds(TIER_PRICING_PROMPT_TOKENS) * self.block_size / \
+            TIER_PRICING_PROMPT_TOKENS
+        for s in stats:
+            for tier in s.kv_tiers:
+                if tier.get("onboard_s_per_block"):
+                    self.kv_index.measure_tier(TIER_IDS[tier["kind"]], tier["onboard_s_per_block"], recompute_s)
 
     # ---- the face deploy uses --------------------------------------------
     async def add_actors(self, pool: str, views: list) -> None:

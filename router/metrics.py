@@ -10,7 +10,8 @@ Who feeds what::
                                                 prefix_hit_tokens, placement{choice} (routing.mode auto)
     pool manager (role flips)                 → role_flipped{from_role, to_role}
     poll_stats (periodic backend.stats())     → blocks_used: pdserve_kv_blocks_used{actor,role},
-                                                pdserve_kv_blocks_capacity{actor,role}
+                                                pdserve_kv_blocks_capacity{actor,role}; per tier below
+                                                an actor's cache (kv_cache.tiers): pdserve_kv_tier_*{actor,tier}
 
 Every name passes ``promtool check metrics``: ``_total`` on counters only (prometheus_client adds it
 to a Counter's name), base units (seconds, bytes) spelled out.
@@ -53,6 +54,18 @@ _REASON_OF_STATUS = {"RESOURCE_EXHAUSTED": "capacity", "UNAVAILABLE": "not_ready
 def rejection_reason(status: str) -> str:
     """The reason label of a refusal with this gRPC status name."""
     return _REASON_OF_STATUS.get(status, "other")
+
+
+TIER_COUNTERS = {     # pdserve_kv_tier_<name>_total{actor,tier}
+    "offload_bytes": "Bytes written into the tier (rate(): offload bytes/s).",
+    "onboard_bytes": "Bytes read from the tier into the paged cache (rate(): onboard bytes/s).",
+    "lookups": "Blocks requests looked for below the paged cache while the tier was on.",
+    "hits": "Of those, blocks the tier served (hits / lookups: its hit rate).",
+    "dropped_offloads": "Evicted blocks not offloaded: the offload queue was full.",
+    "corrupt_blocks": "Blocks that failed a check (fingerprint, hash, length, checksum) and were dropped.",
+}
+TIER_TOTALS = {"offload_bytes": "offload_bytes", "onboard_bytes": "onboard_bytes", "lookups": "num_lookups",
+               "hits": "num_hits", "dropped_offloads": "num_dropped_offloads", "corrupt_blocks": "num_corrupt"}
 
 
 class Metrics:
@@ -100,6 +113,19 @@ class Metrics:
             "pdserve_internal_refused_connections", "Connections an actor's internal endpoints (KV receiver, "
             "token stream) refused: bad_token, bad_hello (malformed, too slow or evicted before it "
             "authenticated), handshake_mismatch.", ["actor", "role", "reason"], registry=r)
+        tier = ["actor", "tier"]
+        self.tier_blocks = Gauge("pdserve_kv_tier_blocks", "Blocks held in a tier below an actor's paged cache.",
+                                 tier, registry=r)
+        self.tier_bytes = Gauge("pdserve_kv_tier_bytes", "Bytes held in a tier below an actor's paged cache.",
+                                tier, registry=r)
+        self.tier_enabled = Gauge("pdserve_kv_tier_enabled", "1 while the tier is on, 0 once it turned itself "
+                                  "off (a full or unwritable disk).", tier, registry=r)
+        self.tier_onboard_bandwidth = Gauge("pdserve_kv_tier_onboard_bandwidth_bytes_per_second", "Measured read "
+                                            "bandwidth of the tier into the paged cache.", tier, registry=r)
+        self.tier_counters = {name: Counter(f"pdserve_kv_tier_{name}", help_text, tier, registry=r)
+                              for name, help_text in TIER_COUNTERS.items()}
+        self._tier_seen: dict[tuple[str, str, str], int] = {}      # an actor's own tier totals at the last poll
+        self._tiers: set[tuple[str, str]] = set()
         self._actors: set[tuple[str, str]] = set()
         self._refused_seen: dict[tuple[str, str, str], int] = {}   # an actor's own totals at the last poll
         self._http = None
@@ -160,11 +186,21 @@ class Metrics:
     def observe_stats(self, stats: Sequence) -> None:
         """Set the block gauges from `ActorStats`; drop actors that left the pools."""
         seen = set()
+        tiers = set()
         for s in stats:
             role = ROLE_NAMES.get(s.role, "unspecified")
             self.blocks_used(s.actor_id, role, s.kv_blocks_used, s.kv_blocks_total)
             seen.add((s.actor_id, role))
             self._count_refused(s)
+            for t in s.kv_tiers:
+                tiers.add(self._observe_tier(s.actor_id, t))
+        for gone in self._tiers - tiers:
+            for gauge in (self.tier_blocks, self.tier_bytes, self.tier_enabled, self.tier_onboard_bandwidth):
+                try:
+                    gauge.remove(*gone)
+                except KeyError:
+                    pass
+        self._tiers = tiers
         for gone in self._actors - seen:
             for gauge in (self.blocks, self.blocks_capacity):
                 try:
@@ -172,6 +208,20 @@ class Metrics:
                 except KeyError:
                     pass
         self._actors = seen
+
+    def _observe_tier(self, actor_id: str, t: dict) -> tuple[str, str]:
+        """One tier's gauges, and its counters advanced by what its totals grew since the last poll."""
+        key = (actor_id, t["kind"])
+        self.tier_blocks.labels(*key).set(t["num_blocks"])
+        self.tier_bytes.labels(*key).set(t["num_bytes"])
+        self.tier_enabled.labels(*key).set(1 if t["enabled"] else 0)
+        self.tier_onboard_bandwidth.labels(*key).set(t["onboard_bytes_per_s"])
+        for name, report_key in TIER_TOTALS.items():
+            total, last = t[report_key], self._tier_seen.get((*key, name), 0)
+            if total != last:
+                self.tier_counters[name].labels(*key).inc(total - last if total > last else total)
+                self._tier_seen[(*key, name)] = total
+        return key
 
     def _count_refused(self, s) -> None:
         """Add what an actor refused since the last poll (a total that went down: the actor restarted)."""

@@ -41,6 +41,15 @@ def parse_generate_request(data: bytes) -> pb.GenerateRequest | UnparsableReques
         return UnparsableRequest(str(e) or type(e).__name__)
 
 
+def tier_stats_message(tier: dict) -> pb.KVTierStats:
+    """An actor's report of one tier (`KVTiers.stats`) as the public message."""
+    return pb.KVTierStats(
+        kind=tier["kind"], enabled=tier["enabled"], num_blocks=tier["num_blocks"], num_bytes=tier["num_bytes"],
+        capacity_bytes=tier["capacity_bytes"], hit_rate=tier["hit_rate"], offload_bytes=tier["offload_bytes"],
+        onboard_bytes=tier["onboard_bytes"], onboard_bytes_per_s=tier["onboard_bytes_per_s"],
+        num_dropped_offloads=tier["num_dropped_offloads"], num_corrupt_blocks=tier["num_corrupt"])
+
+
 class GenerationServicer:
     """Handlers for pdserve.v1.GenerationService over a `RequestCore`.
 
@@ -88,7 +97,7 @@ class GenerationServicer:
             response.actors.add(
                 actor_id=a.actor_id, role=role, kv_blocks_total=a.kv_blocks_total,
                 kv_blocks_used=a.kv_blocks_used, queued_requests=a.queued_requests,
-                running_requests=a.running_requests,
+                running_requests=a.running_requests, kv_tiers=[tier_stats_message(t) for t in a.kv_tiers],
             )
             totals.num_prefill_actors += role == pb.ACTOR_ROLE_PREFILL
             totals.num_decode_actors += role == pb.ACTOR_ROLE_DECODE

@@ -21,6 +21,7 @@ import asyncio
 import json
 import math
 import sys
+import tempfile
 
 from bench.serving.cluster import bench_config
 from bench.serving.runs import measure, run_variants, workload_kwargs
@@ -60,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "JSON-schema mask, per --batch-sizes) | FILE.jsonl")
     w.add_argument("--num-requests", type=int, default=64, help="requests (multi-turn: conversations)")
     w.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    w.add_argument("--interleave", action="store_true", help="multi-turn: turn k of every conversation before "
+                   "turn k + 1 of any (more conversations than the caches hold: their prefixes get evicted)")
+    w.add_argument("--tiers", help="multi-turn, embedded: KV tier variants side by side, each on a fresh cluster: "
+                   "none, host, disk (e.g. none,host,disk)")
+    w.add_argument("--tier-gib", type=float, default=1.0, help="--tiers: each tier's capacity per actor, GiB")
+    w.add_argument("--tier-dir", help="--tiers disk: the directory (default: a new temporary one)")
     w.add_argument("--batch-sizes", default="1,32", help="structured: the concurrencies to compare at (each runs "
                    "max(--num-requests, size) requests, free and constrained)")
     w.add_argument("--num-warmup", type=int, default=2)
@@ -96,10 +103,23 @@ async def bench_multi_turn(args: argparse.Namespace) -> dict:
     """KV wire bytes and TTFT per turn of multi-turn conversations (bench.serving.multi_turn)."""
     conversations = make_conversations(args.num_requests, args.num_turns, args.seed, args.scale, args.output_len)
     block = multi_turn.kv_block_bytes(bench_config(args.config, args.model, args.dtype, args.set))
-    print(f"workload multi-turn: {len(conversations)} conversations of {args.num_turns} turns", file=sys.stderr)
-    runs = await run_variants(args, lambda t: multi_turn.measure(t, args, conversations, block))
+    print(f"workload multi-turn: {len(conversations)} conversations of {args.num_turns} turns"
+          f"{', interleaved' if args.interleave else ''}", file=sys.stderr)
+    if not args.tiers:
+        runs = await run_variants(args, lambda t: multi_turn.measure(t, args, conversations, block))
+    else:
+        if args.address:
+            raise ValueError("--tiers starts a cluster per tier variant: use it with --embedded")
+        runs = {}
+        with tempfile.TemporaryDirectory(prefix="pdserve-kv-tier-") as scratch:
+            for tier in args.tiers.split(","):
+                overrides = multi_turn.tier_overrides(tier, args.tier_gib, args.tier_dir or scratch)
+                variant = argparse.Namespace(**{**vars(args), "set": [*args.set, *overrides]})
+                runs.update(await run_variants(
+                    variant, lambda t, tier=tier: multi_turn.measure(t, args, conversations, block, tier)))
     return {"workload": MULTI_TURN, "num_conversations": len(conversations), "num_turns": args.num_turns,
-            "seed": args.seed, "scale": args.scale, "runs": runs}
+            "seed": args.seed, "scale": args.scale, "interleave": args.interleave, "tiers": args.tiers,
+            "runs": runs}
 
 
 async def bench_runs(args: argparse.Namespace) -> dict:

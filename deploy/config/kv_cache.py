@@ -6,6 +6,7 @@ from typing import Literal, Optional
 from pydantic import Field, field_validator, model_validator
 
 from deploy.config.base import GIB, FieldProblem, Float, Int, Section
+from deploy.config.kv_tiers import KVTierSection
 
 
 class KVCacheSection(Section):
@@ -29,6 +30,11 @@ class KVCacheSection(Section):
     num_blocks: Optional[Int] = Field(None, ge=1,
                                       description="Exact number of KV blocks per actor.")
     memory_gib: Optional[Float] = Field(None, gt=0, description="KV block memory per actor, GiB.")
+    tiers: list[KVTierSection] = Field(
+        default_factory=list, description="Tiers below each actor's paged cache, top first: at most one host "
+        "tier, then at most one disk tier (docs/kv-tiers.md). Empty: no tiers.")
+    offload_queue_blocks: Int = Field(64, ge=1, description="With tiers: the most evicted blocks waiting to be "
+                                      "written down; more are dropped (counted), never waited for.")
 
     @field_validator("block_size")
     @classmethod
@@ -44,6 +50,17 @@ class KVCacheSection(Section):
             raise FieldProblem(chosen[1], f"cannot be combined with {{here}}.{chosen[0]} "
                                "(set one of memory_fraction, num_blocks, memory_gib)")
         return self
+
+    @field_validator("tiers")
+    @classmethod
+    def _tier_order(cls, tiers: list[KVTierSection]) -> list[KVTierSection]:
+        kinds = [tier.kind for tier in tiers]
+        for i, kind in enumerate(kinds):
+            if kind in kinds[:i]:
+                raise FieldProblem(f"{i}.kind", f"one {kind} tier at most")
+        if kinds == ["disk", "host"]:
+            raise FieldProblem("1.kind", "the host tier goes above the disk tier (list it first)")
+        return tiers
 
     def budget_keys(self) -> list[str]:
         """Names of the budget fields that are set, in declaration order."""

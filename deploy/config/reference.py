@@ -48,10 +48,15 @@ def rows(model: type[BaseModel] = PDServeConfig, value: BaseModel | None = None,
     for name, field in model.model_fields.items():
         current = getattr(value, name) if value is not None else _schema_default(field)
         section = _section_of(field.annotation)
-        if section is not None:
+        if typing.get_origin(field.annotation) is list and section is not None:    # a list of sections
+            out.append(Row(f"{prefix}{name}", "list of entries", "[]" if not current else f"{len(current)}",
+                           " ".join((field.description or "").split())))
+            out += rows(section, None, f"{prefix}{name}[].")
+        elif section is not None:
             out += rows(section, current if isinstance(current, section) else None, f"{prefix}{name}.")
         else:
-            out.append(Row(f"{prefix}{name}", _type_name(field.annotation), _show(current),
+            shown = "(required)" if value is None and field.is_required() else _show(current)
+            out.append(Row(f"{prefix}{name}", _type_name(field.annotation), shown,
                            " ".join((field.description or "").split())))
     return out
 

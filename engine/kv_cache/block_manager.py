@@ -5,7 +5,9 @@ hashed block of tokens stay findable by hash (the prefix cache) until they are
 reused; reuse takes the least recently freed block first (LRU by block).
 Block hashes are chained: hash(block i) covers the tokens of blocks 0..i.
 `event_sink` (engine.kv_cache.events) hears of every hash that becomes findable
-(`stored`) and every one dropped when its block is reused (`removed`).
+(`stored`) and every one dropped when its block is reused (`removed`); `evict_sink`
+(engine.kv_cache.tiers) is told of each hashed block just before it is reused, while its
+rows still hold that block's KV, so it can copy them down a tier.
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ class BlockManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.lock = threading.RLock()
         self.event_sink = None           # engine.kv_cache.events.KVEventSink: told of each change to `cached`
+        self.evict_sink = None           # evict_sink(block_id, block_hash): a cached block is about to be reused
 
     # ---- capacity -------------------------------------------------------
     @property
@@ -132,6 +135,8 @@ class BlockManager:
                 block = self.blocks[block_id]
                 assert block.ref_count == 0
                 if block.block_hash is not None:
+                    if self.evict_sink is not None:
+                        self.evict_sink(block_id, block.block_hash)
                     del self.cached[block.block_hash]
                     if self.event_sink is not None:
                         self.event_sink.removed(block_id, block.block_hash)

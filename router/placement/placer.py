@@ -82,7 +82,7 @@ class Placer:
 
     def decode_choice(self, hashes: list[bytes]) -> dict:
         """What the decode policy weighs besides room (keyword arguments of `AdmissionQueue.acquire`)."""
-        return dict(cached=lambda: self.kv_index.prefix_by_actor(hashes), num_prompt_blocks=len(hashes),
+        return dict(cached=lambda: self.kv_index.priced_prefix_by_actor(hashes), num_prompt_blocks=len(hashes),
                     policy=self.routing.decode_policy)
 
     def pick_prefill(self, hashes: list[bytes], num_prompt_tokens: int,
@@ -113,9 +113,11 @@ class Placer:
         if shadow:                   # no prefill actor: would one have helped? (router.placement.auto)
             prefill = self.shadow.state(now, prefill_profile.tokens_per_s)
         else:
-            prefill = PrefillState(pview.actor_id, pview.queued_tokens, cached * self.block_size)
+            prefill = PrefillState(pview.actor_id, pview.queued_tokens,
+                                   self._priced_tokens(pview.actor_id, hashes, cached))
+        decode_cached = self.kv_index.prefix_blocks(view.actor_id, hashes)
         decode = DecodeState(view.actor_id, max(view.running - 1, 0), live.local_backlog(view.actor_id),
-                             self.kv_index.prefix_blocks(view.actor_id, hashes) * self.block_size)
+                             self._priced_tokens(view.actor_id, hashes, decode_cached))
         decode_profile = live.decode_profile(num_prompt_tokens, num_prompt_tokens + output_tokens / 2)
         placement = place(PlacementInputs(
             num_prompt_tokens, output_tokens, self.routing.ttft_slo_s, self.routing.tpot_slo_s, decode,
@@ -128,6 +130,11 @@ class Placer:
         if self.metrics:
             self.metrics.placement(placement.choice.value)
         return placement.choice is Choice.LOCAL, placement
+
+    def _priced_tokens(self, actor_id: str, hashes: list[bytes], num_blocks: int) -> int:
+        """Tokens a prefix hit of `num_blocks` on the actor saves, less the price of onboarding its tier-held
+        blocks (what auto placement weighs)."""
+        return round((num_blocks - self.kv_index.onboard_cost(actor_id, hashes, num_blocks)) * self.block_size)
 
     def all_decode_running(self, pool: list[DecodeView], running: int) -> int:
         """A decode actor's batch were the prefill actors decoding too: spread over both pools' actors."""

@@ -136,15 +136,25 @@ def test_kv_cache_dtype_check_runs_on_cpu(on_cpu, monkeypatch):
     assert all(r.data["seconds"] > 0 and r.data["bf16"]["seconds"] > 0 for r in rows[2:])
 
 
+def test_kv_tiers_check_runs_on_cpu(on_cpu):
+    """The host tier round trip passes (bit-exact blocks, equal tokens); the onboarding row beside a copy."""
+    from engine.model.presets import resolve_model
+    rows = gpu_check.check_kv_tiers(resolve_model("tiny"))
+    assert [r.check for r in rows] == ["KV host tier: offload → evict → onboard", "KV host tier onboarding"]
+    assert rows[0].status == "ok" and "144 cached tokens, blocks bit-exact" in rows[0].figure, rows[0]
+    assert rows[0].data["stats"]["num_hits"] == 9
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the driver")
 def test_a_failing_check_is_a_row(on_cpu, monkeypatch):
     """run_checks never stops at a failing check: it becomes an error row, the rest still run."""
     def broken(*_):
         raise RuntimeError("no such thing")
     for name in ("device_peaks", "check_engine_vs_hf", "check_speed", "check_flex", "check_quantized",
-                 "check_kv_cache_dtype", "check_transfer", "check_nixl_transfer", "check_cluster", "check_gpu_tests"):
+                 "check_kv_cache_dtype", "check_kv_tiers", "check_transfer", "check_nixl_transfer", "check_cluster",
+                 "check_gpu_tests"):
         monkeypatch.setattr(gpu_check, name, broken)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "stub")
     rows, info = gpu_check.run_checks(gpu_check.build_parser().parse_args(["--model", "tiny", "--perf-model", "x"]))
-    assert [r.status for r in rows] == ["error"] * 10
+    assert [r.status for r in rows] == ["error"] * 11
     assert rows[0].figure == "RuntimeError: no such thing" and info["device"] == "stub"

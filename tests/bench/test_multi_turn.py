@@ -7,7 +7,9 @@ import math
 from types import SimpleNamespace
 
 from bench.serving.cluster import Target
-from bench.serving.multi_turn import TurnRecord, run_conversation, summarize_turns, turn_table
+import pytest
+
+from bench.serving.multi_turn import TurnRecord, run_conversations, summarize_turns, tier_overrides, turn_table
 from bench.serving.workloads import make_conversations
 
 
@@ -39,7 +41,7 @@ class FakeClient:
 def test_each_turn_is_the_previous_prompt_plus_its_answer_plus_the_new_message():
     conv = make_conversations(1, 3, seed=4, scale=0.05, output_len=3)[0]
     client = FakeClient()
-    records = asyncio.run(run_conversation(client, Target("x", "nowhere"), conv, 0, "t", (16, 1000), 5.0))
+    records = asyncio.run(run_conversations(client, Target("x", "nowhere"), [conv], "t", (16, 1000), 5.0))
     p0 = conv.first_prompt
     p1 = p0 + [len(p0), len(p0) + 1, len(p0) + 2] + conv.user_messages[0]
     p2 = p1 + [len(p1), len(p1) + 1, len(p1) + 2] + conv.user_messages[1]
@@ -59,5 +61,26 @@ def test_turn_rows_average_over_conversations_and_share_the_full_kv():
     assert [r["turn"] for r in rows] == [1, 2] and rows[0]["conversations"] == 2
     assert rows[0]["wire_share"] == 1.0 and rows[1]["wire_share"] == 400 / 8000
     assert rows[1]["cached_tokens"] == 16 and math.isclose(rows[1]["ttft_mean_s"], 0.015)
+    assert rows[1]["recomputed_tokens"] == 200 - 16 and rows[1]["cached_share"] == 16 / 200
+    assert rows[0]["ttft_p90_s"] == pytest.approx(0.02, abs=1e-3)
     text = turn_table({"disaggregated": {"turns": rows}})
-    assert "5.0%" in text and "100.0%" in text
+    assert "5.0%" in text and "100.0%" in text and "8.0%" in text
+
+
+def test_interleaved_turns_go_round_robin_and_still_chain():
+    convs = make_conversations(3, 2, seed=4, scale=0.05, output_len=2)
+    client = FakeClient()
+    records = asyncio.run(run_conversations(client, Target("x", "nowhere"), convs, "t", (16, 1000), 5.0,
+                                            interleave=True))
+    assert [(r.conversation, r.turn) for r in records] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    for i, conv in enumerate(convs):
+        p0 = conv.first_prompt
+        assert client.prompts[3 + i] == p0 + [len(p0), len(p0) + 1] + conv.user_messages[0]
+
+
+def test_tier_variants_set_the_tier_list():
+    assert tier_overrides("none", 1.0, "/x") == ["kv_cache.tiers=[]"]
+    assert tier_overrides("host", 2.0, "/x") == ["kv_cache.tiers=[{kind: host, capacity_gib: 2.0}]"]
+    assert tier_overrides("disk", 2.0, "/x") == ["kv_cache.tiers=[{kind: disk, capacity_gib: 2.0, path: /x}]"]
+    with pytest.raises(ValueError, match="--tiers"):
+        tier_overrides("tape", 1.0, "/x")

@@ -190,3 +190,26 @@ def test_the_need_for_a_prefill_actor_is_asked_with_the_batch_spread_over_both_p
     c.pools.prefill[0].healthy = True
     c.pools.decode[0].draining = True
     assert d.placer.all_decode_running(c.pools.decode, 9) == 6          # 9 x 2 / 3
+
+
+def test_auto_placement_prices_a_prefix_the_decode_actor_holds_in_a_tier():
+    """The same prefix counts fully from the decode actor's paged cache and at its onboarding price from a
+    tier below it: auto placement sees fewer cached tokens for a host hit, fewer still for a disk hit."""
+    from engine.kv_cache.block_manager import prompt_block_hashes
+    from proto.pdserve.v1 import kv_events_pb2 as kpb
+    hashes = prompt_block_hashes(LONG, BLOCK_SIZE)
+    cached_tokens = {}
+    for tier in (kpb.KV_CACHE_TIER_UNSPECIFIED, kpb.KV_CACHE_TIER_HOST, kpb.KV_CACHE_TIER_DISK):
+        c = fake_cluster()
+        d = make(c)
+        view, pview = c.pools.decode[0], c.pools.prefill[0]
+        event = kpb.KVCacheEvent(kind=kpb.KV_CACHE_EVENT_KIND_STORED, tier=tier, block_hashes=hashes)
+        d.kv_index.apply(view.actor_id, kpb.KVEventsResponse(epoch="e", last_seq=1, batches=[
+            kpb.KVCacheEventBatch(seq=1, events=[event])]))
+        _, placement = d.placer.prefill_locally(view, pview, 0, hashes, len(LONG), 6, c.pools.decode)
+        cached_tokens[tier] = placement.inputs.decode.cached_tokens
+    cost = make(fake_cluster()).kv_index.tier_cost
+    blocks = len(hashes)
+    assert cached_tokens == {kpb.KV_CACHE_TIER_UNSPECIFIED: blocks * BLOCK_SIZE,
+                             kpb.KV_CACHE_TIER_HOST: round(blocks * (1 - cost[kpb.KV_CACHE_TIER_HOST]) * BLOCK_SIZE),
+                             kpb.KV_CACHE_TIER_DISK: round(blocks * (1 - cost[kpb.KV_CACHE_TIER_DISK]) * BLOCK_SIZE)}

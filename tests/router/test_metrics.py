@@ -91,3 +91,29 @@ def test_grafana_dashboard_queries_only_exported_metrics():
     metrics.blocks_used("decode-0", "decode", 1, 8)
     exported = {name for name, _ in samples(metrics)}
     assert used and used <= exported, used - exported
+
+
+def test_tier_metrics_follow_the_actors_reports():
+    metrics = Metrics()
+
+    def report(offload: int, hits: int, enabled: bool = True) -> ActorStats:
+        tier = {"kind": "disk", "enabled": enabled, "num_blocks": 3, "num_bytes": 300, "capacity_bytes": 1000,
+                "num_lookups": 10, "num_hits": hits, "hit_rate": hits / 10, "offload_bytes": offload,
+                "onboard_bytes": 100 * hits, "onboard_bytes_per_s": 5e6, "onboard_s_per_block": 2e-5,
+                "num_corrupt": 1, "num_dropped_offloads": 2}
+        return ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 64, 5, 0, 1, kv_tiers=[tier])
+
+    metrics.observe_stats([report(400, 4)])
+    metrics.observe_stats([report(1000, 6, enabled=False)])
+    s = samples(metrics)
+    key = (("actor", "decode-0"), ("tier", "disk"))
+    assert s[("pdserve_kv_tier_offload_bytes_total", key)] == 1000
+    assert s[("pdserve_kv_tier_onboard_bytes_total", key)] == 600
+    assert s[("pdserve_kv_tier_hits_total", key)] == 6 and s[("pdserve_kv_tier_lookups_total", key)] == 10
+    assert s[("pdserve_kv_tier_dropped_offloads_total", key)] == 2
+    assert s[("pdserve_kv_tier_corrupt_blocks_total", key)] == 1
+    assert s[("pdserve_kv_tier_blocks", key)] == 3 and s[("pdserve_kv_tier_bytes", key)] == 300
+    assert s[("pdserve_kv_tier_enabled", key)] == 0
+    assert s[("pdserve_kv_tier_onboard_bandwidth_bytes_per_second", key)] == 5e6
+    metrics.observe_stats([])                                        # the actor left: its gauges go
+    assert ("pdserve_kv_tier_blocks", key) not in samples(metrics)

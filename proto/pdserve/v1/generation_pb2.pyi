@@ -239,20 +239,48 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ActorStats(_message.Message):
-    __slots__ = ("actor_id", "role", "kv_blocks_total", "kv_blocks_used", "queued_requests", "running_requests")
+    __slots__ = ("actor_id", "role", "kv_blocks_total", "kv_blocks_used", "queued_requests", "running_requests", "kv_tiers")
     ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     actor_id: str
     role: ActorRole
     kv_blocks_total: int
     kv_blocks_used: int
     queued_requests: int
     running_requests: int
-    def __init__(self, actor_id: _Optional[str] = ..., role: _Optional[_Union[ActorRole, str]] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ...) -> None: ...
+    kv_tiers: _containers.RepeatedCompositeFieldContainer[KVTierStats]
+    def __init__(self, actor_id: _Optional[str] = ..., role: _Optional[_Union[ActorRole, str]] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTierStats, _Mapping]]] = ...) -> None: ...
+
+class KVTierStats(_message.Message):
+    __slots__ = ("kind", "enabled", "num_blocks", "num_bytes", "capacity_bytes", "hit_rate", "offload_bytes", "onboard_bytes", "onboard_bytes_per_s", "num_dropped_offloads", "num_corrupt_blocks")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ONBOARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ONBOARD_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    enabled: bool
+    num_blocks: int
+    num_bytes: int
+    capacity_bytes: int
+    hit_rate: float
+    offload_bytes: int
+    onboard_bytes: int
+    onboard_bytes_per_s: float
+    num_dropped_offloads: int
+    num_corrupt_blocks: int
+    def __init__(self, kind: _Optional[str] = ..., enabled: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hit_rate: _Optional[float] = ..., offload_bytes: _Optional[int] = ..., onboard_bytes: _Optional[int] = ..., onboard_bytes_per_s: _Optional[float] = ..., num_dropped_offloads: _Optional[int] = ..., num_corrupt_blocks: _Optional[int] = ...) -> None: ...
 
 class ClusterStats(_message.Message):
     __slots__ = ("num_prefill_actors", "num_decode_actors", "num_colocated_actors", "kv_blocks_total", "kv_blocks_used", "queued_requests", "running_requests")

@@ -24,23 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/kv_events.proto\x12\npdserve.v1\"P\n\x0cKVCacheEvent\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.pdserve.v1.KVCacheEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"J\n\x11KVCacheEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.KVCacheEvent\"\'\n\x0fKVCacheSnapshot\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"E\n\x0fKVEventsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x11\n\tacked_seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\"\x92\x01\n\x10KVEventsResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12.\n\x07\x62\x61tches\x18\x03 \x03(\x0b\x32\x1d.pdserve.v1.KVCacheEventBatch\x12-\n\x08snapshot\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.KVCacheSnapshot*x\n\x10KVCacheEventKind\x12#\n\x1fKV_CACHE_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_CACHE_EVENT_KIND_STORED\x10\x01\x12\x1f\n\x1bKV_CACHE_EVENT_KIND_REMOVED\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/v1/kv_events.proto\x12\npdserve.v1\"w\n\x0cKVCacheEvent\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.pdserve.v1.KVCacheEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12%\n\x04tier\x18\x03 \x01(\x0e\x32\x17.pdserve.v1.KVCacheTier\"J\n\x11KVCacheEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.KVCacheEvent\"P\n\x11KVCacheTierHashes\x12%\n\x04tier\x18\x01 \x01(\x0e\x32\x17.pdserve.v1.KVCacheTier\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"U\n\x0fKVCacheSnapshot\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12,\n\x05tiers\x18\x02 \x03(\x0b\x32\x1d.pdserve.v1.KVCacheTierHashes\"E\n\x0fKVEventsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x11\n\tacked_seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\"\x92\x01\n\x10KVEventsResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12.\n\x07\x62\x61tches\x18\x03 \x03(\x0b\x32\x1d.pdserve.v1.KVCacheEventBatch\x12-\n\x08snapshot\x18\x04 \x01(\x0b\x32\x1b.pdserve.v1.KVCacheSnapshot*x\n\x10KVCacheEventKind\x12#\n\x1fKV_CACHE_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_CACHE_EVENT_KIND_STORED\x10\x01\x12\x1f\n\x1bKV_CACHE_EVENT_KIND_REMOVED\x10\x02*\\\n\x0bKVCacheTier\x12\x1d\n\x19KV_CACHE_TIER_UNSPECIFIED\x10\x00\x12\x16\n\x12KV_CACHE_TIER_HOST\x10\x01\x12\x16\n\x12KV_CACHE_TIER_DISK\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kv_events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVCACHEEVENTKIND']._serialized_start=461
-  _globals['_KVCACHEEVENTKIND']._serialized_end=581
+  _globals['_KVCACHEEVENTKIND']._serialized_start=628
+  _globals['_KVCACHEEVENTKIND']._serialized_end=748
+  _globals['_KVCACHETIER']._serialized_start=750
+  _globals['_KVCACHETIER']._serialized_end=842
   _globals['_KVCACHEEVENT']._serialized_start=42
-  _globals['_KVCACHEEVENT']._serialized_end=122
-  _globals['_KVCACHEEVENTBATCH']._serialized_start=124
-  _globals['_KVCACHEEVENTBATCH']._serialized_end=198
-  _globals['_KVCACHESNAPSHOT']._serialized_start=200
-  _globals['_KVCACHESNAPSHOT']._serialized_end=239
-  _globals['_KVEVENTSREQUEST']._serialized_start=241
-  _globals['_KVEVENTSREQUEST']._serialized_end=310
-  _globals['_KVEVENTSRESPONSE']._serialized_start=313
-  _globals['_KVEVENTSRESPONSE']._serialized_end=459
+  _globals['_KVCACHEEVENT']._serialized_end=161
+  _globals['_KVCACHEEVENTBATCH']._serialized_start=163
+  _globals['_KVCACHEEVENTBATCH']._serialized_end=237
+  _globals['_KVCACHETIERHASHES']._serialized_start=239
+  _globals['_KVCACHETIERHASHES']._serialized_end=319
+  _globals['_KVCACHESNAPSHOT']._serialized_start=321
+  _globals['_KVCACHESNAPSHOT']._serialized_end=406
+  _globals['_KVEVENTSREQUEST']._serialized_start=408
+  _globals['_KVEVENTSREQUEST']._serialized_end=477
+  _globals['_KVEVENTSRESPONSE']._serialized_start=480
+  _globals['_KVEVENTSRESPONSE']._serialized_end=626
 # @@protoc_insertion_point(module_scope)

@@ -12,17 +12,28 @@ class KVCacheEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_CACHE_EVENT_KIND_UNSPECIFIED: _ClassVar[KVCacheEventKind]
     KV_CACHE_EVENT_KIND_STORED: _ClassVar[KVCacheEventKind]
     KV_CACHE_EVENT_KIND_REMOVED: _ClassVar[KVCacheEventKind]
+
+class KVCacheTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_CACHE_TIER_UNSPECIFIED: _ClassVar[KVCacheTier]
+    KV_CACHE_TIER_HOST: _ClassVar[KVCacheTier]
+    KV_CACHE_TIER_DISK: _ClassVar[KVCacheTier]
 KV_CACHE_EVENT_KIND_UNSPECIFIED: KVCacheEventKind
 KV_CACHE_EVENT_KIND_STORED: KVCacheEventKind
 KV_CACHE_EVENT_KIND_REMOVED: KVCacheEventKind
+KV_CACHE_TIER_UNSPECIFIED: KVCacheTier
+KV_CACHE_TIER_HOST: KVCacheTier
+KV_CACHE_TIER_DISK: KVCacheTier
 
 class KVCacheEvent(_message.Message):
-    __slots__ = ("kind", "block_hashes")
+    __slots__ = ("kind", "block_hashes", "tier")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     kind: KVCacheEventKind
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, kind: _Optional[_Union[KVCacheEventKind, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    tier: KVCacheTier
+    def __init__(self, kind: _Optional[_Union[KVCacheEventKind, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[KVCacheTier, str]] = ...) -> None: ...
 
 class KVCacheEventBatch(_message.Message):
     __slots__ = ("seq", "events")
@@ -32,11 +43,21 @@ class KVCacheEventBatch(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[KVCacheEvent]
     def __init__(self, seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVCacheEvent, _Mapping]]] = ...) -> None: ...
 
-class KVCacheSnapshot(_message.Message):
-    __slots__ = ("block_hashes",)
+class KVCacheTierHashes(_message.Message):
+    __slots__ = ("tier", "block_hashes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    tier: KVCacheTier
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, tier: _Optional[_Union[KVCacheTier, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KVCacheSnapshot(_message.Message):
+    __slots__ = ("block_hashes", "tiers")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    tiers: _containers.RepeatedCompositeFieldContainer[KVCacheTierHashes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tiers: _Optional[_Iterable[_Union[KVCacheTierHashes, _Mapping]]] = ...) -> None: ...
 
 class KVEventsRequest(_message.Message):
     __slots__ = ("epoch", "acked_seq", "snapshot")

@@ -94,3 +94,42 @@ def test_pick_decode_uses_the_cached_prefix_among_open_actors_with_room():
     assert pick_decode(views, 30, cached=cached, num_prompt_blocks=10) is views[1]     # no room on d0
     views[0].quarantined_until = float("inf")
     assert pick_decode(views, 20, cached=cached, num_prompt_blocks=10) is views[1]
+
+
+def _tier_index(holdings: dict[str, tuple[int, list[bytes]]]) -> KVIndex:
+    index = KVIndex()
+    for actor_id, (tier, hashes) in holdings.items():
+        event = kpb.KVCacheEvent(kind=kpb.KV_CACHE_EVENT_KIND_STORED, tier=tier, block_hashes=hashes)
+        index.apply(actor_id, kpb.KVEventsResponse(epoch="e", last_seq=1,
+                                                   batches=[kpb.KVCacheEventBatch(seq=1, events=[event])]))
+    return index
+
+
+def test_prefill_prices_a_hit_by_its_tier():
+    prompt = list(range(2, 42))                          # 10 full blocks (9 usable)
+    hashes = prompt_block_hashes(prompt, BS)
+    tiers = {"device": kpb.KV_CACHE_TIER_UNSPECIFIED, "host": kpb.KV_CACHE_TIER_HOST, "disk": kpb.KV_CACHE_TIER_DISK}
+    views = {name: PrefillView(name, None, 64) for name in [*tiers, "none"]}
+    index = _tier_index({name: (tier, hashes) for name, tier in tiers.items()})
+    cost = index.tier_cost
+    expected = {"device": 40 - 36, "host": 40 - 36 + 10 * cost[kpb.KV_CACHE_TIER_HOST] * BS,
+                "disk": 40 - 36 + 10 * cost[kpb.KV_CACHE_TIER_DISK] * BS, "none": 40}
+    order = []
+    while views:
+        best, cached = pick_prefill(list(views.values()), hashes, len(prompt), BS, index)
+        c = PrefillCandidate(best.actor_id, cached, 0, index.onboard_cost(best.actor_id, hashes, cached))
+        assert prefill_cost_tokens(c, len(prompt), BS) == expected[best.actor_id]
+        order.append(views.pop(best.actor_id).actor_id)
+    assert order == ["device", "host", "disk", "none"]
+    assert pick_prefill([PrefillView("host", None, 64), PrefillView("disk", None, 64)], hashes, len(prompt), BS,
+                        index, policy="prefix_then_load")[0].actor_id == "host"
+
+
+def test_decode_prices_a_hit_by_its_tier():
+    hashes = prompt_block_hashes(list(range(2, 42)), BS)          # 10 full blocks
+    index = _tier_index({"host": (kpb.KV_CACHE_TIER_HOST, hashes), "disk": (kpb.KV_CACHE_TIER_DISK, hashes)})
+    views = [DecodeView("disk", None, "kv://disk", 64), DecodeView("host", None, "kv://host", 64),
+             DecodeView("none", None, "kv://none", 64)]
+    priced = index.priced_prefix_by_actor(hashes)
+    assert pick_decode(views, 20, cached=priced, num_prompt_blocks=10).actor_id == "host"
+    assert pick_decode(views[::2], 20, cached=priced, num_prompt_blocks=10).actor_id == "disk"
