@@ -127,8 +127,9 @@ class KVFormat:
 
     # ---- write ---------------------------------------------------------------
     def write(self, layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
-              offsets: torch.Tensor) -> None:
-        """Store the step's new rows. k, v: [T, Hkv, D]; blocks, offsets: [T] (the slot of each token)."""
+              offsets: torch.Tensor, distinct: bool = False) -> None:
+        """Store the step's new rows. k, v: [T, Hkv, D]; blocks, offsets: [T] (the slot of each token).
+        `distinct`: no two rows share a block (a pure decode step), so fp8 needs no per-block reduction."""
         if not self.quantized:
             layer_cache[blocks, 0, :, offsets] = k
             layer_cache[blocks, 1, :, offsets] = v
@@ -141,11 +142,15 @@ class KVFormat:
             data[blocks, :, :, offsets] = (x * inv[..., None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
             scales[blocks, :, :, offsets] = amax / INT8_MAX
             return
-        uniq, which = torch.unique(blocks, return_inverse=True)
         row_amax = x.abs().amax(-1)                                          # [T, 2, Hkv]
-        amax = torch.zeros(len(uniq), 2, self.num_kv_heads, device=x.device).scatter_reduce_(
-            0, which[:, None, None].expand_as(row_amax), row_amax, "amax")
-        starts = torch.zeros(len(uniq), dtype=torch.bool, device=x.device).index_fill_(0, which[offsets == 0], True)
+        if distinct:                                                         # one row per block: it is the block
+            uniq, which, amax, starts = blocks, None, row_amax, offsets == 0
+        else:
+            uniq, which = torch.unique(blocks, return_inverse=True)
+            amax = torch.zeros(len(uniq), 2, self.num_kv_heads, device=x.device).scatter_reduce_(
+                0, which[:, None, None].expand_as(row_amax), row_amax, "amax")
+            starts = torch.zeros(len(uniq), dtype=torch.bool, device=x.device).index_fill_(
+                0, which[offsets == 0], True)
         old = scales[uniq, :, :, 0].masked_fill(starts[:, None, None], 0.0)
         grow = amax / FP8_MAX > old
         new = torch.where(grow, amax / FP8_MAX, old)
@@ -156,7 +161,8 @@ class KVFormat:
             data[ids] = (data[ids].float() * torch.where(grow[regrown], factor, 1.0)[..., None, None]).to(FP8)
         scales[uniq, :, :, 0] = new
         # a block that grew (or started) here scales by 448 / amax, as the fp8 wire codec does
-        inv = torch.where(grow, _inverse(amax, FP8_MAX), _inverse(old * FP8_MAX, FP8_MAX))[which]   # [T, 2, Hkv]
+        inv = torch.where(grow, _inverse(amax, FP8_MAX), _inverse(old * FP8_MAX, FP8_MAX))        # per block
+        inv = inv if which is None else inv[which]                                                # [T, 2, Hkv]
         data[blocks, :, :, offsets] = (x * inv[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
     # ---- read ----------------------------------------------------------------

@@ -142,7 +142,7 @@ def window_mask(qpos: torch.Tensor, kpos: torch.Tensor, sliding_window: int | No
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     # layer_cache: [num_blocks, 2, Hkv, bs, D] (quantized: [num_blocks, cell_bytes]); k, v: [T, Hkv, D]
     if meta.kv_format is not None:
-        meta.kv_format.write(layer_cache, k, v, meta.slot_blocks, meta.slot_offsets)
+        meta.kv_format.write(layer_cache, k, v, meta.slot_blocks, meta.slot_offsets, distinct=meta.decode_only)
         return
     layer_cache[meta.slot_blocks, 0, :, meta.slot_offsets] = k
     layer_cache[meta.slot_blocks, 1, :, meta.slot_offsets] = v

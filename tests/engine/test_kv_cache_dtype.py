@@ -31,6 +31,22 @@ def write(f: KVFormat, cache: torch.Tensor, x: torch.Tensor, block: int, start: 
     f.write(cache, x[:, 0], x[:, 1], torch.full((n,), block), torch.arange(start, start + n))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_decode_step_writes_the_same_bytes_by_the_distinct_block_path(kind):
+    """One row per block (a pure decode step: `distinct`) skips fp8's per-block reduction; the bytes are the
+    general path's, for rows that start a block, continue it, and grow its scale."""
+    f = fmt(kind)
+    general = f.allocate(6, torch.device("cpu"))[0]
+    for b in range(1, 5):                                          # earlier rows of blocks 1..4
+        write(f, general, rows(5, seed=b), b, 0)
+    fast = general.clone()
+    x = rows(5, seed=9, scale=3.0)                                 # larger: most scales grow
+    blocks, offsets = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([5, 5, 5, 5, 0])
+    f.write(general, x[:, 0], x[:, 1], blocks, offsets)
+    f.write(fast, x[:, 0], x[:, 1], blocks, offsets, distinct=True)
+    assert torch.equal(general, fast)
+
+
 def test_fp8_bits_read_as_torch_converts_them():
     """Every finite float8_e4m3fn byte, signed zeros and subnormals included, reads back as torch's own
     conversion (the bit moves the eager gather and the compiled decode kernel share)."""
