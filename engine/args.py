@@ -1,8 +1,10 @@
 """The engine's configuration: one plain, picklable settings object that `Engine` is built from."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from engine.spec.config import SpecConfig
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +58,8 @@ class EngineArgs:
         quantize_lm_head: with `quantization` int8 / int4, the LM head is quantized the same way (it is
             read whole every decode step: a large vocabulary makes it a large share of the bytes).
         torch_threads: torch's intra-op thread count, set when the engine is built (None: unchanged).
+        speculative: speculative decoding (engine/spec/config.py; off by default): decoding sequences
+            propose tokens that the next step verifies; greedy output is unchanged.
     """
 
     model: str = "tiny"
@@ -78,6 +82,7 @@ class EngineArgs:
     quantization_group_size: int = 128
     quantize_lm_head: bool = False
     torch_threads: int | None = None
+    speculative: SpecConfig = field(default_factory=SpecConfig)
 
     def model_dir(self) -> str:
         """The model's directory (a preset's is written on first use)."""

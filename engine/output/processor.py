@@ -82,3 +82,16 @@ class OutputProcessor:
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = "stop_string"
             req.matched_stop = matched
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """One output for the tokens a sequence took in one step (speculative decoding takes several), in order."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    last.new_token_ids = [t for out in outputs for t in out.new_token_ids]
+    last.text_delta = "".join(out.text_delta for out in outputs)
+    if last.logprobs is not None:
+        last.logprobs = [lp for out in outputs for lp in out.logprobs or ()]
+    last.first_scheduled_time = outputs[0].first_scheduled_time
+    return last
