@@ -417,12 +417,12 @@ class Engine:
         num_proposed = len(req.spec_token_ids)
         tokens = accept(logits, req, self.output.eos)
         logprobs = self._logprobs(logits[:len(tokens)], [req] * len(tokens), tokens)
+        self.speculator.verified(req, num_proposed, len(tokens) - 1)
         outs = []
         for token, logprob in zip(tokens, logprobs):
             outs.append(self.output.process(req, token, logprob))
             if req.status.finished:
                 break
-        self.speculator.verified(req, num_proposed, len(tokens) - 1)
         self.scheduler.settle(req, len(outs) - 1)
         return merge_outputs(outs)
 

@@ -25,6 +25,7 @@ from deploy.config.routing import RoutingSection
 from deploy.config.security import SecuritySection
 from deploy.config.server import ServerSection
 from deploy.config.slo import SLOSection
+from deploy.config.speculative import SpeculativeSection
 from deploy.config.workload import WorkloadSection
 
 DEPLOY_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,6 +45,8 @@ class PDServeConfig(Section):
                                      description="Paged KV cache of every pool.")
     kv_transfer: KVTransferSection = Field(default_factory=KVTransferSection,
                                            description="Prefill-to-decode KV shipping.")
+    speculative: SpeculativeSection = Field(default_factory=SpeculativeSection,
+                                            description="Speculative decoding on decode and colocated actors.")
     routing: RoutingSection = Field(default_factory=RoutingSection, description="Router policy.")
     slo: SLOSection = Field(default_factory=SLOSection, description="Latency targets.")
     workload: WorkloadSection = Field(default_factory=WorkloadSection,

@@ -65,7 +65,8 @@ class OutputProcessor:
                              req.num_cached_tokens, len(req.output_token_ids),
                              first_scheduled_time=req.first_scheduled_time, index=req.index,
                              logprobs=None if logprob is None else [logprob],
-                             matched_stop=req.matched_stop if finish == "stop" else None)
+                             matched_stop=req.matched_stop if finish == "stop" else None,
+                             num_spec_proposed=req.num_spec_proposed, num_spec_accepted=req.num_spec_accepted)
 
     @staticmethod
     def _check_stop(req: Request, delta_len: int) -> None:

@@ -133,6 +133,8 @@ class RequestOutput:
     logprobs: list[pb.TokenLogprob] | None = None          # one per new token (params.needs_logprobs)
     prompt_logprobs: list[pb.TokenLogprob] | None = None   # first output of sequence 0 (params.prompt_logprobs)
     matched_stop: str | int | None = None                  # finish "stop": the stop string, EOS or stop token id
+    num_spec_proposed: int = 0         # speculative tokens verified for the sequence so far (engine/spec)
+    num_spec_accepted: int = 0         # of those, accepted
 
 
 @dataclass(slots=True)
