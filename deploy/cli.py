@@ -142,7 +142,8 @@ def cmd_model_init(args: argparse.Namespace) -> int:
 
 
 BENCHES = {"engine": "bench.engine", "transfer": "bench.transfer", "serve": "bench.serving",
-           "kv_quality": "bench.kv_quality", "stream_latency": "bench.serving.stream_latency", "chaos": "bench.chaos"}
+           "kv_quality": "bench.kv_quality", "stream_latency": "bench.serving.stream_latency", "chaos": "bench.chaos",
+           "spec": "bench.spec"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -233,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="measure in-process engines with the pools' settings instead of Ray actors")
         p.set_defaults(fn=fn)
 
-    p = sub.add_parser("bench", help="benchmarks: engine | transfer | serve | kv_quality | stream_latency | chaos")
+    p = sub.add_parser("bench", help="benchmarks: " + " | ".join(BENCHES))
     p.add_argument("what", choices=list(BENCHES))
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_bench)

@@ -72,3 +72,22 @@ def test_a_migrated_request_continues_identically(tiny_model_dir, reference):
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_colocated_worker_greedy_equals_the_engine_without_speculation(tiny_model_dir, reference):
+    from decode_worker.colocated import ColocatedWorker
+    from engine import Engine, EngineArgs
+    prompts = _looping_prompts(5, seed=3)
+    params = [SamplingParams(max_tokens=16 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(5)]
+    worker = ColocatedWorker(Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=256, speculative=SPEC)))
+    worker.start()
+    try:
+        c = Collector(expected=5)
+        for i, (p, prm) in enumerate(zip(prompts, params)):
+            worker.submit(decode_job(f"c{i}", p, prm), c.sink(f"c{i}"))
+        assert c.done.wait(60)
+        assert [c.tokens(f"c{i}") for i in range(5)] == reference(prompts, params)
+        assert worker.stats()["spec_accepted_tokens"] > 0
+        wait_blocks_returned(worker.engine)
+    finally:
+        worker.stop()
