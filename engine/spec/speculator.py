@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from engine.scheduling.request import Request, RequestStatus
 from engine.spec.config import SpecConfig
-from engine.spec.ngram import propose_ngram
+from engine.spec.ngram import NgramIndex
 from engine.spec.turn_down import TurnDown
 
 
@@ -38,7 +38,9 @@ class Speculator:
         cfg = self.config
         for req in seqs:
             room = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)   # the step adds one more
-            req.spec_token_ids = propose_ngram(req.all_token_ids, room, cfg.ngram_min, cfg.ngram_max)
+            if req.spec_index is None:
+                req.spec_index = NgramIndex(cfg.ngram_min, cfg.ngram_max)
+            req.spec_token_ids = req.spec_index.propose(req.all_token_ids, room)
 
     def verified(self, req: Request, num_proposed: int, num_accepted: int) -> None:
         req.num_spec_proposed += num_proposed

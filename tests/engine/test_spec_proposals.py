@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.spec.config import SpecConfig
-from engine.spec.ngram import propose_ngram
+from engine.spec.ngram import NgramIndex, propose_ngram
 from engine.spec.turn_down import PROBE_EVERY, TurnDown
 
 
@@ -16,6 +17,17 @@ def test_ngram_proposes_after_the_latest_longest_match():
     assert propose_ngram([4, 4], 2, 1, 2) == [4]
     assert propose_ngram([1, 2, 3], 2, 1, 2) == []
     assert propose_ngram([1, 2, 1], 0, 1, 2) == []
+
+
+def test_the_incremental_index_proposes_what_a_fresh_scan_finds():
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 6, (300,), generator=g).tolist()      # a small vocabulary: many repeats
+    index = NgramIndex(1, 3)
+    for length in range(1, 300, 3):                                 # growing by several tokens per call
+        prefix = tokens[:length]
+        expected = next((prefix[i + n:i + n + 4] for n in (3, 2, 1) if length > n
+                         for i in range(length - n - 1, -1, -1) if prefix[i:i + n] == prefix[length - n:]), [])
+        assert index.propose(prefix, 4) == expected == propose_ngram(prefix, 4, 1, 3)
 
 
 def _measured(fixed: float, per_token: float, acceptance: float) -> TurnDown:
