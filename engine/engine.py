@@ -172,6 +172,9 @@ class Engine:
                                               num_blocks - 1, capture=self.device.type == "cuda")
             self.runner.graphs.capture_all()
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        if args.speculative.enabled and self.kv_format.kind == "fp8":
+            # an fp8 block's scale follows every row written to it, rejected proposals included
+            raise ValueError("speculative.method: cannot run with kv_cache_dtype fp8 (use int8 or auto)")
         self.speculator = Speculator(args.speculative) if args.speculative.enabled else None
         self.requests: dict[str, Request] = {}
         self._grammars: GrammarCompiler | None = None     # made by the first request with structured output
@@ -349,6 +352,7 @@ class Engine:
         return self._grammars
 
     def step(self) -> list[RequestOutput]:
+        started = time.monotonic()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -359,7 +363,7 @@ class Engine:
             return []
         if not self.kv_format.quantized:      # (quantized blocks take their scales from the rows written)
             zero_prompt_tails(batch, self.kv_cache, self.block_size)
-        started = time.monotonic()
+        decode_only = all(s.request.num_computed_tokens == s.request.num_tokens - 1 for s in batch)
         run = self.runner.run(batch)
         self.last_run_done = time.monotonic()
         if self.prompt_kv_roundtrip is not None:
@@ -407,8 +411,9 @@ class Engine:
                         self._finish(s)
             elif req.status.finished:
                 self._finish(req)
-        if self.speculator is not None:     # (the tokens are on the host by now: the step's whole time)
-            self.speculator.turn_down.observe_step(sum(s.num_new_tokens for s in batch), time.monotonic() - started)
+        if self.speculator is not None and decode_only:    # the step's whole time: propose .. tokens out
+            self.speculator.turn_down.observe_step(sum(len(out.new_token_ids) for out in outputs),
+                                                   time.monotonic() - started)
         return outputs
 
     def _verify(self, req: Request, logits) -> RequestOutput:

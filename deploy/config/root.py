@@ -120,6 +120,10 @@ class PDServeConfig(Section):
                 raise FieldProblem(
                     f"/pools.{key}.kv_cache.dtype", f"pools must store KV the same way: blocks travel as "
                     f"stored (pools.{first}: {theirs}, pools.{name}: {mine})")
+        if self.speculative.method != "off" and self.pool_kv_cache("decode").dtype == "fp8":
+            raise FieldProblem("/speculative.method", "cannot run with kv_cache.dtype fp8: a block's fp8 scale "
+                               "follows every row written to it, rejected proposals included, so greedy output "
+                               "would change; use kv_cache.dtype int8 or auto")
         if self.routing.long_request_tokens is not None and self.pools.long_context is None:
             raise FieldProblem("/routing.long_request_tokens",
                                "needs a pools.long_context pool to route long requests to")

@@ -38,8 +38,8 @@ class SpeculativeSection(Section):
         "sequence's last tokens in its prompt + output (no extra model; wins where outputs repeat their context).")
     num_tokens: Int = Field(4, ge=1, description="k: the most tokens proposed per sequence and step.")
     ngram: NgramSection = Field(default_factory=NgramSection, description="The ngram method's lookup.")
-    adaptive: bool = Field(True, description="Turn k down per step (to 0) when measured acceptance and step "
-                           "times say speculation loses at the batch's size; false: always num_tokens.")
+    adaptive: bool = Field(True, description="Pick k per step (0: no proposals) from the decode throughput "
+                           "measured with each k at the batch's size; false: always num_tokens.")
 
     def engine_config(self) -> SpecConfig:
         """The engine's settings (engine/spec/config.py)."""

@@ -13,8 +13,8 @@ class SpecConfig:
             sequence's last n tokens (n from `ngram_max` down to `ngram_min`) in its prompt + output.
         num_tokens: k, the most tokens proposed per sequence and step.
         ngram_min, ngram_max: the n-gram lengths tried, longest first.
-        adaptive: turn k down per step (to 0) when the measured acceptance and step times say
-            speculation loses at this batch size (engine/spec/turn_down.py); False: always k.
+        adaptive: pick k per step (0 included) from the decode throughput measured with each k at
+            this batch size (engine/spec/turn_down.py); False: always num_tokens.
     """
 
     method: str = "off"

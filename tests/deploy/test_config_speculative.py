@@ -32,6 +32,8 @@ def test_a_bare_off_means_the_method_off():
     ({"speculative.ngram.min": 4, "speculative.ngram.max": 2},
      "speculative.ngram.max: must be >= speculative.ngram.min"),
     ({"speculative.ngram.size": 2}, "speculative.ngram.size: unknown key"),
+    ({"speculative.method": "ngram", "kv_cache.dtype": "fp8"},
+     "speculative.method: cannot run with kv_cache.dtype fp8"),
 ])
 def test_bad_values_name_their_key(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -30,22 +30,32 @@ def test_the_incremental_index_proposes_what_a_fresh_scan_finds():
         assert index.propose(prefix, 4) == expected == propose_ngram(prefix, 4, 1, 3)
 
 
-def _measured(fixed: float, per_token: float, acceptance: float) -> TurnDown:
-    turn = TurnDown(4)
-    for tokens in (8, 16, 24, 40, 8, 32):
-        turn.observe_step(tokens, fixed + per_token * tokens)
-    turn.observe_verified(1000, int(1000 * acceptance))
-    return turn
+def _run(turn: TurnDown, num_seqs: int, seconds_per_step, tokens_per_seq, steps: int) -> list[int]:
+    """Drive the turn-down: each step with k proposals yields num_seqs * tokens_per_seq(k) tokens and
+    takes seconds_per_step(k). Returns the k of every step."""
+    ks = []
+    for _ in range(steps):
+        k = turn.num_tokens(num_seqs)
+        ks.append(k)
+        turn.observe_step(int(num_seqs * tokens_per_seq(k)), seconds_per_step(k))
+    return ks
 
 
-def test_turn_down_keeps_k_while_steps_cost_the_same_and_drops_it_when_tokens_cost():
-    assert _measured(0.010, 0.0, 0.6).num_tokens(8) == 4            # bandwidth-bound: every proposal is free
-    assert _measured(0.001, 0.001, 0.6).num_tokens(32) == 0          # compute-bound: 5x tokens for 2.3x output
-    assert _measured(0.010, 0.0001, 0.9).num_tokens(1) == 4
-    low = _measured(0.010, 0.0005, 0.05)
-    ks = [low.num_tokens(8) for _ in range(PROBE_EVERY)]
-    assert ks[:-1] == [0] * (PROBE_EVERY - 1) and ks[-1] == 1       # and probes now and then
-    assert TurnDown(4, adaptive=False).num_tokens(64) == 4
+def test_turn_down_tries_every_k_then_keeps_the_fastest_and_probes_its_neighbours():
+    cheap = _run(TurnDown(4), 1, lambda k: 0.010, lambda k: 1 + 0.6 * k, 5 + 2 * PROBE_EVERY)
+    assert cheap[:5] == [4, 3, 2, 1, 0]                             # one try each, then the best
+    assert cheap[5:] == ([4] * (PROBE_EVERY - 1) + [3]) * 2          # a probe below the top
+    costly = _run(TurnDown(4), 32, lambda k: 0.004 * (1 + k), lambda k: 1 + 0.4 * k, 5 + 2 * PROBE_EVERY)
+    assert costly[5:] == ([0] * (PROBE_EVERY - 1) + [1]) * 2         # off, probing k = 1 now and then
+    middle = _run(TurnDown(4), 8, lambda k: 0.01 + 0.002 * k * k, lambda k: 1 + 0.5 * k, 5 + PROBE_EVERY)
+    assert middle[5:5 + PROBE_EVERY - 1] == [1] * (PROBE_EVERY - 1)         # 125 tok/s against 100, 111, 89, 62
+
+
+def test_buckets_are_measured_apart_and_a_fixed_k_is_never_turned_down():
+    turn = TurnDown(2)
+    _run(turn, 1, lambda k: 0.01, lambda k: 1 + k, 3)
+    assert turn.num_tokens(16) == 2 and (5, 2) not in turn.samples     # batch 16: its own bucket, untried
+    assert _run(TurnDown(4, adaptive=False), 64, lambda k: 1.0, lambda k: 1.0, 3) == [4, 4, 4]
 
 
 @pytest.mark.parametrize("kw, key", [({"num_tokens": 0}, "speculative.num_tokens"),

@@ -169,3 +169,25 @@ def test_settle_frees_the_rejected_tail_blocks(tiny_model_dir):
     assert engine.block_manager.num_used_blocks == len(req.block_table)
     engine.abort(rid)
     engine.block_manager.check_no_leaks()
+
+
+def test_adaptive_k_keeps_greedy_output(tiny_model_dir):
+    """k chosen per step from measured throughput (0 included): the tokens do not change."""
+    base, spec = _engines(tiny_model_dir, SpecConfig("ngram", num_tokens=3))
+    prompts = _looping_prompts(10, 1024, seed=4)
+    params = [SamplingParams(max_tokens=12 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(10)]
+    assert _tokens(_staggered(spec, prompts, params)) == _tokens(_staggered(base, prompts, params))
+    assert len({k for _, k in spec.speculator.turn_down.samples}) == 4        # every k in 0..3 was run
+    spec.block_manager.check_no_leaks()
+
+
+def test_an_int8_cache_keeps_greedy_output_and_fp8_is_refused(tiny_model_dir):
+    base, spec = _engines(tiny_model_dir, num_blocks=256, kv_cache_dtype="int8")
+    prompts = _looping_prompts(5, 1024, seed=7)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    expected = [c.token_ids for c in base.generate(prompts, params)]
+    assert [c.token_ids for c in spec.generate(prompts, params)] == expected
+    _assert_speculated(spec)
+    spec.block_manager.check_no_leaks()
+    with pytest.raises(ValueError, match="speculative.method: cannot run with kv_cache_dtype fp8"):
+        Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64, kv_cache_dtype="fp8", speculative=NGRAM))
