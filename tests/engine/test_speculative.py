@@ -191,3 +191,15 @@ def test_an_int8_cache_keeps_greedy_output_and_fp8_is_refused(tiny_model_dir):
     spec.block_manager.check_no_leaks()
     with pytest.raises(ValueError, match="speculative.method: cannot run with kv_cache_dtype fp8"):
         Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=64, kv_cache_dtype="fp8", speculative=NGRAM))
+
+
+def test_flex_attention_and_decode_graphs_keep_greedy_output(tiny_model_dir):
+    """The flex kernel's path (CUDA's default; its reference math here) reads the 1 + k tokens as a prefill
+    part; with decode graphs, speculative steps run outside the graphs and plain decode steps inside."""
+    base, spec = _engines(tiny_model_dir, num_blocks=128, attention="flex-eager", cuda_graphs=True)
+    prompts = _looping_prompts(3, 1024, seed=9)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    expected = [c.token_ids for c in base.generate(prompts, params)]
+    assert [c.token_ids for c in spec.generate(prompts, params)] == expected
+    _assert_speculated(spec)
+    spec.block_manager.check_no_leaks()
