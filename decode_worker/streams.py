@@ -132,8 +132,12 @@ class TokenStreams:
 
 
 def worker_stats(engine: Engine, actor_id: str, role: str, num_queued: int) -> dict:
-    """A decode or colocated worker's load report: its KV blocks and requests."""
+    """A decode or colocated worker's load report: its KV blocks and requests, and the speculative
+    tokens it verified and accepted since it started."""
     bm = engine.block_manager
+    spec = engine.speculator
     return {"actor_id": actor_id, "role": role, "kv_blocks_total": bm.num_blocks,
             "kv_blocks_used": bm.num_used_blocks, "queued_requests": num_queued,
-            "running_requests": len(engine.scheduler.running), "kv_tiers": engine.tier_stats()}
+            "running_requests": len(engine.scheduler.running), "kv_tiers": engine.tier_stats(),
+            "spec_proposed_tokens": spec.num_proposed if spec is not None else 0,
+            "spec_accepted_tokens": spec.num_accepted if spec is not None else 0}

@@ -17,7 +17,7 @@ SERVE_FLAGS = {  # flag dest -> config key
     "transport": "kv_transfer.transport", "kv_compression": "kv_transfer.compression",
     "address": "ray.address", "metrics_port": "server.metrics_port", "log_format": "server.log_format",
     "http_port": "server.http_port",
-    "dtype": "model.dtype", "kv_cache_dtype": "kv_cache.dtype",
+    "dtype": "model.dtype", "kv_cache_dtype": "kv_cache.dtype", "speculative_method": "speculative.method",
 }
 
 
@@ -142,7 +142,8 @@ def cmd_model_init(args: argparse.Namespace) -> int:
 
 
 BENCHES = {"engine": "bench.engine", "transfer": "bench.transfer", "serve": "bench.serving",
-           "kv_quality": "bench.kv_quality", "stream_latency": "bench.serving.stream_latency", "chaos": "bench.chaos"}
+           "kv_quality": "bench.kv_quality", "stream_latency": "bench.serving.stream_latency", "chaos": "bench.chaos",
+           "spec": "bench.spec"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -188,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=_config_help("kv_transfer.compression", "KV block encoding on the wire"))
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"],
                    help=_config_help("kv_cache.dtype", "how the KV cache stores K and V"))
+    p.add_argument("--speculative-method", choices=["off", "ngram"],
+                   help=_config_help("speculative.method", "speculative decoding on decode and colocated actors"))
     p.add_argument("--address", help=_config_help("ray.address", "Ray address to join (e.g. auto); none: a local "
                                                   "Ray on 127.0.0.1"))
     p.add_argument("--metrics-port", type=int, help=_config_help("server.metrics_port"))
@@ -231,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="measure in-process engines with the pools' settings instead of Ray actors")
         p.set_defaults(fn=fn)
 
-    p = sub.add_parser("bench", help="benchmarks: engine | transfer | serve | kv_quality | stream_latency | chaos")
+    p = sub.add_parser("bench", help="benchmarks: " + " | ".join(BENCHES))
     p.add_argument("what", choices=list(BENCHES))
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_bench)

@@ -132,6 +132,7 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str, mcfg: ModelConfig
     else:
         args.max_num_seqs = p.max_batch_size
         args.chunk_size = cfg.pools.prefill.chunk_tokens
+        args.speculative = cfg.speculative.engine_config()
     return args
 
 

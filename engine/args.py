@@ -1,8 +1,10 @@
 """The engine's configuration: one plain, picklable settings object that `Engine` is built from."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from engine.spec.config import SpecConfig
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +64,8 @@ class EngineArgs:
             disk): evicted full blocks are offloaded into them, and a prompt prefix found there is loaded back
             before it is scheduled. Empty (the default): no tiers.
         kv_offload_queue_blocks: the most evicted blocks waiting to be offloaded; more are dropped (counted).
+        speculative: speculative decoding (engine/spec/config.py; off by default): decoding sequences
+            propose tokens that the next step verifies; greedy output is unchanged.
     """
 
     model: str = "tiny"
@@ -86,6 +90,7 @@ class EngineArgs:
     torch_threads: int | None = None
     kv_tiers: tuple[TierSpec, ...] = ()
     kv_offload_queue_blocks: int = 64
+    speculative: SpecConfig = field(default_factory=SpecConfig)
 
     def model_dir(self) -> str:
         """The model's directory (a preset's is written on first use)."""

@@ -20,6 +20,11 @@ thread; the scheduler holds the request until its grammar is ready. Every sequen
 matcher, which consumes the sequence's output tokens it has not seen before each mask: a request
 adopted, forked or resumed elsewhere (migration) replays the tokens drawn before; a preempted one
 keeps its output, and with it its matcher (engine/sampling/grammar.py).
+
+Speculative decoding (``args.speculative``, engine/spec): before each step the speculator proposes
+tokens for the decoding sequences; the step computes them after each one's last token, and the
+sequence keeps the accepted prefix plus the target's own next token (its output is then several
+tokens in one `RequestOutput`); the scheduler rolls the rejected tokens' KV back.
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ from engine.kv_cache.tiers import KVTiers, Onboarding
 from engine.model import attention_compiled, attention_flex, kernel_choice
 from engine.model.config import ModelConfig
 from engine.model.loader import fingerprint, load_model
-from engine.output.processor import OutputProcessor
+from engine.output.processor import OutputProcessor, merge_outputs
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.layer_hook import LayerHook
 from engine.runner.model_runner import ModelRunner
@@ -52,6 +57,8 @@ from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import child_seed, sample, token_logprobs
 from engine.scheduling.request import Completion, Request, RequestOutput, RequestStatus
 from engine.scheduling.scheduler import Scheduler
+from engine.spec.speculator import Speculator
+from engine.spec.verify import accept
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -177,6 +184,10 @@ class Engine:
                                               num_blocks - 1, capture=self.device.type == "cuda")
             self.runner.graphs.capture_all()
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        if args.speculative.enabled and self.kv_format.kind == "fp8":
+            # an fp8 block's scale follows every row written to it, rejected proposals included
+            raise ValueError("speculative.method: cannot run with kv_cache_dtype fp8 (use int8 or auto)")
+        self.speculator = Speculator(args.speculative) if args.speculative.enabled else None
         self.requests: dict[str, Request] = {}
         self._grammars: GrammarCompiler | None = None     # made by the first request with structured output
 
@@ -366,6 +377,9 @@ class Engine:
         if self.onboarding is not None and self.onboarding.num_pending:
             for req in self.onboarding.ready():      # their tier blocks are in the paged cache now
                 self.scheduler.add(req)
+        started = time.monotonic()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.compiling:       # only grammars to wait for: wait a little rather than spin
@@ -376,6 +390,7 @@ class Engine:
             return []
         if not self.kv_format.quantized:      # (quantized blocks take their scales from the rows written)
             zero_prompt_tails(batch, self.kv_cache, self.block_size)
+        decode_only = all(s.request.num_computed_tokens == s.request.num_tokens - 1 for s in batch)
         run = self.runner.run(batch)
         self.last_run_done = time.monotonic()
         if self.prompt_kv_roundtrip is not None:
@@ -383,9 +398,15 @@ class Engine:
         self.scheduler.commit(batch)
         for req, start, logits in run.prompt_logits:
             self._score_prompt(req, start, logits)
-        # Sequences to sample: each one due a token, and a forking request's new sequences on its row.
-        seqs, rows, forking = [], [], []
-        for row, req in enumerate(run.sampled):
+        # Sequences to sample: each one due a token, and a forking request's new sequences on its row;
+        # sequences with proposals verify them on their 1 + k rows.
+        seqs, rows, forking, verifying = [], [], [], []
+        row = 0
+        for req in run.sampled:
+            if req.spec_token_ids:
+                verifying.append((req, run.logits[row:row + 1 + len(req.spec_token_ids)]))
+                row += 1 + len(req.spec_token_ids)
+                continue
             seqs.append(req)
             rows.append(row)
             if not req.sequences and req.parent is None and (req.params.n > 1 or req.params.best_of):
@@ -393,9 +414,14 @@ class Engine:
                 forking.append(req)
                 seqs.extend(children)
                 rows.extend([row] * len(children))
-        logits = run.logits if len(rows) == len(run.sampled) else run.logits[rows]
-        tokens, logprobs = self.draw(logits, seqs)
-        outputs = []
+            row += 1
+        outputs = [self._verify(req, logits) for req, logits in verifying]
+        if not seqs:
+            tokens, logprobs = [], []
+        elif rows == list(range(run.logits.shape[0])):
+            tokens, logprobs = self.draw(run.logits, seqs)
+        else:
+            tokens, logprobs = self.draw(run.logits[rows], seqs)
         for seq, token, logprob in zip(seqs, tokens, logprobs):
             owed = seq.params.prompt_logprobs is not None and seq.owes_prompt_logprobs
             out = self.output.process(seq, token, logprob)
@@ -412,7 +438,25 @@ class Engine:
                         self._finish(s)
             elif req.status.finished:
                 self._finish(req)
+        if self.speculator is not None and decode_only:    # the step's whole time: propose .. tokens out
+            self.speculator.turn_down.observe_step(sum(len(out.new_token_ids) for out in outputs),
+                                                   time.monotonic() - started)
         return outputs
+
+    def _verify(self, req: Request, logits) -> RequestOutput:
+        """`req`'s tokens from its 1 + k rows (engine/spec/verify.py), processed in order until one ends
+        it; then the KV of the proposals it did not keep is rolled back."""
+        num_proposed = len(req.spec_token_ids)
+        tokens = accept(logits, req, self.output.eos)
+        logprobs = self._logprobs(logits[:len(tokens)], [req] * len(tokens), tokens)
+        self.speculator.verified(req, num_proposed, len(tokens) - 1)
+        outs = []
+        for token, logprob in zip(tokens, logprobs):
+            outs.append(self.output.process(req, token, logprob))
+            if req.status.finished:
+                break
+        self.scheduler.settle(req, len(outs) - 1)
+        return merge_outputs(outs)
 
     def draw(self, logits, seqs: list[Request]) -> tuple[list[int], list]:
         """Each sequence's next token from its logits row (the sampler's fixed order), and its

@@ -349,6 +349,8 @@ def chunk_of(ev: wpb.DecodeEvent, timing: Timing, usage: Usage, last: bool) -> G
         chunk.matched_stop = getattr(ev, which) if which else None
         if not usage.cached_prompt_tokens:
             usage.cached_prompt_tokens = ev.num_cached_tokens
+        usage.spec_proposed_tokens += ev.num_spec_proposed_tokens
+        usage.spec_accepted_tokens += ev.num_spec_accepted_tokens
         if last:
             chunk.usage, chunk.timing = usage, timing
     return chunk

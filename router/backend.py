@@ -84,6 +84,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
+    # speculative tokens verified for its sequences on the decode actor that finished them, and accepted
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -122,6 +125,10 @@ class ActorStats:
     refused_connections: dict[str, int] = field(default_factory=dict)
     # The tiers below its paged cache, top first (`engine.kv_cache.tiers.KVTiers.stats`: one dict per tier).
     kv_tiers: list[dict] = field(default_factory=list)
+    # Speculative decoding (decode and colocated actors): tokens proposed and verified, and of those
+    # accepted, since the actor started.
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @classmethod
     def from_report(cls, report: dict) -> ActorStats:

@@ -11,7 +11,10 @@ Who feeds what::
     pool manager (role flips)                 → role_flipped{from_role, to_role}
     poll_stats (periodic backend.stats())     → blocks_used: pdserve_kv_blocks_used{actor,role},
                                                 pdserve_kv_blocks_capacity{actor,role}; per tier below
-                                                an actor's cache (kv_cache.tiers): pdserve_kv_tier_*{actor,tier}
+                                                an actor's cache (kv_cache.tiers): pdserve_kv_tier_*{actor,tier};
+                                                pdserve_spec_proposed_tokens_total{actor,role},
+                                                pdserve_spec_accepted_tokens_total{actor,role},
+                                                pdserve_spec_acceptance_ratio{actor,role}
 
 Every name passes ``promtool check metrics``: ``_total`` on counters only (prometheus_client adds it
 to a Counter's name), base units (seconds, bytes) spelled out.
@@ -109,6 +112,12 @@ class Metrics:
                                   ["choice"], registry=r)
         self.role_flips = Counter("pdserve_role_flips", "Actors switched to another role at run time.",
                                   ["from_role", "to_role"], registry=r)
+        self.spec_proposed = Counter("pdserve_spec_proposed_tokens", "Speculative tokens proposed and verified.",
+                                     ["actor", "role"], registry=r)
+        self.spec_accepted = Counter("pdserve_spec_accepted_tokens", "Speculative tokens the model accepted.",
+                                     ["actor", "role"], registry=r)
+        self.spec_acceptance = Gauge("pdserve_spec_acceptance_ratio", "Accepted / proposed speculative tokens "
+                                     "since the actor started.", ["actor", "role"], registry=r)
         self.refused_connections = Counter(
             "pdserve_internal_refused_connections", "Connections an actor's internal endpoints (KV receiver, "
             "token stream) refused: bad_token, bad_hello (malformed, too slow or evicted before it "
@@ -128,6 +137,7 @@ class Metrics:
         self._tiers: set[tuple[str, str]] = set()
         self._actors: set[tuple[str, str]] = set()
         self._refused_seen: dict[tuple[str, str, str], int] = {}   # an actor's own totals at the last poll
+        self._spec_seen: dict[tuple[str, str, str], int] = {}      # speculative totals at the last poll
         self._http = None
 
     # ---- router hooks ---------------------------------------------------------
@@ -194,6 +204,7 @@ class Metrics:
             self._count_refused(s)
             for t in s.kv_tiers:
                 tiers.add(self._observe_tier(s.actor_id, t))
+            self._count_spec(s, role)
         for gone in self._tiers - tiers:
             for gauge in (self.tier_blocks, self.tier_bytes, self.tier_enabled, self.tier_onboard_bandwidth):
                 try:
@@ -202,7 +213,7 @@ class Metrics:
                     pass
         self._tiers = tiers
         for gone in self._actors - seen:
-            for gauge in (self.blocks, self.blocks_capacity):
+            for gauge in (self.blocks, self.blocks_capacity, self.spec_acceptance):
                 try:
                     gauge.remove(*gone)
                 except KeyError:
@@ -231,6 +242,19 @@ class Metrics:
             if total != last:
                 self.refused_connections.labels(*key).inc(total - last if total > last else total)
                 self._refused_seen[key] = total
+
+    def _count_spec(self, s, role: str) -> None:
+        """Add the speculative tokens an actor verified since the last poll (totals that went down: it restarted)."""
+        if not s.spec_proposed_tokens:
+            return
+        for counter, name, total in ((self.spec_proposed, "proposed", s.spec_proposed_tokens),
+                                     (self.spec_accepted, "accepted", s.spec_accepted_tokens)):
+            key = (s.actor_id, role, name)
+            last = self._spec_seen.get(key, 0)
+            if total != last:
+                counter.labels(s.actor_id, role).inc(total - last if total > last else total)
+                self._spec_seen[key] = total
+        self.spec_acceptance.labels(s.actor_id, role).set(s.spec_accepted_tokens / s.spec_proposed_tokens)
 
     # ---- exposition -----------------------------------------------------------
     def exposition(self) -> bytes:

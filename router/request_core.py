@@ -342,4 +342,6 @@ def _log_finished(record: RequestRecord) -> None:
         e2e_s=t.e2e_s if usage else time.monotonic() - record.received,
         tpot_s=_tpot(record),
         **(t.placement.log_fields() if t.placement is not None else {}),
+        **(dict(spec_proposed_tokens=usage.spec_proposed_tokens, spec_accepted_tokens=usage.spec_accepted_tokens)
+           if usage is not None and usage.spec_proposed_tokens else {}),
     )

@@ -17,6 +17,7 @@ models, unknown keys forbidden)::
         decode, long_context: DecodePoolSection         + max_batch_size
       kv_cache: KVCacheSection          kv_cache.py     block_size, memory_fraction | num_blocks | memory_gib
       kv_transfer: KVTransferSection    kv_transfer.py  transport, compression, chunk_bytes, deadline_s
+      speculative: SpeculativeSection   speculative.py  method, num_tokens, ngram {min, max}, adaptive
       routing: RoutingSection           routing.py      mode, local_prefill_tokens, long_request_tokens, max_queue,
                                                         prefill_policy, decode_policy
       slo: SLOSection                   slo.py          ttft_p99_ms, tpot_p99_ms
@@ -38,12 +39,13 @@ from deploy.config.routing import RoutingSection
 from deploy.config.security import SecuritySection
 from deploy.config.server import ServerSection
 from deploy.config.slo import SLOSection
+from deploy.config.speculative import NgramSection, SpeculativeSection
 from deploy.config.workload import WorkloadSection, histogram_means, read_histogram
 
 __all__ = [
     "DEFAULT_CONFIG_PATH", "PATH_KEYS", "PRESET_MODELS", "ConfigError", "DecodePoolSection", "FieldProblem",
-    "KVCacheSection", "KVTransferSection", "ModelSection", "PDServeConfig", "PoolSection", "PoolsSection",
-    "PrefillPoolSection", "RaySection", "ResourcesSection", "RoutingSection", "SLOSection", "Section",
-    "SecuritySection", "ServerSection", "WorkloadSection", "apply_overrides", "histogram_means", "load_config",
-    "parse_override", "read_histogram", "read_yaml",
+    "KVCacheSection", "KVTransferSection", "ModelSection", "NgramSection", "PDServeConfig", "PoolSection",
+    "PoolsSection", "PrefillPoolSection", "RaySection", "ResourcesSection", "RoutingSection", "SLOSection", "Section",
+    "SecuritySection", "ServerSection", "SpeculativeSection", "WorkloadSection", "apply_overrides", "histogram_means",
+    "load_config", "parse_override", "read_histogram", "read_yaml",
 ]

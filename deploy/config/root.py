@@ -25,6 +25,7 @@ from deploy.config.routing import RoutingSection
 from deploy.config.security import SecuritySection
 from deploy.config.server import ServerSection
 from deploy.config.slo import SLOSection
+from deploy.config.speculative import SpeculativeSection
 from deploy.config.workload import WorkloadSection
 
 DEPLOY_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,6 +45,8 @@ class PDServeConfig(Section):
                                      description="Paged KV cache of every pool.")
     kv_transfer: KVTransferSection = Field(default_factory=KVTransferSection,
                                            description="Prefill-to-decode KV shipping.")
+    speculative: SpeculativeSection = Field(default_factory=SpeculativeSection,
+                                            description="Speculative decoding on decode and colocated actors.")
     routing: RoutingSection = Field(default_factory=RoutingSection, description="Router policy.")
     slo: SLOSection = Field(default_factory=SLOSection, description="Latency targets.")
     workload: WorkloadSection = Field(default_factory=WorkloadSection,
@@ -117,6 +120,10 @@ class PDServeConfig(Section):
                 raise FieldProblem(
                     f"/pools.{key}.kv_cache.dtype", f"pools must store KV the same way: blocks travel as "
                     f"stored (pools.{first}: {theirs}, pools.{name}: {mine})")
+        if self.speculative.method != "off" and self.pool_kv_cache("decode").dtype == "fp8":
+            raise FieldProblem("/speculative.method", "cannot run with kv_cache.dtype fp8: a block's fp8 scale "
+                               "follows every row written to it, rejected proposals included, so greedy output "
+                               "would change; use kv_cache.dtype int8 or auto")
         if self.routing.long_request_tokens is not None and self.pools.long_context is None:
             raise FieldProblem("/routing.long_request_tokens",
                                "needs a pools.long_context pool to route long requests to")

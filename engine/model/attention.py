@@ -10,7 +10,9 @@ or, with `kv_cache.dtype` fp8 / int8, one byte cell per (layer, block) with its 
 Token `t` of a sequence lives in block `block_table[t // block_size]` at offset
 `t % block_size`. Each step writes the new tokens' K/V through a slot mapping,
 then attends: prefill chunks one sequence at a time (causal over cached prefix +
-new tokens), decode tokens all together through padded block tables.
+new tokens), decode tokens all together through padded block tables, and short
+runs of a few tokens after a cached prefix (speculative decoding's 1 + k tokens)
+all together too, padded to the longest run, each query masked causally.
 
 On CUDA (and with `attention="flex"`) the whole step goes through `attention_flex` instead: prefill
 and decode read the paged cache in place through flex_attention block masks.
@@ -49,11 +51,19 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None     # [Bd, max_blocks * block_size] float32: 0 or -inf past each length;
                                          # None when every decode sequence fills the padded width
     decode_only: bool = False            # every row of the batch is a decode token, in order
+    # Short runs after a cached prefix, batched: B runs padded to n queries each (a padded query repeats
+    # its run's last row).
+    multi_rows: torch.Tensor | None = None    # [B * n] batch rows of the queries
+    multi_tables: torch.Tensor | None = None  # [B, width] block tables (padded with block 0)
+    multi_mask: torch.Tensor | None = None    # [B, n, width * block_size] bool: key visible to the query
     decode_kernel: Callable | None = None  # reads K/V through the tables (attention_compiled); None = gather
     sliding_window: int | None = None    # keys a query reads: (p - window, p]; None = all of (0, p]
     flex: object | None = None           # attention_flex.FlexMetadata: the whole step through the flex kernel
     flex_kernel: Callable | None = None  # attention_flex.FlexAttention
     kv_format: KVFormat | None = None    # a quantized cache (engine.kv_cache.kv_format); None: the model dtype
+
+
+MULTI_MAX_TOKENS = 16     # runs of up to this many new tokens after a cached prefix are batched (above)
 
 
 def window_start(position: int, sliding_window: int | None) -> int:
@@ -89,6 +99,7 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
                                  flex_kernel=flex_kernel)
     blocks, offsets, prefills = [], [], []
     decode_rows, decode_tables, decode_spans = [], [], []
+    multi: list[tuple[int, int, int, list[int], int]] = []     # (first row, start, num_new, table, first block)
     row = 0
     for start, num_new, table in seqs:
         positions = range(start, start + num_new)
@@ -100,6 +111,9 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
             decode_tables.append(table[first_block: start // block_size + 1])
             base = first_block * block_size   # decode_spans: [lo, hi) of the keys read, in table columns
             decode_spans.append((window_start(start, sliding_window) - base, start + 1 - base))
+        elif start > 0 and num_new <= MULTI_MAX_TOKENS:
+            needed = (start + num_new + block_size - 1) // block_size
+            multi.append((row, start, num_new, table[first_block:needed], first_block))
         else:
             needed = (start + num_new + block_size - 1) // block_size
             prefills.append(PrefillSeq(row, num_new, start, torch.tensor(
@@ -117,10 +131,30 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
         padded = [t + [0] * (width - len(t)) for t in decode_tables]
         meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
         meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
-        meta.decode_only = not prefills
+        meta.decode_only = not prefills and not multi
         if decode_kernel is not None or any(lo > 0 or hi < width * block_size for lo, hi in decode_spans):
             meta.decode_bias = decode_bias(decode_spans, width * block_size, device)
+    if multi:
+        _multi_metadata(meta, multi, block_size, sliding_window, device)
     return meta
+
+
+def _multi_metadata(meta: AttentionMetadata, multi: list[tuple[int, int, int, list[int], int]], block_size: int,
+                    sliding_window: int | None, device: torch.device) -> None:
+    """The batched short runs' query rows, padded block tables and masks."""
+    n = max(num_new for _, _, num_new, _, _ in multi)
+    width = max(len(table) for *_, table, _ in multi)
+    rows, masks = [], []
+    cols = torch.arange(width * block_size)
+    for first_row, start, num_new, _, first_block in multi:
+        queries = [min(j, num_new - 1) for j in range(n)]              # padded queries repeat the last
+        rows.extend(first_row + j for j in queries)
+        qpos = torch.tensor([start + j for j in queries])
+        masks.append(window_mask(qpos, cols + first_block * block_size, sliding_window))
+    meta.multi_rows = torch.tensor(rows, dtype=torch.long, device=device)
+    meta.multi_tables = torch.tensor([table + [0] * (width - len(table)) for *_, table, _ in multi],
+                                     dtype=torch.long, device=device)
+    meta.multi_mask = torch.stack(masks).to(device)
 
 
 def decode_bias(spans: list[tuple[int, int]], width: int, device: torch.device) -> torch.Tensor:
@@ -238,6 +272,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             qpos = torch.arange(p.start, total, device=q.device)
             mask = window_mask(qpos, torch.arange(base, total, device=q.device), window)  # [n, total - base]
             out[rows] = grouped_attention(q[rows][None], kv, mask[None], scale)[0]
+    if meta.multi_rows is not None:
+        num_runs, n = meta.multi_mask.shape[:2]
+        kv = gather_kv(layer_cache, meta.multi_tables, meta.kv_format)              # [2, Hkv, B, T, D]
+        o = grouped_attention(q[meta.multi_rows].view(num_runs, n, *q.shape[1:]), kv, meta.multi_mask, scale)
+        out[meta.multi_rows] = o.reshape(num_runs * n, *q.shape[1:])              # (padding rewrites a row)
     if meta.decode_rows is not None:
         qd = q if meta.decode_only else q[meta.decode_rows]   # pure-decode step: no row gather/scatter
         if meta.decode_kernel is not None:

@@ -24,6 +24,8 @@ def output_event(out: RequestOutput) -> wpb.DecodeEvent:
     if out.finish_reason:
         event.finish_reason = FINISH_REASON[out.finish_reason]
         event.num_cached_tokens = out.num_cached_tokens
+        event.num_spec_proposed_tokens = out.num_spec_proposed
+        event.num_spec_accepted_tokens = out.num_spec_accepted
         if isinstance(out.matched_stop, str):
             event.stop_str = out.matched_stop
         elif out.matched_stop is not None:

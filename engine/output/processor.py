@@ -65,7 +65,8 @@ class OutputProcessor:
                              req.num_cached_tokens, len(req.output_token_ids),
                              first_scheduled_time=req.first_scheduled_time, index=req.index,
                              logprobs=None if logprob is None else [logprob],
-                             matched_stop=req.matched_stop if finish == "stop" else None)
+                             matched_stop=req.matched_stop if finish == "stop" else None,
+                             num_spec_proposed=req.num_spec_proposed, num_spec_accepted=req.num_spec_accepted)
 
     @staticmethod
     def _check_stop(req: Request, delta_len: int) -> None:
@@ -82,3 +83,16 @@ class OutputProcessor:
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = "stop_string"
             req.matched_stop = matched
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """One output for the tokens a sequence took in one step (speculative decoding takes several), in order."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    last.new_token_ids = [t for out in outputs for t in out.new_token_ids]
+    last.text_delta = "".join(out.text_delta for out in outputs)
+    if last.logprobs is not None:
+        last.logprobs = [lp for out in outputs for lp in out.logprobs or ()]
+    last.first_scheduled_time = outputs[0].first_scheduled_time
+    return last

@@ -17,7 +17,9 @@ from engine.scheduling.scheduler import ScheduledRequest
 @dataclass(slots=True)
 class ModelOutput:
     sampled: list[Request]              # sequences due a token this step, in batch order
-    logits: torch.Tensor                # [len(sampled), V] float32, raw
+    # [R, V] float32, raw: one row per sampled sequence, or 1 + k consecutive rows for one verifying k
+    # proposals (`spec_token_ids`): row j scores the token after its j-th proposal.
+    logits: torch.Tensor
     # Sequences computing prompt positions whose logprobs they owe: (sequence, first position,
     # logits [num_new_tokens, V] of positions first .. first + num_new_tokens - 1).
     prompt_logits: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
@@ -50,6 +52,7 @@ class ModelRunner:
         A sequence samples when this step computes its last pending token (the
         end of its prompt, or the token it generated last step). A sequence that owes
         prompt logprobs also gets the logits of every prompt position of its chunk.
+        A sequence with proposals computes them after its last token and gets every one's logits.
         """
         input_ids: list[int] = []
         positions: list[int] = []
@@ -60,17 +63,18 @@ class ModelRunner:
         prompt_parts: list[tuple[Request, int, int, int]] = []    # (sequence, first position, first row, rows)
         for s in batch:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            input_ids.extend(req.token_ids(start, start + n))
+            num_spec = len(req.spec_token_ids)
+            input_ids.extend(req.token_ids(start, start + n - num_spec) + req.spec_token_ids)
             positions.extend(range(start, start + n))
             seqs.append((start, n, req.block_table))
-            due = start + n == req.num_tokens
+            due = start + n == req.num_tokens + num_spec
             if req.params.prompt_logprobs is not None and req.owes_prompt_logprobs:
                 prompt_parts.append((req, start, len(logit_rows), n))
                 logit_rows.extend(range(len(input_ids) - n, len(input_ids)))
             elif due:
-                logit_rows.append(len(input_ids) - 1)
+                logit_rows.extend(range(len(input_ids) - 1 - num_spec, len(input_ids)))
             if due:
-                sample_rows.append(len(logit_rows) - 1)
+                sample_rows.extend(range(len(logit_rows) - 1 - num_spec, len(logit_rows)))
                 sampling.append(req)
         dev = self.device
         if self.graphs is not None and not prompt_parts and self.graphs.accepts(seqs):

@@ -28,6 +28,7 @@ from engine.scheduling.request import Request
 from proto.pdserve.v1 import generation_pb2 as pb
 
 _MIX = 0x9E3779B97F4A7C15
+_ACCEPT_SALT = 0x5DEECE66D
 
 
 def draw_seed(seed: int, position: int) -> int:
@@ -102,6 +103,22 @@ def seeded_draw(probs: torch.Tensor, seed: int, position: int) -> int:
     gen = torch.Generator(device=probs.device).manual_seed(draw_seed(seed, position))
     noise = torch.empty_like(probs).exponential_(generator=gen)
     return int(torch.argmax(probs / noise))
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform draw in [0, 1) of its own for (seed, output position): the speculative acceptance test's."""
+    gen = torch.Generator().manual_seed(draw_seed(seed ^ _ACCEPT_SALT, position))
+    return float(torch.rand(1, generator=gen))
+
+
+def target_probs(logits: torch.Tensor, req: Request, eos_token_ids: Collection[int] = ()) -> torch.Tensor:
+    """logits: [V] raw (not modified) -> the distribution `sample` draws this sequence's next token
+    from (temperature > 0, no grammar): penalties, bias, min_tokens, then temperature, top-k/p, min-p."""
+    row = logits.clone()
+    if _shapes_logits(req):
+        apply_min_tokens(apply_logit_bias(apply_penalties(row, req), req), req, eos_token_ids)
+    p = req.params
+    return top_k_top_p_probs(row, p.temperature, p.top_k, p.top_p, p.min_p)
 
 
 def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: Collection[int] = ()) -> list[int]:

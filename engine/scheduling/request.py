@@ -70,6 +70,14 @@ class Request:
     prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     # params.structured: this sequence's matcher (its compiled grammar may still be on its way).
     grammar: SequenceGrammar | None = None
+    # Speculative decoding (engine/spec): tokens proposed to follow this sequence's last token, verified by
+    # the next step, and with a draft model the draft's distribution each was drawn from ([k, V]; None for
+    # n-gram proposals, a point mass). Empty between steps.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: object | None = None
+    spec_index: object | None = None           # the proposer's state for this sequence (engine/spec/ngram.py)
+    num_spec_proposed: int = 0                 # draft tokens this sequence had verified, over its life
+    num_spec_accepted: int = 0                 # of those, accepted
 
     @property
     def root(self) -> Request:
@@ -126,6 +134,8 @@ class RequestOutput:
     logprobs: list[pb.TokenLogprob] | None = None          # one per new token (params.needs_logprobs)
     prompt_logprobs: list[pb.TokenLogprob] | None = None   # first output of sequence 0 (params.prompt_logprobs)
     matched_stop: str | int | None = None                  # finish "stop": the stop string, EOS or stop token id
+    num_spec_proposed: int = 0         # speculative tokens verified for the sequence so far (engine/spec)
+    num_spec_accepted: int = 0         # of those, accepted
 
 
 @dataclass(slots=True)

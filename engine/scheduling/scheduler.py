@@ -10,6 +10,12 @@ back to the front of the queue, to be recomputed from prompt + output so far.
 A request with structured output joins its queue only once its grammar is compiled (until then it
 waits in `compiling`): no step samples it before its mask can be computed. Prompts behind it go on.
 
+Speculative decoding (engine/spec): a decoding request may carry proposed tokens
+(`spec_token_ids`); it then computes 1 + k tokens (the last sampled one and the
+proposals), as many proposals as the budget and its chunk take. `commit` counts only
+the sampled token as computed; `settle` adds the proposals the engine accepted and
+frees the blocks that held nothing else (rejected tokens' KV is rolled back).
+
 With a sliding window (Mistral), a query at position p reads only keys in
 (p - window, p]. After each step, a running sequence drops its reference on the
 blocks wholly before its next query's window (their table entries become
@@ -95,7 +101,7 @@ class Scheduler:
         its output tokens (engine/kv_cache/prompt_kv.py)."""
         if req.prompt_kv_lossy and num_computed < req.num_prompt_tokens:
             return req.num_prompt_tokens - num_computed
-        return req.num_tokens - num_computed
+        return req.num_tokens + len(req.spec_token_ids) - num_computed
 
     def _size_chunk(self, remaining: int, budget: int, first: bool) -> int:
         if self.chunk_size is not None:
@@ -120,7 +126,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._size_chunk(self._remaining(req, req.num_computed_tokens), budget, not out)
+            remaining = self._remaining(req, req.num_computed_tokens)
+            if req.spec_token_ids:      # the sampled token and as many proposals as budget and chunk take
+                num_new = min(remaining, budget, self.chunk_size or remaining)
+                del req.spec_token_ids[num_new - 1:]
+            else:
+                num_new = self._size_chunk(remaining, budget, not out)
             if num_new == 0:
                 i += 1
                 continue
@@ -187,6 +198,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.block_table)
         req.block_table = []
+        req.spec_token_ids = []
         req.block_hashes = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -203,18 +215,37 @@ class Scheduler:
 
     def commit(self, scheduled: list[ScheduledRequest]) -> None:
         """After the model ran: advance computed counts and cache newly full blocks."""
-        bm = self.block_manager
         for s in scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            full = req.num_computed_tokens // self.block_size
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            for b in range(len(req.block_hashes), full):
-                parent = hash_block(parent, req.token_ids(b * self.block_size, (b + 1) * self.block_size))
-                req.block_hashes.append(parent)
-                bm.register(req.block_table[b], parent)
+            req.num_computed_tokens += s.num_new_tokens - len(req.spec_token_ids)   # proposals: see `settle`
+            self._register_full_blocks(req)
             if self.sliding_window is not None and not req.prefill_only:
                 self._release_outside_window(req)
+
+    def settle(self, req: Request, num_accepted: int) -> None:
+        """After verifying `req`'s proposals: the first `num_accepted` are in its output now and their
+        KV stays; the rest is rolled back. Blocks past the computed tokens go back to the pool (they
+        were taken this step and never hashed); full blocks of accepted tokens join the prefix cache."""
+        assert num_accepted <= len(req.spec_token_ids)
+        req.num_computed_tokens += num_accepted
+        req.spec_token_ids = []
+        req.spec_draft_probs = None
+        keep = self._blocks_for(req.num_computed_tokens)
+        if len(req.block_table) > keep:
+            self.block_manager.free(req.block_table[keep:])
+            del req.block_table[keep:]
+        self._register_full_blocks(req)
+        if self.sliding_window is not None:
+            self._release_outside_window(req)
+
+    def _register_full_blocks(self, req: Request) -> None:
+        """Hash the request's newly full computed blocks into the prefix cache (chained)."""
+        full = req.num_computed_tokens // self.block_size
+        parent = req.block_hashes[-1] if req.block_hashes else None
+        for b in range(len(req.block_hashes), full):
+            parent = hash_block(parent, req.token_ids(b * self.block_size, (b + 1) * self.block_size))
+            req.block_hashes.append(parent)
+            self.block_manager.register(req.block_table[b], parent)
 
     def _release_outside_window(self, req: Request) -> None:
         """Free the blocks no later query of `req` reads: its next query sits at position

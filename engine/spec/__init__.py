@@ -1,7 +1,10 @@
-"""Speculative decoding (``speculative:``); nothing here yet.
+"""Speculative decoding (``speculative:``; docs/speculative.md).
 
-What goes here: proposers (n-gram over the request's own tokens, a draft model), the verification of
-1 + k tokens per sequence inside the engine's batched step (greedy: identical output to no speculation;
-sampling: the rejection rule), the rollback of rejected tokens' KV through the block manager, and the
-per-step decision to turn speculation down when it would lose.
+- `config`: the engine's settings (`SpecConfig`).
+- `ngram`: prompt-lookup proposals from a sequence's own tokens (`NgramIndex`).
+- `speculator`: proposals before each step, verification counts after it (`Speculator`).
+- `verify`: which proposals the target accepts (greedy: its argmax; sampling: the rejection rule).
+- `turn_down`: k per step from the decode throughput measured with each k (`TurnDown`).
+
+The rollback of rejected tokens' KV is the scheduler's `settle` (engine/scheduling/scheduler.py).
 """

@@ -41,3 +41,12 @@ def test_a_finishing_event_carries_usage_and_timing_only_when_it_is_the_last():
     chunk = chunk_of(ev, timing, usage, last=True)
     assert chunk.usage is usage and chunk.timing is timing
     assert (usage.completion_tokens, usage.cached_prompt_tokens) == (2, 2)
+
+
+def test_finishing_events_add_their_speculative_counts_to_the_usage():
+    timing, usage = Timing(), Usage(3, 0, 0)
+    for index, (proposed, accepted) in enumerate(((12, 7), (4, 1))):        # two sequences
+        ev = wpb.DecodeEvent(token_ids=[9], finish_reason=pb.FINISH_REASON_LENGTH, index=index,
+                             num_spec_proposed_tokens=proposed, num_spec_accepted_tokens=accepted)
+        chunk_of(ev, timing, usage, last=index == 1)
+    assert (usage.spec_proposed_tokens, usage.spec_accepted_tokens) == (16, 8)

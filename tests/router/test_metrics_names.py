@@ -91,7 +91,7 @@ def scraped() -> str:
     metrics.transfer_failed()
     metrics.local_prefill()
     metrics.prefix_hit_tokens(16)
-    metrics.observe_stats([ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 64, 7, 0, 1, {"bad_hello": 1})])
+    metrics.observe_stats([ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 64, 7, 0, 1, {"bad_hello": 1}, 40, 30)])
     with socket.socket() as probe:                   # a free port
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -122,6 +122,8 @@ def test_every_metric_name_passes_promtool_rules(scraped):
     assert {"pdserve_kv_blocks_capacity", "pdserve_kv_blocks_used", "pdserve_requests_total",
             "pdserve_ttft_seconds"} <= set(families)
     assert 'pdserve_kv_blocks_capacity{actor="decode-0",role="decode"} 64.0' in scraped
+    assert 'pdserve_spec_accepted_tokens_total{actor="decode-0",role="decode"} 30.0' in scraped
+    assert 'pdserve_spec_acceptance_ratio{actor="decode-0",role="decode"} 0.75' in scraped
     assert lint(scraped) == []
 
 
@@ -139,3 +141,13 @@ def test_refused_connections_add_what_each_poll_adds_across_an_actor_restart():
     counted = {s.labels["reason"]: s.value for s in metrics.refused_connections.collect()[0].samples
                if s.name.endswith("_total")}
     assert counted == {"bad_token": 6.0, "bad_hello": 1.0}
+
+
+def test_speculative_counts_add_what_each_poll_adds_across_an_actor_restart():
+    metrics = Metrics()
+    for proposed, accepted in ((10, 4), (30, 20), (8, 2)):          # restarted at the third
+        metrics.observe_stats([ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 64, 0, 0, 0, {}, proposed, accepted)])
+    totals = [next(s.value for s in c.collect()[0].samples if s.name.endswith("_total"))
+              for c in (metrics.spec_proposed, metrics.spec_accepted)]
+    assert totals == [38.0, 22.0]
+    assert metrics.spec_acceptance.labels("decode-0", "decode")._value.get() == 0.25

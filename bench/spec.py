@@ -1,0 +1,135 @@
+"""Speculative decoding side by side: decode tokens/s with and without proposals, and acceptance.
+
+On the trained `pydoc` model, one engine (what one decode actor runs), for each workload, batch
+size and temperature: the same requests decoded with `speculative.method` off and with each
+method asked for, in one run, printed as a table (markdown with --markdown).
+
+Workloads (from the model's held-out passages, never trained on):
+- `heldout`: the first 128 tokens of a passage; the model continues it.
+- `quote`: the passage's first 128 tokens, then its first 24 again: the model goes on quoting
+  the passage back (as edits and summaries of code in the context do).
+
+Decode tokens/s counts the tokens generated after every request of the batch has its first one,
+over the time since then (prefill excluded). Each figure is the best of `--repeats` runs, the
+methods interleaved run by run (on a shared machine the best run is the least disturbed one);
+torch runs `--threads` threads (1 by default: the tiny model's fastest, and fair to neighbours).
+
+    pdserve bench spec [--batches 1,8,32] [--temperatures 0,0.7] [--methods ngram] [--max-tokens 64]
+                       [--num-tokens 4] [--repeats 3] [--threads 1] [--json FILE] [--markdown FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from engine import Engine, EngineArgs, SamplingParams
+from engine.model.presets import TRAINED
+from engine.spec.config import SpecConfig
+
+PROMPT_TOKENS = 128
+QUOTE_TOKENS = 24
+
+
+def workloads(passages: list[list[int]]) -> dict[str, list[list[int]]]:
+    return {"heldout": [p[:PROMPT_TOKENS] for p in passages],
+            "quote": [p[:PROMPT_TOKENS] + p[:QUOTE_TOKENS] for p in passages]}
+
+
+def decode_rate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float]:
+    """(decode tokens/s, acceptance) of one batch run to completion."""
+    spec = engine.speculator
+    before = (spec.num_proposed, spec.num_accepted) if spec is not None else (0, 0)
+    ids = {engine.add_request(p, params) for p in prompts}
+    started: set[str] = set()
+    t0, counted = None, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if t0 is not None:
+                counted += len(out.new_token_ids)
+            started.add(out.request_id)
+        if t0 is None and started >= ids:
+            t0 = time.perf_counter()
+    seconds = time.perf_counter() - t0
+    engine.block_manager.check_no_leaks()
+    acceptance = float("nan")
+    if spec is not None and spec.num_proposed > before[0]:
+        acceptance = (spec.num_accepted - before[1]) / (spec.num_proposed - before[0])
+    return counted / seconds, acceptance
+
+
+def measure(batches=(1, 8, 32), temperatures=(0.0, 0.7), methods=("ngram",), max_tokens: int = 64,
+            num_tokens: int = 4, model: str = "pydoc", repeats: int = 3) -> list[dict]:
+    from bench.train.passages import load_passages
+    passages = load_passages(TRAINED[model] if model in TRAINED else model)
+    engines = {m: Engine(EngineArgs(model, dtype="float32", num_blocks=2048,
+                                    speculative=SpecConfig(m, num_tokens=num_tokens)))
+               for m in ("off", *methods)}
+    rows = []
+    for name, prompts in workloads(passages).items():
+        for batch in batches:
+            batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+            for temperature in temperatures:
+                params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0, ignore_eos=True)
+                row = {"workload": name, "batch": batch, "temperature": temperature}
+                for engine in engines.values():
+                    decode_rate(engine, batch_prompts, params)          # warm: kernels for these shapes
+                for _ in range(repeats):
+                    for method, engine in engines.items():
+                        rate, acc = decode_rate(engine, batch_prompts, params)
+                        row[method] = max(row.get(method, 0.0), rate)
+                        if method != "off":
+                            row[f"{method}_acceptance"] = acc
+                for method in methods:
+                    row[f"{method}_speedup"] = row[method] / row["off"]
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr)
+    return rows
+
+
+def markdown(rows: list[dict], methods) -> str:
+    head = "| workload | batch | temperature | off tok/s | " + " | ".join(
+        f"{m} tok/s | {m} acceptance | {m} speedup" for m in methods) + " |"
+    lines = [head, "|" + " --- |" * (4 + 3 * len(methods))]
+    for r in rows:
+        cells = [r["workload"], str(r["batch"]), f"{r['temperature']:g}", f"{r['off']:.0f}"]
+        for m in methods:
+            cells += [f"{r[m]:.0f}", f"{r[m + '_acceptance']:.2f}", f"{r[m + '_speedup']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve bench spec", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="pydoc")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--methods", default="ngram")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--num-tokens", type=int, default=4, help="k: most tokens proposed per sequence and step")
+    p.add_argument("--repeats", type=int, default=3, help="runs per figure (the best is kept)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--markdown", help="write the table here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    methods = tuple(args.methods.split(","))
+    rows = measure(tuple(int(b) for b in args.batches.split(",")),
+                   tuple(float(t) for t in args.temperatures.split(",")), methods, args.max_tokens,
+                   args.num_tokens, args.model, args.repeats)
+    table = markdown(rows, methods)
+    print(table)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

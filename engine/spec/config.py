@@ -1,0 +1,40 @@
+"""The engine's speculative-decoding settings (the `speculative:` config section, checked there too)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("off", "ngram")
+
+
+@dataclass(slots=True)
+class SpecConfig:
+    """Args:
+        method: `off`, or `ngram`: propose the continuation of the latest earlier occurrence of the
+            sequence's last n tokens (n from `ngram_max` down to `ngram_min`) in its prompt + output.
+        num_tokens: k, the most tokens proposed per sequence and step.
+        ngram_min, ngram_max: the n-gram lengths tried, longest first.
+        adaptive: pick k per step (0 included) from the decode throughput measured with each k at
+            this batch size (engine/spec/turn_down.py); False: always num_tokens.
+    """
+
+    method: str = "off"
+    num_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
+    adaptive: bool = True
+
+    def validate(self) -> None:
+        """Raise ValueError naming the setting when the combination cannot run."""
+        if self.method not in METHODS:
+            raise ValueError(f"speculative.method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.num_tokens <= 0:
+            raise ValueError(f"speculative.num_tokens must be >= 1, got {self.num_tokens}")
+        if self.ngram_min <= 0:
+            raise ValueError(f"speculative.ngram.min must be >= 1, got {self.ngram_min}")
+        if self.ngram_max < self.ngram_min:
+            raise ValueError(f"speculative.ngram.max ({self.ngram_max}) must be >= speculative.ngram.min "
+                             f"({self.ngram_min})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"

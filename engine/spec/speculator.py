@@ -1,0 +1,50 @@
+"""The engine's speculation: proposals before each step, verification counts after it.
+
+Lifecycle of one decoding sequence's step: `propose` sets its `spec_token_ids` (k from the
+turn-down, capped by what its max_tokens leaves); the scheduler fits as many as its budget takes;
+the runner computes them after the sequence's last token; the engine `accept`s a prefix
+(engine/spec/verify.py) and the scheduler `settle`s the KV (rejected tokens' blocks freed).
+Sequences with a grammar (structured output) and prefill-only ones are never proposed for.
+"""
+from __future__ import annotations
+
+from engine.scheduling.request import Request, RequestStatus
+from engine.spec.config import SpecConfig
+from engine.spec.ngram import NgramIndex
+from engine.spec.turn_down import TurnDown
+
+
+class Speculator:
+    def __init__(self, config: SpecConfig):
+        config.validate()
+        self.config = config
+        self.turn_down = TurnDown(config.num_tokens, config.adaptive)
+        self.num_proposed = 0        # draft tokens verified, over the engine's life
+        self.num_accepted = 0        # of those, accepted
+        self.num_steps_off = 0       # steps with sequences decoding where the turn-down chose k = 0
+
+    @staticmethod
+    def decoding(req: Request) -> bool:
+        """Whether `req` decodes this step (its only pending token is the one it sampled last)."""
+        return (req.status is RequestStatus.RUNNING and not req.prefill_only and req.grammar is None
+                and req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set `spec_token_ids` on each decoding sequence of `running`."""
+        seqs = [r for r in running if self.decoding(r)]
+        k = self.turn_down.num_tokens(len(seqs))
+        if seqs and k == 0:
+            self.num_steps_off += 1
+        cfg = self.config
+        for req in seqs:
+            room = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)   # the step adds one more
+            if req.spec_index is None:
+                req.spec_index = NgramIndex(cfg.ngram_min, cfg.ngram_max)
+            req.spec_token_ids = req.spec_index.propose(req.all_token_ids, room)
+
+    def verified(self, req: Request, num_proposed: int, num_accepted: int) -> None:
+        req.num_spec_proposed += num_proposed
+        req.num_spec_accepted += num_accepted
+        self.num_proposed += num_proposed
+        self.num_accepted += num_accepted
+        self.turn_down.observe_verified(num_proposed, num_accepted)
