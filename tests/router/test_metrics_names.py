@@ -91,7 +91,8 @@ def scraped() -> str:
     metrics.transfer_failed()
     metrics.local_prefill()
     metrics.prefix_hit_tokens(16)
-    metrics.observe_stats([ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 64, 7, 0, 1, {"bad_hello": 1}, 40, 30)])
+    metrics.observe_stats([ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 64, 7, 0, 1, {"bad_hello": 1},
+                                     spec_proposed_tokens=40, spec_accepted_tokens=30)])
     with socket.socket() as probe:                   # a free port
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -146,7 +147,8 @@ def test_refused_connections_add_what_each_poll_adds_across_an_actor_restart():
 def test_speculative_counts_add_what_each_poll_adds_across_an_actor_restart():
     metrics = Metrics()
     for proposed, accepted in ((10, 4), (30, 20), (8, 2)):          # restarted at the third
-        metrics.observe_stats([ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 64, 0, 0, 0, {}, proposed, accepted)])
+        metrics.observe_stats([ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 64, 0, 0, 0, {},
+                                          spec_proposed_tokens=proposed, spec_accepted_tokens=accepted)])
     totals = [next(s.value for s in c.collect()[0].samples if s.name.endswith("_total"))
               for c in (metrics.spec_proposed, metrics.spec_accepted)]
     assert totals == [38.0, 22.0]
