@@ -128,6 +128,9 @@ def chat_input(body: ChatCompletionRequest, template: ChatTemplate, tokenizer: T
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     request = _request(body, request_id, _sampling(body, logprobs=logprobs, max_tokens=max_tokens,
                                                    structured=structured))
+    if (body.skip_special_tokens is None and tools is not None and tools.parser() is not None
+            and tools.format.tags_are_special(tokenizer)):
+        request.sampling.skip_special_tokens = False    # keep the call markers in the text the parser reads
     request.token_ids.ids.extend(prompt_ids)
     return validate_request(request, tokenizer, max_model_len, in_flight, None, defaults)
 

@@ -406,9 +406,16 @@ class Llama3JsonParser(ToolCallParser):
 
 
 class ToolFormat(ABC):
-    """A model family's tool-call syntax: `grammar` forces it, `parser` reads it."""
+    """A model family's tool-call syntax: `grammar` forces it, `parser` reads it; `tags` are the markers its
+    calls carry, which some tokenizers hold as special tokens (`tags_are_special`)."""
 
     name: str
+    tags: tuple[str, ...] = ()
+
+    def tags_are_special(self, tokenizer) -> bool:
+        """Whether the tokenizer writes one of `tags` as a single special token, which decoding with
+        ``skip_special_tokens`` drops: the reply's text would then lose the markers the parser looks for."""
+        return any(_special_token(tokenizer, tag) for tag in self.tags)
 
     @abstractmethod
     def parser(self, tool_names: Sequence[str]) -> ToolCallParser: ...
@@ -457,8 +464,14 @@ def _moved_refs(value, arguments_key: str):
     return out
 
 
+def _special_token(tokenizer, text: str) -> bool:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == ""
+
+
 class HermesFormat(ToolFormat):
     name = "hermes"
+    tags = ("<tool_call>", "</tool_call>")
 
     def parser(self, tool_names: Sequence[str]) -> ToolCallParser:
         return HermesParser(tool_names)
@@ -471,6 +484,7 @@ class HermesFormat(ToolFormat):
 
 class Llama3JsonFormat(ToolFormat):
     name = "llama3_json"
+    tags = ("<|python_tag|>",)
 
     def parser(self, tool_names: Sequence[str]) -> ToolCallParser:
         return Llama3JsonParser(tool_names)

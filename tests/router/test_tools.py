@@ -432,3 +432,41 @@ def test_llama3_json_calls_are_forced_in_its_format(engines):
     _check_calls(choice.message.tool_calls)
     text = "".join(t.token for t in choice.logprobs.content)           # what the model wrote: the bare JSON
     assert text.startswith('{"name": "') and "<tool_call>" not in text
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["special-tags", "plain-tags"])
+def test_special_call_tags_are_kept_in_the_text_the_parser_reads(tmp_path, tiny_model_dir, special):
+    """A tokenizer that holds <tool_call> as one special token would drop it from the decoded reply
+    (skip_special_tokens): a request with tools then decodes keeping special tokens, unless it says
+    otherwise or asks for no calls."""
+    import shutil
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from engine.tokenizer import Tokenizer
+    from router.openai_api.inputs import chat_input
+    from router.openai_api.protocol import ChatCompletionRequest
+    from router.openai_api.tools import tool_request
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    if special:
+        hf = HFTokenizer.from_file(str(model / "tokenizer.json"))
+        hf.add_special_tokens(["<tool_call>", "</tool_call>"])
+        hf.save(str(model / "tokenizer.json"))
+    tokenizer = Tokenizer(str(model))
+    assert FORMATS["hermes"].tags_are_special(tokenizer) is special
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": SCHEMAS["get_time"]}}
+
+    def skip(**extra):
+        body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Time?"}], max_tokens=8,
+                                     **extra)
+        inp = chat_input(body, ChatTemplate(DEFAULT_CHAT_TEMPLATE), tokenizer, 4096, {}, "r", (),
+                         tool_request(body, FORMATS["hermes"]))
+        return inp.params.skip_special_tokens
+    assert skip(tools=[tool]) is not special
+    assert skip(tools=[tool], tool_choice="none") is True
+    assert skip(tools=[tool], skip_special_tokens=True) is True
+    assert skip() is True
+    reply = tokenizer.decode(tokenizer.encode('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+                                              add_special_tokens=False), skip_special_tokens=skip(tools=[tool]))
+    _, calls = HermesParser(["get_time"]).parse(reply)
+    assert [c.name for c in calls] == ["get_time"]
