@@ -248,3 +248,14 @@ def test_an_fp8_cache_round_trips_as_stored(tiny_model_dir):
     again = engine.generate([PROMPT], GREEDY)[0]
     assert again.num_cached_tokens == NUM_HIT_TOKENS and again.token_ids == expected
     assert torch.equal(_rows(engine, hashes), rows)           # byte cells and scales, bit for bit
+
+
+def test_without_a_prefix_cache_nothing_is_offloaded_or_onboarded(tiny_model_dir, reference):
+    engine = _engine(tiny_model_dir, [TierSpec("host", 1 << 30)], enable_prefix_cache=False)
+    for prompt in [PROMPT, *FILLERS, PROMPT]:
+        out = engine.generate([prompt], GREEDY)[0]
+    assert engine.kv_tiers.offload.drain(timeout=30)
+    assert out.num_cached_tokens == 0 and out.token_ids == reference[0]
+    assert engine.kv_tiers.tiers[0].num_blocks == 0 and engine.onboarding.num_onboarded_blocks == 0
+    assert engine.cached_prefix_blocks(prompt_block_hashes(PROMPT, 16)) == 0
+    engine.block_manager.check_no_leaks()

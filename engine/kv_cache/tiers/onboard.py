@@ -45,7 +45,10 @@ class Onboarding:
         return len(self._pending)
 
     def _split(self, hashes: list[bytes]) -> tuple[list[bytes], list[bytes]]:
-        """(the leading hashes the paged cache holds, the ones after them that some tier holds)."""
+        """(the leading hashes the paged cache holds, the ones after them that some tier holds); nothing
+        without a prefix cache (blocks loaded back could not be found)."""
+        if not self.block_manager.enable_prefix_cache:
+            return [], []
         with self.block_manager.lock:
             num_device = len(self.block_manager.match_prefix(hashes))
         rest = hashes[num_device:]
