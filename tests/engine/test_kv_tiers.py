@@ -62,6 +62,8 @@ def test_offload_evict_onboard_is_bit_identical(tiny_model_dir, tmp_path, refere
     assert torch.equal(_rows(engine, hashes), rows)         # the onboarded blocks, bit for bit
     stats = engine.kv_tiers.stats()[0]
     assert stats["num_hits"] == 9 and stats["onboard_bytes"] == 9 * engine.kv_bytes_per_block
+    # the prompt, each filler and the prompt again each wanted 9 blocks below the paged cache: 9 were here
+    assert stats["num_lookups"] == 6 * 9 and stats["hit_rate"] == 9 / 54
     assert engine.onboarding.num_onboarded_blocks == 9
     engine.block_manager.check_no_leaks()
 
@@ -105,6 +107,8 @@ def test_damaged_disk_block_is_dropped_and_recomputed(tiny_model_dir, tmp_path, 
     assert again.token_ids == reference[0]
     tier = engine.kv_tiers.tiers[0]
     assert tier.num_corrupt == 1 and not os.path.exists(path) and hashes[4] not in tier
+    stats = engine.kv_tiers.stats()[0]
+    assert (stats["num_lookups"], stats["num_hits"], stats["num_corrupt"]) == (6 * 9, 4, 1)
     engine.block_manager.check_no_leaks()
 
 
