@@ -150,10 +150,7 @@ class Engine:
         # with decode graphs the pool's last block is the padded entries' scratch, never handed out
         self.block_manager = BlockManager(num_blocks - graphs, block_size, args.enable_prefix_cache)
         self.kv_events = KVEventLog(self.block_manager)     # the prefix cache's events, pulled by the router
-        # tiers below the paged cache (engine/kv_cache/tiers): offload on eviction, onboard before scheduling
-        self.kv_tiers: KVTiers | None = None
-        self.onboarding: Onboarding | None = None
-        if args.kv_tiers:
+        if args.kv_tiers:      # tiers below the paged cache: offload on eviction, onboard before scheduling
             self.kv_tiers = KVTiers(args.kv_tiers, self.kv_cache, f"{self.fingerprint}:{self.kv_format.kind}",
                                     self.kv_events, args.kv_offload_queue_blocks)
             self.kv_events.tiers = self.kv_tiers
@@ -364,6 +361,10 @@ class Engine:
     # Set by a decode worker whose KV arrives through a lossy codec: rewrites blocks as the codec
     # delivers them; requests with prompt_kv_lossy recompute their prompt through it (engine/kv_cache/prompt_kv.py).
     prompt_kv_roundtrip: Roundtrip | None = None
+    # With kv_cache.tiers (engine/kv_cache/tiers): the tiers below the paged cache, and the requests
+    # waiting for their prefix to be loaded back from them.
+    kv_tiers: KVTiers | None = None
+    onboarding: Onboarding | None = None
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -105,6 +105,10 @@ class OracleIndex:
                 out[actor_id] = n
         return out
 
+    def onboard_cost(self, actor_id: str, hashes: list[bytes], num_blocks: int) -> float:
+        """Nothing to onboard: the prefix it reports is in the paged cache (these engines have no tiers)."""
+        return 0.0
+
 
 class AuditedPlacer(Placer):
     """Makes every prefill choice twice: over its index (used) and over the oracle (recorded)."""

@@ -62,6 +62,8 @@ def test_offload_evict_onboard_is_bit_identical(tiny_model_dir, tmp_path, refere
     assert torch.equal(_rows(engine, hashes), rows)         # the onboarded blocks, bit for bit
     stats = engine.kv_tiers.stats()[0]
     assert stats["num_hits"] == 9 and stats["onboard_bytes"] == 9 * engine.kv_bytes_per_block
+    # the prompt, each filler and the prompt again each wanted 9 blocks below the paged cache: 9 were here
+    assert stats["num_lookups"] == 6 * 9 and stats["hit_rate"] == 9 / 54
     assert engine.onboarding.num_onboarded_blocks == 9
     engine.block_manager.check_no_leaks()
 
@@ -105,6 +107,8 @@ def test_damaged_disk_block_is_dropped_and_recomputed(tiny_model_dir, tmp_path, 
     assert again.token_ids == reference[0]
     tier = engine.kv_tiers.tiers[0]
     assert tier.num_corrupt == 1 and not os.path.exists(path) and hashes[4] not in tier
+    stats = engine.kv_tiers.stats()[0]
+    assert (stats["num_lookups"], stats["num_hits"], stats["num_corrupt"]) == (6 * 9, 4, 1)
     engine.block_manager.check_no_leaks()
 
 
@@ -248,3 +252,14 @@ def test_an_fp8_cache_round_trips_as_stored(tiny_model_dir):
     again = engine.generate([PROMPT], GREEDY)[0]
     assert again.num_cached_tokens == NUM_HIT_TOKENS and again.token_ids == expected
     assert torch.equal(_rows(engine, hashes), rows)           # byte cells and scales, bit for bit
+
+
+def test_without_a_prefix_cache_nothing_is_offloaded_or_onboarded(tiny_model_dir, reference):
+    engine = _engine(tiny_model_dir, [TierSpec("host", 1 << 30)], enable_prefix_cache=False)
+    for prompt in [PROMPT, *FILLERS, PROMPT]:
+        out = engine.generate([prompt], GREEDY)[0]
+    assert engine.kv_tiers.offload.drain(timeout=30)
+    assert out.num_cached_tokens == 0 and out.token_ids == reference[0]
+    assert engine.kv_tiers.tiers[0].num_blocks == 0 and engine.onboarding.num_onboarded_blocks == 0
+    assert engine.cached_prefix_blocks(prompt_block_hashes(PROMPT, 16)) == 0
+    engine.block_manager.check_no_leaks()

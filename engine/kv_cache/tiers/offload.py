@@ -55,9 +55,13 @@ class OffloadQueue:
         with self._idle:
             return self._idle.wait_for(lambda: self._num_busy == 0, timeout)
 
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=5)
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread once what is queued is stored (waits at most `timeout` for room to say so)."""
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            return
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:

@@ -45,10 +45,16 @@ class Onboarding:
         return len(self._pending)
 
     def _split(self, hashes: list[bytes]) -> tuple[list[bytes], list[bytes]]:
-        """(the leading hashes the paged cache holds, the ones after them that some tier holds)."""
+        """(the leading hashes the paged cache holds, the ones after them that some tier holds), counting
+        the rest as looked up in the tiers; nothing without a prefix cache (blocks loaded back could not
+        be found)."""
+        if not self.block_manager.enable_prefix_cache:
+            return [], []
         with self.block_manager.lock:
             num_device = len(self.block_manager.match_prefix(hashes))
         rest = hashes[num_device:]
+        if rest:
+            self.tiers.looked_up(len(rest))
         return hashes[:num_device], rest[:self.tiers.count(rest)]
 
     # ---- prefill and colocated: a request waits for its blocks ------------

@@ -32,7 +32,7 @@ TIER_IDS = {"host": kpb.KV_CACHE_TIER_HOST, "disk": kpb.KV_CACHE_TIER_DISK}
 
 @dataclass(slots=True)
 class TierCounters:
-    num_lookups: int = 0         # blocks asked of the tiers (past the paged cache's hit) for a request
+    num_lookups: int = 0         # prompt blocks requests wanted past the paged cache's hit (`looked_up`)
     num_hits: int = 0            # of them, blocks this tier served
     offload_bytes: int = 0       # written into this tier
     onboard_bytes: int = 0       # read from this tier into the paged cache
@@ -142,13 +142,17 @@ class KVTiers:
             n += 1
         return n
 
+    def looked_up(self, num_blocks: int) -> None:
+        """A request wanted `num_blocks` prompt blocks the paged cache lacks (each tier's hit rate is the
+        share of these it served)."""
+        for counters, tier in zip(self.counters, self.tiers):
+            if tier.enabled:
+                counters.num_lookups += num_blocks
+
     def load(self, hashes: list[bytes]) -> list[tuple[torch.Tensor, int]]:
         """The leading blocks of `hashes` the tiers hold and that pass their checks (a failing disk block
         is dropped: the rest of the prefix is then recomputed), each with the index of its tier. Counts
-        lookups, hits, bytes and the time the reads took."""
-        for counters, tier in zip(self.counters, self.tiers):
-            if tier.enabled:
-                counters.num_lookups += len(hashes)
+        hits, bytes and the time the reads took."""
         blocks = []
         for block_hash in hashes:
             for tier, counters in zip(self.tiers, self.counters):
