@@ -13,6 +13,9 @@ Variants at equal total actors (each with the decode pool's resources):
                         remote prefill or chunked prefill on the decode actor, router/placement/auto.py)
                         and ``routing.role_flips: auto`` (the autoscaler moves actors between the roles,
                         the prefill pool down to zero; ``--set routing.role_flips=off`` keeps the split)
+    disaggregated-spec  disaggregated with ``speculative.method: ngram`` on the decode actors
+    colocated-spec      colocated-chunked with ``speculative.method: ngram``
+                        (each beside its plain variant: speculation's peer; docs/speculative.md)
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ VARIANTS = {  # label -> (start_cluster mode, chunked prefill)
     "colocated": ("colocated", False),
     "colocated-chunked": ("colocated", True),
     "auto": ("disaggregated", True),
+    "disaggregated-spec": ("disaggregated", True),
+    "colocated-spec": ("colocated", True),
 }
 
 
@@ -62,8 +67,7 @@ def variants_of(compare: str | None, mode: str) -> list[str]:
         elif name in VARIANTS:
             out.append(name)
         else:
-            raise ValueError(f"--compare: unknown variant {name!r} (colocated, colocated-chunked, disaggregated, "
-                             "disaggregated-no-reuse, auto)")
+            raise ValueError(f"--compare: unknown variant {name!r} ({', '.join(VARIANTS)})")
     return list(dict.fromkeys(out))
 
 
@@ -89,6 +93,8 @@ def variant_values(model: str | None, dtype: str | None, overrides: list[str], v
         overrides = [*overrides, "routing.decode_prefix_reuse=false"]
     elif variant == "auto":         # placement per request, and the split follows the load (prefill pool down to 0)
         overrides = ["routing.role_flips=auto", *overrides, "routing.mode=auto"]
+    elif variant in ("disaggregated-spec", "colocated-spec"):
+        overrides = ["speculative.method=ngram", *overrides]
     for item in overrides:
         key, value = parse_override(item)
         values[key] = value

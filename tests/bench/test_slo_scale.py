@@ -61,3 +61,13 @@ def test_the_auto_variant_is_disaggregated_with_auto_placement():
     assert (auto.mode, auto.role_flips) == ("auto", "auto")
     assert bench_config(None, "tiny", None, ["routing.role_flips=off"], "auto").routing.role_flips == "off"
     assert bench_config(None, "tiny", None, [], "disaggregated").routing.mode == "disaggregated"
+
+
+def test_the_spec_variants_add_ngram_speculation_to_their_plain_peers():
+    assert variants_of("disaggregated,disaggregated-spec,colocated-spec", "disaggregated") == [
+        "disaggregated", "disaggregated-spec", "colocated-spec"]
+    assert VARIANTS["colocated-spec"] == VARIANTS["colocated-chunked"]
+    assert bench_config(None, "tiny", None, [], "disaggregated-spec").speculative.method == "ngram"
+    assert bench_config(None, "tiny", None, [], "disaggregated").speculative.method == "off"
+    with pytest.raises(ValueError, match="unknown variant 'eagle'"):
+        variants_of("eagle", "disaggregated")
