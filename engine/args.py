@@ -56,6 +56,14 @@ class EngineArgs:
         quantize_lm_head: with `quantization` int8 / int4, the LM head is quantized the same way (it is
             read whole every decode step: a large vocabulary makes it a large share of the bytes).
         torch_threads: torch's intra-op thread count, set when the engine is built (None: unchanged).
+        tensor_parallel: ranks the model is split over (engine/parallel/: attention and KV heads and the MLP
+            split Megatron-style, one process per rank). Every rank builds an Engine from the same args
+            but its own `tensor_parallel_rank`; rank 0 is the engine that serves, the others call
+            `Engine.follow()`. A degree that does not divide the model's heads is a ValueError naming it.
+        tensor_parallel_rank: this process's rank in [0, tensor_parallel).
+        tensor_parallel_address: "host:port" where rank 0 hosts the group's store (every rank the same).
+        tensor_parallel_timeout_s: the bound on joining the group and on every collective: a rank that
+            dies fails its peers' next step within this time instead of hanging them.
     """
 
     model: str = "tiny"
@@ -78,6 +86,10 @@ class EngineArgs:
     quantization_group_size: int = 128
     quantize_lm_head: bool = False
     torch_threads: int | None = None
+    tensor_parallel: int = 1
+    tensor_parallel_rank: int = 0
+    tensor_parallel_address: str = "127.0.0.1:0"
+    tensor_parallel_timeout_s: float = 60.0
 
     def model_dir(self) -> str:
         """The model's directory (a preset's is written on first use)."""
