@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -25,6 +26,8 @@ from engine.engine import pick_dtype
 from engine.kv_cache.kv_format import KVFormat
 from engine.model.config import ModelConfig
 from engine.model.presets import resolve_model
+from engine.parallel.group import free_port
+from engine.parallel.shard import check_degree
 from engine.sampling.generation_config import GenerationConfig
 from engine.tokenizer import Tokenizer
 from kv_transfer import HandshakeError, TransferSettings, check_compatible
@@ -111,12 +114,18 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str, mcfg: ModelConfig
     if quantization == "int8" and mcfg.quantization is not None:
         raise ConfigError(f"{key}: int8 cannot apply to {model_dir}, a 4-bit {mcfg.quantization.method} "
                           "checkpoint (served int4 as stored): set none or int4", key)
+    tp_key = f"pools.{pool}.tensor_parallel"
+    try:
+        check_degree(mcfg, p.tensor_parallel, tp_key, quantization)
+    except ValueError as e:
+        raise ConfigError(str(e), tp_key) from None
     args = EngineArgs(model=model_dir, dtype=dtype, block_size=kv.block_size, num_blocks=max(num_blocks, 1),
                       max_model_len=cfg.model.max_model_len, torch_threads=p.resources.threads(),
                       attention=cfg.model.attention,
                       weight_layout=cfg.model.weight_layout if device.type == "cpu" else "auto",
                       quantization=quantization, quantization_group_size=group_size,
-                      quantize_lm_head=cfg.model.quantize_lm_head, kv_cache_dtype=kv.dtype)
+                      quantize_lm_head=cfg.model.quantize_lm_head, kv_cache_dtype=kv.dtype,
+                      tensor_parallel=p.tensor_parallel)
     if device.type == "cuda":
         args.kv_memory_fraction = kv.device_fraction()
     if pool == "prefill":
@@ -197,6 +206,14 @@ class ActorFactory:
         if multi_node and self.tls is None:
             log.warning("internal endpoints (KV, token streams) listen on node addresses in plaintext; "
                         "set security.internal_tls_cert/_key/_ca to encrypt them")
+        self.rank_groups: dict[str, tuple[object, list]] = {}    # actor id -> (placement group, ranks 1..)
+        for pool, p in cfg.pools.items():
+            ships_kv = mode != "colocated" and (cfg.routing.mode != "colocated" or cfg.routing.role_flips != "off")
+            if p.tensor_parallel > 1 and ships_kv:
+                raise ConfigError(f"pools.{pool}.tensor_parallel {p.tensor_parallel}: tensor-parallel actors run "
+                                  "where no KV is shipped: colocated engines, or routing.mode colocated with "
+                                  f"routing.role_flips off (got routing.mode {cfg.routing.mode}, role_flips "
+                                  f"{cfg.routing.role_flips})", f"pools.{pool}.tensor_parallel")
         if self.tls is not None and cfg.kv_transfer.transport not in ("grpc", "tcp"):
             log.warning("security.internal_tls_* encrypts the token streams, not kv_transfer.transport %s "
                         "(only the grpc and tcp transports run over TLS)", cfg.kv_transfer.transport)
@@ -206,7 +223,10 @@ class ActorFactory:
         resources they take: in colocated mode every actor takes the decode pool's."""
         counts = counts or {}
         most = {pool: max(counts.get(pool) or 0, p.bounds()[1]) for pool, p in self.cfg.pools.items()}
-        return {"decode": most["prefill"] + most["decode"]} if self.mode == "colocated" else most
+        if self.mode == "colocated":
+            most = {"decode": most["prefill"] + most["decode"]}
+        # a tensor-parallel actor is one Ray actor per rank, each with the pool's resources
+        return {pool: n * getattr(self.cfg.pools, pool).tensor_parallel for pool, n in most.items()}
 
     def fit_local(self, most: dict[str, int]) -> None:
         """On a local Ray instance, give every actor the same fraction of its num_cpus so that `most`
@@ -253,9 +273,56 @@ class ActorFactory:
                 args = engine_args(self.cfg, pool, self.model_dir)
         actor_id = f"{role if role == 'colocated' else pool}-{index}"
         options = _actor_options(self.cfg, resources_of, self._name(actor_id), self.cpu_fraction)
+        if args.tensor_parallel > 1:       # a lost rank ends the group: the pool manager replaces it whole
+            options["max_restarts"] = 0
+            args = self._spawn_ranks(actor_id, args, options)
+            options["scheduling_strategy"] = self._rank_strategy(actor_id, 0)
         return ray.remote(log_named(role)).options(**options).remote(
             args, actor_id, role, transfer=transfer, stream_token=self.token, bind_host=self.bind_host, tls=self.tls,
             limits=limits)
+
+    def _spawn_ranks(self, actor_id: str, args: EngineArgs, options: dict) -> EngineArgs:
+        """A placement group of one bundle per rank (packed on one node) and ranks 1.. in it, each told to
+        follow once its engine is built; returns rank 0's engine args."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        from deploy.rank_actor import RankActor
+        size = args.tensor_parallel
+        bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options["num_gpus"] else {}),
+                  **(options["resources"] or {})}
+        group = placement_group([bundle] * size, strategy="STRICT_PACK", name=f"{options['name']}-tp")
+        args = dataclasses.replace(args, tensor_parallel_address=f"127.0.0.1:{free_port()}")
+        self.rank_groups[actor_id] = (group, [])
+        ranks = []
+        for rank in range(1, size):
+            handle = ray.remote(RankActor).options(
+                name=f"{options['name']}-rank{rank}", num_cpus=options["num_cpus"], num_gpus=options["num_gpus"],
+                resources=options["resources"], max_restarts=0, lifetime=None,
+                scheduling_strategy=self._rank_strategy(actor_id, rank)
+            ).remote(dataclasses.replace(args, tensor_parallel_rank=rank), actor_id)
+            ranks.append((handle, handle.follow.remote()))
+        self.rank_groups[actor_id] = (group, ranks)
+        log.info("actor %s: %d tensor-parallel ranks in placement group %s", actor_id, size, options["name"])
+        return args
+
+    def _rank_strategy(self, actor_id: str, rank: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        group, _ = self.rank_groups[actor_id]
+        return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank)
+
+    def _retire_ranks(self, actor_id: str) -> None:
+        """Kill ranks 1.. of a tensor-parallel actor and free its placement group (nothing without one)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        group, ranks = self.rank_groups.pop(actor_id, (None, []))
+        for handle, _ in ranks:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:          # gone already
+                pass
+        if group is not None:
+            remove_placement_group(group)
 
     def _name(self, actor_id: str) -> str:
         return f"pdserve-{actor_id}-{self.suffix}"
@@ -305,6 +372,7 @@ class ActorFactory:
             ray.kill(view.client.handle, no_restart=True)
         except Exception:           # gone already
             pass
+        self._retire_ranks(view.actor_id)
         await view.client.retire()
 
     def view_of(self, pool: str, handle, info: dict):
