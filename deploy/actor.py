@@ -109,7 +109,8 @@ class ServingActor:
         self.incarnation = uuid.uuid4().hex     # changes when Ray restarts the actor
         release_gil_in_compiled_kernels()       # compiled CPU kernels then leave the other threads running
         self.engine = Engine(engine_args)
-        self.layout = layout_of(self.engine.kv_cache, self.engine.fingerprint, self.engine.kv_format)
+        engine = self.engine
+        self.layout = layout_of(engine.kv_cache, engine.fingerprint, engine.kv_format, engine.tp.shard)
         self.codec = transfer.codec if transfer is not None else "none"
         if transfer is not None:
             get_codec(transfer.codec).prepare(self.engine.kv_cache)     # both sides' kernels, once

@@ -11,6 +11,10 @@ ends must store the same way: the handshake compares `cache_dtype` and names bot
 
 A request's blocks are ``kv_cache[:, block_ids]``; the transfer ships exactly
 that slab (all layers, or a layer range), so the wire layout follows the cache.
+
+Under tensor parallelism a rank's cache holds the KV heads [kv_head_start, kv_head_start + num_kv_heads)
+of the model (engine/parallel/shard.py); each end tells the other its degree and head range, and the
+handshake refuses ends whose heads differ, naming both: KV is not resharded between degrees.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class KVLayout:
     dtype: torch.dtype
     model_fingerprint: str = ""
     cache_dtype: str = "auto"      # kv_cache.dtype: auto (the model dtype) | fp8 | int8 (byte cells with scales)
+    tensor_parallel: int = 1       # the degree of the actor whose rank holds this cache
+    kv_head_start: int = 0         # the model's first KV head in this cache
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "block_size", "head_dim"):
@@ -115,6 +121,8 @@ class KVLayout:
             "dtype": self.dtype_name,
             "cache_dtype": self.cache_dtype,
             "codec": codec,
+            "tensor_parallel": self.tensor_parallel,
+            "kv_head_start": self.kv_head_start,
         }
 
 
@@ -127,8 +135,17 @@ def check_compatible(sender: dict, receiver: dict) -> None:
     """Refuse a mismatch with an error naming both values.
 
     Raises:
-        HandshakeError: on the first key whose values differ.
+        HandshakeError: on the first key whose values differ; first of all when the two ends hold different
+            KV heads (tensor parallelism of another degree or rank).
     """
+    heads = [(d.get("tensor_parallel", 1), d.get("kv_head_start", 0), d.get("num_kv_heads"))
+             for d in (sender, receiver)]
+    if heads[0] != heads[1] and sender.get("model_fingerprint") == receiver.get("model_fingerprint"):
+        (np_, ps, pn), (nd, ds, dn) = heads
+        raise HandshakeError(
+            f"KV handshake mismatch on KV heads: sender holds heads [{ps}, {ps + (pn or 0)}) at tensor_parallel {np_}, "
+            f"receiver holds heads [{ds}, {ds + (dn or 0)}) at tensor_parallel {nd} (KV is not resharded between "
+            "tensor-parallel degrees)")
     for key in HANDSHAKE_KEYS:
         if sender.get(key) != receiver.get(key):
             raise HandshakeError(
