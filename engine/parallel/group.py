@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -43,6 +44,8 @@ class RankGroup:
         self.rank, self.size = rank, size
         self.timeout = timedelta(seconds=timeout_s)
         self.store = self.group = None
+        self.reduce_s = 0.0          # time spent in all-reduces (waiting for the slowest rank included)
+        self.num_reduces = 0
         if size == 1:
             return
         host, _, port = address.rpartition(":")
@@ -66,6 +69,7 @@ class RankGroup:
         """Sum `x` over the ranks, in place; the input itself with one rank."""
         if self.group is None:
             return x
+        start = time.perf_counter()
         try:
             work = self.group.allreduce([x])
             if not work.wait(self.timeout):
@@ -73,6 +77,8 @@ class RankGroup:
         except Exception as exc:
             raise RankGroupError(f"tensor-parallel rank {self.rank} of {self.size}: all-reduce failed "
                                  f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+        self.reduce_s += time.perf_counter() - start
+        self.num_reduces += 1
         return x
 
     def close(self) -> None:
