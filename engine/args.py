@@ -64,6 +64,8 @@ class EngineArgs:
         tensor_parallel_address: "host:port" where rank 0 hosts the group's store (every rank the same).
         tensor_parallel_timeout_s: the bound on joining the group and on every collective: a rank that
             dies fails its peers' next step within this time instead of hanging them.
+        tensor_parallel_backend: `auto` (NCCL on CUDA, gloo on CPU), `nccl` or `gloo` (on CUDA: ranks may
+            share one device, which NCCL refuses; a diagnostic, slower).
     """
 
     model: str = "tiny"
@@ -90,6 +92,7 @@ class EngineArgs:
     tensor_parallel_rank: int = 0
     tensor_parallel_address: str = "127.0.0.1:0"
     tensor_parallel_timeout_s: float = 60.0
+    tensor_parallel_backend: str = "auto"
 
     def model_dir(self) -> str:
         """The model's directory (a preset's is written on first use)."""

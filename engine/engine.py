@@ -112,7 +112,8 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         # this process's rank of the actor's tensor-parallel group (degree 1: the whole model, no group)
         self.tp = TensorParallel(cfg, args.tensor_parallel, args.tensor_parallel_rank, args.tensor_parallel_address,
-                                 self.device, args.tensor_parallel_timeout_s, args.quantization)
+                                 self.device, args.tensor_parallel_timeout_s, args.quantization,
+                                 args.tensor_parallel_backend)
         shard = self.tp.shard
         self.model = load_model(self.model_dir, cfg, self.device, self.dtype, self.max_model_len,
                                 args.quantization, args.quantization_group_size,

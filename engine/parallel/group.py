@@ -37,10 +37,12 @@ class RankGroup:
         address: "host:port" of rank 0's store (every rank passes the same).
         device: the rank's device (NCCL when CUDA, gloo otherwise).
         timeout_s: the bound on joining and on every collective.
+        backend: "auto" (as the device says), "nccl" or "gloo" (gloo on CUDA lets ranks share one device,
+            which NCCL refuses: a diagnostic on a one-GPU machine).
     """
 
     def __init__(self, rank: int = 0, size: int = 1, address: str = "127.0.0.1:0",
-                 device: torch.device | None = None, timeout_s: float = 60.0):
+                 device: torch.device | None = None, timeout_s: float = 60.0, backend: str = "auto"):
         self.rank, self.size = rank, size
         self.timeout = timedelta(seconds=timeout_s)
         self.store = self.group = None
@@ -53,7 +55,11 @@ class RankGroup:
             raise ValueError(f"tensor-parallel address must be host:port with a port, got {address!r}")
         self.store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=self.timeout,
                                    wait_for_workers=True)
-        self.backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        if backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"tensor_parallel_backend must be auto, nccl or gloo; got {backend!r}")
+        if backend == "auto":
+            backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        self.backend = backend
         if self.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout

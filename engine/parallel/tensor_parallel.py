@@ -33,12 +33,14 @@ class TensorParallel:
         timeout_s: the bound on joining the group and on every collective.
         quantization: the engine's `quantization` (quantized projections are not sharded: a ValueError
             at a degree above 1, before any rank waits for the others).
+        backend: the group's backend (`RankGroup`): auto, nccl or gloo.
     """
 
     def __init__(self, cfg: ModelConfig, size: int = 1, rank: int = 0, address: str = "127.0.0.1:0",
-                 device: torch.device | None = None, timeout_s: float = 60.0, quantization: str = "none"):
+                 device: torch.device | None = None, timeout_s: float = 60.0, quantization: str = "none",
+                 backend: str = "auto"):
         self.shard: HeadShard = shard_heads(cfg, size, rank, quantization=quantization)
-        self.group = RankGroup(rank, size, address, device, timeout_s)
+        self.group = RankGroup(rank, size, address, device, timeout_s, backend)
         self.channel = PlanChannel(self.group.store, rank) if size > 1 else None
 
     @property
