@@ -409,12 +409,19 @@ async def start_pools(factory: ActorFactory, counts: dict[str, int] | None = Non
     return pools
 
 
+HEAD_KEYS = ("tensor_parallel", "kv_head_start", "num_kv_heads")
+
+
 def check_layouts(infos: list[dict]) -> None:
-    """Every actor must agree on model fingerprint, block size, KV layout, dtype and codec."""
+    """Every actor must agree on model fingerprint, block size, KV layout, dtype and codec; tensor-parallel
+    actors ship no KV (`ActorFactory` refuses that), so where one end is, their KV-head ranges may differ."""
     first = infos[0]
     for info in infos[1:]:
+        mine, theirs = first["layout"], info["layout"]
+        if max(mine.get("tensor_parallel", 1), theirs.get("tensor_parallel", 1)) > 1:
+            mine, theirs = ({k: v for k, v in d.items() if k not in HEAD_KEYS} for d in (mine, theirs))
         try:
-            check_compatible(first["layout"], info["layout"])
+            check_compatible(mine, theirs)
         except HandshakeError as e:
             raise HandshakeError(f"{first['actor_id']} vs {info['actor_id']}: {e}") from None
 

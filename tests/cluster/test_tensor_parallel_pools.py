@@ -97,6 +97,24 @@ def test_a_killed_rank_fails_its_actor_and_requests_migrate(cluster, workload):
     assert list(generate(cluster.address, "after the fault", max_tokens=4, temperature=0.0))[-1].finish_reason
 
 
+def test_decode_actors_of_two_ranks_prefilling_locally(ray_local, tiny_model_dir, workload):
+    """routing.mode colocated in the disaggregated layout: the TP-2 decode actor prefills every request
+    itself (its KV never crosses an actor) and its tokens equal the TP-1 engine's."""
+    prompts, expected = workload
+    cfg = cluster_config(tiny_model_dir, extra={"pools.decode.tensor_parallel": 2, "kv_cache.num_blocks": 256},
+                         mode="colocated")
+    c = ClusterThread(cfg)
+    try:
+        assert [len(ranks) for _, ranks in c.cluster.factory.rank_groups.values()] == [1]     # the decode actor
+        threads, results = _fire(c, prompts[:6])
+        _join(threads)
+        assert [results[i] for i in range(6)] == expected[:6]
+        stats = wait_blocks_free(c.address, timeout=20)
+        assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
+    finally:
+        c.stop()
+
+
 def test_tensor_parallel_where_kv_is_shipped_is_refused(tiny_model_dir):
     cfg = cluster_config(tiny_model_dir, extra={"pools.prefill.tensor_parallel": 2})
     with pytest.raises(ConfigError, match="pools.prefill.tensor_parallel 2: tensor-parallel actors run where no KV"):
