@@ -89,6 +89,20 @@ def test_two_ranks_generate_what_one_rank_does(follower, checkpoints, name):
     torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("setting", [{"attention": "compiled"}, {"attention": "flex-eager"},
+                                     {"kv_cache_dtype": "fp8"}], ids=["compiled", "flex-eager", "fp8-cache"])
+def test_two_ranks_on_every_attention_path_and_a_quantized_cache(follower, checkpoints, setting):
+    """The decode kernels built for a rank's heads, and an fp8 cache (its scales are per KV head, so a
+    rank's share quantizes as on one rank), give the one-rank engine's tokens."""
+    args = dataclasses.replace(_args(checkpoints["gqa_untied"]), **setting)
+    want_tokens, want_logits = _run(Engine(args))
+    with follower.engine(args) as engine:
+        assert engine.attention == args.attention if "attention" in setting else engine.kv_format.quantized
+        tokens, logits = _run(engine)
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=0)
+
+
 def test_kv_heads_split_or_replicated_as_the_ranks_need(checkpoints):
     gqa, one_kv = (ModelConfig.from_dir(checkpoints[n]) for n in ("gqa_untied", "qwen2_bias"))
     assert kv_head_ranges(gqa, 2) == [range(0, 1), range(1, 2)]
