@@ -127,3 +127,12 @@ def test_a_degree_that_does_not_divide_the_heads_names_the_key(tiny_model_dir):
     with pytest.raises(ConfigError, match=r"pools.decode.tensor_parallel 3 does not divide the model's \d+ "
                                           r"attention heads \(\d+ KV heads\)"):
         engine_args(cfg, "decode", tiny_model_dir)
+
+
+def test_a_tensor_parallel_actor_counts_one_ray_actor_per_rank(tiny_model_dir):
+    """What local Ray must fit (the CPU scale): every rank of every actor, each with the pool's resources."""
+    cfg = cluster_config(tiny_model_dir, n_prefill=1, n_decode=2, extra={"pools.decode.tensor_parallel": 2})
+    assert ActorFactory(cfg, "t", mode="colocated").most_actors() == {"decode": 6}
+    cfg = cluster_config(tiny_model_dir, n_prefill=1, n_decode=2, mode="colocated",
+                         extra={"pools.decode.tensor_parallel": 2})
+    assert ActorFactory(cfg, "t").most_actors() == {"prefill": 1, "decode": 4}

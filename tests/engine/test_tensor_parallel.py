@@ -83,7 +83,11 @@ def test_two_ranks_generate_what_one_rank_does(follower, checkpoints, name):
     args = _args(checkpoints[name])
     want_tokens, want_logits = _run(Engine(args))
     with follower.engine(args) as engine:
-        assert engine.tp.size == 2 and engine.kv_cache.shape[3] == max(engine.config.num_key_value_heads // 2, 1)
+        cfg, layer = engine.config, engine.model.layers[0]
+        assert engine.tp.size == 2 and engine.kv_cache.shape[3] == max(cfg.num_key_value_heads // 2, 1)
+        # rank 0 holds its half of every projection (the LM head and the embedding whole)
+        assert layer.gate_up_proj.weight.shape == (cfg.intermediate_size, cfg.hidden_size)
+        assert layer.o_proj.weight.shape == (cfg.hidden_size, cfg.num_attention_heads // 2 * cfg.head_dim)
         tokens, logits = _run(engine)
     assert tokens == want_tokens
     torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=0)
