@@ -74,6 +74,8 @@ class RankGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; the input itself with one rank."""
         if self.group is None:
+            if self.size > 1:
+                raise RankGroupError(f"tensor-parallel rank {self.rank} of {self.size}: the group is closed")
             return x
         start = time.perf_counter()
         try:

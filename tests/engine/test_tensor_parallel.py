@@ -91,6 +91,8 @@ def test_two_ranks_generate_what_one_rank_does(follower, checkpoints, name):
         tokens, logits = _run(engine)
     assert tokens == want_tokens
     torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=0)
+    with pytest.raises(RankGroupError, match="the group is closed"):      # closed: no step runs on half a model
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
 
 
 @pytest.mark.parametrize("setting", [{"attention": "compiled"}, {"attention": "flex-eager"},
