@@ -14,7 +14,9 @@ that slab (all layers, or a layer range), so the wire layout follows the cache.
 
 Under tensor parallelism a rank's cache holds the KV heads [kv_head_start, kv_head_start + num_kv_heads)
 of the model (engine/parallel/shard.py); each end tells the other its degree and head range, and the
-handshake refuses ends whose heads differ, naming both: KV is not resharded between degrees.
+handshake refuses ends whose heads differ, naming both. Between degrees, each transfer carries one head
+range (a head view of the cache on both ends, kv_transfer/resharded.py), so the ranges of the two ends
+match while their degrees differ.
 """
 
 from __future__ import annotations
@@ -136,16 +138,16 @@ def check_compatible(sender: dict, receiver: dict) -> None:
 
     Raises:
         HandshakeError: on the first key whose values differ; first of all when the two ends hold different
-            KV heads (tensor parallelism of another degree or rank).
+            KV heads (the degrees may differ: the heads may not).
     """
-    heads = [(d.get("tensor_parallel", 1), d.get("kv_head_start", 0), d.get("num_kv_heads"))
-             for d in (sender, receiver)]
+    heads = [(d.get("kv_head_start", 0), d.get("num_kv_heads")) for d in (sender, receiver)]
     if heads[0] != heads[1] and sender.get("model_fingerprint") == receiver.get("model_fingerprint"):
-        (np_, ps, pn), (nd, ds, dn) = heads
+        (ps, pn), (ds, dn) = heads
+        np_, nd = sender.get("tensor_parallel", 1), receiver.get("tensor_parallel", 1)
         raise HandshakeError(
             f"KV handshake mismatch on KV heads: sender holds heads [{ps}, {ps + (pn or 0)}) at tensor_parallel {np_}, "
-            f"receiver holds heads [{ds}, {ds + (dn or 0)}) at tensor_parallel {nd} (KV is not resharded between "
-            "tensor-parallel degrees)")
+            f"receiver holds heads [{ds}, {ds + (dn or 0)}) at tensor_parallel {nd} (between tensor-parallel "
+            "degrees each transfer carries one head range of a resharding plan: kv_transfer.resharded)")
     for key in HANDSHAKE_KEYS:
         if sender.get(key) != receiver.get(key):
             raise HandshakeError(

@@ -1,5 +1,5 @@
 """The handshake's tensor-parallel fields: each end says its degree and KV-head range, and ends holding
-different heads are refused on every transport, naming both (KV is not resharded between degrees)."""
+different heads are refused on every transport, naming both (the degrees may differ, the heads may not)."""
 from __future__ import annotations
 
 import dataclasses
