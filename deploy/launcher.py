@@ -207,13 +207,21 @@ class ActorFactory:
             log.warning("internal endpoints (KV, token streams) listen on node addresses in plaintext; "
                         "set security.internal_tls_cert/_key/_ca to encrypt them")
         self.rank_groups: dict[str, tuple[object, list]] = {}    # actor id -> (placement group, ranks 1..)
-        for pool, p in cfg.pools.items():
-            ships_kv = mode != "colocated" and (cfg.routing.mode != "colocated" or cfg.routing.role_flips != "off")
-            if p.tensor_parallel > 1 and ships_kv:
-                raise ConfigError(f"pools.{pool}.tensor_parallel {p.tensor_parallel}: tensor-parallel actors run "
-                                  "where no KV is shipped: colocated engines, or routing.mode colocated with "
-                                  f"routing.role_flips off (got routing.mode {cfg.routing.mode}, role_flips "
-                                  f"{cfg.routing.role_flips})", f"pools.{pool}.tensor_parallel")
+        degrees = {pool: p.tensor_parallel for pool, p in cfg.pools.items()}
+        flips = mode != "colocated" and cfg.routing.role_flips != "off"
+        for pool, degree in degrees.items():
+            if degree > 1 and flips:
+                raise ConfigError(f"pools.{pool}.tensor_parallel {degree}: tensor-parallel actors do not change "
+                                  "role; set routing.role_flips off", f"pools.{pool}.tensor_parallel")
+        # KV travels resharded by head when a degree above 1 ships or receives it (kv_transfer/resharded.py)
+        self.kv_degrees = ((degrees["prefill"], degrees["decode"])
+                           if mode != "colocated" and max(degrees.values()) > 1 else None)
+        if self.kv_degrees and cfg.kv_cache.dtype != "auto":
+            pool = next(pool for pool, degree in degrees.items() if degree > 1)
+            raise ConfigError(f"pools.{pool}.tensor_parallel {degrees[pool]}: KV shipped between tensor-parallel "
+                              f"actors is resharded by head, which a kv_cache.dtype {cfg.kv_cache.dtype} cache "
+                              "(byte cells with scales) does not allow; set kv_cache.dtype auto",
+                              f"pools.{pool}.tensor_parallel")
         if self.tls is not None and cfg.kv_transfer.transport not in ("grpc", "tcp"):
             log.warning("security.internal_tls_* encrypts the token streams, not kv_transfer.transport %s "
                         "(only the grpc and tcp transports run over TLS)", cfg.kv_transfer.transport)
@@ -273,13 +281,15 @@ class ActorFactory:
                 args = engine_args(self.cfg, pool, self.model_dir)
         actor_id = f"{role if role == 'colocated' else pool}-{index}"
         options = _actor_options(self.cfg, resources_of, self._name(actor_id), self.cpu_fraction)
+        ranks = []
         if args.tensor_parallel > 1:       # a lost rank ends the group: the pool manager replaces it whole
             options["max_restarts"] = 0
             args = self._spawn_ranks(actor_id, args, options)
             options["scheduling_strategy"] = self._rank_strategy(actor_id, 0)
+            ranks = [handle for handle, _ in self.rank_groups[actor_id][1]]
         return ray.remote(log_named(role)).options(**options).remote(
             args, actor_id, role, transfer=transfer, stream_token=self.token, bind_host=self.bind_host, tls=self.tls,
-            limits=limits)
+            limits=limits, ranks=ranks, kv_degrees=self.kv_degrees if transfer is not None else None)
 
     def _spawn_ranks(self, actor_id: str, args: EngineArgs, options: dict) -> EngineArgs:
         """A placement group of one bundle per rank (packed on one node) and ranks 1.. in it, each told to
@@ -298,7 +308,7 @@ class ActorFactory:
         for rank in range(1, size):
             handle = ray.remote(RankActor).options(
                 name=f"{options['name']}-rank{rank}", num_cpus=options["num_cpus"], num_gpus=options["num_gpus"],
-                resources=options["resources"], max_restarts=0, lifetime=None,
+                resources=options["resources"], max_restarts=0, lifetime=None, max_concurrency=RANK_CONCURRENCY,
                 scheduling_strategy=self._rank_strategy(actor_id, rank)
             ).remote(dataclasses.replace(args, tensor_parallel_rank=rank), actor_id)
             ranks.append((handle, handle.follow.remote()))
@@ -410,11 +420,12 @@ async def start_pools(factory: ActorFactory, counts: dict[str, int] | None = Non
 
 
 HEAD_KEYS = ("tensor_parallel", "kv_head_start", "num_kv_heads")
+RANK_CONCURRENCY = 32     # a rank follows rank 0's steps on one thread and sends/receives KV copies on others
 
 
 def check_layouts(infos: list[dict]) -> None:
-    """Every actor must agree on model fingerprint, block size, KV layout, dtype and codec; tensor-parallel
-    actors ship no KV (`ActorFactory` refuses that), so where one end is, their KV-head ranges may differ."""
+    """Every actor must agree on model fingerprint, block size, KV layout, dtype and codec; where one end is
+    tensor-parallel their KV-head ranges differ (KV travels resharded by head: kv_transfer/resharded.py)."""
     first = infos[0]
     for info in infos[1:]:
         mine, theirs = first["layout"], info["layout"]

@@ -190,19 +190,19 @@ class ReshardedReceiver(KVReceiver):
         self._reaper.start()
 
     @classmethod
-    def open(cls, plan, source_degree: int, layouts: Sequence[KVLayout], caches: Sequence[torch.Tensor],
-             allocator: BlockAllocator, make_member: Callable[..., KVReceiver],
-             on_complete: Callable[[TransferResult], None] | None = None,
-             deadline_s: float = 30.0) -> ReshardedReceiver:
+    def open(cls, plan, source_degree: int, layouts: Sequence[KVLayout], allocator: BlockAllocator,
+             make_member: Callable[..., KVReceiver], on_complete: Callable[[TransferResult], None] | None = None,
+             deadline_s: float = 30.0, codec: str = "none") -> ReshardedReceiver:
         """Receivers for every copy of `plan` (head copies from degree `source_degree` to this actor's ranks,
-        whose layouts and caches are `layouts` and `caches`); `make_member(layout, kv_cache, allocator,
-        on_complete)` opens one receiver of the transport."""
+        whose layouts are `layouts`): `make_member(copy, layout, blocks, on_complete)` opens the receiver of
+        one copy on its receiving rank, over `head_view(that rank's cache, copy.dest_heads)` with `layout`,
+        reserving through `blocks` and reporting to `on_complete`. `codec`: the members' codec."""
         group = cls(source_degree, TransferBlocks(allocator), on_complete, deadline_s)
+        group.codec = codec
         try:
             for c in plan:
                 layout = head_layout(layouts[c.dest_rank], c.dest_heads)
-                member = make_member(layout, head_view(caches[c.dest_rank], c.dest_heads), group.blocks,
-                                     group._member_done)
+                member = make_member(c, layout, group.blocks, group.member_done)
                 model_heads = range(layout.kv_head_start, layout.kv_head_start + layout.num_kv_heads)
                 group.members.append((c.source_rank, c.source_heads, c.dest_rank, model_heads, member))
         except BaseException:
@@ -228,7 +228,7 @@ class ReshardedReceiver(KVReceiver):
             stats.bytes_received += m.bytes_received
         return stats
 
-    def _member_done(self, result: TransferResult) -> None:
+    def member_done(self, result: TransferResult) -> None:
         """A copy ended (a transport thread): publish the transfer when every copy is DONE or one is not."""
         tid, cancel, release, publish = result.transfer_id, False, 0, None
         with self._lock:
@@ -264,7 +264,7 @@ class ReshardedReceiver(KVReceiver):
                 late = [(tid, p.done[0].request_id) for tid, p in self._pending.items()
                         if p.done and p.since + self.deadline_s < now]
             for tid, request_id in late:
-                self._member_done(TransferResult(tid, request_id, TransferStatus.EXPIRED,
+                self.member_done(TransferResult(tid, request_id, TransferStatus.EXPIRED,
                                                  error="deadline passed before every receiving rank had its KV"))
 
     def _combine(self, done: list[TransferResult]) -> TransferResult:
@@ -310,10 +310,13 @@ class ReshardedReceiver(KVReceiver):
         with self._lock:
             if transfer_id in self._finished:
                 return self._finished[transfer_id].status
-        seen = [s for *_, member in self.members if (s := member.status(transfer_id)) is not None]
-        if not seen:
-            return None
-        return TransferStatus.TRANSFERRING if TransferStatus.TRANSFERRING in seen else seen[0]
+            if transfer_id in self._pending:
+                return TransferStatus.TRANSFERRING
+        for *_, member in sorted(self.members, key=lambda m: getattr(m[-1], "remote", False)):   # local first
+            status = member.status(transfer_id)
+            if status is not None:
+                return TransferStatus.TRANSFERRING if status.is_terminal else status
+        return None
 
     def cancel(self, transfer_id: str | None = None, request_id: str | None = None) -> list[str]:
         cancelled: list[str] = []
@@ -361,14 +364,15 @@ class _GroupHandle(SendHandle):
 class ReshardedSender(KVSender):
     """The prefill side: every copy a group endpoint names goes from its sending rank's head view.
 
-    `caches[s]` and `layouts[s]` are sending rank s's cache and layout; `make_member(layout)` opens a
-    sender of the transport for one head view's layout (one per distinct view, kept open). An ordinary
-    endpoint (a degree-1 decode actor that does not reshard) is sent to from rank 0 directly when this
-    actor is of degree 1.
+    `layouts[s]` is sending rank s's layout and `caches[s]` its cache where it is in this process (None for
+    a rank of another process, whose sender reads its own cache); `make_member(rank, heads, layout)` opens
+    a sender of the transport on rank `rank` for the head view `heads` of its cache (one per distinct view,
+    kept open). An ordinary endpoint (a decode actor that does not reshard) is sent to from rank 0 directly
+    when this actor is of degree 1.
     """
 
-    def __init__(self, layouts: Sequence[KVLayout], caches: Sequence[torch.Tensor],
-                 make_member: Callable[[KVLayout], KVSender]):
+    def __init__(self, layouts: Sequence[KVLayout], caches: Sequence[torch.Tensor | None],
+                 make_member: Callable[[int, range, KVLayout], KVSender]):
         self.layouts, self.caches, self.make_member = list(layouts), list(caches), make_member
         self.degree = len(self.layouts)
         self._senders: dict[tuple[int, int, int], KVSender] = {}
@@ -379,7 +383,7 @@ class ReshardedSender(KVSender):
         with self._lock:
             sender = self._senders.get(key)
             if sender is None:
-                sender = self._senders[key] = self.make_member(head_layout(self.layouts[rank], heads))
+                sender = self._senders[key] = self.make_member(rank, heads, head_layout(self.layouts[rank], heads))
             return sender
 
     def _copies(self, dest: str) -> list[Copy]:
@@ -403,10 +407,13 @@ class ReshardedSender(KVSender):
             handle = SendHandle(piece.request_id, piece.transfer_id)
             handle._finish(TransferStatus.FAILED, str(exc), FailedSide.SENDER)
             return handle
-        handles = [self._sender(c.source_rank, c.source_heads).send(
-            dataclasses.replace(piece, kv_cache=head_view(self.caches[c.source_rank], c.source_heads)), c.endpoint)
-            for c in copies]
+        handles = [self._sender(c.source_rank, c.source_heads).send(self._piece(piece, c), c.endpoint)
+                   for c in copies]
         return _GroupHandle(piece, handles)
+
+    def _piece(self, piece: KVPiece, c: Copy) -> KVPiece:
+        cache = self.caches[c.source_rank]
+        return piece if cache is None else dataclasses.replace(piece, kv_cache=head_view(cache, c.source_heads))
 
     def handshake(self, dest: str) -> None:
         for c in self._copies(dest):

@@ -115,9 +115,17 @@ def test_decode_actors_of_two_ranks_prefilling_locally(ray_local, tiny_model_dir
         c.stop()
 
 
-def test_tensor_parallel_where_kv_is_shipped_is_refused(tiny_model_dir):
-    cfg = cluster_config(tiny_model_dir, extra={"pools.prefill.tensor_parallel": 2})
-    with pytest.raises(ConfigError, match="pools.prefill.tensor_parallel 2: tensor-parallel actors run where no KV"):
+def test_tensor_parallel_actors_that_change_role_are_refused(tiny_model_dir):
+    cfg = cluster_config(tiny_model_dir, extra={"pools.prefill.tensor_parallel": 2, "routing.role_flips": "manual"})
+    with pytest.raises(ConfigError, match="pools.prefill.tensor_parallel 2: tensor-parallel actors do not change "
+                                          "role; set routing.role_flips off"):
+        ActorFactory(cfg, "t")
+
+
+def test_tensor_parallel_kv_shipping_needs_a_model_dtype_cache(tiny_model_dir):
+    cfg = cluster_config(tiny_model_dir, extra={"pools.decode.tensor_parallel": 2, "kv_cache.dtype": "fp8"})
+    with pytest.raises(ConfigError, match="pools.decode.tensor_parallel 2: KV shipped between tensor-parallel actors "
+                                          "is resharded by head, which a kv_cache.dtype fp8 cache"):
         ActorFactory(cfg, "t")
 
 

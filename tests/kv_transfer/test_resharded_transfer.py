@@ -13,7 +13,7 @@ from engine.parallel.reshard import reshard_plan
 from engine.parallel.shard import kv_head_ranges
 from kv_transfer import FakeHub, KVLayout, KVPiece, SimpleBlockPool, TransferStatus, get_codec
 from kv_transfer import make_receiver, make_sender
-from kv_transfer.resharded import ReshardedReceiver, ReshardedSender, parse_group_endpoint
+from kv_transfer.resharded import ReshardedReceiver, ReshardedSender, head_view, parse_group_endpoint
 
 CFG = ModelConfig("llama", 64, 128, 256, 3, 4, 2, 8, 128)       # 4 attention heads, 2 KV heads, 3 layers
 NUM_SRC_BLOCKS, NUM_DST_BLOCKS = 6, 16
@@ -37,12 +37,13 @@ class Groups:
         self.pool = SimpleBlockPool(NUM_DST_BLOCKS)
         extra = {"hub": FakeHub()} if kind == "fake" else {}
         self.receiver = ReshardedReceiver.open(
-            reshard_plan(CFG, source, dest), source, _layouts(dest), self.dest_caches, self.pool,
-            lambda layout, cache, blocks, done: make_receiver(kind, layout, cache, blocks, done, codec=codec,
-                                                              token=TOKEN, **extra), deadline_s=deadline_s)
+            reshard_plan(CFG, source, dest), source, _layouts(dest), self.pool,
+            lambda c, layout, blocks, done: make_receiver(
+                kind, layout, head_view(self.dest_caches[c.dest_rank], c.dest_heads), blocks, done, codec=codec,
+                token=TOKEN, **extra), deadline_s=deadline_s)
         self.sender = ReshardedSender(_layouts(source), self.source_caches,
-                                      lambda layout: make_sender(kind, layout, codec=codec, token=TOKEN,
-                                                                         **extra))
+                                      lambda rank, heads, layout: make_sender(kind, layout, codec=codec, token=TOKEN,
+                                                                              **extra))
 
     def close(self) -> None:
         self.sender.close()
@@ -138,7 +139,7 @@ def test_cancel_mid_transfer_returns_every_block(groups, kind):
 
 def test_a_sender_of_another_degree_is_refused_naming_both(groups):
     g = groups("fake", 2, 1)
-    one = ReshardedSender(_layouts(1), [g.full.clone()], lambda layout: make_sender("fake", layout))
+    one = ReshardedSender(_layouts(1), [g.full.clone()], lambda rank, heads, layout: make_sender("fake", layout))
     handle = one.send(KVPiece("r4", one.caches[0], [0], transfer_id="t4"), g.receiver.endpoint)
     assert handle.status == TransferStatus.FAILED
     assert "expects KV from tensor_parallel 2; this sender is tensor_parallel 1" in handle.error
