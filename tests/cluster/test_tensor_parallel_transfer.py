@@ -70,3 +70,47 @@ def test_tokens_across_degrees_equal_one_rank(ray_local, tiny_model_dir, workloa
         assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
     finally:
         c.stop()
+
+
+def test_a_rank_killed_mid_decode_migrates_its_requests(ray_local, tiny_model_dir, workload):
+    """Rank 1 of a TP-2 decode actor fed by a TP-2 prefill actor dies mid-decode: its actor ends, the
+    requests migrate to the other decode actor and finish exactly, the pool manager replaces the whole
+    group, and no KV block is left held anywhere."""
+    import os
+    import signal
+
+    import ray
+    prompts, expected = workload
+    cfg = cluster_config(tiny_model_dir, transport="tcp", n_decode=2, extra={
+        "pools.prefill.tensor_parallel": 2, "pools.decode.tensor_parallel": 2, "kv_cache.num_blocks": 256,
+        "pools.prefill.resources.num_cpus": 0.25, "pools.decode.resources.num_cpus": 0.25})
+    c = ClusterThread(cfg)
+    try:
+        c.cluster.backend.routing.stream_idle_s = 5.0
+        c.cluster.manager.interval_s = 0.3
+        backend, factory = c.cluster.backend, c.cluster.factory
+        victim = backend.pools.decode[0]
+        rank1 = factory.rank_groups[victim.actor_id][1][0][0]
+        rank1_pid = ray._private.state.actors(rank1._actor_id.hex())["Pid"]
+        results: dict[int, list[int]] = {}
+        runner = threading.Thread(target=lambda: results.update(_generate_all(c.address, prompts * 2)))
+        runner.start()
+        end = time.monotonic() + 60
+        while ray.get(victim.client.handle.stats.remote(), timeout=10)["running_requests"] < 2:
+            assert time.monotonic() < end, "the victim never had requests decoding"
+            time.sleep(0.005)
+        os.kill(rank1_pid, signal.SIGKILL)
+        runner.join(150)
+        assert not runner.is_alive(), "requests hung"
+        assert [results[i] for i in range(2 * N)] == expected * 2
+        end = time.monotonic() + 90               # the pool manager replaces the whole group
+        while victim.actor_id in factory.rank_groups or \
+                sum(1 for g in factory.rank_groups if g.startswith("decode")) < 2 or \
+                not all(v.healthy for v in backend.pools.decode):
+            assert time.monotonic() < end, "the lost tensor-parallel actor was not replaced"
+            time.sleep(0.2)
+        stats = wait_blocks_free(c.address, timeout=20)
+        assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
+        assert list(generate(c.address, "after the fault", max_tokens=4, temperature=0.0))[-1].finish_reason
+    finally:
+        c.stop()
