@@ -129,6 +129,13 @@ def test_tensor_parallel_kv_shipping_needs_a_model_dtype_cache(tiny_model_dir):
         ActorFactory(cfg, "t")
 
 
+def test_tensor_parallel_kv_shipping_over_nixl_is_refused(tiny_model_dir):
+    cfg = cluster_config(tiny_model_dir, transport="nixl", extra={"pools.prefill.tensor_parallel": 2})
+    with pytest.raises(ConfigError, match="pools.prefill.tensor_parallel 2: KV between tensor-parallel actors "
+                                          "travels over tcp, grpc, torch or ray, not nixl"):
+        ActorFactory(cfg, "t")
+
+
 def test_a_degree_that_does_not_divide_the_heads_names_the_key(tiny_model_dir):
     from deploy.launcher import engine_args
     cfg = cluster_config(tiny_model_dir, extra={"pools.decode.tensor_parallel": 3})
