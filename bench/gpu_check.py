@@ -21,6 +21,8 @@ its peer:
   ~1B model's decode step at DECODE_POINT and its block count beside the bf16 cache;
 - the KV host tier (kv_cache.tiers): blocks evicted from the device cache offloaded to pinned host memory and
   onboarded back bit for bit, tokens equal to the first run; onboarding bytes/s beside a pinned host→device copy;
+- tensor parallelism: 2 ranks against 1 in float32 (greedy tokens equal, logits within 1e-3); on two GPUs
+  over NCCL, on one GPU both ranks share it over gloo;
 - the CUDA tests (tests/gpu) through pytest.
 
 Without CUDA it prints ``gpu-check skipped: no CUDA device`` and exits 0. ``--json PATH`` also
@@ -584,6 +586,60 @@ def check_kv_tiers(model_dir: str) -> list[Row]:
     del engine
     _release()
     return rows
+def _follow_rank(args) -> None:
+    from engine import Engine
+    Engine(args).follow()
+
+
+def check_tensor_parallel(model_dir: str, new_tokens: int = 16) -> list[Row]:
+    """Tensor parallelism on the device, float32: greedy tokens and logits of 2 ranks against 1. With two
+    GPUs the ranks are cuda:0 and cuda:1 over NCCL; with one, both ranks share it over gloo (NCCL takes one
+    device per rank): the sharded weights, per-rank caches and attention kernels still run on the GPU."""
+    import dataclasses
+    import multiprocessing
+
+    from engine import Engine, EngineArgs, SamplingParams
+    from engine.parallel.group import free_port
+    two = DEVICE == "cuda" and torch.cuda.device_count() >= 2
+    device = f"{DEVICE}:0" if DEVICE == "cuda" else DEVICE
+    base = EngineArgs(model_dir, dtype="float32", device=device, num_blocks=512, block_size=16)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, 250, (int(n),), generator=g).tolist() for n in (9, 70, 200)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    def run(engine):
+        blocks = engine.block_manager.allocate(-(-len(prompts[-1]) // 16))
+        logits = engine.runner.score(prompts[-1], blocks).float().cpu()
+        engine.block_manager.free(blocks)
+        return [c.token_ids for c in engine.generate(prompts, params)], logits
+
+    one = Engine(base)
+    want_tokens, want_logits = run(one)
+    del one
+    _release()
+    tp = dataclasses.replace(base, tensor_parallel=2, tensor_parallel_address=f"127.0.0.1:{free_port()}",
+                             tensor_parallel_backend="nccl" if two else "gloo")
+    follower = multiprocessing.get_context("spawn").Process(target=_follow_rank, daemon=True, args=(
+        dataclasses.replace(tp, tensor_parallel_rank=1, device=f"{DEVICE}:1" if two else device),))
+    follower.start()
+    engine = Engine(tp)
+    try:
+        t0 = time.perf_counter()
+        tokens, logits = run(engine)
+        seconds = time.perf_counter() - t0
+    finally:
+        engine.close()
+        follower.join(60)
+    diff = float((logits - want_logits).abs().max())
+    same = sum(a == b for a, b in zip(tokens, want_tokens))
+    how = "2 GPUs, NCCL" if two else "1 GPU shared by both ranks, gloo"
+    ok = same == len(prompts) and diff <= 1e-3
+    del engine
+    _release()
+    return [Row(f"tensor parallel 2 vs 1 rank ({how})", "ok" if ok else "FAIL",
+                f"{same}/{len(prompts)} greedy outputs equal, max |logit diff| {diff:.1e}",
+                "float32, tolerance 1e-3",
+                {"equal_outputs": same, "max_logit_diff": diff, "two_gpus": two, "seconds": round(seconds, 2)})]
 
 
 def check_gpu_tests(timeout_s: float) -> list[Row]:
@@ -637,6 +693,7 @@ def run_checks(args) -> tuple[list[Row], dict]:
         ("quantized weights", lambda: check_quantized(args.perf_model or perf_model_dir())),
         ("quantized KV cache", lambda: check_kv_cache_dtype(args.perf_model or perf_model_dir())),
         ("KV tiers", lambda: check_kv_tiers(model_dir)),
+        ("tensor parallel", lambda: check_tensor_parallel(model_dir)),
         ("KV transfer", lambda: check_transfer(TRANSFER_MIB)),
         ("KV transfer nixl", lambda: check_nixl_transfer(TRANSFER_MIB)),
         ("1P+1D cluster", lambda: check_cluster(model_dir, 16)),

@@ -45,9 +45,13 @@ from decode_worker.colocated import ColocatedWorker
 from decode_worker.stream_service import DecodeStreamServer
 from decode_worker.streams import error_event
 from decode_worker.worker import DecodeWorker
+from deploy.rank_kv import RemoteReceiver, RemoteSender
 from engine import Engine, EngineArgs
+from engine.parallel.reshard import reshard_plan
+from engine.parallel.shard import kv_head_ranges
 from kv_transfer import TransferSettings, codec_compiled, get_codec, layout_of, make_receiver, make_sender
 from kv_transfer import release_gil_in_compiled_kernels
+from kv_transfer.resharded import ReshardedReceiver, ReshardedSender, head_view
 from prefill_worker.worker import PrefillWorker
 from proto.internal_auth import InternalTLS
 from proto.pdserve.v1 import worker_pb2 as wpb
@@ -79,7 +83,8 @@ class ServingActor:
 
     def __init__(self, engine_args: EngineArgs, actor_id: str, role: str, *,
                  transfer: TransferSettings | None = None, stream_token: str = "", bind_host: str = "127.0.0.1",
-                 tls: InternalTLS | None = None, limits: dict[str, RoleLimits] | None = None):
+                 tls: InternalTLS | None = None, limits: dict[str, RoleLimits] | None = None,
+                 ranks: list | None = None, kv_degrees: tuple[int, int] | None = None):
         """
         Args:
             engine_args: the engine to build (its scheduler limits are the starting role's unless
@@ -93,6 +98,9 @@ class ServingActor:
                 "auto") listens; "auto" = this node's address (multi-node).
             tls: the node's internal certificates (set = the token stream speaks mutual TLS only).
             limits: the scheduler limits of each role; given, the actor can change role (`set_role`).
+            ranks: the `RankActor` handles of ranks 1.. of a tensor-parallel actor (this actor is rank 0).
+            kv_degrees: (prefill, decode) tensor-parallel degrees of the cluster when either is above 1: KV
+                then travels resharded by head (kv_transfer/resharded.py), from the prefill degree.
         """
         role_named(role)  # ValueError naming the roles
         if transfer is None and (role != "colocated" or limits is not None):
@@ -106,10 +114,12 @@ class ServingActor:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         faulthandler.enable()    # a native crash leaves its traceback in the log (deploy/actor_death.py)
         self.actor_id, self.transfer, self.limits = actor_id, transfer, limits
+        self.ranks, self.kv_degrees, self.resharded = list(ranks or []), kv_degrees, None
         self.incarnation = uuid.uuid4().hex     # changes when Ray restarts the actor
         release_gil_in_compiled_kernels()       # compiled CPU kernels then leave the other threads running
         self.engine = Engine(engine_args)
-        self.layout = layout_of(self.engine.kv_cache, self.engine.fingerprint, self.engine.kv_format)
+        engine = self.engine
+        self.layout = layout_of(engine.kv_cache, engine.fingerprint, engine.kv_format, engine.tp.shard)
         self.codec = transfer.codec if transfer is not None else "none"
         if transfer is not None:
             get_codec(transfer.codec).prepare(self.engine.kv_cache)     # both sides' kernels, once
@@ -136,12 +146,56 @@ class ServingActor:
             sched.max_num_seqs, sched.max_num_batched_tokens = limits.max_num_seqs, limits.max_num_batched_tokens
             sched.chunk_size = limits.chunk_size
         if role == "prefill":
-            return PrefillWorker(engine, make_sender(transfer, layout, engine.device, kv_cache=engine.kv_cache),
-                                 self.actor_id, layerwise=transfer.layerwise)
+            sender = (self._resharded_sender() if self.kv_degrees else
+                      make_sender(transfer, layout, engine.device, kv_cache=engine.kv_cache))
+            return PrefillWorker(engine, sender, self.actor_id, layerwise=transfer.layerwise)
         if role == "decode":
+            if self.kv_degrees:
+                return DecodeWorker(engine, self._resharded_receiver, self.actor_id)
             return DecodeWorker(engine, lambda on_complete: make_receiver(
                 transfer, layout, engine.kv_cache, engine.block_manager, on_complete), self.actor_id)
         return ColocatedWorker(engine, self.actor_id)
+
+    # ---- KV resharded between tensor-parallel degrees (kv_transfer/resharded.py, deploy/rank_kv.py) ----
+    def _rank_layouts(self) -> list:
+        ranges = kv_head_ranges(self.engine.config, self.engine.tp.size)
+        return [dataclasses.replace(self.layout, num_kv_heads=len(r), kv_head_start=r.start) for r in ranges]
+
+    def _resharded_sender(self) -> ReshardedSender:
+        engine, transfer = self.engine, self.transfer
+
+        def member(rank: int, heads: range, layout):
+            if rank == 0:
+                return make_sender(transfer, layout, engine.device)
+            return RemoteSender(self.ranks[rank - 1], transfer, layout, heads)
+        return ReshardedSender(self._rank_layouts(), [engine.kv_cache] + [None] * len(self.ranks), member)
+
+    def _resharded_receiver(self, on_complete) -> ReshardedReceiver:
+        import ray
+        engine, transfer = self.engine, self.transfer
+        source, me = self.kv_degrees[0], ray.get_runtime_context().current_actor if self.ranks else None
+
+        def member(copy, layout, blocks, done):
+            if copy.dest_rank == 0:
+                return make_receiver(transfer, layout, head_view(engine.kv_cache, copy.dest_heads), blocks, done)
+            rank, key = self.ranks[copy.dest_rank - 1], uuid.uuid4().hex
+            endpoint = ray.get(rank.open_copy.remote(key, transfer, layout, copy.dest_heads, me))
+            return RemoteReceiver(rank, key, endpoint)
+        self.resharded = ReshardedReceiver.open(
+            reshard_plan(engine.config, source, engine.tp.size), source, self._rank_layouts(), engine.block_manager,
+            member, on_complete, deadline_s=transfer.deadline_s, codec=transfer.codec)
+        return self.resharded
+
+    async def allocate_transfer(self, transfer_id: str, num_blocks: int) -> list[int] | None:
+        """Another rank's copy receiver reserves a transfer's blocks (the ids every rank writes)."""
+        return self.resharded.blocks.allocate_transfer(transfer_id, num_blocks)
+
+    async def free_transfer(self, transfer_id: str) -> None:
+        self.resharded.blocks.free_transfer(transfer_id, [])
+
+    async def copy_done(self, result) -> None:
+        """Another rank's copy receiver ended a transfer (handled on a thread: it may cancel other copies)."""
+        await asyncio.to_thread(self.resharded.member_done, result)
 
     async def set_role(self, role: str, timeout_s: float = 30.0) -> dict:
         """Switch to `role` in place (see the module docstring); returns the new `info()`.

@@ -18,6 +18,7 @@ SERVE_FLAGS = {  # flag dest -> config key
     "address": "ray.address", "metrics_port": "server.metrics_port", "log_format": "server.log_format",
     "http_port": "server.http_port",
     "dtype": "model.dtype", "kv_cache_dtype": "kv_cache.dtype", "speculative_method": "speculative.method",
+    "prefill_tp": "pools.prefill.tensor_parallel", "decode_tp": "pools.decode.tensor_parallel",
 }
 
 
@@ -183,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help=_config_help("server.port"))
     p.add_argument("--prefill-actors", type=int, help=_config_help("pools.prefill.count", "prefill actors"))
     p.add_argument("--decode-actors", type=int, help=_config_help("pools.decode.count", "decode actors"))
+    p.add_argument("--prefill-tp", type=int, help=_config_help("pools.prefill.tensor_parallel",
+                                                               "tensor-parallel ranks per prefill actor"))
+    p.add_argument("--decode-tp", type=int, help=_config_help("pools.decode.tensor_parallel",
+                                                              "tensor-parallel ranks per decode (or colocated) actor"))
     p.add_argument("--transport", choices=["grpc", "tcp", "torch", "ray", "nixl"],
                    help=_config_help("kv_transfer.transport", "how prefill ships KV blocks to decode"))
     p.add_argument("--kv-compression", choices=["fp8", "int8", "none"],

@@ -27,6 +27,8 @@ from engine.kv_cache.kv_format import KVFormat
 from engine.kv_cache.tiers import TierSpec
 from engine.model.config import ModelConfig
 from engine.model.presets import resolve_model
+from engine.parallel.group import free_port
+from engine.parallel.shard import check_degree
 from engine.sampling.generation_config import GenerationConfig
 from engine.tokenizer import Tokenizer
 from kv_transfer import HandshakeError, TransferSettings, check_compatible
@@ -113,6 +115,11 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str, mcfg: ModelConfig
     if quantization == "int8" and mcfg.quantization is not None:
         raise ConfigError(f"{key}: int8 cannot apply to {model_dir}, a 4-bit {mcfg.quantization.method} "
                           "checkpoint (served int4 as stored): set none or int4", key)
+    tp_key = f"pools.{pool}.tensor_parallel"
+    try:
+        check_degree(mcfg, p.tensor_parallel, tp_key, quantization)
+    except ValueError as e:
+        raise ConfigError(str(e), tp_key) from None
     args = EngineArgs(model=model_dir, dtype=dtype, block_size=kv.block_size, num_blocks=max(num_blocks, 1),
                       max_model_len=cfg.model.max_model_len, torch_threads=p.resources.threads(),
                       attention=cfg.model.attention,
@@ -120,7 +127,8 @@ def engine_args(cfg: PDServeConfig, pool: str, model_dir: str, mcfg: ModelConfig
                       quantization=quantization, quantization_group_size=group_size,
                       quantize_lm_head=cfg.model.quantize_lm_head, kv_cache_dtype=kv.dtype,
                       kv_tiers=tuple(TierSpec(t.kind, t.capacity_bytes, t.path, t.fsync, t.reopen) for t in kv.tiers),
-                      kv_offload_queue_blocks=kv.offload_queue_blocks)
+                      kv_offload_queue_blocks=kv.offload_queue_blocks,
+                      tensor_parallel=p.tensor_parallel)
     if device.type == "cuda":
         args.kv_memory_fraction = kv.device_fraction()
     if pool == "prefill":
@@ -209,6 +217,27 @@ class ActorFactory:
         if multi_node and self.tls is None:
             log.warning("internal endpoints (KV, token streams) listen on node addresses in plaintext; "
                         "set security.internal_tls_cert/_key/_ca to encrypt them")
+        self.rank_groups: dict[str, tuple[object, list]] = {}    # actor id -> (placement group, ranks 1..)
+        degrees = {pool: p.tensor_parallel for pool, p in cfg.pools.items()}
+        flips = mode != "colocated" and cfg.routing.role_flips != "off"
+        for pool, degree in degrees.items():
+            if degree > 1 and flips:
+                raise ConfigError(f"pools.{pool}.tensor_parallel {degree}: tensor-parallel actors do not change "
+                                  "role; set routing.role_flips off", f"pools.{pool}.tensor_parallel")
+        # KV travels resharded by head when a degree above 1 ships or receives it (kv_transfer/resharded.py)
+        self.kv_degrees = ((degrees["prefill"], degrees["decode"])
+                           if mode != "colocated" and max(degrees.values()) > 1 else None)
+        if self.kv_degrees and cfg.kv_transfer.transport == "nixl":
+            pool = next(pool for pool, degree in degrees.items() if degree > 1)
+            raise ConfigError(f"pools.{pool}.tensor_parallel {degrees[pool]}: KV between tensor-parallel actors "
+                              "travels over tcp, grpc, torch or ray, not nixl (kv_transfer.transport)",
+                              f"pools.{pool}.tensor_parallel")
+        if self.kv_degrees and cfg.kv_cache.dtype != "auto":
+            pool = next(pool for pool, degree in degrees.items() if degree > 1)
+            raise ConfigError(f"pools.{pool}.tensor_parallel {degrees[pool]}: KV shipped between tensor-parallel "
+                              f"actors is resharded by head, which a kv_cache.dtype {cfg.kv_cache.dtype} cache "
+                              "(byte cells with scales) does not allow; set kv_cache.dtype auto",
+                              f"pools.{pool}.tensor_parallel")
         if self.tls is not None and cfg.kv_transfer.transport not in ("grpc", "tcp"):
             log.warning("security.internal_tls_* encrypts the token streams, not kv_transfer.transport %s "
                         "(only the grpc and tcp transports run over TLS)", cfg.kv_transfer.transport)
@@ -218,7 +247,10 @@ class ActorFactory:
         resources they take: in colocated mode every actor takes the decode pool's."""
         counts = counts or {}
         most = {pool: max(counts.get(pool) or 0, p.bounds()[1]) for pool, p in self.cfg.pools.items()}
-        return {"decode": most["prefill"] + most["decode"]} if self.mode == "colocated" else most
+        if self.mode == "colocated":
+            most = {"decode": most["prefill"] + most["decode"]}
+        # a tensor-parallel actor is one Ray actor per rank, each with the pool's resources
+        return {pool: n * getattr(self.cfg.pools, pool).tensor_parallel for pool, n in most.items()}
 
     def fit_local(self, most: dict[str, int]) -> None:
         """On a local Ray instance, give every actor the same fraction of its num_cpus so that `most`
@@ -266,9 +298,58 @@ class ActorFactory:
         actor_id = f"{role if role == 'colocated' else pool}-{index}"
         args.kv_tiers = actor_tiers(args.kv_tiers, actor_id)
         options = _actor_options(self.cfg, resources_of, self._name(actor_id), self.cpu_fraction)
+        ranks = []
+        if args.tensor_parallel > 1:       # a lost rank ends the group: the pool manager replaces it whole
+            options["max_restarts"] = 0
+            args = self._spawn_ranks(actor_id, args, options)
+            options["scheduling_strategy"] = self._rank_strategy(actor_id, 0)
+            ranks = [handle for handle, _ in self.rank_groups[actor_id][1]]
         return ray.remote(log_named(role)).options(**options).remote(
             args, actor_id, role, transfer=transfer, stream_token=self.token, bind_host=self.bind_host, tls=self.tls,
-            limits=limits)
+            limits=limits, ranks=ranks, kv_degrees=self.kv_degrees if transfer is not None else None)
+
+    def _spawn_ranks(self, actor_id: str, args: EngineArgs, options: dict) -> EngineArgs:
+        """A placement group of one bundle per rank (packed on one node) and ranks 1.. in it, each told to
+        follow once its engine is built; returns rank 0's engine args."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        from deploy.rank_actor import RankActor
+        size = args.tensor_parallel
+        bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options["num_gpus"] else {}),
+                  **(options["resources"] or {})}
+        group = placement_group([bundle] * size, strategy="STRICT_PACK", name=f"{options['name']}-tp")
+        args = dataclasses.replace(args, tensor_parallel_address=f"127.0.0.1:{free_port()}")
+        self.rank_groups[actor_id] = (group, [])
+        ranks = []
+        for rank in range(1, size):
+            handle = ray.remote(RankActor).options(
+                name=f"{options['name']}-rank{rank}", num_cpus=options["num_cpus"], num_gpus=options["num_gpus"],
+                resources=options["resources"], max_restarts=0, lifetime=None, max_concurrency=RANK_CONCURRENCY,
+                scheduling_strategy=self._rank_strategy(actor_id, rank)
+            ).remote(dataclasses.replace(args, tensor_parallel_rank=rank), actor_id)
+            ranks.append((handle, handle.follow.remote()))
+        self.rank_groups[actor_id] = (group, ranks)
+        log.info("actor %s: %d tensor-parallel ranks in placement group %s", actor_id, size, options["name"])
+        return args
+
+    def _rank_strategy(self, actor_id: str, rank: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        group, _ = self.rank_groups[actor_id]
+        return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank)
+
+    def _retire_ranks(self, actor_id: str) -> None:
+        """Kill ranks 1.. of a tensor-parallel actor and free its placement group (nothing without one)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        group, ranks = self.rank_groups.pop(actor_id, (None, []))
+        for handle, _ in ranks:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:          # gone already
+                pass
+        if group is not None:
+            remove_placement_group(group)
 
     def _name(self, actor_id: str) -> str:
         return f"pdserve-{actor_id}-{self.suffix}"
@@ -318,6 +399,7 @@ class ActorFactory:
             ray.kill(view.client.handle, no_restart=True)
         except Exception:           # gone already
             pass
+        self._retire_ranks(view.actor_id)
         await view.client.retire()
 
     def view_of(self, pool: str, handle, info: dict):
@@ -354,12 +436,20 @@ async def start_pools(factory: ActorFactory, counts: dict[str, int] | None = Non
     return pools
 
 
+HEAD_KEYS = ("tensor_parallel", "kv_head_start", "num_kv_heads")
+RANK_CONCURRENCY = 32     # a rank follows rank 0's steps on one thread and sends/receives KV copies on others
+
+
 def check_layouts(infos: list[dict]) -> None:
-    """Every actor must agree on model fingerprint, block size, KV layout, dtype and codec."""
+    """Every actor must agree on model fingerprint, block size, KV layout, dtype and codec; where one end is
+    tensor-parallel their KV-head ranges differ (KV travels resharded by head: kv_transfer/resharded.py)."""
     first = infos[0]
     for info in infos[1:]:
+        mine, theirs = first["layout"], info["layout"]
+        if max(mine.get("tensor_parallel", 1), theirs.get("tensor_parallel", 1)) > 1:
+            mine, theirs = ({k: v for k, v in d.items() if k not in HEAD_KEYS} for d in (mine, theirs))
         try:
-            check_compatible(first["layout"], info["layout"])
+            check_compatible(mine, theirs)
         except HandshakeError as e:
             raise HandshakeError(f"{first['actor_id']} vs {info['actor_id']}: {e}") from None
 

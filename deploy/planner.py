@@ -275,3 +275,11 @@ def inputs_from_config(cfg, decode_kv_blocks: int) -> tuple[Workload, SLO, Limit
     limits = Limits(decode_kv_blocks, cfg.pool_kv_cache("decode").block_size, pools.decode.max_batch_size,
                     pools.prefill.bounds(), pools.decode.bounds())
     return workload, slo, limits
+
+
+def tp_speedup(step_s: float, degree: float, collective_s: float) -> float:
+    """Predicted speed-up of a step at tensor-parallel `degree` over one rank: the step's compute splits
+    evenly over the ranks (`step_s` / degree: every projection and the attention are sharded by heads) and
+    the ranks then pay `collective_s` per step in all-reduces (two per layer, not hidden behind compute);
+    the replicated embedding and LM head are counted as split, a small optimism for small models."""
+    return step_s / (step_s / degree + collective_s)

@@ -8,7 +8,8 @@
     sampling/            sampling parameters, the sampler, generation_config.json
     runner/              one model call per step, the per-layer hook, decode CUDA graphs
     output/              detokenize and stop; outputs as wire events
-    parallel/, spec/     tensor parallelism and speculative decoding (to come)
+    parallel/            tensor parallelism: head shards, the rank group, rank 0's step plans
+    spec/                speculative decoding (to come)
     tokenizer.py, profile.py, cost_model.py, latency.py
     weights/             committed trained models
 

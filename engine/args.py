@@ -66,6 +66,16 @@ class EngineArgs:
         kv_offload_queue_blocks: the most evicted blocks waiting to be offloaded; more are dropped (counted).
         speculative: speculative decoding (engine/spec/config.py; off by default): decoding sequences
             propose tokens that the next step verifies; greedy output is unchanged.
+        tensor_parallel: ranks the model is split over (engine/parallel/: attention and KV heads and the MLP
+            split Megatron-style, one process per rank). Every rank builds an Engine from the same args
+            but its own `tensor_parallel_rank`; rank 0 is the engine that serves, the others call
+            `Engine.follow()`. A degree that does not divide the model's heads is a ValueError naming it.
+        tensor_parallel_rank: this process's rank in [0, tensor_parallel).
+        tensor_parallel_address: "host:port" where rank 0 hosts the group's store (every rank the same).
+        tensor_parallel_timeout_s: the bound on joining the group and on every collective: a rank that
+            dies fails its peers' next step within this time instead of hanging them.
+        tensor_parallel_backend: `auto` (NCCL on CUDA, gloo on CPU), `nccl` or `gloo` (on CUDA: ranks may
+            share one device, which NCCL refuses; a diagnostic, slower).
     """
 
     model: str = "tiny"
@@ -91,6 +101,11 @@ class EngineArgs:
     kv_tiers: tuple[TierSpec, ...] = ()
     kv_offload_queue_blocks: int = 64
     speculative: SpecConfig = field(default_factory=SpecConfig)
+    tensor_parallel: int = 1
+    tensor_parallel_rank: int = 0
+    tensor_parallel_address: str = "127.0.0.1:0"
+    tensor_parallel_timeout_s: float = 60.0
+    tensor_parallel_backend: str = "auto"
 
     def model_dir(self) -> str:
         """The model's directory (a preset's is written on first use)."""

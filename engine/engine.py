@@ -48,6 +48,7 @@ from engine.model import attention_compiled, attention_flex, kernel_choice
 from engine.model.config import ModelConfig
 from engine.model.loader import fingerprint, load_model
 from engine.output.processor import OutputProcessor, merge_outputs
+from engine.parallel.tensor_parallel import TensorParallel
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.layer_hook import LayerHook
 from engine.runner.model_runner import ModelRunner
@@ -118,16 +119,21 @@ class Engine:
         self.tokenizer = args.load_tokenizer(cfg, self.generation_config)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.vocab_size = cfg.vocab_size
+        # this process's rank of the actor's tensor-parallel group (degree 1: the whole model, no group)
+        self.tp = TensorParallel(cfg, args.tensor_parallel, args.tensor_parallel_rank, args.tensor_parallel_address,
+                                 self.device, args.tensor_parallel_timeout_s, args.quantization,
+                                 args.tensor_parallel_backend)
+        shard = self.tp.shard
         self.model = load_model(self.model_dir, cfg, self.device, self.dtype, self.max_model_len,
                                 args.quantization, args.quantization_group_size,
-                                quantize_lm_head=args.quantize_lm_head)
+                                quantize_lm_head=args.quantize_lm_head, shard=shard, reduce=self.tp.group.all_reduce)
         self.quantization = self.model.quantization       # none | int8 | int4 (a quantized checkpoint: int4)
         # Of the directory's weights, not of how they are stored: a decode actor running int4 and a
         # prefill actor running unquantized share it, and the KV handshake admits them (docs/engine.md).
         self.fingerprint = fingerprint(self.model_dir, cfg)
         self.block_size = block_size
         # how the cache stores K/V: the model dtype, or fp8 / int8 cells with scales (engine/kv_cache/kv_format.py)
-        self.kv_format = KVFormat(args.kv_cache_dtype, cfg.num_hidden_layers, cfg.num_key_value_heads, block_size,
+        self.kv_format = KVFormat(args.kv_cache_dtype, cfg.num_hidden_layers, shard.num_kv_heads, block_size,
                                   cfg.head_dim, self.dtype)
         self.kv_budget: memory_budget.KVBudget | None = None    # the device's budget table (CUDA only)
         if args.kv_memory_fraction is not None and self.device.type == "cuda":
@@ -161,12 +167,12 @@ class Engine:
                                    cfg.sliding_window)
         kernel = flex = None
         if attention == "compiled":
-            kernel = attention_compiled.build(self.kv_cache[0], cfg.num_attention_heads, self.kv_format)
+            kernel = attention_compiled.build(self.kv_cache[0], shard.num_heads, self.kv_format)
             if kernel is not None and requested == "auto" and not os.environ.get(ATTENTION_ENV) and \
-                    not kernel_choice.compiled_decode_wins(kernel, self.kv_cache[0], cfg.num_attention_heads):
+                    not kernel_choice.compiled_decode_wins(kernel, self.kv_cache[0], shard.num_heads):
                 kernel = None              # the gather + bmm path measured faster on this machine
         elif attention.startswith("flex"):
-            flex = attention_flex.build(self.kv_cache, cfg.num_attention_heads, cfg.sliding_window,
+            flex = attention_flex.build(self.kv_cache, shard.num_heads, cfg.sliding_window,
                                         compile=attention == "flex", max_model_len=self.max_model_len)
         if kernel is None and flex is None and requested != "auto" and attention != "eager":
             raise RuntimeError(f"attention={attention!r} was asked for but the kernel cannot be built here "
@@ -174,12 +180,16 @@ class Engine:
         self.attention = "compiled" if kernel is not None else attention if flex is not None else "eager"
         self.runner = ModelRunner(self.model, self.kv_cache, block_size, self.device, kernel, flex, args.weight_layout,
                                   self.kv_format)
-        if args.cuda_graphs and not (graphs and flex is not None):
+        if args.cuda_graphs and shard.size > 1:
+            log.warning("cuda_graphs is not used under tensor parallelism (the ranks run each step's plan eagerly)")
+        elif args.cuda_graphs and not (graphs and flex is not None):
             log.warning("cuda_graphs needs the flex attention kernel (and a pool above 8 blocks); decoding without")
         elif args.cuda_graphs:
             self.runner.graphs = DecodeGraphs(self.model, self.kv_cache, flex, max_num_seqs, cfg.sliding_window,
                                               num_blocks - 1, capture=self.device.type == "cuda")
             self.runner.graphs.capture_all()
+        if shard.size > 1 and shard.rank == 0:
+            self.runner.channel = self.tp.channel        # the other ranks run each model call as planned here
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids)
         if args.speculative.enabled and self.kv_format.kind == "fp8":
             # an fp8 block's scale follows every row written to it, rejected proposals included
@@ -390,7 +400,7 @@ class Engine:
                 self.onboarding.wait(GRAMMAR_WAIT_S)
             return []
         if not self.kv_format.quantized:      # (quantized blocks take their scales from the rows written)
-            zero_prompt_tails(batch, self.kv_cache, self.block_size)
+            zero_prompt_tails(batch, self.runner.zero_tail, self.block_size)
         decode_only = all(s.request.num_computed_tokens == s.request.num_tokens - 1 for s in batch)
         run = self.runner.run(batch)
         self.last_run_done = time.monotonic()
@@ -477,6 +487,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or (self.onboarding is not None and self.onboarding.num_pending > 0)
 
+    def follow(self) -> None:
+        """Tensor-parallel rank > 0: run rank 0's step plans on this rank's shard until rank 0 closes."""
+        self.tp.follow(self.runner)
+
+    def close(self) -> None:
+        """Tensor-parallel rank 0: release the other ranks from `follow` (a no-op at degree 1)."""
+        self.tp.close()
+
     def _score_prompt(self, req: Request, start: int, logits) -> None:
         """Prompt logprobs of a chunk: logits [n, V] of positions start.. score prompt[start + 1..]."""
         del req.prompt_logprobs[start:]          # a recomputed prompt (preemption) starts over
@@ -544,7 +562,7 @@ class Engine:
                 self.scheduler.add(child)
                 continue
             if copy:
-                self.kv_cache[:, copy[0]].copy_(self.kv_cache[:, partial])    # [L, 2, Hkv, bs, D]
+                self.runner.copy_block(partial, copy[0])    # [L, 2, Hkv, bs, D]
             bm.share(shared)
             child.block_table = shared + copy
             child.block_hashes = root.block_hashes[:num_full]

@@ -115,6 +115,7 @@ def chunk_header(piece: KVPiece, layout: KVLayout, codec: Codec, plan: ChunkPlan
         num_tokens=piece.num_tokens,
         first_token_id=piece.first_token_id,
         handoff=piece.handoff,
+        kv_head_start=layout.kv_head_start,
     )
 
 

@@ -11,6 +11,12 @@ ends must store the same way: the handshake compares `cache_dtype` and names bot
 
 A request's blocks are ``kv_cache[:, block_ids]``; the transfer ships exactly
 that slab (all layers, or a layer range), so the wire layout follows the cache.
+
+Under tensor parallelism a rank's cache holds the KV heads [kv_head_start, kv_head_start + num_kv_heads)
+of the model (engine/parallel/shard.py); each end tells the other its degree and head range, and the
+handshake refuses ends whose heads differ, naming both. Between degrees, each transfer carries one head
+range (a head view of the cache on both ends, kv_transfer/resharded.py), so the ranges of the two ends
+match while their degrees differ.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ class KVLayout:
     dtype: torch.dtype
     model_fingerprint: str = ""
     cache_dtype: str = "auto"      # kv_cache.dtype: auto (the model dtype) | fp8 | int8 (byte cells with scales)
+    tensor_parallel: int = 1       # the degree of the actor whose rank holds this cache
+    kv_head_start: int = 0         # the model's first KV head in this cache
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "block_size", "head_dim"):
@@ -115,6 +123,8 @@ class KVLayout:
             "dtype": self.dtype_name,
             "cache_dtype": self.cache_dtype,
             "codec": codec,
+            "tensor_parallel": self.tensor_parallel,
+            "kv_head_start": self.kv_head_start,
         }
 
 
@@ -127,8 +137,17 @@ def check_compatible(sender: dict, receiver: dict) -> None:
     """Refuse a mismatch with an error naming both values.
 
     Raises:
-        HandshakeError: on the first key whose values differ.
+        HandshakeError: on the first key whose values differ; first of all when the two ends hold different
+            KV heads (the degrees may differ: the heads may not).
     """
+    heads = [(d.get("kv_head_start", 0), d.get("num_kv_heads")) for d in (sender, receiver)]
+    if heads[0] != heads[1] and sender.get("model_fingerprint") == receiver.get("model_fingerprint"):
+        (ps, pn), (ds, dn) = heads
+        np_, nd = sender.get("tensor_parallel", 1), receiver.get("tensor_parallel", 1)
+        raise HandshakeError(
+            f"KV handshake mismatch on KV heads: sender holds heads [{ps}, {ps + (pn or 0)}) at tensor_parallel {np_}, "
+            f"receiver holds heads [{ds}, {ds + (dn or 0)}) at tensor_parallel {nd} (between tensor-parallel "
+            "degrees each transfer carries one head range of a resharding plan: kv_transfer.resharded)")
     for key in HANDSHAKE_KEYS:
         if sender.get(key) != receiver.get(key):
             raise HandshakeError(

@@ -232,7 +232,7 @@ class BaseReceiver(KVReceiver):
                 raise TransferError(f"transfer {header.transfer_id} is already {done.status.value}: {done.error}",
                                     FailedSide.RECEIVER)
             too_many = header.num_blocks > self.max_transfer_blocks
-            dst_block_ids = None if too_many else self.allocator.allocate(header.num_blocks)
+            dst_block_ids = None if too_many else self._allocate(header.transfer_id, header.num_blocks)
             if dst_block_ids is None:
                 error = f"receiver has no room: {header.num_blocks} KV blocks needed"
                 if too_many:
@@ -264,6 +264,16 @@ class BaseReceiver(KVReceiver):
         self._publish_only(result)
         raise TransferError(error, FailedSide.RECEIVER)
 
+    def _allocate(self, transfer_id: str, num_blocks: int) -> list[int] | None:
+        """Reserve a transfer's blocks: by transfer id from an allocator that shares them between receivers
+        (`kv_transfer.resharded.TransferBlocks`: each rank of a tensor-parallel decode actor), else any."""
+        by_transfer = getattr(self.allocator, "allocate_transfer", None)
+        return by_transfer(transfer_id, num_blocks) if by_transfer else self.allocator.allocate(num_blocks)
+
+    def _free(self, transfer_id: str, block_ids: list[int]) -> None:
+        by_transfer = getattr(self.allocator, "free_transfer", None)
+        by_transfer(transfer_id, block_ids) if by_transfer else self.allocator.free(block_ids)
+
     # --- terminal transitions -----------------------------------------------
     def _finish(self, transfer: _Transfer, status: TransferStatus, error: str = "") -> TransferResult:
         """Caller holds ``transfer.lock``. Frees blocks unless DONE, once no chunk writes into them."""
@@ -271,7 +281,7 @@ class BaseReceiver(KVReceiver):
         dst_block_ids = transfer.dst_block_ids if status == TransferStatus.DONE else []
         if status != TransferStatus.DONE:
             transfer.lock.wait_for(lambda: transfer.writers == 0)  # the terminal status stops new ones
-            self.allocator.free(transfer.dst_block_ids)
+            self._free(transfer.transfer_id, transfer.dst_block_ids)
         transfer.dst_block_ids = []
         now = time.monotonic()
         return TransferResult(transfer.transfer_id, transfer.request_id, status, dst_block_ids=dst_block_ids,

@@ -47,14 +47,16 @@ class TransferSettings:
     nixl: NixlOptions = field(default_factory=NixlOptions)
 
 
-def layout_of(kv_cache: torch.Tensor, model_fingerprint: str, kv_format=None) -> KVLayout:
+def layout_of(kv_cache: torch.Tensor, model_fingerprint: str, kv_format=None, shard=None) -> KVLayout:
     """The layout of an engine cache tensor [L, NB, 2, Hkv, bs, D], or of a quantized one: `kv_format` (the
-    engine's `engine.kv_cache.kv_format.KVFormat`) says its shape and how it is stored."""
+    engine's `engine.kv_cache.kv_format.KVFormat`) says its shape and how it is stored. `shard`: the
+    engine's tensor-parallel `engine.parallel.shard.HeadShard` (its degree and first KV head), if any."""
+    tp = {"tensor_parallel": shard.size, "kv_head_start": shard.kv_head_start} if shard is not None else {}
     if kv_format is not None and kv_format.quantized:
         return KVLayout(kv_format.num_layers, kv_format.num_kv_heads, kv_format.block_size, kv_format.head_dim,
-                        kv_format.dtype, model_fingerprint, kv_format.kind)
+                        kv_format.dtype, model_fingerprint, kv_format.kind, **tp)
     num_layers, _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
-    return KVLayout(num_layers, num_kv_heads, block_size, head_dim, kv_cache.dtype, model_fingerprint)
+    return KVLayout(num_layers, num_kv_heads, block_size, head_dim, kv_cache.dtype, model_fingerprint, **tp)
 
 
 def make_sender(

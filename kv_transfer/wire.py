@@ -28,7 +28,7 @@ from kv_transfer.codec import cache_dtype_of, get_codec
 from kv_transfer.layout import DTYPES, HANDSHAKE_KEYS, check_compatible
 from proto.pdserve.v1 import kv_transfer_pb2
 
-WIRE_VERSION = 3  # 3: the handoff bytes (2: xxh3-64 checksums, 1: crc32)
+WIRE_VERSION = 4  # 4: the first KV head (3: the handoff bytes, 2: xxh3-64 checksums, 1: crc32)
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024 - MAX_HEADER_BYTES  # frame stays <= gRPC's 4 MiB default
@@ -59,8 +59,8 @@ class _ChunkShape:
 
     def describe(self) -> dict[str, object]:
         """The handshake fields this chunk claims (same keys as `KVLayout.describe`; the cache dtype is its codec's)."""
-        return {key: cache_dtype_of(self.codec) if key == "cache_dtype" else getattr(self, key)
-                for key in HANDSHAKE_KEYS}
+        return {**{key: cache_dtype_of(self.codec) if key == "cache_dtype" else getattr(self, key)
+                   for key in HANDSHAKE_KEYS}, "kv_head_start": self.kv_head_start}
 
 
 def _header_fields() -> dict[str, type]:
@@ -71,7 +71,7 @@ def _header_fields() -> dict[str, type]:
 
 
 _FIELD_TYPES = _header_fields()
-_DEFAULTS = {"version": WIRE_VERSION, "num_tokens": 0, "first_token_id": -1, "handoff": b""}
+_DEFAULTS = {"version": WIRE_VERSION, "num_tokens": 0, "first_token_id": -1, "handoff": b"", "kv_head_start": 0}
 
 # The header of one chunk. Its fields are defined once, with their meaning, by ``ChunkHeader`` in
 # proto/pdserve/v1/kv_transfer.proto; the wire carries them as a msgpack map of the same names.

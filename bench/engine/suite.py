@@ -21,7 +21,8 @@ Ours and HF alternate repetition by repetition (A/B, then B/A) and each figure i
 the median, so machine noise hits both sides alike. Progress goes to stderr.
 
 `--quantization` runs instead one engine per weight quantization, side by side, without HF
-(bench/engine/quantization.py).
+(bench/engine/quantization.py); `--tp 1,2` one engine per tensor-parallel degree on the same cores
+(bench/engine/tensor_parallel.py).
 """
 from __future__ import annotations
 
@@ -185,6 +186,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="",
                    help="compare KV cache dtypes instead of HF, e.g. auto,fp8,int8 (with --quantization's engines)")
     p.add_argument("--decode-context", type=int, help="tokens of context per decode sequence (default 256)")
+    p.add_argument("--tp", default="",
+                   help="compare tensor-parallel degrees instead of HF, e.g. 1,2: degree d runs d gloo ranks of "
+                   "threads/d torch threads each (bench/engine/tensor_parallel.py)")
     return p.parse_args(argv)
 
 
@@ -196,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_context:
         plan = dataclasses.replace(plan, decode_context=args.decode_context)
     log = Progress()
+    if args.tp:
+        from bench.engine import tensor_parallel
+        result = tensor_parallel.run(args, plan, log)
+        print(tensor_parallel.render_text(result))
+        _write(args, result, tensor_parallel.render_markdown(result))
+        return 0
     if args.quantization or args.kv_cache_dtype:
         from bench.engine import quantization
         result = quantization.run(args, plan, log)

@@ -83,6 +83,11 @@ class PoolSection(Section):
         "weights, not how a pool stores them).")
     quantization_group_size: Optional[QuantizationGroupSize] = Field(
         None, description="Override of model.quantization_group_size for this pool.")
+    tensor_parallel: Int = Field(
+        1, ge=1, description="Ranks each actor of the pool splits the model over (tensor parallelism: one Ray "
+        "actor per rank, placed together in a placement group; resources are per rank). Must divide the "
+        "model's attention heads. Prefill and decode pools may differ: KV is resharded by head on the way "
+        "(needs kv_cache.dtype auto). Above 1 needs routing.role_flips off.")
 
     @field_validator("count", mode="before")
     @classmethod

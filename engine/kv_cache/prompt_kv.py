@@ -34,13 +34,15 @@ def encodes_prompt_kv(req: Request) -> bool:
     return req.prefill_only or req.prompt_kv_lossy
 
 
-def zero_prompt_tails(batch, kv_cache: torch.Tensor, block_size: int) -> None:
-    """Zero the slots after the prompt in its last block, for each chunk about to complete an encoded prompt."""
+def zero_prompt_tails(batch, zero_tail: Callable[[int, int], None], block_size: int) -> None:
+    """Zero the slots after the prompt in its last block, for each chunk about to complete an encoded prompt.
+
+    `zero_tail(block, first_slot)` zeroes them in the cache (the runner's, on every tensor-parallel rank)."""
     for s in batch:
         req, start = s.request, s.request.num_computed_tokens
         end, used = req.num_prompt_tokens, req.num_prompt_tokens % block_size
         if used and start < end <= start + s.num_new_tokens and encodes_prompt_kv(req):
-            kv_cache[:, req.block_table[end // block_size], :, :, used:, :] = 0
+            zero_tail(req.block_table[end // block_size], used)
 
 
 def roundtrip_prompt_blocks(batch, roundtrip: Roundtrip, block_size: int, device: torch.device) -> None:

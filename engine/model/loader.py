@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -23,6 +24,7 @@ from engine.model.model import LlamaModel
 from engine.model.quantization import GROUP_SIZES, SCHEMES, concat, quantize
 from engine.model.quantized_checkpoint import PACKED_NAME, QUANTIZED_SUFFIXES, read_projection
 from engine.model.quantized_linear import QuantizedLinear, QuantPlan
+from engine.parallel.shard import HeadShard, shard_heads, weight_slices
 
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,23 +57,49 @@ def weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def read_state_dict(model_dir: str, quantized: bool = False) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's safetensors files, refusing quantized or non-float ones unless
-    config.json declares an accepted quantized format (`quantized`)."""
-    state: dict[str, torch.Tensor] = {}
-    for path in weight_files(model_dir):
-        with safe_open(path, framework="pt") as f:
+class CheckpointTensors(Mapping):
+    """The tensors of a directory's safetensors files by name, each read when it is looked up.
+
+    Quantized or non-float tensors are refused unless config.json declares an accepted quantized format
+    (`quantized`). `slices(name)` -> (dim, [(start, end), ...]) or None: the pieces of that tensor to read
+    (concatenated along dim) instead of all of it, so one tensor-parallel rank reads only its shard.
+    """
+
+    def __init__(self, model_dir: str, quantized: bool = False,
+                 slices: Callable[[str], tuple[int, list[tuple[int, int]]] | None] | None = None):
+        self.quantized, self.slices = quantized, slices
+        self.files: dict[str, object] = {}       # path -> open safe_open handle
+        self.where: dict[str, str] = {}          # tensor name -> path
+        for path in weight_files(model_dir):
+            f = self.files[path] = safe_open(path, framework="pt")
             for name in f.keys():
                 if name.endswith(QUANTIZED_SUFFIXES) and not quantized:
                     raise ValueError(f"{path}: tensor {name!r} belongs to a quantized checkpoint "
                                      "(GPTQ/AWQ/bitsandbytes/fp8) but config.json declares no quantization_config; "
                                      "pdserve loads bf16/fp16/fp32 weights, or a declared GPTQ/AWQ 4-bit checkpoint")
-                t = f.get_tensor(name)
-                if t.dtype not in FLOAT_DTYPES and not quantized:
-                    raise ValueError(f"{path}: tensor {name!r} has dtype {t.dtype} (a quantized checkpoint?); "
-                                     "pdserve loads bf16/fp16/fp32 weights only")
-                state[name] = t
-    return state
+                self.where[name] = path
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path = self.where[name]
+        f = self.files[path]
+        cut = self.slices(name) if self.slices is not None else None
+        if cut is None:
+            t = f.get_tensor(name)
+        else:
+            dim, ranges = cut
+            part = f.get_slice(name)
+            pieces = [part[a:b] if dim == 0 else part[:, a:b] for a, b in ranges]
+            t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+        if t.dtype not in FLOAT_DTYPES and not self.quantized:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {t.dtype} (a quantized checkpoint?); "
+                             "pdserve loads bf16/fp16/fp32 weights only")
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
 
 
 def resolve_quantization(cfg: ModelConfig, quantization: str, group_size: int) -> tuple[str, int]:
@@ -93,26 +121,32 @@ def resolve_quantization(cfg: ModelConfig, quantization: str, group_size: int) -
 
 def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                max_positions: int, quantization: str = "none", group_size: int = 128,
-               plan: QuantPlan | None = None, quantize_lm_head: bool = False) -> LlamaModel:
+               plan: QuantPlan | None = None, quantize_lm_head: bool = False, shard: HeadShard | None = None,
+               reduce=None) -> LlamaModel:
     """Build the model and copy HF weights into it, fusing q/k/v and gate/up (Phi-3 ships them fused).
 
     `quantization` int8 / int4 (or a quantized checkpoint): the decoder projections are packed for
     the weight-only kernels under `plan` (default: measured for this machine, kernel_choice.quantized_plan);
     with `quantize_lm_head` the LM head too, round-to-nearest from its float weight (a tied head from
     the embedding, which stays as loaded for lookups).
+
+    `shard` / `reduce`: one rank of a tensor-parallel group (engine/parallel/shard.py): the rank reads its
+    slice of each projection from the files, and rank 0 alone the LM head and the row-parallel biases.
     """
+    shard = shard or shard_heads(cfg)
     scheme, group_size = resolve_quantization(cfg, quantization, group_size)
     if scheme != "none" and plan is None:
         plan = kernel_choice.quantized_plan(cfg, scheme, group_size, dtype, device)
     quant = plan if scheme != "none" else None
     with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions, torch.device("meta"), dtype, quant, quantize_lm_head)
+        model = LlamaModel(cfg, max_positions, torch.device("meta"), dtype, quant, quantize_lm_head, shard, reduce)
     model = model.to_empty(device=device)
     model.rope = type(model.rope)(cfg, max_positions, device, dtype)
     if cfg.tie_word_embeddings and isinstance(model.lm_head, Linear):
         model.lm_head.weight = model.embed_tokens.weight
     checkpoint = cfg.quantization
-    src = read_state_dict(model_dir, quantized=checkpoint is not None)
+    src = CheckpointTensors(model_dir, quantized=checkpoint is not None,
+                            slices=lambda name: weight_slices(name, cfg, shard))
     taken: set[str] = set()
 
     def take(name: str) -> torch.Tensor:
@@ -159,7 +193,9 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
     with torch.no_grad():
         copy(model.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         copy(model.norm.weight, take("model.norm.weight"), "model.norm.weight")
-        if isinstance(model.lm_head, QuantizedLinear):
+        if model.lm_head is None:        # a tensor-parallel rank other than 0: no head
+            pass
+        elif isinstance(model.lm_head, QuantizedLinear):
             head = model.embed_tokens.weight if cfg.tie_word_embeddings else take("lm_head.weight")
             check((model.lm_head.out_features, model.lm_head.in_features), head, "lm_head.weight")
             model.lm_head.set_weight(quantize(head, scheme, group_size), device)
@@ -181,10 +217,12 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
             project(layer, "o_proj", [p + "self_attn.o_proj"], [cfg.hidden_size], p + "self_attn.o_proj.weight")
             if cfg.o_proj_bias:
                 copy(layer.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
+                layer.o_proj.bias.mul_(shard.rank == 0)      # row-parallel: the all-reduce adds rank 0's once
             project(layer, "down_proj", [p + "mlp.down_proj"], [cfg.hidden_size], p + "mlp.down_proj.weight")
             if cfg.mlp_bias:
                 layer.gate_up_proj.bias.copy_(torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]))
                 layer.down_proj.bias.copy_(take(p + "mlp.down_proj.bias"))
+                layer.down_proj.bias.mul_(shard.rank == 0)
             if cfg.qk_norm:
                 copy(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
                 copy(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
@@ -194,7 +232,7 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
         raise ValueError(f"{model_dir}: config.json declares a {checkpoint.method} checkpoint but no projection "
                          f"carries {PACKED_NAME[checkpoint.method]!r} tensors")
     unused = [n for n in src if n not in taken and not n.endswith("rotary_emb.inv_freq")
-              and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+              and not ((cfg.tie_word_embeddings or model.lm_head is None) and n == "lm_head.weight")
               # GPTQ exporters save a zero bias for every projection, biased or not
               and not (checkpoint is not None and n.endswith(".bias") and not src[n].any())]
     if unused:

@@ -1,4 +1,9 @@
-"""Turns a scheduled batch into one model call; returns the logits of the sequences that are due a token."""
+"""Turns a scheduled batch into one model call; returns the logits of the sequences that are due a token.
+
+The call is described by a `StepPlan` (engine/parallel/step_plan.py): with tensor parallelism rank 0's
+runner posts it to the other ranks before running it, and theirs run it as received (`follow`); the cache
+edits the engine makes outside the model call (`copy_block`, `zero_tail`) ride in the next plan.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,6 +14,7 @@ from engine.model import kernel_choice
 from engine.model.attention import build_metadata
 from engine.model.linear import layouts_for
 from engine.model.model import LlamaModel
+from engine.parallel.step_plan import PlanChannel, StepPlan
 from engine.runner.layer_hook import LayerDone, LayerHook, final_blocks, layer_written
 from engine.scheduling.request import Request
 from engine.scheduling.scheduler import ScheduledRequest
@@ -45,6 +51,21 @@ class ModelRunner:
         self.device = device
         self.sliding_window = model.cfg.sliding_window    # None: full causal attention
         self.layer_hook: LayerHook | None = None          # told as each layer's blocks become final
+        self.channel: PlanChannel | None = None           # rank 0 of a tensor-parallel group: plans go out here
+        self._copies: list[tuple[int, int]] = []          # cache edits the other ranks have not made yet
+        self._zero_tails: list[tuple[int, int]] = []
+
+    def copy_block(self, source: int, destination: int) -> None:
+        """Copy one block of the cache (every layer, K and V) — on every rank of the group."""
+        self.kv_cache[:, destination].copy_(self.kv_cache[:, source])
+        if self.channel is not None:
+            self._copies.append((source, destination))
+
+    def zero_tail(self, block: int, first_slot: int) -> None:
+        """Zero the slots of a block from `first_slot` on (every layer, K and V) — on every rank of the group."""
+        self.kv_cache[:, block, :, :, first_slot:, :] = 0
+        if self.channel is not None:
+            self._zero_tails.append((block, first_slot))
 
     def run(self, batch: list[ScheduledRequest]) -> ModelOutput:
         """Run the model over the batch; return the logits of the sequences that sample.
@@ -76,20 +97,38 @@ class ModelRunner:
             if due:
                 sample_rows.extend(range(len(logit_rows) - 1 - num_spec, len(logit_rows)))
                 sampling.append(req)
-        dev = self.device
         if self.graphs is not None and not prompt_parts and self.graphs.accepts(seqs):
             return ModelOutput(sampling, self.graphs.run(input_ids, positions, seqs))
-        meta = build_metadata(seqs, self.block_size, dev, self.decode_kernel, self.sliding_window, self.flex_kernel,
-                              self.kv_format)
-        logits = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev),
-                            self.kv_cache, meta,
-                            torch.tensor(logit_rows, dtype=torch.long, device=dev),
-                            self._layer_hook(batch) if self.layer_hook is not None else None)
+        plan = StepPlan(input_ids, positions, seqs, logit_rows, self._copies, self._zero_tails)
+        if self.channel is not None:
+            self._copies, self._zero_tails = [], []
+            self.channel.post(plan)
+        logits = self.execute(plan, self._layer_hook(batch) if self.layer_hook is not None else None)
+        if self.channel is not None:
+            self.channel.done()
         if not prompt_parts:
             return ModelOutput(sampling, logits)
         prompt_logits = [(req, start, logits[row:row + n]) for req, start, row, n in prompt_parts]
         return ModelOutput(sampling, logits[sample_rows], prompt_logits)
+
+    def execute(self, plan: StepPlan, layer_hook=None) -> torch.Tensor | None:
+        """One model call as `plan` describes it; the logits of its rows (None on a rank other than 0)."""
+        dev = self.device
+        meta = build_metadata(plan.seqs, self.block_size, dev, self.decode_kernel, self.sliding_window,
+                              self.flex_kernel, self.kv_format)
+        return self.model(torch.tensor(plan.input_ids, dtype=torch.long, device=dev),
+                          torch.tensor(plan.positions, dtype=torch.long, device=dev),
+                          self.kv_cache, meta, torch.tensor(plan.logit_rows, dtype=torch.long, device=dev),
+                          layer_hook)
+
+    def follow(self, channel: PlanChannel) -> None:
+        """A rank other than 0: run rank 0's plans, in order, until it closes the group."""
+        while not (plan := channel.next()).stop:
+            for source, destination in plan.block_copies:
+                self.kv_cache[:, destination].copy_(self.kv_cache[:, source])
+            for block, first_slot in plan.zero_tails:
+                self.kv_cache[:, block, :, :, first_slot:, :] = 0
+            self.execute(plan)
 
     def _layer_hook(self, batch: list[ScheduledRequest]):
         """The model's per-layer callback for this batch: None when no sequence computes prompt tokens."""
@@ -106,9 +145,11 @@ class ModelRunner:
 
     def score(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Logits at every position of one fresh sequence (for exactness checks). [S, V] float32."""
-        dev = self.device
-        meta = build_metadata([(0, len(token_ids), block_table)], self.block_size, dev,
-                              sliding_window=self.sliding_window, flex_kernel=self.flex_kernel,
-                              kv_format=self.kv_format)
-        return self.model(torch.tensor(token_ids, dtype=torch.long, device=dev),
-                          torch.arange(len(token_ids), device=dev), self.kv_cache, meta, None)
+        n = len(token_ids)
+        plan = StepPlan(list(token_ids), list(range(n)), [(0, n, list(block_table))], list(range(n)))
+        if self.channel is not None:
+            self.channel.post(plan)
+        logits = self.execute(plan)
+        if self.channel is not None:
+            self.channel.done()
+        return logits

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from engine.parallel.group import RankGroupError
+
 T = TypeVar("T")
 
 log = logging.getLogger(f"pdserve.{__name__}")
+EXIT_RANK_LOST = 70        # the process's exit status when a tensor-parallel peer is lost
 
 
 def on_event_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[T], object]) -> Callable[[T], None]:
@@ -82,6 +86,9 @@ class EngineLoop:
         while not self._stop.is_set():
             try:
                 wait_s = self.run_once(wait_s)
+            except RankGroupError as e:   # a tensor-parallel rank is gone: the actor cannot step again
+                log.critical("engine loop: %s; ending the process (its requests are retried or migrated)", e)
+                os._exit(EXIT_RANK_LOST)
             except Exception as e:      # a bug must not silently kill the worker: log and keep serving
                 log.exception("engine loop error: %s", e)
                 self.error = e

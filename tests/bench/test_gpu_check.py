@@ -96,6 +96,14 @@ def test_speed_and_transfer_checks_run_on_cpu(on_cpu):
     assert all(r.data["gb_per_s"] > 0 and r.data["bytes"] == 1 << 20 for r in rows)
 
 
+def test_tensor_parallel_check_runs_on_cpu(on_cpu):
+    """On CPU both ranks run over gloo as on a one-GPU machine: the row must say the outputs agree."""
+    from engine.model.presets import resolve_model
+    rows = gpu_check.check_tensor_parallel(resolve_model("tiny"), new_tokens=4)
+    assert [r.check for r in rows] == ["tensor parallel 2 vs 1 rank (1 GPU shared by both ranks, gloo)"]
+    assert rows[0].status == "ok" and rows[0].data["equal_outputs"] == 3, rows[0]
+
+
 def test_flex_check_runs_on_cpu(on_cpu, monkeypatch):
     """The flex rows through flex's reference math (compiled flex is CUDA-only), graphs without capture."""
     from engine.model.presets import resolve_model

@@ -11,7 +11,7 @@ from deploy.config import ConfigError, load_config
 BAD_CONFIGS = [
     ("unknown-key", "pools:\n  prefill:\n    cuont: 2\n", "pools.prefill.cuont",
      "unknown key (allowed: count, min, max, resources, max_restarts, model, kv_cache, quantization, "
-     "quantization_group_size, "
+     "quantization_group_size, tensor_parallel, "
      "max_batch_tokens, chunk_tokens)"),
     ("unknown-section", "slos: {}\n", "slos", "unknown key (allowed: model, pools, kv_cache,"),
     ("unknown-resource-key", "pools:\n  decode:\n    resources: {gpus: 1}\n",

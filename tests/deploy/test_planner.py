@@ -92,3 +92,10 @@ def test_calibration_scales_like_corrections():
     assert calibrated.decode["batch"] == 30                              # 1.25·(0.01 + 0.001·30) = 0.05
     assert calibrated.prefill["capacity_tokens_per_s"] == pytest.approx(base.prefill["capacity_tokens_per_s"] / 2)
     assert any("calibrated" in r for r in calibrated.reasons)
+
+
+def test_tp_speedup_splits_compute_and_adds_the_collectives():
+    from deploy.planner import tp_speedup
+    assert tp_speedup(1.0, 2, 0.0) == 2.0               # compute alone: linear in the degree
+    assert tp_speedup(1.0, 2, 0.5) == 1.0               # all-reduces as long as the saved half: no gain
+    assert tp_speedup(0.8, 4, 0.05) == 0.8 / (0.2 + 0.05)

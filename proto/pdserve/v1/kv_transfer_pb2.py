@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/v1/kv_transfer.proto\x12\npdserve.v1\"\xb3\x01\n\x13KVLayoutDescription\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x08 \x01(\t\"C\n\x10HandshakeRequest\x12/\n\x06layout\x18\x01 \x01(\x0b\x32\x1f.pdserve.v1.KVLayoutDescription\"D\n\x11HandshakeResponse\x12/\n\x06layout\x18\x01 \x01(\x0b\x32\x1f.pdserve.v1.KVLayoutDescription\"\xec\x03\n\x0b\x43hunkHeader\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0blayer_start\x18\x06 \x01(\r\x12\x11\n\tlayer_end\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\t \x01(\r\x12\x11\n\tblock_end\x18\n \x01(\r\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x0c \x01(\r\x12\x10\n\x08head_dim\x18\r \x01(\r\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12\r\n\x05\x63odec\x18\x0f \x01(\t\x12\x14\n\x0cscale_layout\x18\x10 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x11 \x01(\r\x12\x12\n\nnum_chunks\x18\x12 \x01(\r\x12\x13\n\x0bpayload_len\x18\x13 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x14 \x01(\x03\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x15 \x01(\x04\x12\x12\n\nnum_tokens\x18\x16 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x17 \x01(\x03\x12\x0f\n\x07handoff\x18\x18 \x01(\x0c\"I\n\rPushKVRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\" \n\x0ePushKVResponse\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\x32\xa0\x01\n\x11KVTransferService\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x41\n\x06PushKV\x12\x19.pdserve.v1.PushKVRequest\x1a\x1a.pdserve.v1.PushKVResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/v1/kv_transfer.proto\x12\npdserve.v1\"\xb3\x01\n\x13KVLayoutDescription\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05\x63odec\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x08 \x01(\t\"C\n\x10HandshakeRequest\x12/\n\x06layout\x18\x01 \x01(\x0b\x32\x1f.pdserve.v1.KVLayoutDescription\"D\n\x11HandshakeResponse\x12/\n\x06layout\x18\x01 \x01(\x0b\x32\x1f.pdserve.v1.KVLayoutDescription\"\x83\x04\n\x0b\x43hunkHeader\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0blayer_start\x18\x06 \x01(\r\x12\x11\n\tlayer_end\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\t \x01(\r\x12\x11\n\tblock_end\x18\n \x01(\r\x12\x12\n\nblock_size\x18\x0b \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x0c \x01(\r\x12\x10\n\x08head_dim\x18\r \x01(\r\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12\r\n\x05\x63odec\x18\x0f \x01(\t\x12\x14\n\x0cscale_layout\x18\x10 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x11 \x01(\r\x12\x12\n\nnum_chunks\x18\x12 \x01(\r\x12\x13\n\x0bpayload_len\x18\x13 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x14 \x01(\x03\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x15 \x01(\x04\x12\x12\n\nnum_tokens\x18\x16 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x17 \x01(\x03\x12\x0f\n\x07handoff\x18\x18 \x01(\x0c\x12\x15\n\rkv_head_start\x18\x19 \x01(\r\"I\n\rPushKVRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\" \n\x0ePushKVResponse\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\x32\xa0\x01\n\x11KVTransferService\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x41\n\x06PushKV\x12\x19.pdserve.v1.PushKVRequest\x1a\x1a.pdserve.v1.PushKVResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,11 +38,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKERESPONSE']._serialized_start=295
   _globals['_HANDSHAKERESPONSE']._serialized_end=363
   _globals['_CHUNKHEADER']._serialized_start=366
-  _globals['_CHUNKHEADER']._serialized_end=858
-  _globals['_PUSHKVREQUEST']._serialized_start=860
-  _globals['_PUSHKVREQUEST']._serialized_end=933
-  _globals['_PUSHKVRESPONSE']._serialized_start=935
-  _globals['_PUSHKVRESPONSE']._serialized_end=967
-  _globals['_KVTRANSFERSERVICE']._serialized_start=970
-  _globals['_KVTRANSFERSERVICE']._serialized_end=1130
+  _globals['_CHUNKHEADER']._serialized_end=881
+  _globals['_PUSHKVREQUEST']._serialized_start=883
+  _globals['_PUSHKVREQUEST']._serialized_end=956
+  _globals['_PUSHKVRESPONSE']._serialized_start=958
+  _globals['_PUSHKVRESPONSE']._serialized_end=990
+  _globals['_KVTRANSFERSERVICE']._serialized_start=993
+  _globals['_KVTRANSFERSERVICE']._serialized_end=1153
 # @@protoc_insertion_point(module_scope)

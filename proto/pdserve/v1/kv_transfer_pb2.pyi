@@ -38,7 +38,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayoutDescription, _Mapping]] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("version", "request_id", "transfer_id", "model_fingerprint", "num_layers", "layer_start", "layer_end", "num_blocks", "block_start", "block_end", "block_size", "num_kv_heads", "head_dim", "dtype", "codec", "scale_layout", "chunk_index", "num_chunks", "payload_len", "checksum", "deadline_ms", "num_tokens", "first_token_id", "handoff")
+    __slots__ = ("version", "request_id", "transfer_id", "model_fingerprint", "num_layers", "layer_start", "layer_end", "num_blocks", "block_start", "block_end", "block_size", "num_kv_heads", "head_dim", "dtype", "codec", "scale_layout", "chunk_index", "num_chunks", "payload_len", "checksum", "deadline_ms", "num_tokens", "first_token_id", "handoff", "kv_head_start")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class ChunkHeader(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    KV_HEAD_START_FIELD_NUMBER: _ClassVar[int]
     version: int
     request_id: str
     transfer_id: str
@@ -87,7 +88,8 @@ class ChunkHeader(_message.Message):
     num_tokens: int
     first_token_id: int
     handoff: bytes
-    def __init__(self, version: _Optional[int] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_start: _Optional[int] = ..., block_end: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., codec: _Optional[str] = ..., scale_layout: _Optional[str] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., payload_len: _Optional[int] = ..., checksum: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., num_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., handoff: _Optional[bytes] = ...) -> None: ...
+    kv_head_start: int
+    def __init__(self, version: _Optional[int] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_start: _Optional[int] = ..., block_end: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., codec: _Optional[str] = ..., scale_layout: _Optional[str] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., payload_len: _Optional[int] = ..., checksum: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., num_tokens: _Optional[int] = ..., first_token_id: _Optional[int] = ..., handoff: _Optional[bytes] = ..., kv_head_start: _Optional[int] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
     __slots__ = ("header", "payload")
