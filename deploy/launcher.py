@@ -224,6 +224,11 @@ class ActorFactory:
             if degree > 1 and flips:
                 raise ConfigError(f"pools.{pool}.tensor_parallel {degree}: tensor-parallel actors do not change "
                                   "role; set routing.role_flips off", f"pools.{pool}.tensor_parallel")
+        if cfg.kv_cache.tiers and max(degrees.values()) > 1:
+            pool = next(pool for pool, degree in degrees.items() if degree > 1)
+            raise ConfigError(f"kv_cache.tiers: tiers below the paged cache are not available with "
+                              f"pools.{pool}.tensor_parallel {degrees[pool]}; remove the tiers or set the degree "
+                              "to 1", "kv_cache.tiers")
         # KV travels resharded by head when a degree above 1 ships or receives it (kv_transfer/resharded.py)
         self.kv_degrees = ((degrees["prefill"], degrees["decode"])
                            if mode != "colocated" and max(degrees.values()) > 1 else None)

@@ -156,6 +156,9 @@ class Engine:
         # with decode graphs the pool's last block is the padded entries' scratch, never handed out
         self.block_manager = BlockManager(num_blocks - graphs, block_size, args.enable_prefix_cache)
         self.kv_events = KVEventLog(self.block_manager)     # the prefix cache's events, pulled by the router
+        if args.kv_tiers and args.tensor_parallel > 1:
+            raise ValueError(f"kv_tiers: tiers below the paged cache hold one rank's KV heads; they are not "
+                             f"available with tensor_parallel {args.tensor_parallel}")
         if args.kv_tiers:      # tiers below the paged cache: offload on eviction, onboard before scheduling
             self.kv_tiers = KVTiers(args.kv_tiers, self.kv_cache, f"{self.fingerprint}:{self.kv_format.kind}",
                                     self.kv_events, args.kv_offload_queue_blocks)

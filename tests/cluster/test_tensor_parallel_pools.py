@@ -129,6 +129,14 @@ def test_tensor_parallel_kv_shipping_needs_a_model_dtype_cache(tiny_model_dir):
         ActorFactory(cfg, "t")
 
 
+def test_tensor_parallel_actors_with_kv_tiers_are_refused(tiny_model_dir):
+    cfg = cluster_config(tiny_model_dir, extra={"pools.decode.tensor_parallel": 2,
+                                                "kv_cache.tiers": [{"kind": "host", "capacity_gib": 1}]})
+    with pytest.raises(ConfigError, match="kv_cache.tiers: tiers below the paged cache are not available with "
+                                          "pools.decode.tensor_parallel 2"):
+        ActorFactory(cfg, "t")
+
+
 def test_tensor_parallel_kv_shipping_over_nixl_is_refused(tiny_model_dir):
     cfg = cluster_config(tiny_model_dir, transport="nixl", extra={"pools.prefill.tensor_parallel": 2})
     with pytest.raises(ConfigError, match="pools.prefill.tensor_parallel 2: KV between tensor-parallel actors "

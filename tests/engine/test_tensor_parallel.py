@@ -109,6 +109,23 @@ def test_two_ranks_on_every_attention_path_and_a_quantized_cache(follower, check
     torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=0)
 
 
+def test_two_ranks_verify_speculative_proposals_as_one_rank_decodes(follower, checkpoints):
+    """n-gram speculation on rank 0 (proposals, verification, rollback): the followers run the 1 + k query
+    rows it plans, and the tokens are the one-rank engine's without speculation."""
+    from engine.spec.config import SpecConfig
+    plain = _args(checkpoints["gqa_untied"])
+    repeat = [7, 8, 9, 10, 11, 12] * 6                     # the prompt repeats itself: proposals get accepted
+    prompts = [repeat, random_prompt(30, seed=5, vocab=250)]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [c.token_ids for c in Engine(plain).generate(prompts, greedy)]
+    args = dataclasses.replace(plain, speculative=SpecConfig(method="ngram", num_tokens=3, adaptive=False))
+    with follower.engine(args) as engine:
+        got = [c.token_ids for c in engine.generate(prompts, greedy)]
+        accepted = engine.speculator.num_accepted
+        engine.block_manager.check_no_leaks()
+    assert got == want and accepted > 0
+
+
 def test_kv_heads_split_or_replicated_as_the_ranks_need(checkpoints):
     gqa, one_kv = (ModelConfig.from_dir(checkpoints[n]) for n in ("gqa_untied", "qwen2_bias"))
     assert kv_head_ranges(gqa, 2) == [range(0, 1), range(1, 2)]
