@@ -89,8 +89,11 @@ class MeasuredPerformance(PerformanceModel):
     the batching gain of a saturated step. Decode: step seconds piecewise-linear in batch, then linear
     in context between the measured contexts. Times are made non-decreasing in prompt length, batch and
     context first (see `_monotone`). A profile calibrated on the running cluster (`"calibration"`, from
-    `bench.serving.plan_check --calibrate`) scales every prefill and decode time by its factors, so
-    whoever asks gets serving's time, not the bare engine's.
+    `bench.serving.plan_check --calibrate`) scales every prefill and decode time by its factors (measured
+    at saturation) and adds its fixed costs (measured one request at a time): `step_s` to every decode
+    step (the worker's output processing and the token's message to the router, which the profile of the
+    bare engine step does not see) and `handoff_s` to every KV handoff (the router's call to the prefill
+    actor, the send, the adopt), so whoever asks gets serving's time, not the bare engine's.
     """
 
     def __init__(self, data: dict):
@@ -111,7 +114,10 @@ class MeasuredPerformance(PerformanceModel):
             grid.setdefault(p["context"], {})[p["batch"]] = p["seconds"]
         self._contexts = sorted(grid)
         # serving-path factors measured on the running cluster: time in serving / time in the profile
-        self.calibration = {k: float(v) for k, v in data.get("calibration", {}).items() if k in ("prefill", "decode")}
+        calibration = data.get("calibration", {})
+        self.calibration = {k: float(v) for k, v in calibration.items() if k in ("prefill", "decode")}
+        self.step_overhead_s = float(calibration.get("step_s", 0.0))      # added to every decode step
+        self.handoff_s = float(calibration.get("handoff_s", 0.0))         # added to every KV handoff
         for i, c in enumerate(self._contexts[:-1]):          # a longer context never steps faster
             longer = grid[self._contexts[i + 1]]
             for b in grid[c]:
@@ -170,7 +176,7 @@ class MeasuredPerformance(PerformanceModel):
             seconds = at[-1]
         else:
             seconds = _interp(cs, at, context)
-        return self.calibration.get("decode", 1.0) * seconds
+        return self.calibration.get("decode", 1.0) * seconds + self.step_overhead_s
 
 
 class LinearPerformance(PerformanceModel):

@@ -16,10 +16,18 @@ batch) and saturates each stage at the workload's lengths:
            decode actor holds B full-length sequences. Measured over the window where all B
            decode (last first token → first finish). Predicted: B / step(B, context).
 
+  light    R requests one after another (nothing else running), the mean input length each,
+           generating K tokens: the time per output token and the time to first token through the
+           prefill actor and the KV handoff. Predicted: the decode step at batch 1 and that context;
+           the prompt's prefill plus its KV over the profiled link.
+
 Both figures are printed side by side with the error; the target is within 25%.
 `--calibrate` stores predicted/measured as time factors in the profile ("calibration"), which
 the planner applies from then on (serving overheads the engine-level profile cannot see:
-router, token streaming, KV shipping, the other actors on the host); run again to validate.
+router, token streaming, KV shipping, the other actors on the host); with the light phase it also
+stores what is left at light load as fixed costs: `step_s` added to every decode step and
+`handoff_s` to every KV handoff (`engine.performance.MeasuredPerformance`). Measure the light
+phase after the factors (the default order), on a quiet host; run again to validate.
 """
 from __future__ import annotations
 
@@ -31,6 +39,8 @@ import sys
 import time
 
 TAIL_TOKENS = 16
+LIGHT_REQUESTS = 6
+LIGHT_TOKENS = 32
 
 
 async def _stream(stub, pb, rid: str, ids: list[int], max_tokens: int, sink: list) -> None:
@@ -68,6 +78,8 @@ async def measure(cfg, plan, prefill_requests: int, decode_tokens: int, seed: in
                 out["prefill"] = await _prefill_phase(stub, pb, tokens, s_in, prefill_requests)
             if "decode" in phases:
                 out["decode"] = await _decode_phase(stub, pb, tokens, plan.decode["batch"], s_in, s_out, decode_tokens)
+            if "light" in phases:
+                out["light"] = await _light_phase(stub, pb, tokens, s_in, LIGHT_REQUESTS, LIGHT_TOKENS)
     finally:
         await cluster.stop()
     return out
@@ -83,6 +95,40 @@ async def _prefill_phase(stub, pb, tokens, s_in: int, prefill_requests: int) -> 
     prefill_s = max(first) - t0
     prefill_tps = prefill_requests * s_in / prefill_s
     return {"requests": prefill_requests, "prompt_tokens": s_in, "seconds": prefill_s, "tokens_per_s": prefill_tps}
+
+
+async def _light_phase(stub, pb, tokens, s_in: int, requests: int, k: int) -> dict:
+    """One request at a time: mean time to first token and per output token after it."""
+    ttft, tpot = [], []
+    for i in range(requests):
+        sink: list = []
+        sent = time.monotonic()
+        await _stream(stub, pb, f"l{i}", tokens(s_in), k, sink)
+        ttft.append(sink[0][0] - sent)
+        later = sum(n for _, n in sink[1:])
+        if later:
+            tpot.append((sink[-1][0] - sink[0][0]) / later)
+    return {"requests": requests, "prompt_tokens": s_in, "output_tokens": k,
+            "ttft_s": sum(ttft) / len(ttft), "tpot_s": sum(tpot) / len(tpot)}
+
+
+def light_predictions(model, s_in: int, k: int, wire_ratio: float) -> dict:
+    """What the profile says one lone request takes: TPOT = the decode step at batch 1 and the mean context,
+    TTFT = its prefill + its KV over the link (both with the profile's fixed costs, if it has any)."""
+    from bench.simulate.measured import MeasuredModel
+    link = MeasuredModel(model)
+    kv_bytes = s_in * model.costs.kv_bytes_per_token
+    return {"tpot_s": model.decode_step_seconds(1, s_in + k / 2),
+            "ttft_s": model.prefill_seconds(s_in) + link.link_s(kv_bytes * wire_ratio)}
+
+
+def fixed_costs(calibration: dict, predicted: dict, measured: dict) -> dict:
+    """The calibration with its fixed costs moved by what the light phase measured beyond the prediction
+    (never below zero): `step_s` by the TPOT gap, `handoff_s` by the TTFT gap."""
+    out = dict(calibration)
+    for key, figure in (("step_s", "tpot_s"), ("handoff_s", "ttft_s")):
+        out[key] = max(out.get(key, 0.0) + measured[figure] - predicted[figure], 0.0)
+    return out
 
 
 async def _decode_phase(stub, pb, tokens, batch: int, s_in: int, s_out: int, decode_tokens: int) -> dict:
@@ -115,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local", action="store_true", help="profile in-process engines when there is no profile")
     p.add_argument("--prefill-requests", type=int, help="default: two saturated prefill steps' worth")
     p.add_argument("--decode-tokens", type=int, default=100, help="tokens each decode-phase request generates")
-    p.add_argument("--phases", default="prefill,decode", help="which stages to measure")
+    p.add_argument("--phases", default="prefill,decode,light", help="which stages to measure")
     p.add_argument("--calibrate", action="store_true",
                    help="store measured/predicted time factors in the profile (the planner then applies them)")
     p.add_argument("--json", help="write the numbers here")
@@ -142,6 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     if "decode" in measured:
         rows.append((f"decode tokens/s per actor (batch {plan.decode['batch']})",
                      plan.decode["tokens_per_s_per_actor"], measured["decode"]["tokens_per_s"]))
+    if "light" in measured:
+        from engine.model.config import ModelConfig
+        from engine.performance import MeasuredPerformance
+        from kv_transfer import wire_bytes_per_kv_byte
+        model = MeasuredPerformance(profile)
+        ratio = wire_bytes_per_kv_byte(cfg.transfer_codec(), model.costs.dtype_bytes, cfg.kv_cache.block_size,
+                                       ModelConfig.from_dir(resolve_model(cfg.model.name)).head_dim)
+        predicted = light_predictions(model, s_in, LIGHT_TOKENS, ratio)
+        measured["light"]["predicted"] = predicted
+        rows.append(("one request: time per output token (ms)", 1e3 * predicted["tpot_s"],
+                     1e3 * measured["light"]["tpot_s"]))
+        rows.append(("one request: time to first token (ms)", 1e3 * predicted["ttft_s"],
+                     1e3 * measured["light"]["ttft_s"]))
     print(f"\nplan check — {args.config}, 1 prefill + 1 decode actor")
     print(f"{'':<42} {'predicted':>10} {'measured':>10} {'error':>8}")
     for name, pred, meas in rows:
@@ -153,9 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         cal = dict(profile.get("calibration", {}))
         for key, (_, pred, meas) in zip([k for k in ("prefill", "decode") if k in measured], rows):
             cal[key] = cal.get(key, 1.0) * pred / meas
+        if "light" in measured:
+            cal = fixed_costs(cal, measured["light"]["predicted"], measured["light"])
         profile["calibration"] = cal
         save_profile(profile, source)
-        print(f"calibration saved to {source}: " + ", ".join(f"{k} ×{v:.2f}" for k, v in cal.items()))
+        print(f"calibration saved to {source}: " + ", ".join(
+            f"{k} {1e3 * v:.2f} ms" if k.endswith("_s") else f"{k} ×{v:.2f}" for k, v in cal.items()))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"config": args.config, "profile": source, "plan": plan.to_dict(), "measured": measured,

@@ -8,10 +8,12 @@ simulated scheduler is priced from those points:
     decode rows (1 new token each)     decode_step_seconds(rows, their mean context)
     each prefill chunk (n tokens → c)  prefill_seconds(c) − prefill_seconds(c − n)   (the chunk's share of its prompt)
     a mixed step                       the sum of both
+    a step of prefill chunks alone     also the serving path's fixed cost of a step
 
-(the profile's answers include its serving-path calibration, `bench.serving.plan_check --calibrate`).
-The link moves wire bytes at the measured wire bytes per second (through the configured transport
-and codec, encode and decode included), after the measured fixed cost of a transfer.
+(the profile's answers include its serving-path calibration, `bench.serving.plan_check --calibrate`:
+time factors and the fixed costs of a step and of a handoff). The link moves wire bytes at the
+measured wire bytes per second (through the configured transport and codec, encode and decode
+included), plus the calibrated fixed cost of a handoff.
 """
 from __future__ import annotations
 
@@ -40,13 +42,14 @@ class MeasuredModel(StepTimeModel):
 
     def step_s(self, chunks: Sequence[Chunk]) -> float:
         decode = [c.context for c in chunks if c.new_tokens == 1]
-        seconds = 0.0
-        if decode:
-            seconds += self.profile.decode_step_seconds(len(decode), sum(decode) / len(decode))
+        if decode:           # (the serving path's fixed cost of a step is in the decode step's time)
+            seconds = self.profile.decode_step_seconds(len(decode), sum(decode) / len(decode))
+        else:
+            seconds = self.profile.step_overhead_s
         for c in chunks:
             if c.new_tokens > 1:
                 seconds += self.profile.prefill_share_seconds(c.context, c.new_tokens)
         return seconds
 
     def link_s(self, wire_bytes: float) -> float:
-        return wire_bytes / self.link_bytes_per_s
+        return self.profile.handoff_s + wire_bytes / self.link_bytes_per_s

@@ -51,6 +51,35 @@ def test_calibration_is_inside_every_answer():
     assert calibrated.decode_step_seconds(10, 1536) == pytest.approx(1.5 * plain.decode_step_seconds(10, 1536))
 
 
+def test_fixed_costs_from_a_light_load_close_the_gap_they_measured():
+    """plan_check's light phase: what one lone request measured beyond the profile becomes `step_s` and
+    `handoff_s`; the calibrated profile then predicts exactly what was measured (the simulator's step and
+    link prices include them), and a measurement below the prediction never makes a cost negative."""
+    from bench.serving.plan_check import fixed_costs, light_predictions
+    from bench.simulate.measured import MeasuredModel
+    from bench.simulate.step_time import Chunk
+    data = synthetic()
+    data["calibration"] = {"decode": 1.2}
+    plain = MeasuredPerformance(data)
+    before = light_predictions(plain, 512, 32, 0.5)
+    measured = {"tpot_s": before["tpot_s"] + 0.004, "ttft_s": before["ttft_s"] + 0.030}
+    data["calibration"] = fixed_costs(data["calibration"], before, measured)
+    assert data["calibration"] == pytest.approx({"decode": 1.2, "step_s": 0.004, "handoff_s": 0.03})
+    calibrated = MeasuredPerformance(data)
+    after = light_predictions(calibrated, 512, 32, 0.5)
+    assert after == pytest.approx(measured)
+    assert calibrated.decode_step_seconds(8, 900) == pytest.approx(plain.decode_step_seconds(8, 900) + 0.004)
+    sim, sim_plain = MeasuredModel(calibrated), MeasuredModel(plain)
+    assert sim.link_s(1e6) == pytest.approx(sim_plain.link_s(1e6) + 0.03)
+    prefill_only = [Chunk(256, 256)]
+    assert sim.step_s(prefill_only) == pytest.approx(sim_plain.step_s(prefill_only) + 0.004)
+    mixed = [Chunk(1, 700), Chunk(64, 300)]
+    assert sim.step_s(mixed) == pytest.approx(sim_plain.step_s(mixed) + 0.004)     # once a step
+    faster = {"tpot_s": after["tpot_s"] - 0.010, "ttft_s": after["ttft_s"] - 0.010}
+    assert fixed_costs(data["calibration"], after, faster) == pytest.approx({"decode": 1.2, "step_s": 0.0,
+                                                                             "handoff_s": 0.02})
+
+
 def test_the_autoscaler_and_placement_ask_the_same_live_model():
     cfg = config()
     live = live_model(cfg, MeasuredPerformance(synthetic()))
