@@ -2,7 +2,8 @@
 
 On the trained `pydoc` model, one engine (what one decode actor runs), for each workload, batch
 size and temperature: the same requests decoded with `speculative.method` off and with each
-method asked for, in one run, printed as a table (markdown with --markdown).
+method asked for (`ngram`; `draft` with the trained `pydoc-draft`), in one run, printed as a
+table (markdown with --markdown).
 
 Workloads (from the model's held-out passages, never trained on):
 - `heldout`: the first 128 tokens of a passage; the model continues it.
@@ -14,8 +15,9 @@ over the time since then (prefill excluded). Each figure is the best of `--repea
 methods interleaved run by run (on a shared machine the best run is the least disturbed one);
 torch runs `--threads` threads (1 by default: the tiny model's fastest, and fair to neighbours).
 
-    pdserve bench spec [--batches 1,8,32] [--temperatures 0,0.7] [--methods ngram] [--max-tokens 64]
-                       [--num-tokens 4] [--repeats 3] [--threads 1] [--json FILE] [--markdown FILE]
+    pdserve bench spec [--batches 1,8,32] [--temperatures 0,0.7] [--methods ngram,draft]
+                       [--draft-model pydoc-draft] [--max-tokens 64] [--num-tokens 4] [--repeats 3]
+                       [--threads 1] [--json FILE] [--markdown FILE]
 """
 from __future__ import annotations
 
@@ -62,12 +64,12 @@ def decode_rate(engine: Engine, prompts: list[list[int]], params: SamplingParams
 
 
 def measure(batches=(1, 8, 32), temperatures=(0.0, 0.7), methods=("ngram",), max_tokens: int = 64,
-            num_tokens: int = 4, model: str = "pydoc", repeats: int = 3) -> list[dict]:
+            num_tokens: int = 4, model: str = "pydoc", repeats: int = 3, draft_model: str = "pydoc-draft"
+            ) -> list[dict]:
     from bench.train.passages import load_passages
     passages = load_passages(TRAINED[model] if model in TRAINED else model)
-    engines = {m: Engine(EngineArgs(model, dtype="float32", num_blocks=2048,
-                                    speculative=SpecConfig(m, num_tokens=num_tokens)))
-               for m in ("off", *methods)}
+    engines = {m: Engine(EngineArgs(model, dtype="float32", num_blocks=2048, speculative=SpecConfig(
+        m, num_tokens=num_tokens, draft_model=draft_model if m == "draft" else None))) for m in ("off", *methods)}
     rows = []
     for name, prompts in workloads(passages).items():
         for batch in batches:
@@ -90,6 +92,32 @@ def measure(batches=(1, 8, 32), temperatures=(0.0, 0.7), methods=("ngram",), max
     return rows
 
 
+def draft_handoff_cost(model: str = "pydoc", draft_model: str = "pydoc-draft", repeats: int = 20) -> dict:
+    """What the draft's prompt KV costs a decode actor: prefilling it there (median seconds for a
+    `PROMPT_TOKENS`-token prompt, beside the target's own prefill) against shipping it (bytes per token)."""
+    from bench.train.passages import load_passages
+    engine = Engine(EngineArgs(model, dtype="float32", num_blocks=64,
+                               speculative=SpecConfig("draft", draft_model=draft_model)))
+    draft = engine.speculator.draft
+    prompts = [p[:PROMPT_TOKENS] for p in load_passages(TRAINED[model] if model in TRAINED else model)[:repeats]]
+    blocks = -(-PROMPT_TOKENS // engine.block_size)
+    draft_table, target_table = draft.block_manager.allocate(blocks), engine.block_manager.allocate(blocks)
+
+    def median(fn) -> float:
+        times = []
+        for p in prompts:
+            t0 = time.perf_counter()
+            fn(p)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+    return {"prompt_tokens": PROMPT_TOKENS,
+            "draft_prefill_s": median(lambda p: draft._forward(p, [(0, len(p), draft_table)])),
+            "target_prefill_s": median(lambda p: engine.runner.score(p, target_table)),
+            "draft_kv_bytes_per_token":
+                draft.kv_cache[:, 0].numel() * draft.kv_cache.element_size() // engine.block_size,
+            "target_kv_bytes_per_token": engine.kv_bytes_per_block // engine.block_size}
+
+
 def markdown(rows: list[dict], methods) -> str:
     head = "| workload | batch | temperature | off tok/s | " + " | ".join(
         f"{m} tok/s | {m} acceptance | {m} speedup" for m in methods) + " |"
@@ -107,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="pydoc")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--temperatures", default="0,0.7")
-    p.add_argument("--methods", default="ngram")
+    p.add_argument("--methods", default="ngram,draft")
+    p.add_argument("--draft-model", default="pydoc-draft", help="the draft method's model")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-tokens", type=int, default=4, help="k: most tokens proposed per sequence and step")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure (the best is kept)")
@@ -119,8 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     methods = tuple(args.methods.split(","))
     rows = measure(tuple(int(b) for b in args.batches.split(",")),
                    tuple(float(t) for t in args.temperatures.split(",")), methods, args.max_tokens,
-                   args.num_tokens, args.model, args.repeats)
+                   args.num_tokens, args.model, args.repeats, args.draft_model)
     table = markdown(rows, methods)
+    if "draft" in methods:
+        cost = draft_handoff_cost(args.model, args.draft_model)
+        rows.append({"draft_handoff": cost})
+        table += (f"\nThe draft's prompt KV on the decode actor ({cost['prompt_tokens']}-token prompt): prefilled "
+                  f"there in {cost['draft_prefill_s'] * 1e3:.2f} ms (median; the target's own prefill: "
+                  f"{cost['target_prefill_s'] * 1e3:.2f} ms), or shipped at {cost['draft_kv_bytes_per_token']} "
+                  f"bytes per token beside the target's {cost['target_kv_bytes_per_token']}.\n")
     print(table)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

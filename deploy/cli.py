@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=_config_help("kv_transfer.compression", "KV block encoding on the wire"))
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"],
                    help=_config_help("kv_cache.dtype", "how the KV cache stores K and V"))
-    p.add_argument("--speculative-method", choices=["off", "ngram"],
+    p.add_argument("--speculative-method", choices=["off", "ngram", "draft"],
                    help=_config_help("speculative.method", "speculative decoding on decode and colocated actors"))
     p.add_argument("--address", help=_config_help("ray.address", "Ray address to join (e.g. auto); none: a local "
                                                   "Ray on 127.0.0.1"))

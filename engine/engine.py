@@ -58,6 +58,7 @@ from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import child_seed, sample, token_logprobs
 from engine.scheduling.request import Completion, Request, RequestOutput, RequestStatus
 from engine.scheduling.scheduler import Scheduler
+from engine.spec.draft import DraftModel
 from engine.spec.speculator import Speculator
 from engine.spec.verify import accept
 
@@ -197,7 +198,16 @@ class Engine:
         if args.speculative.enabled and self.kv_format.kind == "fp8":
             # an fp8 block's scale follows every row written to it, rejected proposals included
             raise ValueError("speculative.method: cannot run with kv_cache_dtype fp8 (use int8 or auto)")
-        self.speculator = Speculator(args.speculative) if args.speculative.enabled else None
+        self.speculator = None
+        if args.speculative.enabled:
+            spec = args.speculative
+            spec.validate()
+            draft = None
+            if spec.method == "draft":
+                from engine.model.presets import resolve_model
+                draft = DraftModel(resolve_model(spec.draft_model), self.model_dir, self.vocab_size, self.device,
+                                   self.dtype, block_size, num_blocks, self.max_model_len)
+            self.speculator = Speculator(spec, draft)
         self.requests: dict[str, Request] = {}
         self._grammars: GrammarCompiler | None = None     # made by the first request with structured output
 
@@ -576,6 +586,8 @@ class Engine:
     def _finish(self, seq: Request) -> None:
         """A sequence ended: its blocks go back; the request leaves once all its sequences ended."""
         self.scheduler.remove(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         if seq.block_table:
             self.block_manager.free(seq.block_table)
             seq.block_table = []
@@ -589,6 +601,8 @@ class Engine:
             self.onboarding.cancel(root)
         for seq in root.sequences or [root]:
             self.scheduler.remove(seq)
+            if self.speculator is not None:
+                self.speculator.release(seq)
             if seq.block_table:
                 self.block_manager.free(seq.block_table)
                 seq.block_table = []

@@ -17,7 +17,8 @@ models, unknown keys forbidden)::
         decode, long_context: DecodePoolSection         + max_batch_size
       kv_cache: KVCacheSection          kv_cache.py     block_size, memory_fraction | num_blocks | memory_gib
       kv_transfer: KVTransferSection    kv_transfer.py  transport, compression, chunk_bytes, deadline_s
-      speculative: SpeculativeSection   speculative.py  method, num_tokens, ngram {min, max}, adaptive
+      speculative: SpeculativeSection   speculative.py  method, num_tokens, ngram {min, max}, draft {model,
+                                                        num_tokens}, adaptive
       routing: RoutingSection           routing.py      mode, local_prefill_tokens, long_request_tokens, max_queue,
                                                         prefill_policy, decode_policy
       slo: SLOSection                   slo.py          ttft_p99_ms, tpot_p99_ms

@@ -22,9 +22,9 @@ from typing import Annotated, Any
 from pydantic import (AllowInfNan, BaseModel, BeforeValidator, ConfigDict, ValidationError,
                       ValidationInfo)
 
-PRESET_MODELS = ("pydoc", "tiny", "small")
+PRESET_MODELS = ("pydoc", "pydoc-draft", "tiny", "small")
 """Model names served from the embedded models instead of a directory: the trained `pydoc`
-(engine/weights/pydoc) and the random-weight presets."""
+(engine/weights/pydoc), its speculative draft `pydoc-draft` and the random-weight presets."""
 MIB = 1 << 20
 GIB = 1 << 30
 

@@ -30,7 +30,8 @@ from deploy.config.workload import WorkloadSection
 
 DEPLOY_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG_PATH = os.path.join(DEPLOY_DIR, "pools.yaml")
-PATH_KEYS = ("model.name", "pools.*.model", "workload.histogram_file", "security.tls_cert",
+PATH_KEYS = ("model.name", "pools.*.model", "speculative.draft.model", "workload.histogram_file",
+             "security.tls_cert",
              "security.tls_key", "security.tls_client_ca", "security.internal_tls_cert",
              "security.internal_tls_key", "security.internal_tls_ca")
 """Keys whose values are file paths (made absolute when given as overrides)."""

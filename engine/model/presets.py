@@ -33,6 +33,8 @@ PRESET_VERSION = "v3"                     # v3: tokenizer_config.json has a chat
 
 TRAINED: dict[str, str] = {
     "pydoc": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "weights", "pydoc"),
+    # pydoc's speculative draft: the same tokenizer, 0.36 M parameters (engine/weights/pydoc-draft/README.md)
+    "pydoc-draft": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "weights", "pydoc-draft"),
 }
 """Trained models committed with the repository: name → directory (returned as is)."""
 

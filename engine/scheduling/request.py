@@ -75,7 +75,7 @@ class Request:
     # n-gram proposals, a point mass). Empty between steps.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: object | None = None
-    spec_index: object | None = None           # the proposer's state for this sequence (engine/spec/ngram.py)
+    spec_state: object | None = None           # the proposer's state for this sequence (engine/spec: ngram, draft)
     num_spec_proposed: int = 0                 # draft tokens this sequence had verified, over its life
     num_spec_accepted: int = 0                 # of those, accepted
 

@@ -5,20 +5,25 @@ turn-down, capped by what its max_tokens leaves); the scheduler fits as many as 
 the runner computes them after the sequence's last token; the engine `accept`s a prefix
 (engine/spec/verify.py) and the scheduler `settle`s the KV (rejected tokens' blocks freed).
 Sequences with a grammar (structured output) and prefill-only ones are never proposed for.
+Proposals come from the sequence's own tokens (`ngram`) or from a draft model (`draft`,
+engine/spec/draft.py), which also holds KV blocks per sequence until `release`.
 """
 from __future__ import annotations
 
 from engine.scheduling.request import Request, RequestStatus
+from engine.spec.draft import DraftModel
 from engine.spec.config import SpecConfig
 from engine.spec.ngram import NgramIndex
 from engine.spec.turn_down import TurnDown
 
 
 class Speculator:
-    def __init__(self, config: SpecConfig):
+    def __init__(self, config: SpecConfig, draft: DraftModel | None = None):
         config.validate()
+        assert (config.method == "draft") == (draft is not None)
         self.config = config
-        self.turn_down = TurnDown(config.num_tokens, config.adaptive)
+        self.draft = draft
+        self.turn_down = TurnDown(config.k, config.adaptive)
         self.num_proposed = 0        # draft tokens verified, over the engine's life
         self.num_accepted = 0        # of those, accepted
         self.num_steps_off = 0       # steps with sequences decoding where the turn-down chose k = 0
@@ -36,11 +41,19 @@ class Speculator:
         if seqs and k == 0:
             self.num_steps_off += 1
         cfg = self.config
-        for req in seqs:
-            room = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)   # the step adds one more
-            if req.spec_index is None:
-                req.spec_index = NgramIndex(cfg.ngram_min, cfg.ngram_max)
-            req.spec_token_ids = req.spec_index.propose(req.all_token_ids, room)
+        rooms = [min(k, req.params.max_tokens - len(req.output_token_ids) - 1) for req in seqs]  # +1 per step
+        if self.draft is not None:
+            self.draft.propose(seqs, rooms)
+            return
+        for req, room in zip(seqs, rooms):
+            if req.spec_state is None:
+                req.spec_state = NgramIndex(cfg.ngram_min, cfg.ngram_max)
+            req.spec_token_ids = req.spec_state.propose(req.all_token_ids, room)
+
+    def release(self, req: Request) -> None:
+        """The sequence ended: what the proposer holds for it goes back."""
+        if self.draft is not None:
+            self.draft.release(req)
 
     def verified(self, req: Request, num_proposed: int, num_accepted: int) -> None:
         req.num_spec_proposed += num_proposed

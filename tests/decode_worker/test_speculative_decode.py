@@ -91,3 +91,27 @@ def test_colocated_worker_greedy_equals_the_engine_without_speculation(tiny_mode
         wait_blocks_returned(worker.engine)
     finally:
         worker.stop()
+
+
+def test_a_draft_model_on_the_decode_actor_prefills_its_draft_after_the_handoff(tiny_model_dir, reference):
+    """Only the target's KV crosses the handoff; the decode actor's draft (here the target itself, so every
+    proposal stands) computes the prompt on its own before its first proposals."""
+    prompts = _looping_prompts(3, seed=4)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    draft = SpecConfig("draft", num_tokens=3, adaptive=False, draft_model=tiny_model_dir)
+    prefill, decode, _ = worker_pair(tiny_model_dir, speculative=draft)
+    try:
+        c = Collector(expected=len(prompts))
+        for i, p in enumerate(prompts):
+            job = prefill_job(f"d{i}", p, params, decode.endpoint)
+            decode.submit(decode_job(f"d{i}", p, params, transfer_id=job.transfer_id), c.sink(f"d{i}"))
+            prefill.submit(job, lambda r: None)
+        assert c.done.wait(120)
+        assert [c.tokens(f"d{i}") for i in range(3)] == reference(prompts, params)
+        spec = decode.engine.speculator
+        assert spec.num_accepted == spec.num_proposed > 0
+        wait_blocks_returned(prefill.engine, decode.engine)
+        spec.draft.block_manager.check_no_leaks()
+    finally:
+        prefill.stop()
+        decode.stop()

@@ -37,7 +37,7 @@ BAD_CONFIGS = [
      "pools.decode.model",
      "all pools must serve the same model (pools.prefill: 'small', pools.decode: 'tiny')"),
     ("unknown-model", "model: {name: no-such-model}\n", "model.name",
-     "'no-such-model' is neither a preset (pydoc, tiny, small) nor a model directory"),
+     "'no-such-model' is neither a preset (pydoc, pydoc-draft, tiny, small) nor a model directory"),
     ("bad-enum-transport", "kv_transfer: {transport: udp}\n", "kv_transfer.transport",
      "unknown value 'udp' (allowed: grpc, tcp, torch, ray, nixl)"),
     ("bad-enum-compression", "kv_transfer: {compression: int4}\n", "kv_transfer.compression",

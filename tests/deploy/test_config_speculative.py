@@ -20,6 +20,13 @@ def test_default_is_off_and_ngram_reaches_decode_and_colocated_actors_only():
     assert engine_args(cfg, "prefill", model_dir).speculative.enabled is False
 
 
+def test_the_draft_method_names_its_model():
+    cfg = load_config(None, {"speculative.method": "draft", "speculative.draft.model": "pydoc-draft",
+                             "speculative.draft.num_tokens": 3})
+    spec = engine_args(cfg, "decode", resolve_model("pydoc")).speculative
+    assert (spec.method, spec.draft_model, spec.k) == ("draft", "pydoc-draft", 3)
+
+
 def test_a_bare_off_means_the_method_off():
     key, value = parse_override("speculative.method=off")
     assert load_config(None, {key: value}).speculative.method == "off"
@@ -32,6 +39,9 @@ def test_a_bare_off_means_the_method_off():
     ({"speculative.ngram.min": 4, "speculative.ngram.max": 2},
      "speculative.ngram.max: must be >= speculative.ngram.min"),
     ({"speculative.ngram.size": 2}, "speculative.ngram.size: unknown key"),
+    ({"speculative.method": "draft"}, "speculative.draft.model: required with speculative.method draft"),
+    ({"speculative.method": "draft", "speculative.draft.model": "/nonexistent"}, "speculative.draft.model:"),
+    ({"speculative.draft.num_tokens": 0}, "speculative.draft.num_tokens: must be >= 1"),
     ({"speculative.method": "ngram", "kv_cache.dtype": "fp8"},
      "speculative.method: cannot run with kv_cache.dtype fp8"),
 ])
