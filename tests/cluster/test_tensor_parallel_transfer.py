@@ -8,9 +8,12 @@ import threading
 import time
 
 import pytest
+import ray
 
 from engine import SamplingParams
+from engine.kv_cache.block_manager import prompt_block_hashes
 from engine.parallel.group import free_port
+from proto.pdserve.v1 import worker_pb2 as wpb
 from router.client import generate
 
 from cluster_helpers import ClusterThread, cluster_config, prompts_and_params, wait_blocks_free
@@ -22,6 +25,14 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def workload(reference):
     prompts, _ = prompts_and_params(N, seed=43, max_len=120)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return prompts, reference(prompts, [params] * N)
+
+
+@pytest.fixture(scope="module")
+def second_turn(reference, workload):
+    """The first prompts, extended: the decode actor holds their leading blocks, the rest ships."""
+    prompts = [p + p[:20] for p in workload[0]]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return prompts, reference(prompts, [params] * N)
 
@@ -50,12 +61,14 @@ def _counter(metric) -> float:
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp,transport", [(2, 1, "tcp"), (1, 2, "grpc"), (2, 2, "torch")])
-def test_tokens_across_degrees_equal_one_rank(ray_local, tiny_model_dir, workload, prefill_tp, decode_tp, transport):
+def test_tokens_across_degrees_equal_one_rank(ray_local, tiny_model_dir, workload, second_turn, prefill_tp, decode_tp,
+                                              transport):
+    """Then a second turn: decode-side prefix reuse ships only the blocks past what the decode actor holds."""
     prompts, expected = workload
     cfg = cluster_config(tiny_model_dir, transport=transport, extra={
         "pools.prefill.tensor_parallel": prefill_tp, "pools.decode.tensor_parallel": decode_tp,
         "kv_cache.num_blocks": 256, "pools.prefill.resources.num_cpus": 0.25, "pools.decode.resources.num_cpus": 0.25,
-        "server.metrics_port": free_port()})
+        "server.metrics_port": free_port(), "routing.local_prefill_tokens": 0})
     c = ClusterThread(cfg)
     try:
         groups = c.cluster.factory.rank_groups
@@ -66,6 +79,17 @@ def test_tokens_across_degrees_equal_one_rank(ray_local, tiny_model_dir, workloa
         metrics = c.cluster.backend.metrics
         assert _counter(metrics.local_prefills) == 0 and _counter(metrics.transfer_failures) == 0
         assert _counter(metrics.kv_bytes) > 0
+        stats = wait_blocks_free(c.address, timeout=20)
+        assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
+
+        decode = c.cluster.backend.pools.decode[0].client.handle
+        query = wpb.PrefixQuery(block_hashes=prompt_block_hashes(second_turn[0][0], cfg.kv_cache.block_size))
+        held = wpb.PrefixHits.FromString(ray.get(decode.cached_prefix.remote(query.SerializeToString())))
+        assert held.num_cached_blocks > 0                          # what the router's query will skip
+        shipped = _counter(metrics.kv_bytes)
+        results = _generate_all(c.address, second_turn[0])
+        assert [results[i] for i in range(N)] == second_turn[1]
+        assert _counter(metrics.local_prefills) == 0 and _counter(metrics.kv_bytes) > shipped
         stats = wait_blocks_free(c.address, timeout=20)
         assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
     finally:
@@ -79,7 +103,6 @@ def test_a_rank_killed_mid_decode_migrates_its_requests(ray_local, tiny_model_di
     import os
     import signal
 
-    import ray
     prompts, expected = workload
     cfg = cluster_config(tiny_model_dir, transport="tcp", n_decode=2, extra={
         "pools.prefill.tensor_parallel": 2, "pools.decode.tensor_parallel": 2, "kv_cache.num_blocks": 256,
