@@ -1,5 +1,6 @@
 """Speculative decoding through the whole cluster (Ray actors, the router's gRPC door): disaggregated
-(the decode actor speculates after the KV handoff) and colocated, every greedy stream equals the
+(the decode actor speculates after the KV handoff) and colocated, prompt lookup and a draft model
+(the tiny model drafting for itself, prefilled on the decode actor), every greedy stream equals the
 engine without speculation, and each request's log line carries its proposed / accepted counts."""
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from engine import SamplingParams
 from router.client import generate
 
 MAX_TOKENS = 24
-SPEC = {"speculative.method": "ngram", "speculative.adaptive": False}
+SPEC = {"speculative.adaptive": False}
 
 
 def _looping_prompts(n: int) -> list[list[int]]:
@@ -36,12 +37,17 @@ def _stream(address: str, prompt: list[int]) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_greedy_streams_equal_the_engine_without_speculation(ray_local, tiny_model_dir, reference, caplog, mode):
+@pytest.mark.parametrize("mode, method", [("disaggregated", "ngram"), ("colocated", "ngram"),
+                                          ("disaggregated", "draft")])
+def test_greedy_streams_equal_the_engine_without_speculation(ray_local, tiny_model_dir, reference, caplog, mode,
+                                                            method):
     caplog.set_level(logging.INFO, logger="pdserve.router")
     prompts = _looping_prompts(4)
     expected = reference(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    cfg = cluster_config(tiny_model_dir, "grpc", "none", 1, 1, mode=mode, local_prefill_tokens=0, extra=SPEC)
+    extra = {**SPEC, "speculative.method": method}
+    if method == "draft":
+        extra["speculative.draft.model"] = tiny_model_dir
+    cfg = cluster_config(tiny_model_dir, "grpc", "none", 1, 1, mode=mode, local_prefill_tokens=0, extra=extra)
     c = ClusterThread(cfg)
     try:
         with ThreadPoolExecutor(4) as pool:                 # in flight together: speculation in a batch
