@@ -154,7 +154,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from deploy.plan_cli import run_plan
-    return run_plan(args.cfg, as_json=args.json, profile_path=args.profile, local=args.local)
+    from deploy.plan_cli import ParallelismSearch
+    search = None
+    if args.devices is not None:
+        search = ParallelismSearch(args.devices, tuple(int(d) for d in args.tp.split(",")), args.allreduce_us,
+                                   args.allreduce_gbps)
+    return run_plan(args.cfg, as_json=args.json, profile_path=args.profile, local=args.local, search=search)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -230,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "plan":
             p.add_argument("--json", action="store_true")
             p.add_argument("--profile", help="profile file (default: profile this machine first)")
+            p.add_argument("--devices", type=int, help="search each pool's tensor-parallel degree and count "
+                           "within this many devices (DistServe-style: most goodput per device meeting the SLOs)")
+            p.add_argument("--tp", default="1,2,4", help="degrees to try with --devices (default 1,2,4)")
+            p.add_argument("--allreduce-us", type=float, default=30.0,
+                           help="latency of one all-reduce among a degree's ranks, µs (default 30)")
+            p.add_argument("--allreduce-gbps", type=float, default=100.0,
+                           help="all-reduce bandwidth among a degree's ranks, GB/s (default 100)")
         else:
             p.add_argument("--out", help="where to save the profile (default: the config's cached profile)")
         p.add_argument("--local", action="store_true",

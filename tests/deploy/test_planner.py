@@ -99,3 +99,45 @@ def test_tp_speedup_splits_compute_and_adds_the_collectives():
     assert tp_speedup(1.0, 2, 0.0) == 2.0               # compute alone: linear in the degree
     assert tp_speedup(1.0, 2, 0.5) == 1.0               # all-reduces as long as the saved half: no gain
     assert tp_speedup(0.8, 4, 0.05) == 0.8 / (0.2 + 0.05)
+
+
+def test_degree_model_splits_compute_and_adds_two_all_reduces_per_layer():
+    from deploy.planner import AllReduce, DegreeModel
+    p = Profile(synthetic(step=lambda b, c: 0.01 + 0.001 * b))
+    ar = {2: AllReduce(latency_s=1e-4, bytes_per_s=1e9)}
+    m = DegreeModel(p, 2, 2, ar)
+    collective = lambda tokens: 2 * COSTS.num_layers * (1e-4 + tokens * 256 * 4 / 1e9)     # noqa: E731
+    assert m.prefill_seconds(512) == pytest.approx(p.prefill_seconds(512) / 2 + collective(512))
+    assert m.decode_step_seconds(8, 500) == pytest.approx(p.decode_step_seconds(8, 500) / 2 + collective(8))
+    assert m.prefill_capacity(512) == pytest.approx(
+        p.prefill_capacity(512) * p.prefill_seconds(512) / m.prefill_seconds(512))
+    assert DegreeModel(p, 1, 1, ar).decode_step_seconds(8, 500) == p.decode_step_seconds(8, 500)
+
+
+def test_search_picks_the_most_goodput_per_device_meeting_both_slos():
+    """At degree 1 the TTFT SLO leaves prefill under the least useful utilization: only prefill degree 2
+    serves. The decode degree
+    whose all-reduces cost more than they save loses to degree 1."""
+    from deploy.planner import AllReduce, search_parallelism
+    p = Profile(synthetic(step=lambda b, c: 0.01 + 0.001 * b))
+    t_p = COSTS.prefill_flops(512) / 1e10
+    w, slo = Workload(512, 128, 4.0), SLO(ttft_s=6 * t_p, tpot_s=0.05)   # degree 1: too little utilization
+    ar = {2: AllReduce(latency_s=1e-3, bytes_per_s=1e9)}
+    found = search_parallelism(p, w, slo, LIMITS, devices=8, degrees=[1, 2], allreduce=ar)
+    assert found and all(c.prefill_degree == 2 for c in found)           # degree 1 cannot meet the TTFT SLO
+    best, runner_up = found[0], found[1]
+    assert best.devices <= 8 and best.n_prefill * 2 + best.n_decode * best.decode_degree == best.devices
+    assert best.goodput_per_device >= runner_up.goodput_per_device
+    for c in found:                                                      # the carried rate is the slower pool's
+        per_p = c.plan.prefill["tokens_per_s_per_actor"] / 512
+        per_d = c.plan.decode["utilization"] * c.plan.decode["tokens_per_s_per_actor"] / 128
+        assert c.goodput_rps == pytest.approx(min(c.n_prefill * per_p, c.n_decode * per_d))
+    assert best.decode_degree == 1       # 16 all-reduces of 1 ms per step outweigh half of a ~50 ms step
+
+
+def test_search_finds_nothing_when_no_degree_meets_the_slo():
+    from deploy.planner import AllReduce, search_parallelism
+    p = Profile(synthetic(step=lambda b, c: 0.01 + 0.001 * b))
+    slo = SLO(ttft_s=1e-6, tpot_s=0.05)
+    assert search_parallelism(p, Workload(512, 128, 4.0), slo, LIMITS, 8, [1, 2],
+                              {2: AllReduce(1e-5, 1e10)}) == []
