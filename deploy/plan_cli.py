@@ -106,10 +106,20 @@ def search_for(cfg: PDServeConfig, profile: dict, search: ParallelismSearch) -> 
                               search.allreduce(), network_for(cfg, measured, args.block_size, mcfg.head_dim))
 
 
-def format_search(found: list[Parallelism], search: ParallelismSearch) -> str:
+def measured_degrees(profile: dict, search: ParallelismSearch) -> dict[str, list[int]]:
+    """Per pool, the degrees tried whose times come from the profile's points (the rest are predicted)."""
+    measured = MeasuredPerformance(profile)
+    return {pool: [d for d in search.degrees if d in measured.degrees(pool)] for pool in ("prefill", "decode")}
+
+
+def format_search(found: list[Parallelism], search: ParallelismSearch,
+                  measured: dict[str, list[int]] | None = None) -> str:
+    measured = measured or {"prefill": [1], "decode": [1]}
     lines = [f"Parallelism within {search.devices} devices (degrees tried: "
              f"{', '.join(map(str, search.degrees))}; all-reduce {search.allreduce_us:g} µs + bytes / "
              f"{search.allreduce_gbps:g} GB/s, --allreduce-us / --allreduce-gbps)"]
+    lines += [f"  {pool} measured at TP {', '.join(map(str, degrees)) or 'none'}; other degrees predicted "
+              f"from TP 1 (pdserve profile --tp measures them)" for pool, degrees in measured.items()]
     if not found:
         return "\n".join(lines + ["  no degree and count meets both SLOs within the devices"])
     for label, c in zip(("chosen", "runner-up"), found):
@@ -128,14 +138,16 @@ def run_plan(cfg: PDServeConfig, as_json: bool = False, profile_path: str | None
         return 2
     if search is not None:
         found = search_for(cfg, profile, search)
+        measured = measured_degrees(profile, search)
         if as_json:
             print(json.dumps({"profile": source, "model": cfg.model.name, "devices": search.devices,
+                              "measured_degrees": measured,
                               "candidates": [{k: getattr(c, k) for k in ("prefill_degree", "n_prefill",
                                                                          "decode_degree", "n_decode", "devices",
                                                                          "goodput_rps", "goodput_per_device")}
                                              for c in found[:2]]}, indent=2))
         else:
-            print(format_search(found, search))
+            print(format_search(found, search, measured))
         return 0 if found else 1
     result = plan_for(cfg, profile)
     if as_json:

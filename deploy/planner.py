@@ -295,9 +295,11 @@ class AllReduce:
 
 
 class DegreeModel:
-    """A `PerformanceModel` at tensor-parallel degrees (prefill `prefill_degree`, decode `decode_degree`),
-    from the degree-1 measurements: a step's compute splits over the ranks and each step adds its
-    all-reduces (`tp_speedup`'s model); a decode actor's ranks hold `decode_degree` times the KV blocks."""
+    """A `PerformanceModel` at tensor-parallel degrees (prefill `prefill_degree`, decode `decode_degree`).
+    Where the profile measured a pool at its degree (`MeasuredPerformance.at_degree`) those points give its
+    times; otherwise they are predicted from the degree-1 measurements: a step's compute splits over the
+    ranks and each step adds its all-reduces (`tp_speedup`'s model). A decode actor's ranks hold
+    `decode_degree` times the KV blocks."""
 
     def __init__(self, base: PerformanceModel, prefill_degree: int, decode_degree: int,
                  allreduce: dict[int, AllReduce]):
@@ -305,6 +307,8 @@ class DegreeModel:
             allreduce
         costs = base.measured.costs
         self.num_layers, self.value_bytes = costs.num_layers, costs.hidden_size * costs.dtype_bytes
+        self.prefill_measured = base.measured.at_degree("prefill", prefill_degree) if prefill_degree > 1 else None
+        self.decode_measured = base.measured.at_degree("decode", decode_degree) if decode_degree > 1 else None
 
     @property
     def measured(self):
@@ -317,14 +321,20 @@ class DegreeModel:
         return 2 * self.num_layers * (a.latency_s + tokens * self.value_bytes / a.bytes_per_s)
 
     def prefill_seconds(self, prompt_len: float) -> float:
+        if self.prefill_measured is not None:
+            return self.prefill_measured.prefill_seconds(prompt_len)
         d = self.prefill_degree
         return self.base.prefill_seconds(prompt_len) / d + self.collective_seconds(d, prompt_len)
 
     def prefill_capacity(self, prompt_len: float) -> float:
+        if self.prefill_measured is not None:
+            return self.prefill_measured.prefill_capacity(prompt_len)
         speedup = self.base.prefill_seconds(prompt_len) / self.prefill_seconds(prompt_len)
         return self.base.prefill_capacity(prompt_len) * speedup
 
     def decode_step_seconds(self, batch: float, context: float) -> float:
+        if self.decode_measured is not None:
+            return self.decode_measured.decode_step_seconds(batch, context)
         d = self.decode_degree
         return self.base.decode_step_seconds(batch, context) / d + self.collective_seconds(d, batch)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from profile_support import synthetic
+from profile_support import synthetic, with_degree
 
 
 def test_plan_cli_json_from_profile_file(tmp_path, tiny_model_dir, capsys):
@@ -40,3 +40,17 @@ def test_plan_devices_searches_parallelism_and_prints_the_runner_up(tmp_path, ti
     best = found[0]
     assert f"chosen   : prefill TP {best.prefill_degree} × {best.n_prefill}, decode TP {best.decode_degree}" in text
     assert "runner-up: prefill TP" in text
+
+
+def test_plan_devices_says_which_degrees_were_measured(tmp_path, tiny_model_dir, capsys):
+    from deploy.cli import main
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(with_degree(synthetic(), 2, pools=("decode",), step=lambda b, c: 0.004 + 0.0003 * b)))
+    flags = ["--model", tiny_model_dir, "--profile", str(path), "--set", "kv_cache.num_blocks=4096",
+             "--set", "workload.arrival_rate_rps=3", "--set", "slo.ttft_p99_ms=5000", "--devices", "6", "--tp", "1,2"]
+    assert main(["plan", *flags, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["measured_degrees"] == {"prefill": [1], "decode": [1, 2]}
+    assert main(["plan", *flags]) == 0
+    text = capsys.readouterr().out
+    assert "prefill measured at TP 1; other degrees predicted" in text
+    assert "decode measured at TP 1, 2; other degrees predicted" in text

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from profile_support import COSTS, synthetic
+from profile_support import COSTS, synthetic, with_degree
 
 from deploy.planner import SLO, Corrections, Limits, Workload, decode_batch, max_utilization, p99_ttft, plan
 from engine.performance import MeasuredPerformance as Profile
@@ -133,6 +133,46 @@ def test_search_picks_the_most_goodput_per_device_meeting_both_slos():
         per_d = c.plan.decode["utilization"] * c.plan.decode["tokens_per_s_per_actor"] / 128
         assert c.goodput_rps == pytest.approx(min(c.n_prefill * per_p, c.n_decode * per_d))
     assert best.decode_degree == 1       # 16 all-reduces of 1 ms per step outweigh half of a ~50 ms step
+
+
+def test_degree_model_uses_the_points_measured_at_a_degree_and_predicts_the_others():
+    from deploy.planner import AllReduce, DegreeModel
+    step1, step2 = (lambda b, c: 0.01 + 0.001 * b), (lambda b, c: 0.004 + 0.0003 * b)
+    p = Profile(with_degree(synthetic(step=step1), 2, flops_per_s=1.7e10, step=step2))
+    ar = {2: AllReduce(1e-4, 1e9), 4: AllReduce(1e-4, 1e9)}
+    m, predicted = DegreeModel(p, 2, 2, ar), DegreeModel(Profile(synthetic(step=step1)), 2, 2, ar)
+    assert m.prefill_seconds(512) == pytest.approx(COSTS.prefill_flops(512) / 1.7e10)
+    assert m.decode_step_seconds(8, 500) == pytest.approx(step2(8, 500))
+    assert m.prefill_capacity(512) == pytest.approx(512 / m.prefill_seconds(512))
+    assert predicted.prefill_seconds(512) != pytest.approx(m.prefill_seconds(512))
+    assert predicted.decode_step_seconds(8, 500) != pytest.approx(m.decode_step_seconds(8, 500))
+    at4 = DegreeModel(p, 4, 4, ar)                                       # degree 4 not measured: predicted
+    assert at4.decode_step_seconds(8, 500) == pytest.approx(DegreeModel(Profile(synthetic(step=step1)), 4, 4, ar)
+                                                            .decode_step_seconds(8, 500))
+    only_decode = Profile(with_degree(synthetic(step=step1), 2, pools=("decode",), step=step2))
+    assert only_decode.degrees("prefill") == [1] and only_decode.degrees("decode") == [1, 2]
+    mixed = DegreeModel(only_decode, 2, 2, ar)
+    assert mixed.prefill_seconds(512) == pytest.approx(predicted.prefill_seconds(512))
+    assert mixed.decode_step_seconds(8, 500) == pytest.approx(step2(8, 500))
+
+
+def test_search_plans_a_measured_degree_on_its_points():
+    """Decode measured at degree 2 steps in 4 + 0.3·B ms: within a 50 ms TPOT its batch is 153, where the
+    prediction (half of 10 + B ms plus 1 ms all-reduces per layer) allows far fewer."""
+    from deploy.planner import AllReduce, search_parallelism
+    step1, step2 = (lambda b, c: 0.01 + 0.001 * b), (lambda b, c: 0.004 + 0.0003 * b)
+    t_p = COSTS.prefill_flops(512) / 1e10
+    w, slo = Workload(512, 128, 4.0), SLO(ttft_s=6 * t_p, tpot_s=0.05)
+    ar = {2: AllReduce(latency_s=1e-3, bytes_per_s=1e9)}
+    measured = Profile(with_degree(synthetic(step=step1), 2, pools=("decode",), step=step2))
+    found = search_parallelism(measured, w, slo, LIMITS, devices=8, degrees=[1, 2], allreduce=ar)
+    predicted = search_parallelism(Profile(synthetic(step=step1)), w, slo, LIMITS, devices=8, degrees=[1, 2],
+                                   allreduce=ar)
+    tp2 = [c for c in found if c.decode_degree == 2]
+    assert tp2 and all(c.plan.decode["batch"] == 153 for c in tp2)     # 0.004 + 0.0003·153 = 0.0499
+    assert all(c.plan.decode["batch"] < 153 for c in predicted if c.decode_degree == 2)
+    assert max(c.goodput_per_device for c in tp2) > max(c.goodput_per_device for c in predicted
+                                                        if c.decode_degree == 2)
 
 
 def test_search_finds_nothing_when_no_degree_meets_the_slo():
