@@ -164,7 +164,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from deploy.plan_cli import run_profile
-    return run_profile(args.cfg, args.out, local=args.local)
+    try:
+        degrees = tuple(int(d) for d in args.tp.split(",") if d)
+    except ValueError:
+        print(f"error: --tp {args.tp}: a comma-separated list of degrees, e.g. 1,2", file=sys.stderr)
+        return 2
+    return run_profile(args.cfg, args.out, local=args.local, degrees=degrees)
 
 
 def _http_port(value: str) -> int | str:
@@ -244,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="all-reduce bandwidth among a degree's ranks, GB/s (default 100)")
         else:
             p.add_argument("--out", help="where to save the profile (default: the config's cached profile)")
+            p.add_argument("--tp", default="1", help="tensor-parallel degrees to measure both pools at (default "
+                           "1; e.g. 1,2: the planner uses measured degrees and predicts the others)")
         p.add_argument("--local", action="store_true",
                        help="measure in-process engines with the pools' settings instead of Ray actors")
         p.set_defaults(fn=fn)

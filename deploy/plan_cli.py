@@ -1,9 +1,10 @@
 """`pdserve profile` and `pdserve plan`.
 
-    pdserve profile [--config F] [--out FILE] [--local]
+    pdserve profile [--config F] [--out FILE] [--local] [--tp 1,2]
         Measure on one actor of each pool (Ray, the pools' resources); --local measures
-        in-process engines built from the same EngineArgs instead (no Ray). Saves the
-        profile to FILE, default the config's cached profile (see default_profile_path).
+        in-process engines built from the same EngineArgs instead (no Ray). --tp also measures
+        both pools at each further tensor-parallel degree (the planner then uses those points).
+        Saves the profile to FILE, default the config's cached profile (see default_profile_path).
     pdserve plan [--config F] [--model M] [--profile FILE] [--json] [--local]
                  [--devices N [--tp 1,2,4] [--allreduce-us U] [--allreduce-gbps G]]
         Size the pools from FILE, else the cached profile, else profile first (with progress).
@@ -29,17 +30,28 @@ from engine.performance import MeasuredPerformance
 from kv_transfer import wire_bytes_per_kv_byte
 
 
-def measure(cfg: PDServeConfig, local: bool = False, progress: bool = True) -> dict:
-    return profile_local(cfg, progress=progress) if local else profile_cluster(cfg, progress=progress)
+def measure(cfg: PDServeConfig, local: bool = False, progress: bool = True, degrees: tuple[int, ...] = (1,)) -> dict:
+    run = profile_local if local else profile_cluster
+    return run(cfg, progress=progress, degrees=degrees)
 
 
-def run_profile(cfg: PDServeConfig, out: str | None = None, local: bool = False) -> int:
-    profile = measure(cfg, local)
+def run_profile(cfg: PDServeConfig, out: str | None = None, local: bool = False,
+                degrees: tuple[int, ...] = (1,)) -> int:
+    try:
+        profile = measure(cfg, local, degrees=degrees)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     path = save_profile(profile, out or default_profile_path(cfg))
     p = MeasuredPerformance(profile)
     print(f"profile saved to {path}: peak prefill {p.peak_flops_per_s / 1e9:.1f} GFLOP/s, "
           f"peak decode {p.peak_bytes_per_s / 1e9:.2f} GB/s, {len(profile['prefill']['points'])} prefill + "
           f"{len(profile['decode']['points'])} decode points ({profile['source']})")
+    for degree in p.degrees("prefill")[1:]:
+        at = p.at_degree("prefill", degree)
+        decode = p.at_degree("decode", degree)
+        print(f"  TP {degree}: peak prefill {at.peak_flops_per_s / 1e9:.1f} GFLOP/s, "
+              f"peak decode {decode.peak_bytes_per_s / 1e9:.2f} GB/s")
     return 0
 
 
