@@ -33,7 +33,7 @@ def test_profile_cluster_measures_each_degree_on_rank_groups(ray_local, tiny_mod
     def released() -> bool:
         ranks = [a for a in state.actors().values() if a.get("Name", "").endswith("-rank1")]
         return all(g["state"] == "REMOVED" for g in placement_group_table().values()) and \
-            len(ranks) == 2 and all(a["State"] == "DEAD" for a in ranks)     # one per pool, both gone
+            len(ranks) >= 2 and all(a["State"] == "DEAD" for a in ranks)     # one per pool here, all gone
     end = time.monotonic() + 30
     while not released() and time.monotonic() < end:
         time.sleep(0.1)
