@@ -168,6 +168,7 @@ class ServingActor:
             if rank == 0:
                 return make_sender(transfer, layout, engine.device)
             return RemoteSender(self.ranks[rank - 1], transfer, layout, heads)
+        log.info("prefill actor %s: KV resharded by head from its %d ranks", self.actor_id, engine.tp.size)
         return ReshardedSender(self._rank_layouts(), [engine.kv_cache] + [None] * len(self.ranks), member)
 
     def _resharded_receiver(self, on_complete) -> ReshardedReceiver:
@@ -184,6 +185,8 @@ class ServingActor:
         self.resharded = ReshardedReceiver.open(
             reshard_plan(engine.config, source, engine.tp.size), source, self._rank_layouts(), engine.block_manager,
             member, on_complete, deadline_s=transfer.deadline_s, codec=transfer.codec)
+        log.info("decode actor %s: KV resharded by head from tensor_parallel %d: %d copy receivers on %d ranks",
+                 self.actor_id, source, len(self.resharded.members), engine.tp.size)
         return self.resharded
 
     async def allocate_transfer(self, transfer_id: str, num_blocks: int) -> list[int] | None:

@@ -155,12 +155,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from deploy.plan_cli import run_plan
-    return run_plan(args.cfg, as_json=args.json, profile_path=args.profile, local=args.local)
+    from deploy.plan_cli import ParallelismSearch
+    search = None
+    if args.devices is not None:
+        search = ParallelismSearch(args.devices, tuple(int(d) for d in args.tp.split(",")), args.allreduce_us,
+                                   args.allreduce_gbps)
+    return run_plan(args.cfg, as_json=args.json, profile_path=args.profile, local=args.local, search=search)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from deploy.plan_cli import run_profile
-    return run_profile(args.cfg, args.out, local=args.local)
+    try:
+        degrees = tuple(int(d) for d in args.tp.split(",") if d)
+    except ValueError:
+        print(f"error: --tp {args.tp}: a comma-separated list of degrees, e.g. 1,2", file=sys.stderr)
+        return 2
+    return run_profile(args.cfg, args.out, local=args.local, degrees=degrees)
 
 
 def _http_port(value: str) -> int | str:
@@ -233,8 +243,17 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "plan":
             p.add_argument("--json", action="store_true")
             p.add_argument("--profile", help="profile file (default: profile this machine first)")
+            p.add_argument("--devices", type=int, help="search each pool's tensor-parallel degree and count "
+                           "within this many devices (DistServe-style: most goodput per device meeting the SLOs)")
+            p.add_argument("--tp", default="1,2,4", help="degrees to try with --devices (default 1,2,4)")
+            p.add_argument("--allreduce-us", type=float, default=30.0,
+                           help="latency of one all-reduce among a degree's ranks, µs (default 30)")
+            p.add_argument("--allreduce-gbps", type=float, default=100.0,
+                           help="all-reduce bandwidth among a degree's ranks, GB/s (default 100)")
         else:
             p.add_argument("--out", help="where to save the profile (default: the config's cached profile)")
+            p.add_argument("--tp", default="1", help="tensor-parallel degrees to measure both pools at (default "
+                           "1; e.g. 1,2: the planner uses measured degrees and predicts the others)")
         p.add_argument("--local", action="store_true",
                        help="measure in-process engines with the pools' settings instead of Ray actors")
         p.set_defaults(fn=fn)

@@ -356,6 +356,11 @@ class ActorFactory:
         if group is not None:
             remove_placement_group(group)
 
+    def retire_groups(self) -> None:
+        """Kill the follower ranks of every tensor-parallel actor and free their placement groups."""
+        for actor_id in list(self.rank_groups):
+            self._retire_ranks(actor_id)
+
     def _name(self, actor_id: str) -> str:
         return f"pdserve-{actor_id}-{self.suffix}"
 

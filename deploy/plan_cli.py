@@ -1,21 +1,27 @@
 """`pdserve profile` and `pdserve plan`.
 
-    pdserve profile [--config F] [--out FILE] [--local]
+    pdserve profile [--config F] [--out FILE] [--local] [--tp 1,2]
         Measure on one actor of each pool (Ray, the pools' resources); --local measures
-        in-process engines built from the same EngineArgs instead (no Ray). Saves the
-        profile to FILE, default the config's cached profile (see default_profile_path).
+        in-process engines built from the same EngineArgs instead (no Ray). --tp also measures
+        both pools at each further tensor-parallel degree (the planner then uses those points).
+        Saves the profile to FILE, default the config's cached profile (see default_profile_path).
     pdserve plan [--config F] [--model M] [--profile FILE] [--json] [--local]
+                 [--devices N [--tp 1,2,4] [--allreduce-us U] [--allreduce-gbps G]]
         Size the pools from FILE, else the cached profile, else profile first (with progress).
+        With --devices: search the tensor-parallel degree and count of each pool within N devices
+        for the most goodput per device meeting the SLOs; print the choice and the runner-up.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 
 from deploy.config import PDServeConfig
 from deploy.launcher import engine_args
-from deploy.planner import Network, Plan, inputs_from_config, link_kv_bytes_per_s, plan
+from deploy.planner import (AllReduce, Network, Parallelism, Plan, inputs_from_config, link_kv_bytes_per_s, plan,
+                            search_parallelism)
 from deploy.profiler import (default_profile_path, load_profile, profile_cluster, profile_local,
                              save_profile)
 from engine.model.config import ModelConfig
@@ -24,17 +30,28 @@ from engine.performance import MeasuredPerformance
 from kv_transfer import wire_bytes_per_kv_byte
 
 
-def measure(cfg: PDServeConfig, local: bool = False, progress: bool = True) -> dict:
-    return profile_local(cfg, progress=progress) if local else profile_cluster(cfg, progress=progress)
+def measure(cfg: PDServeConfig, local: bool = False, progress: bool = True, degrees: tuple[int, ...] = (1,)) -> dict:
+    run = profile_local if local else profile_cluster
+    return run(cfg, progress=progress, degrees=degrees)
 
 
-def run_profile(cfg: PDServeConfig, out: str | None = None, local: bool = False) -> int:
-    profile = measure(cfg, local)
+def run_profile(cfg: PDServeConfig, out: str | None = None, local: bool = False,
+                degrees: tuple[int, ...] = (1,)) -> int:
+    try:
+        profile = measure(cfg, local, degrees=degrees)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     path = save_profile(profile, out or default_profile_path(cfg))
     p = MeasuredPerformance(profile)
     print(f"profile saved to {path}: peak prefill {p.peak_flops_per_s / 1e9:.1f} GFLOP/s, "
           f"peak decode {p.peak_bytes_per_s / 1e9:.2f} GB/s, {len(profile['prefill']['points'])} prefill + "
           f"{len(profile['decode']['points'])} decode points ({profile['source']})")
+    for degree in p.degrees("prefill")[1:]:
+        at = p.at_degree("prefill", degree)
+        decode = p.at_degree("decode", degree)
+        print(f"  TP {degree}: peak prefill {at.peak_flops_per_s / 1e9:.1f} GFLOP/s, "
+              f"peak decode {decode.peak_bytes_per_s / 1e9:.2f} GB/s")
     return 0
 
 
@@ -78,12 +95,72 @@ def obtain_profile(cfg: PDServeConfig, profile_path: str | None, local: bool = F
     return load_profile(save_profile(measure(cfg, local), path)), path
 
 
-def run_plan(cfg: PDServeConfig, as_json: bool = False, profile_path: str | None = None, local: bool = False) -> int:
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParallelismSearch:
+    """`pdserve plan --devices`: the device budget, the degrees tried, the all-reduce figure of each."""
+    devices: int
+    degrees: tuple[int, ...] = (1, 2, 4)
+    allreduce_us: float = 30.0
+    allreduce_gbps: float = 100.0
+
+    def allreduce(self) -> dict[int, AllReduce]:
+        return {d: AllReduce(self.allreduce_us * 1e-6, self.allreduce_gbps * 1e9) for d in self.degrees if d > 1}
+
+
+def search_for(cfg: PDServeConfig, profile: dict, search: ParallelismSearch) -> list[Parallelism]:
+    model_dir = resolve_model(cfg.model.name)
+    args = engine_args(cfg, "decode", model_dir)
+    mcfg = ModelConfig.from_dir(model_dir)
+    measured = MeasuredPerformance(profile)
+    degrees = [d for d in search.degrees if mcfg.num_attention_heads % d == 0 and
+               (mcfg.num_key_value_heads % d == 0 or d % mcfg.num_key_value_heads == 0)]
+    return search_parallelism(measured, *inputs_from_config(cfg, args.num_blocks), search.devices, degrees,
+                              search.allreduce(), network_for(cfg, measured, args.block_size, mcfg.head_dim))
+
+
+def measured_degrees(profile: dict, search: ParallelismSearch) -> dict[str, list[int]]:
+    """Per pool, the degrees tried whose times come from the profile's points (the rest are predicted)."""
+    measured = MeasuredPerformance(profile)
+    return {pool: [d for d in search.degrees if d in measured.degrees(pool)] for pool in ("prefill", "decode")}
+
+
+def format_search(found: list[Parallelism], search: ParallelismSearch,
+                  measured: dict[str, list[int]] | None = None) -> str:
+    measured = measured or {"prefill": [1], "decode": [1]}
+    lines = [f"Parallelism within {search.devices} devices (degrees tried: "
+             f"{', '.join(map(str, search.degrees))}; all-reduce {search.allreduce_us:g} µs + bytes / "
+             f"{search.allreduce_gbps:g} GB/s, --allreduce-us / --allreduce-gbps)"]
+    lines += [f"  {pool} measured at TP {', '.join(map(str, degrees)) or 'none'}; other degrees predicted "
+              f"from TP 1 (pdserve profile --tp measures them)" for pool, degrees in measured.items()]
+    if not found:
+        return "\n".join(lines + ["  no degree and count meets both SLOs within the devices"])
+    for label, c in zip(("chosen", "runner-up"), found):
+        lines.append(f"  {label:<9}: prefill TP {c.prefill_degree} × {c.n_prefill}, decode TP {c.decode_degree} × "
+                     f"{c.n_decode} = {c.devices} devices; {c.goodput_rps:.2f} req/s within the SLOs, "
+                     f"{c.goodput_per_device:.3f} req/s per device")
+    return "\n".join(lines)
+
+
+def run_plan(cfg: PDServeConfig, as_json: bool = False, profile_path: str | None = None, local: bool = False,
+             search: ParallelismSearch | None = None) -> int:
     try:
         profile, source = obtain_profile(cfg, profile_path, local)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if search is not None:
+        found = search_for(cfg, profile, search)
+        measured = measured_degrees(profile, search)
+        if as_json:
+            print(json.dumps({"profile": source, "model": cfg.model.name, "devices": search.devices,
+                              "measured_degrees": measured,
+                              "candidates": [{k: getattr(c, k) for k in ("prefill_degree", "n_prefill",
+                                                                         "decode_degree", "n_decode", "devices",
+                                                                         "goodput_rps", "goodput_per_device")}
+                                             for c in found[:2]]}, indent=2))
+        else:
+            print(format_search(found, search, measured))
+        return 0 if found else 1
     result = plan_for(cfg, profile)
     if as_json:
         print(json.dumps({"profile": source, "model": cfg.model.name, **result.to_dict()}, indent=2))

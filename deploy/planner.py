@@ -283,3 +283,98 @@ def tp_speedup(step_s: float, degree: float, collective_s: float) -> float:
     the ranks then pay `collective_s` per step in all-reduces (two per layer, not hidden behind compute);
     the replicated embedding and LM head are counted as split, a small optimism for small models."""
     return step_s / (step_s / degree + collective_s)
+
+
+# ---- parallelism per pool: DistServe's search over (TP_p, n_p, TP_d, n_d) --------------------------
+@dataclass(slots=True, frozen=True)
+class AllReduce:
+    """What one all-reduce of `n` bytes costs among the ranks of a degree: `latency_s + n / bytes_per_s`.
+    A tensor-parallel step runs two per layer (attention and MLP outputs) of tokens × hidden values."""
+    latency_s: float
+    bytes_per_s: float
+
+
+class DegreeModel:
+    """A `PerformanceModel` at tensor-parallel degrees (prefill `prefill_degree`, decode `decode_degree`).
+    Where the profile measured a pool at its degree (`MeasuredPerformance.at_degree`) those points give its
+    times; otherwise they are predicted from the degree-1 measurements: a step's compute splits over the
+    ranks and each step adds its all-reduces (`tp_speedup`'s model). A decode actor's ranks hold
+    `decode_degree` times the KV blocks."""
+
+    def __init__(self, base: PerformanceModel, prefill_degree: int, decode_degree: int,
+                 allreduce: dict[int, AllReduce]):
+        self.base, self.prefill_degree, self.decode_degree, self.allreduce = base, prefill_degree, decode_degree, \
+            allreduce
+        costs = base.measured.costs
+        self.num_layers, self.value_bytes = costs.num_layers, costs.hidden_size * costs.dtype_bytes
+        self.prefill_measured = base.measured.at_degree("prefill", prefill_degree) if prefill_degree > 1 else None
+        self.decode_measured = base.measured.at_degree("decode", decode_degree) if decode_degree > 1 else None
+
+    @property
+    def measured(self):
+        return self.base.measured
+
+    def collective_seconds(self, degree: int, tokens: float) -> float:
+        if degree == 1:
+            return 0.0
+        a = self.allreduce[degree]
+        return 2 * self.num_layers * (a.latency_s + tokens * self.value_bytes / a.bytes_per_s)
+
+    def prefill_seconds(self, prompt_len: float) -> float:
+        if self.prefill_measured is not None:
+            return self.prefill_measured.prefill_seconds(prompt_len)
+        d = self.prefill_degree
+        return self.base.prefill_seconds(prompt_len) / d + self.collective_seconds(d, prompt_len)
+
+    def prefill_capacity(self, prompt_len: float) -> float:
+        if self.prefill_measured is not None:
+            return self.prefill_measured.prefill_capacity(prompt_len)
+        speedup = self.base.prefill_seconds(prompt_len) / self.prefill_seconds(prompt_len)
+        return self.base.prefill_capacity(prompt_len) * speedup
+
+    def decode_step_seconds(self, batch: float, context: float) -> float:
+        if self.decode_measured is not None:
+            return self.decode_measured.decode_step_seconds(batch, context)
+        d = self.decode_degree
+        return self.base.decode_step_seconds(batch, context) / d + self.collective_seconds(d, batch)
+
+
+@dataclass(slots=True)
+class Parallelism:
+    """One candidate of the search: degrees, counts, the req/s they carry and per device."""
+    prefill_degree: int
+    n_prefill: int
+    decode_degree: int
+    n_decode: int
+    devices: int
+    goodput_rps: float              # req/s the actors carry within the SLOs (the link included)
+    plan: Plan
+
+    @property
+    def goodput_per_device(self) -> float:
+        return self.goodput_rps / self.devices
+
+
+def search_parallelism(model: PerformanceModel, workload: Workload, slo: SLO, limits: Limits, devices: int,
+                       degrees: list[int], allreduce: dict[int, AllReduce],
+                       network: Network | None = None) -> list[Parallelism]:
+    """Every (TP_p, n_p, TP_d, n_d) within `devices` whose prefill meets the TTFT SLO and decode the TPOT
+    SLO, best first: the most req/s carried per device used, then the most req/s. For a degree pair the
+    per-actor rates come from `plan` on the `DegreeModel`; the counts are every split of the devices
+    (at least one actor per pool)."""
+    found: list[Parallelism] = []
+    for tp_p in degrees:
+        for tp_d in degrees:
+            dl = Limits(limits.decode_kv_blocks * tp_d, limits.block_size, limits.max_batch_size)
+            p = plan(DegreeModel(model, tp_p, tp_d, allreduce), workload, slo, dl, network=network)
+            if not (p.decode["tpot_slo_met"] and p.prefill["ttft_slo_met"]):
+                continue
+            per_prefill = p.prefill["tokens_per_s_per_actor"] / workload.input_tokens
+            per_decode = p.decode["utilization"] * p.decode["tokens_per_s_per_actor"] / workload.output_tokens
+            link = p.rate_bounds.get("link", math.inf)
+            for n_p in range(1, (devices - tp_d) // tp_p + 1):
+                for n_d in range(1, (devices - n_p * tp_p) // tp_d + 1):
+                    rate = min(n_p * per_prefill, n_d * per_decode, link)
+                    found.append(Parallelism(tp_p, n_p, tp_d, n_d, n_p * tp_p + n_d * tp_d, rate, p))
+    found.sort(key=lambda c: (-c.goodput_per_device, -c.goodput_rps, c.devices))
+    return found

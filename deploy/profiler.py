@@ -18,7 +18,13 @@ A profile is a JSON file:
                  "points": [{prompt_len, batch, seconds, flops, flops_per_s}]},
      "decode":  {"engine": {...}, "points": [{batch, context, seconds, bytes, bytes_per_s, flops}]},
      "transfer": {transport, codec, kv_bytes, wire_bytes, seconds, kv_bytes_per_s} (or {..., error}),
+     "degrees": {"2": {"prefill": {"engine", "points"}, "decode": {...}}, ...}   (optional, --tp)
      "calibration": {"prefill": factor, "decode": factor}}      (optional, bench.serving.plan_check)
+
+The top-level prefill and decode points are the pools at tensor-parallel degree 1; ``"degrees"`` holds
+the same points measured with both pools at each further degree (`pdserve profile --tp 1,2`: one actor
+of N ranks, or locally rank 0 here and N - 1 follower processes). The planner's `DegreeModel` reads a
+measured degree from there and predicts the others from degree 1.
 
 `default_profile_path(cfg)` names the cached profile of a config (model, dtype, threads,
 KV budget, batch limits and workload lengths): `pdserve plan` reuses it, or profiles first.
@@ -26,12 +32,13 @@ KV budget, batch limits and workload lengths): `pdserve plan` reuses it, or prof
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from deploy.config import PDServeConfig
 from deploy.launcher import engine_args
@@ -122,27 +129,83 @@ def _assemble(source: str, engines: dict, results: dict) -> dict:
                for pool in ("prefill", "decode")}}
 
 
-def profile_local(cfg: PDServeConfig, points: dict | None = None, progress: bool = True) -> dict:
-    """Measure in-process engines built with each pool's EngineArgs (no Ray)."""
+def degree_config(cfg: PDServeConfig, degree: int) -> PDServeConfig:
+    """`cfg` with its prefill and decode pools at tensor-parallel `degree` (such actors keep their role)."""
+    if degree == 1:
+        return cfg
+    at = cfg.model_copy(deep=True)
+    at.pools.prefill.tensor_parallel = at.pools.decode.tensor_parallel = degree
+    at.routing.role_flips = "off"
+    return at
+
+
+def _follow(args) -> None:
     from engine import Engine
+    Engine(args).follow()
+
+
+def _local_engine(cfg: PDServeConfig, pool: str, model_dir: str, degree: int):
+    """(rank 0's engine here, the follower processes of ranks 1..) of `pool` at `degree`."""
+    import multiprocessing
+
+    from engine import Engine
+    from engine.parallel.group import free_port
+    args = engine_args(degree_config(cfg, degree), pool, model_dir)
+    if degree == 1:
+        return Engine(args), []
+    args = dataclasses.replace(args, tensor_parallel_address=f"127.0.0.1:{free_port()}")
+    ctx = multiprocessing.get_context("spawn")
+    peers = [ctx.Process(target=_follow, args=(dataclasses.replace(args, tensor_parallel_rank=rank),), daemon=True)
+             for rank in range(1, degree)]
+    for peer in peers:
+        peer.start()
+    return Engine(args), peers
+
+
+def _check_degrees(degrees: Sequence[int]) -> list[int]:
+    if not degrees or 1 not in degrees or any(d < 1 for d in degrees):
+        raise ValueError(f"--tp {','.join(map(str, degrees))}: tensor-parallel degrees must be positive and "
+                         "include 1 (the planner's base)")
+    return sorted(set(degrees))
+
+
+def profile_local(cfg: PDServeConfig, points: dict | None = None, progress: bool = True,
+                  degrees: Sequence[int] = (1,)) -> dict:
+    """Measure in-process engines built with each pool's EngineArgs (no Ray), at each of `degrees`."""
     from engine.profile import describe, run_point
+    degrees = _check_degrees(degrees)
     model_dir = resolve_model(cfg.model.name)
     points = points or plan_points(cfg, model_dir)
-    bar = Progress(sum(len(v) for v in points.values()), "profiling (local)", progress)
-    engines, results = {}, {}
+    bar = Progress(len(degrees) * sum(len(v) for v in points.values()), "profiling (local)", progress)
+    measured = {}
     try:
-        for pool in ("prefill", "decode"):
-            engine = Engine(engine_args(cfg, pool, model_dir))
-            engines[pool] = describe(engine)
-            run_point(engine, {"kind": "prefill", "prompt_len": 16})     # warm-up
-            results[pool] = []
-            for point in points[pool]:
-                results[pool].append(run_point(engine, point))
-                bar.step(_label(point))
-            del engine
+        for degree in degrees:
+            engines, results = {}, {}
+            for pool in ("prefill", "decode"):
+                engine, peers = _local_engine(cfg, pool, model_dir, degree)
+                try:
+                    engines[pool] = describe(engine)
+                    run_point(engine, {"kind": "prefill", "prompt_len": 16})     # warm-up
+                    results[pool] = []
+                    for point in points[pool]:
+                        results[pool].append(run_point(engine, point))
+                        bar.step(_label(point) + (f" TP {degree}" if degree > 1 else ""))
+                finally:
+                    engine.close()
+                    for peer in peers:
+                        peer.join(60)
+                del engine
+            measured[degree] = _assemble("local", engines, results)
     finally:
         bar.close()
-    return {**_assemble("local", engines, results), "transfer": _link(cfg, model_dir, progress)}
+    return {**_with_degrees(measured), "transfer": _link(cfg, model_dir, progress)}
+
+
+def _with_degrees(measured: dict[int, dict]) -> dict:
+    """Degree 1's profile with the other degrees' pools under "degrees" (absent when only degree 1)."""
+    profile = measured[1]
+    more = {str(d): {pool: p[pool] for pool in ("prefill", "decode")} for d, p in measured.items() if d > 1}
+    return {**profile, "degrees": more} if more else profile
 
 
 def _link(cfg: PDServeConfig, model_dir: str, progress: bool) -> dict:
@@ -174,24 +237,33 @@ async def profile_actors(handles: dict, points: dict, progress: bool = True,
     return _assemble("actors", engines, results)
 
 
-def profile_cluster(cfg: PDServeConfig, points: dict | None = None, progress: bool = True) -> dict:
-    """Start one actor of each pool (the pools' resources and EngineArgs) on Ray, measure, stop them."""
+def profile_cluster(cfg: PDServeConfig, points: dict | None = None, progress: bool = True,
+                    degrees: Sequence[int] = (1,)) -> dict:
+    """Start one actor of each pool (the pools' resources and EngineArgs) on Ray, measure, stop them; at
+    each of `degrees` (an actor of degree N is N rank actors in one placement group)."""
     import ray
 
     from deploy.launcher import ActorFactory, cluster_token, init_ray_for
+    degrees = _check_degrees(degrees)
 
-    async def main() -> dict:
-        init_ray_for(cfg)
-        factory = ActorFactory(cfg, cluster_token(cfg))
-        pts = points or plan_points(cfg, factory.model_dir)
+    async def at(degree: int, pts: dict | None) -> tuple[dict, dict]:
+        factory = ActorFactory(degree_config(cfg, degree), cluster_token(cfg))
+        pts = pts or plan_points(cfg, factory.model_dir)
         handles = {pool: factory.spawn(pool) for pool in ("prefill", "decode")}
         try:
             await factory.views(list(handles.items()))
-            profile = await profile_actors(handles, pts, progress)
-            return {**profile, "transfer": _link(cfg, factory.model_dir, progress)}
+            return await profile_actors(handles, pts, progress), pts
         finally:
             for h in handles.values():
                 ray.kill(h, no_restart=True)
+            factory.retire_groups()
+
+    async def main() -> dict:
+        init_ray_for(cfg)
+        measured, pts = {}, points
+        for degree in degrees:
+            measured[degree], pts = await at(degree, pts)
+        return {**_with_degrees(measured), "transfer": _link(cfg, resolve_model(cfg.model.name), progress)}
     return asyncio.run(main())
 
 

@@ -131,6 +131,19 @@ class MeasuredPerformance(PerformanceModel):
     def measured(self) -> MeasuredPerformance:
         return self
 
+    def degrees(self, pool: str) -> list[int]:
+        """The tensor-parallel degrees `pool` ("prefill" | "decode") was measured at: 1 (the top-level
+        points) and those under ``"degrees"`` (``pdserve profile --tp``)."""
+        return [1, *sorted(int(d) for d, pools in (self.data.get("degrees") or {}).items() if pool in pools)]
+
+    def at_degree(self, pool: str, degree: int) -> MeasuredPerformance | None:
+        """This profile with `pool`'s points measured at tensor-parallel `degree` (the other pool's kept);
+        None when that degree was not measured."""
+        if degree == 1:
+            return self
+        points = (self.data.get("degrees") or {}).get(str(degree), {}).get(pool)
+        return MeasuredPerformance({**self.data, pool: points}) if points else None
+
     @property
     def transfer(self) -> dict:
         """The KV link measurement (`deploy.link_profiler`), {} in profiles made before it existed."""

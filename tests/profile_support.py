@@ -17,3 +17,13 @@ def synthetic(flops_per_s: float = 1e10, step=lambda b, c: 0.01 + 0.001 * b + 1e
               for c in (128, 1024, 2048) for b in (1, 4, 16, 64, 256)]
     return {"version": 1, "source": "synthetic", "prefill": {"engine": engine, "points": prefill},
             "decode": {"engine": engine, "points": decode}}
+
+
+def with_degree(profile: dict, degree: int, pools: tuple[str, ...] = ("prefill", "decode"),
+                flops_per_s: float = 1e10, step=lambda b, c: 0.01 + 0.001 * b + 1e-6 * b * c) -> dict:
+    """`profile` with `pools` also measured at tensor-parallel `degree` (the `"degrees"` section that
+    `pdserve profile --tp` writes), at `flops_per_s` and `step`."""
+    measured = synthetic(flops_per_s, step)
+    degrees = dict(profile.get("degrees") or {})
+    degrees[str(degree)] = {pool: measured[pool] for pool in pools}
+    return {**profile, "degrees": degrees}

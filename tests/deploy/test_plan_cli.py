@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from profile_support import synthetic
+from profile_support import synthetic, with_degree
 
 
 def test_plan_cli_json_from_profile_file(tmp_path, tiny_model_dir, capsys):
@@ -18,3 +18,39 @@ def test_plan_cli_json_from_profile_file(tmp_path, tiny_model_dir, capsys):
     rc = main(["plan", "--model", tiny_model_dir, "--profile", str(path)])
     table = capsys.readouterr().out
     assert rc == 0 and "prefill FLOPs per request" in table and "decode actors (needed → planned)" in table
+
+
+def test_plan_devices_searches_parallelism_and_prints_the_runner_up(tmp_path, tiny_model_dir, capsys):
+    from deploy.cli import main
+    from deploy.config import load_config
+    from deploy.plan_cli import ParallelismSearch, search_for
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(synthetic()))
+    flags = ["--model", tiny_model_dir, "--profile", str(path), "--set", "kv_cache.num_blocks=4096",
+             "--set", "workload.arrival_rate_rps=3", "--set", "slo.ttft_p99_ms=5000", "--devices", "6", "--tp", "1,2"]
+    assert main(["plan", *flags, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg = load_config(None, {"model.name": tiny_model_dir, "kv_cache.num_blocks": 4096,
+                             "workload.arrival_rate_rps": 3, "slo.ttft_p99_ms": 5000})
+    found = search_for(cfg, synthetic(), ParallelismSearch(6, (1, 2)))
+    assert [c["goodput_per_device"] for c in out["candidates"]] == [c.goodput_per_device for c in found[:2]]
+    assert all(c["devices"] <= 6 for c in out["candidates"]) and len(out["candidates"]) == 2
+    assert main(["plan", *flags]) == 0
+    text = capsys.readouterr().out
+    best = found[0]
+    assert f"chosen   : prefill TP {best.prefill_degree} × {best.n_prefill}, decode TP {best.decode_degree}" in text
+    assert "runner-up: prefill TP" in text
+
+
+def test_plan_devices_says_which_degrees_were_measured(tmp_path, tiny_model_dir, capsys):
+    from deploy.cli import main
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(with_degree(synthetic(), 2, pools=("decode",), step=lambda b, c: 0.004 + 0.0003 * b)))
+    flags = ["--model", tiny_model_dir, "--profile", str(path), "--set", "kv_cache.num_blocks=4096",
+             "--set", "workload.arrival_rate_rps=3", "--set", "slo.ttft_p99_ms=5000", "--devices", "6", "--tp", "1,2"]
+    assert main(["plan", *flags, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["measured_degrees"] == {"prefill": [1], "decode": [1, 2]}
+    assert main(["plan", *flags]) == 0
+    text = capsys.readouterr().out
+    assert "prefill measured at TP 1; other degrees predicted" in text
+    assert "decode measured at TP 1, 2; other degrees predicted" in text

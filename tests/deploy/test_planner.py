@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from profile_support import COSTS, synthetic
+from profile_support import COSTS, synthetic, with_degree
 
 from deploy.planner import SLO, Corrections, Limits, Workload, decode_batch, max_utilization, p99_ttft, plan
 from engine.performance import MeasuredPerformance as Profile
@@ -99,3 +99,85 @@ def test_tp_speedup_splits_compute_and_adds_the_collectives():
     assert tp_speedup(1.0, 2, 0.0) == 2.0               # compute alone: linear in the degree
     assert tp_speedup(1.0, 2, 0.5) == 1.0               # all-reduces as long as the saved half: no gain
     assert tp_speedup(0.8, 4, 0.05) == 0.8 / (0.2 + 0.05)
+
+
+def test_degree_model_splits_compute_and_adds_two_all_reduces_per_layer():
+    from deploy.planner import AllReduce, DegreeModel
+    p = Profile(synthetic(step=lambda b, c: 0.01 + 0.001 * b))
+    ar = {2: AllReduce(latency_s=1e-4, bytes_per_s=1e9)}
+    m = DegreeModel(p, 2, 2, ar)
+    collective = lambda tokens: 2 * COSTS.num_layers * (1e-4 + tokens * 256 * 4 / 1e9)     # noqa: E731
+    assert m.prefill_seconds(512) == pytest.approx(p.prefill_seconds(512) / 2 + collective(512))
+    assert m.decode_step_seconds(8, 500) == pytest.approx(p.decode_step_seconds(8, 500) / 2 + collective(8))
+    assert m.prefill_capacity(512) == pytest.approx(
+        p.prefill_capacity(512) * p.prefill_seconds(512) / m.prefill_seconds(512))
+    assert DegreeModel(p, 1, 1, ar).decode_step_seconds(8, 500) == p.decode_step_seconds(8, 500)
+
+
+def test_search_picks_the_most_goodput_per_device_meeting_both_slos():
+    """At degree 1 the TTFT SLO leaves prefill under the least useful utilization: only prefill degree 2
+    serves. The decode degree
+    whose all-reduces cost more than they save loses to degree 1."""
+    from deploy.planner import AllReduce, search_parallelism
+    p = Profile(synthetic(step=lambda b, c: 0.01 + 0.001 * b))
+    t_p = COSTS.prefill_flops(512) / 1e10
+    w, slo = Workload(512, 128, 4.0), SLO(ttft_s=6 * t_p, tpot_s=0.05)   # degree 1: too little utilization
+    ar = {2: AllReduce(latency_s=1e-3, bytes_per_s=1e9)}
+    found = search_parallelism(p, w, slo, LIMITS, devices=8, degrees=[1, 2], allreduce=ar)
+    assert found and all(c.prefill_degree == 2 for c in found)           # degree 1 cannot meet the TTFT SLO
+    best, runner_up = found[0], found[1]
+    assert best.devices <= 8 and best.n_prefill * 2 + best.n_decode * best.decode_degree == best.devices
+    assert best.goodput_per_device >= runner_up.goodput_per_device
+    for c in found:                                                      # the carried rate is the slower pool's
+        per_p = c.plan.prefill["tokens_per_s_per_actor"] / 512
+        per_d = c.plan.decode["utilization"] * c.plan.decode["tokens_per_s_per_actor"] / 128
+        assert c.goodput_rps == pytest.approx(min(c.n_prefill * per_p, c.n_decode * per_d))
+    assert best.decode_degree == 1       # 16 all-reduces of 1 ms per step outweigh half of a ~50 ms step
+
+
+def test_degree_model_uses_the_points_measured_at_a_degree_and_predicts_the_others():
+    from deploy.planner import AllReduce, DegreeModel
+    step1, step2 = (lambda b, c: 0.01 + 0.001 * b), (lambda b, c: 0.004 + 0.0003 * b)
+    p = Profile(with_degree(synthetic(step=step1), 2, flops_per_s=1.7e10, step=step2))
+    ar = {2: AllReduce(1e-4, 1e9), 4: AllReduce(1e-4, 1e9)}
+    m, predicted = DegreeModel(p, 2, 2, ar), DegreeModel(Profile(synthetic(step=step1)), 2, 2, ar)
+    assert m.prefill_seconds(512) == pytest.approx(COSTS.prefill_flops(512) / 1.7e10)
+    assert m.decode_step_seconds(8, 500) == pytest.approx(step2(8, 500))
+    assert m.prefill_capacity(512) == pytest.approx(512 / m.prefill_seconds(512))
+    assert predicted.prefill_seconds(512) != pytest.approx(m.prefill_seconds(512))
+    assert predicted.decode_step_seconds(8, 500) != pytest.approx(m.decode_step_seconds(8, 500))
+    at4 = DegreeModel(p, 4, 4, ar)                                       # degree 4 not measured: predicted
+    assert at4.decode_step_seconds(8, 500) == pytest.approx(DegreeModel(Profile(synthetic(step=step1)), 4, 4, ar)
+                                                            .decode_step_seconds(8, 500))
+    only_decode = Profile(with_degree(synthetic(step=step1), 2, pools=("decode",), step=step2))
+    assert only_decode.degrees("prefill") == [1] and only_decode.degrees("decode") == [1, 2]
+    mixed = DegreeModel(only_decode, 2, 2, ar)
+    assert mixed.prefill_seconds(512) == pytest.approx(predicted.prefill_seconds(512))
+    assert mixed.decode_step_seconds(8, 500) == pytest.approx(step2(8, 500))
+
+
+def test_search_plans_a_measured_degree_on_its_points():
+    """Decode measured at degree 2 steps in 4 + 0.3·B ms: within a 50 ms TPOT its batch is 153, where the
+    prediction (half of 10 + B ms plus 1 ms all-reduces per layer) allows far fewer."""
+    from deploy.planner import AllReduce, search_parallelism
+    step1, step2 = (lambda b, c: 0.01 + 0.001 * b), (lambda b, c: 0.004 + 0.0003 * b)
+    t_p = COSTS.prefill_flops(512) / 1e10
+    w, slo = Workload(512, 128, 4.0), SLO(ttft_s=6 * t_p, tpot_s=0.05)
+    ar = {2: AllReduce(latency_s=1e-3, bytes_per_s=1e9)}
+    measured = Profile(with_degree(synthetic(step=step1), 2, pools=("decode",), step=step2))
+    found = search_parallelism(measured, w, slo, LIMITS, devices=8, degrees=[1, 2], allreduce=ar)
+    predicted = search_parallelism(Profile(synthetic(step=step1)), w, slo, LIMITS, devices=8, degrees=[1, 2],
+                                   allreduce=ar)
+    tp2 = [c for c in found if c.decode_degree == 2]
+    assert tp2 and all(c.plan.decode["batch"] == 153 for c in tp2)     # 0.004 + 0.0003·153 = 0.0499
+    assert all(c.plan.decode["batch"] < 153 for c in predicted if c.decode_degree == 2)
+    assert max(c.goodput_per_device for c in tp2) > max(c.goodput_per_device for c in predicted
+                                                        if c.decode_degree == 2)
+
+
+def test_search_finds_nothing_when_no_degree_meets_the_slo():
+    from deploy.planner import AllReduce, search_parallelism
+    p = Profile(synthetic(step=lambda b, c: 0.01 + 0.001 * b))
+    slo = SLO(ttft_s=1e-6, tpot_s=0.05)
+    assert search_parallelism(p, Workload(512, 128, 4.0), slo, LIMITS, 8, [1, 2],
+                              {2: AllReduce(1e-5, 1e10)}) == []

@@ -28,3 +28,38 @@ def test_saturated_prefill_sets_capacity():
     assert p.prefill_capacity(512) == pytest.approx(8 * 512 / (4 * t_single))  # throughput side: the batch
     result = plan(p, Workload(512, 128, 4.0), SLO(3.0, 0.05), LIMITS)
     assert result.prefill["capacity_tokens_per_s"] == pytest.approx(2 * 512 / t_single)
+
+
+POINTS = {"prefill": [{"kind": "prefill", "prompt_len": 24, "batch": 1, "repeats": 1},
+                      {"kind": "prefill", "prompt_len": 48, "batch": 1, "repeats": 1}],
+          "decode": [{"kind": "decode", "batch": b, "context": 32, "repeats": 1} for b in (1, 2)]}
+
+
+def test_profile_local_measures_each_tensor_parallel_degree(tiny_model_dir):
+    """Degree 2 on CPU: rank 0 here and a follower process (gloo); its points go under "degrees" and the
+    planner's DegreeModel takes them instead of the prediction."""
+    from deploy.config import load_config
+    from deploy.planner import AllReduce, DegreeModel
+    from deploy.profiler import profile_local
+    cfg = load_config(None, {"model.name": tiny_model_dir, "model.dtype": "float32", "kv_cache.num_blocks": 64,
+                             "pools.prefill.resources.torch_threads": 1, "pools.decode.resources.torch_threads": 1})
+    data = profile_local(cfg, POINTS, progress=False, degrees=(1, 2))
+    at2 = data["degrees"]["2"]
+    for pool, keys in (("prefill", ("prompt_len", "batch")), ("decode", ("batch", "context"))):
+        assert [tuple(p[k] for k in keys) for p in at2[pool]["points"]] == \
+            [tuple(p[k] for k in keys) for p in data[pool]["points"]]
+        assert all(p["seconds"] > 0 for p in at2[pool]["points"])
+    p = Profile(data)
+    assert p.degrees("prefill") == p.degrees("decode") == [1, 2]
+    m = DegreeModel(p, 2, 2, {2: AllReduce(1.0, 1.0)})          # a prediction would add seconds of all-reduce
+    alone = Profile({**data, "prefill": at2["prefill"], "decode": at2["decode"]})
+    longest = max(at2["prefill"]["points"], key=lambda q: q["prompt_len"])
+    assert m.prefill_seconds(48) == pytest.approx(longest["seconds"]) == alone.prefill_seconds(48)
+    assert m.decode_step_seconds(2, 32) == pytest.approx(alone.decode_step_seconds(2, 32))
+    assert m.decode_step_seconds(2, 32) < 1.0 < m.collective_seconds(2, 2)
+
+
+def test_profile_tp_without_degree_one_is_refused(tiny_model_dir, capsys):
+    from deploy.cli import main
+    assert main(["profile", "--model", tiny_model_dir, "--local", "--tp", "2"]) == 2
+    assert "--tp 2: tensor-parallel degrees must be positive and include 1" in capsys.readouterr().err
