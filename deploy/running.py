@@ -63,6 +63,7 @@ class RunningCluster:
         await self.factory.streams.close()
         for view in self.backend.views():
             ray.kill(view.client.handle, no_restart=True)
+        self.factory.retire_groups()          # tensor-parallel actors' other ranks and their placement groups
         log.info("cluster stopped")
 
 

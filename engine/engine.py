@@ -388,6 +388,8 @@ class Engine:
     # waiting for their prefix to be loaded back from them.
     kv_tiers: KVTiers | None = None
     onboarding: Onboarding | None = None
+    # With speculative decoding (engine/spec): who proposes the tokens each step verifies.
+    speculator: Speculator | None = None
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -58,6 +58,9 @@ class TimedRunner:
         self.on_step: Callable[[float], None] | None = None
         self._rows = torch.zeros(64, 1)    # the logits rows `draw` ignores
 
+    def zero_tail(self, block: int, first_slot: int) -> None:
+        """A stand-in cache holds no KV: nothing to zero."""
+
     def run(self, batch: list[ScheduledRequest]) -> ModelOutput:
         chunks, sampled = [], []
         for s in batch:

@@ -159,10 +159,10 @@ def test_a_failing_check_is_a_row(on_cpu, monkeypatch):
     def broken(*_):
         raise RuntimeError("no such thing")
     for name in ("device_peaks", "check_engine_vs_hf", "check_speed", "check_flex", "check_quantized",
-                 "check_kv_cache_dtype", "check_kv_tiers", "check_transfer", "check_nixl_transfer", "check_cluster",
-                 "check_gpu_tests"):
+                 "check_kv_cache_dtype", "check_kv_tiers", "check_tensor_parallel", "check_transfer",
+                 "check_nixl_transfer", "check_cluster", "check_gpu_tests"):
         monkeypatch.setattr(gpu_check, name, broken)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "stub")
     rows, info = gpu_check.run_checks(gpu_check.build_parser().parse_args(["--model", "tiny", "--perf-model", "x"]))
-    assert [r.status for r in rows] == ["error"] * 11
+    assert [r.status for r in rows] == ["error"] * 12
     assert rows[0].figure == "RuntimeError: no such thing" and info["device"] == "stub"

@@ -106,6 +106,7 @@ def test_decode_actors_of_two_ranks_prefilling_locally(ray_local, tiny_model_dir
     c = ClusterThread(cfg)
     try:
         assert [len(ranks) for _, ranks in c.cluster.factory.rank_groups.values()] == [1]     # the decode actor
+        (group, ranks), = c.cluster.factory.rank_groups.values()
         threads, results = _fire(c, prompts[:6])
         _join(threads)
         assert [results[i] for i in range(6)] == expected[:6]
@@ -113,6 +114,11 @@ def test_decode_actors_of_two_ranks_prefilling_locally(ray_local, tiny_model_dir
         assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
     finally:
         c.stop()
+    # stopping the cluster released the follower rank and its placement group (the next cluster has the CPUs)
+    import ray
+    assert ray.util.placement_group_table(group)["state"] == "REMOVED"
+    rank_id = ranks[0][0]._actor_id.hex()
+    assert ray._private.state.actors(rank_id)["State"] == "DEAD"
 
 
 def test_tensor_parallel_actors_that_change_role_are_refused(tiny_model_dir):
