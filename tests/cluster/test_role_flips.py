@@ -36,6 +36,14 @@ async def _wait_for(condition, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _running_on(view, count: int, timeout: float = 30.0) -> None:
+    """Until the actor itself reports `count` requests in its running batch."""
+    end = time.monotonic() + timeout
+    while (await view.client.handle.stats.remote())["running_requests"] < count:
+        assert time.monotonic() < end, f"{view.actor_id} never ran {count} requests"
+        await asyncio.sleep(0.005)
+
+
 async def _blocks_free(backend, timeout: float = 10.0):
     end = time.monotonic() + timeout
     while True:
@@ -75,7 +83,7 @@ def test_flips_under_load_lose_no_request_and_leak_no_block(ray_local, tiny_mode
             # more arrivals, so decode-0 holds requests for the third flip even when the first load has
             # drained during the second (a fast host can finish it in the 0.4 s that flip took)
             more = asyncio.ensure_future(_generate_all(cluster.address, extra, extra_params, "c"))
-            await _wait_for(lambda: _view(pools.decode, "decode-0").running > 0)
+            await _running_on(_view(pools.decode, "decode-0"), 2)     # in its engine, not only routed there
             flips.append(await manager.flip("decode-0", "colocated", timeout_s=0.0))   # hands off at once
             first = await load + await more
             roles = {s.actor_id: s.role for s in await backend.stats()}
