@@ -113,10 +113,13 @@ def seeded_uniform(seed: int, position: int) -> float:
 
 def target_probs(logits: torch.Tensor, req: Request, eos_token_ids: Collection[int] = ()) -> torch.Tensor:
     """logits: [V] raw (not modified) -> the distribution `sample` draws this sequence's next token
-    from (temperature > 0, no grammar): penalties, bias, min_tokens, then temperature, top-k/p, min-p."""
+    from (temperature > 0): penalties, bias, min_tokens, the grammar's mask (after the sequence's output
+    so far), then temperature, top-k/p, min-p."""
     row = logits.clone()
     if _shapes_logits(req):
         apply_min_tokens(apply_logit_bias(apply_penalties(row, req), req), req, eos_token_ids)
+    if req.grammar is not None:
+        _apply_grammars(logits[None], row[None], [0], [0], [req])
     p = req.params
     return top_k_top_p_probs(row, p.temperature, p.top_k, p.top_p, p.min_p)
 

@@ -4,7 +4,9 @@ Lifecycle of one decoding sequence's step: `propose` sets its `spec_token_ids` (
 turn-down, capped by what its max_tokens leaves); the scheduler fits as many as its budget takes;
 the runner computes them after the sequence's last token; the engine `accept`s a prefix
 (engine/spec/verify.py) and the scheduler `settle`s the KV (rejected tokens' blocks freed).
-Sequences with a grammar (structured output) and prefill-only ones are never proposed for.
+Prefill-only sequences are never proposed for. A sequence with a grammar (structured output) is:
+verification judges each row under the grammar's mask after the tokens before it, so a proposal the
+grammar refuses has probability 0 and is rejected, and the matcher only ever consumes kept tokens.
 Proposals come from the sequence's own tokens (`ngram`) or from a draft model (`draft`,
 engine/spec/draft.py), which also holds KV blocks per sequence until `release`.
 """
@@ -31,7 +33,7 @@ class Speculator:
     @staticmethod
     def decoding(req: Request) -> bool:
         """Whether `req` decodes this step (its only pending token is the one it sampled last)."""
-        return (req.status is RequestStatus.RUNNING and not req.prefill_only and req.grammar is None
+        return (req.status is RequestStatus.RUNNING and not req.prefill_only
                 and req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1)
 
     def propose(self, running: list[Request]) -> None:

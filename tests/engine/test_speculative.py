@@ -203,3 +203,31 @@ def test_flex_attention_and_decode_graphs_keep_greedy_output(tiny_model_dir):
     assert [c.token_ids for c in spec.generate(prompts, params)] == expected
     _assert_speculated(spec)
     spec.block_manager.check_no_leaks()
+
+
+def test_constrained_requests_are_speculated_within_their_grammar(tiny_model_dir):
+    """JSON-schema requests take proposals too: each row is judged under the grammar's mask after the
+    tokens before it, so greedy output equals no speculation, a seeded one repeats, and every document
+    validates (the matcher consumed only the tokens kept)."""
+    import json
+
+    import jsonschema
+
+    from engine.sampling.structured import StructuredOutput
+    schema = {"type": "object", "additionalProperties": False, "required": ["tags"],
+              "properties": {"tags": {"type": "array", "maxItems": 3, "items": {"enum": ["ab", "cd"]}}}}
+    spec = StructuredOutput(json_schema=json.dumps(schema))
+    plain, speculative = _engines(tiny_model_dir, attention="eager")
+    prompts = _looping_prompts(4, 250, seed=9)
+    greedy = SamplingParams(max_tokens=200, temperature=0.0, structured=spec)
+    want = [c.token_ids for c in plain.generate(prompts, greedy)]
+    got = speculative.generate(prompts, greedy)
+    assert [c.token_ids for c in got] == want
+    _assert_speculated(speculative)
+    seeded = [SamplingParams(max_tokens=200, temperature=0.8, seed=i, structured=spec) for i in range(4)]
+    first = speculative.generate(prompts, seeded)
+    assert [c.token_ids for c in speculative.generate(prompts, seeded)] == [c.token_ids for c in first]
+    for c in got + first:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), schema)
+    speculative.block_manager.check_no_leaks()
