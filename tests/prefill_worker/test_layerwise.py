@@ -178,6 +178,14 @@ def test_a_failed_middle_layer_fails_the_transfer_and_frees_both_sides(rigs):
         header, _ = split_frame(frame)
         return frame[:-3] + b"xyz" if header.layer_start == middle else frame
     rig.hub.tamper = corrupt_the_middle_layer
+    hook = rig.prefill.engine.layer_hook
+
+    def await_the_verdict(done):         # a network that answers before the next layer: the test is of the
+        hook(done)                       # worker's reaction, not of how fast a loaded host delivers it
+        stream = rig.prefill._streaming.get("r0")
+        if stream is not None and any(layers == (middle, middle + 1) for layers, _, _ in rig.spy.of("r0")):
+            assert wait_for(lambda: stream.failed() is not None, 30)
+    rig.prefill.engine.layer_hook = await_the_verdict
     prompts, params = _prompts()
     collector, results = rig.run(prompts, params)
     for i in range(len(prompts)):
