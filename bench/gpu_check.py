@@ -586,9 +586,6 @@ def check_kv_tiers(model_dir: str) -> list[Row]:
     del engine
     _release()
     return rows
-def _follow_rank(args) -> None:
-    from engine import Engine
-    Engine(args).follow()
 
 
 def check_tensor_parallel(model_dir: str, new_tokens: int = 16) -> list[Row]:
@@ -599,6 +596,7 @@ def check_tensor_parallel(model_dir: str, new_tokens: int = 16) -> list[Row]:
     import multiprocessing
 
     from engine import Engine, EngineArgs, SamplingParams
+    from engine.local_ranks import follow_rank
     from engine.parallel.group import free_port
     two = DEVICE == "cuda" and torch.cuda.device_count() >= 2
     device = f"{DEVICE}:0" if DEVICE == "cuda" else DEVICE
@@ -619,7 +617,7 @@ def check_tensor_parallel(model_dir: str, new_tokens: int = 16) -> list[Row]:
     _release()
     tp = dataclasses.replace(base, tensor_parallel=2, tensor_parallel_address=f"127.0.0.1:{free_port()}",
                              tensor_parallel_backend="nccl" if two else "gloo")
-    follower = multiprocessing.get_context("spawn").Process(target=_follow_rank, daemon=True, args=(
+    follower = multiprocessing.get_context("spawn").Process(target=follow_rank, daemon=True, args=(
         dataclasses.replace(tp, tensor_parallel_rank=1, device=f"{DEVICE}:1" if two else device),))
     follower.start()
     engine = Engine(tp)

@@ -32,7 +32,6 @@ KV budget, batch limits and workload lengths): `pdserve plan` reuses it, or prof
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import json
 import os
@@ -139,27 +138,10 @@ def degree_config(cfg: PDServeConfig, degree: int) -> PDServeConfig:
     return at
 
 
-def _follow(args) -> None:
-    from engine import Engine
-    Engine(args).follow()
-
-
 def _local_engine(cfg: PDServeConfig, pool: str, model_dir: str, degree: int):
     """(rank 0's engine here, the follower processes of ranks 1..) of `pool` at `degree`."""
-    import multiprocessing
-
-    from engine import Engine
-    from engine.parallel.group import free_port
-    args = engine_args(degree_config(cfg, degree), pool, model_dir)
-    if degree == 1:
-        return Engine(args), []
-    args = dataclasses.replace(args, tensor_parallel_address=f"127.0.0.1:{free_port()}")
-    ctx = multiprocessing.get_context("spawn")
-    peers = [ctx.Process(target=_follow, args=(dataclasses.replace(args, tensor_parallel_rank=rank),), daemon=True)
-             for rank in range(1, degree)]
-    for peer in peers:
-        peer.start()
-    return Engine(args), peers
+    from engine.local_ranks import start_local_group
+    return start_local_group(engine_args(degree_config(cfg, degree), pool, model_dir))
 
 
 def _check_degrees(degrees: Sequence[int]) -> list[int]:

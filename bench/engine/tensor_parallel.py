@@ -11,8 +11,6 @@ figures are for the model.
 """
 from __future__ import annotations
 
-import dataclasses
-import multiprocessing
 import random
 import statistics
 
@@ -21,12 +19,8 @@ import torch
 from bench.engine.ours import OursDecoder, load_average, ours_prefill, random_prompt
 from bench.engine.report import table
 from engine import Engine, EngineArgs
+from engine.local_ranks import start_local_group
 from engine.parallel.group import free_port
-
-
-def _follow(args: EngineArgs) -> None:
-    torch.set_num_threads(args.torch_threads)
-    Engine(args).follow()
 
 
 def build(plan, args, degree: int, threads: int) -> tuple[Engine, list]:
@@ -37,12 +31,7 @@ def build(plan, args, degree: int, threads: int) -> tuple[Engine, list]:
                              chunk_size=None, max_num_seqs=max(64, *plan.decode_batches), attention=args.attention,
                              weight_layout=args.weight_layout, torch_threads=threads, tensor_parallel=degree,
                              tensor_parallel_address=f"127.0.0.1:{free_port()}", tensor_parallel_timeout_s=600)
-    ctx = multiprocessing.get_context("spawn")
-    peers = [ctx.Process(target=_follow, args=(dataclasses.replace(engine_args, tensor_parallel_rank=r),), daemon=True)
-             for r in range(1, degree)]
-    for p in peers:
-        p.start()
-    return Engine(engine_args), peers
+    return start_local_group(engine_args)
 
 
 def measure(plan, engine: Engine, rng: random.Random, log, name: str) -> dict:

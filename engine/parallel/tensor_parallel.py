@@ -71,9 +71,3 @@ class TensorParallel:
             self.group.close()
             self.channel = None
 
-
-def follow_rank(args) -> None:
-    """A rank other than 0's whole life, in its own process: build the engine on its shard (`args`: the
-    group's `EngineArgs` with this process's `tensor_parallel_rank`) and follow rank 0 until it closes."""
-    from engine.engine import Engine       # (engine.engine imports this module)
-    Engine(args).follow()
