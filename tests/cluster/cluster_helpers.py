@@ -33,3 +33,32 @@ def cluster_config(model_dir: str, transport: str = "grpc", codec: str = "none",
     overrides.update({f"routing.{k}": v for k, v in routing.items()})
     overrides.update(extra or {})
     return load_config(None, overrides)
+
+
+def start_greedy_streams(address: str, prompts: list[list[int]], max_tokens: int):
+    """One thread per prompt streaming a greedy, EOS-ignoring request: (threads, {index: tokens}); a request
+    that fails leaves its index out."""
+    import threading
+
+    from router.client import generate
+    results: dict[int, list[int]] = {}
+
+    def run(i):
+        tokens = []
+        for msg in generate(address, token_ids=prompts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            timeout=90):
+            tokens += msg.token_ids
+        results[i] = tokens
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def join_streams(threads, limit: float = 120.0) -> None:
+    """Every stream thread ended within `limit` seconds in all."""
+    import time
+    end = time.monotonic() + limit
+    for t in threads:
+        t.join(max(end - time.monotonic(), 0))
+    assert not any(t.is_alive() for t in threads), "a request hung"

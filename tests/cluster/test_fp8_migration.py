@@ -6,40 +6,16 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
 import ray
 
-from cluster_helpers import cluster_config, prompts_and_params, wait_blocks_free
+from cluster_helpers import cluster_config, join_streams, prompts_and_params, start_greedy_streams, wait_blocks_free
 from cluster_support import ClusterThread
-from router.client import generate
 
 N = 10
 MAX_TOKENS = 48
-
-
-def _run_all(address: str, prompts):
-    results: dict[int, list[int]] = {}
-
-    def run(i):
-        tokens = []
-        for msg in generate(address, token_ids=prompts[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                            timeout=90):
-            tokens += msg.token_ids
-        results[i] = tokens
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    return threads, results
-
-
-def _join(threads) -> None:
-    end = time.monotonic() + 120
-    for t in threads:
-        t.join(max(end - time.monotonic(), 0))
-    assert not any(t.is_alive() for t in threads), "a request hung"
 
 
 @pytest.mark.parametrize("codec, extra", [("fp8", {}), ("none", {"kv_cache.dtype": "int8"})],
@@ -51,17 +27,17 @@ def test_streams_survive_a_decode_kill_unchanged(ray_local, tiny_model_dir, code
     c = ClusterThread(cluster_config(tiny_model_dir, "grpc", codec, 1, 2, local_prefill_tokens=0, extra=extra))
     try:
         c.cluster.backend.routing.stream_idle_s = 5.0
-        threads, reference = _run_all(c.address, prompts)
-        _join(threads)
+        threads, reference = start_greedy_streams(c.address, prompts, MAX_TOKENS)
+        join_streams(threads)
         victim = c.cluster.backend.pools.decode[0]
         pid = ray.get(victim.client.handle.info.remote(), timeout=30)["pid"]
-        threads, results = _run_all(c.address, prompts)
+        threads, results = start_greedy_streams(c.address, prompts, MAX_TOKENS)
         end = time.monotonic() + 60
         while ray.get(victim.client.handle.stats.remote(), timeout=10)["running_requests"] < 2:
             assert time.monotonic() < end, "decode-0 never had requests in flight"
             time.sleep(0.005)
         os.kill(pid, signal.SIGKILL)
-        _join(threads)
+        join_streams(threads)
         differ = {i: next((n for n, (a, b) in enumerate(zip(results[i], reference[i])) if a != b), None)
                   for i in range(N) if results.get(i) != reference[i]}
         assert not differ, f"streams changed by the kill (first differing token): {differ}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -17,7 +16,8 @@ from deploy.launcher import ActorFactory
 from engine import SamplingParams
 from router.client import generate
 
-from cluster_helpers import ClusterThread, cluster_config, prompts_and_params, wait_blocks_free
+from cluster_helpers import (ClusterThread, cluster_config, join_streams, prompts_and_params, start_greedy_streams,
+                             wait_blocks_free)
 
 N = 12
 MAX_TOKENS = 40
@@ -40,34 +40,12 @@ def workload(reference):
     return prompts, reference(prompts, [params] * N)
 
 
-def _fire(cluster, prompts):
-    results = {}
-
-    def run(i):
-        tokens = []
-        for msg in generate(cluster.address, token_ids=prompts[i], max_tokens=MAX_TOKENS, temperature=0.0,
-                            ignore_eos=True, timeout=90):
-            tokens += msg.token_ids
-        results[i] = tokens
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    return threads, results
-
-
-def _join(threads, limit: float = 120.0):
-    end = time.monotonic() + limit
-    for t in threads:
-        t.join(max(end - time.monotonic(), 0))
-    assert not any(t.is_alive() for t in threads), "a request hung"
-
-
 def test_two_rank_actors_generate_what_one_rank_does(cluster, workload):
     prompts, expected = workload
     groups = cluster.cluster.factory.rank_groups
     assert len(groups) == 2 and all(len(ranks) == 1 for _, ranks in groups.values())
-    threads, results = _fire(cluster, prompts)
-    _join(threads)
+    threads, results = start_greedy_streams(cluster.address, prompts, MAX_TOKENS)
+    join_streams(threads)
     assert [results[i] for i in range(N)] == expected
     stats = wait_blocks_free(cluster.address, timeout=20)
     assert len(stats.actors) == 2 and all(a.kv_blocks_used == 0 for a in stats.actors), stats
@@ -79,13 +57,13 @@ def test_a_killed_rank_fails_its_actor_and_requests_migrate(cluster, workload):
     victim = backend.pools.decode[0]
     _, ranks = factory.rank_groups[victim.actor_id]
     rank1_pid = ray._private.state.actors(ranks[0][0]._actor_id.hex())["Pid"]
-    threads, results = _fire(cluster, prompts)
+    threads, results = start_greedy_streams(cluster.address, prompts, MAX_TOKENS)
     end = time.monotonic() + 60
     while ray.get(victim.client.handle.stats.remote(), timeout=10)["running_requests"] < 2:
         assert time.monotonic() < end, "the victim never had requests decoding"
         time.sleep(0.005)
     os.kill(rank1_pid, signal.SIGKILL)
-    _join(threads)
+    join_streams(threads)
     assert [results[i] for i in range(N)] == expected
     end = time.monotonic() + 90               # the pool manager replaces the whole group
     while victim.actor_id in factory.rank_groups or len(factory.rank_groups) < 2 or \
@@ -107,8 +85,8 @@ def test_decode_actors_of_two_ranks_prefilling_locally(ray_local, tiny_model_dir
     try:
         assert [len(ranks) for _, ranks in c.cluster.factory.rank_groups.values()] == [1]     # the decode actor
         (group, ranks), = c.cluster.factory.rank_groups.values()
-        threads, results = _fire(c, prompts[:6])
-        _join(threads)
+        threads, results = start_greedy_streams(c.address, prompts[:6], MAX_TOKENS)
+        join_streams(threads)
         assert [results[i] for i in range(6)] == expected[:6]
         stats = wait_blocks_free(c.address, timeout=20)
         assert all(a.kv_blocks_used == 0 for a in stats.actors), stats

@@ -11,12 +11,13 @@ import pytest
 import ray
 
 from engine import SamplingParams
+from router.client import generate
 from engine.kv_cache.block_manager import prompt_block_hashes
 from engine.parallel.group import free_port
 from proto.pdserve.v1 import worker_pb2 as wpb
-from router.client import generate
 
-from cluster_helpers import ClusterThread, cluster_config, prompts_and_params, wait_blocks_free
+from cluster_helpers import (ClusterThread, cluster_config, join_streams, prompts_and_params, start_greedy_streams,
+                             wait_blocks_free)
 
 N = 6
 MAX_TOKENS = 24
@@ -38,21 +39,8 @@ def second_turn(reference, workload):
 
 
 def _generate_all(address, prompts) -> dict[int, list[int]]:
-    results: dict[int, list[int]] = {}
-
-    def run(i):
-        tokens = []
-        for msg in generate(address, token_ids=prompts[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                            timeout=90):
-            tokens += msg.token_ids
-        results[i] = tokens
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    end = time.monotonic() + 120
-    for t in threads:
-        t.join(max(end - time.monotonic(), 0))
-    assert not any(t.is_alive() for t in threads), "a request hung"
+    threads, results = start_greedy_streams(address, prompts, MAX_TOKENS)
+    join_streams(threads)
     return results
 
 
