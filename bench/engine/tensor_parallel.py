@@ -5,9 +5,13 @@ each, against degree 1 with all `threads` threads (default threads: the largest 
 split by rank instead of by thread. For each degree: prefill time of one prompt per length, decode step
 time per batch size (a pure decode batch of a fixed context), and the time rank 0 spends in all-reduces
 per prefill / step (its wait for the slowest rank included), and the speed-up over degree 1, side by side.
-Beside them, the planner's predicted speed-up (`deploy.planner.tp_speedup`: degree 1's time split evenly
-over the ranks, plus the all-reduce time measured at that degree). CPU tensor parallelism is not fast: the
-figures are for the model.
+
+The planner's model (`deploy.planner.tp_speedup`) assumes each rank brings a device of its own: degree N
+runs degree 1's time on one device split evenly over N devices, plus the all-reduce time measured at that
+degree. On CPU "a device" is the threads one rank runs, so degree 1 is also measured on one rank's threads
+(the one-device baseline, when that differs from all the threads): the table prints the speed-up over
+degree 1 on all the cores (what splitting these cores by rank buys: CPU tensor parallelism is not fast)
+and the speed-up over one device beside the planner's prediction of it (what the model is judged on).
 """
 from __future__ import annotations
 
@@ -69,26 +73,36 @@ def run(args, plan, log) -> dict:
     degrees = sorted({int(d) for d in args.tp.split(",") if d})
     threads = args.threads or max(degrees)
     load_start = load_average()
-    runs = {}
-    for degree in degrees:
-        per_rank = max(threads // degree, 1)
+    shapes = [(degree, max(threads // degree, 1)) for degree in degrees]
+    # one-device baselines: degree 1 on each rank's thread count that differs from degree 1's own
+    shapes += sorted({(1, per_rank) for degree, per_rank in shapes if degree > 1} - set(shapes))
+    runs, devices = {}, {}
+    for degree, per_rank in shapes:
+        name = f"tp {degree}" if (degree, per_rank) in shapes[:len(degrees)] else f"tp 1 on {per_rank} thread(s)"
         engine, peers = build(plan, args, degree, per_rank)
         torch.set_num_threads(per_rank)
-        log(f"tp {degree}: {degree} rank(s) x {per_rank} thread(s), attention {engine.attention}, "
+        log(f"{name}: {degree} rank(s) x {per_rank} thread(s), attention {engine.attention}, "
             f"weights {engine.model.weight_layout}")
         try:
-            runs[str(degree)] = {"ranks": degree, "threads_per_rank": per_rank,
-                                 **measure(plan, engine, random.Random(plan.seed), log, f"tp {degree}")}
+            run = {"ranks": degree, "threads_per_rank": per_rank,
+                   **measure(plan, engine, random.Random(plan.seed), log, name)}
         finally:
             engine.close()
             for p in peers:
                 p.join(60)
+        if name == f"tp {degree}":
+            runs[str(degree)] = run
+        if degree == 1:
+            devices[per_rank] = run
     base = runs[str(degrees[0])]
     for r in runs.values():
+        device = devices[r["threads_per_rank"]]
         for phase in ("prefill", "decode"):
             for key, point in r[phase].items():
                 point["speedup"] = base[phase][key]["s"] / point["s"]
-                point["predicted_speedup"] = tp_speedup(base[phase][key]["s"], r["ranks"] / base["ranks"],
+                point["device_s"] = device[phase][key]["s"]
+                point["device_speedup"] = device[phase][key]["s"] / point["s"]
+                point["predicted_speedup"] = tp_speedup(device[phase][key]["s"], r["ranks"] / base["ranks"],
                                                         point["allreduce_s"])
     return {"model": args.model, "dtype": args.dtype, "quick": args.quick, "threads": threads,
             "decode_context": plan.decode_context, "torch_version": torch.__version__,
@@ -96,14 +110,20 @@ def run(args, plan, log) -> dict:
 
 
 def rows(result: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["tp", "ranks x threads", "phase", "size", "time", "speed-up", "planner's speed-up", "all-reduce / step"]
+    head = ["tp", "ranks x threads", "phase", "size", "time", "speed-up (same cores)", "one device",
+            "speed-up over one device", "planner's speed-up", "all-reduce / step"]
     body = []
+
+    def seconds(phase: str, s: float) -> str:
+        return f"{s:.3f} s" if phase == "prefill" else f"{s * 1e3:.1f} ms"
+
     for degree, r in result["tp"].items():
         for phase, unit in (("prefill", "tokens"), ("decode", "batch")):
             for key, p in r[phase].items():
-                time_s = f"{p['s']:.3f} s" if phase == "prefill" else f"{p['s'] * 1e3:.1f} ms"
-                body.append([degree, f"{r['ranks']} x {r['threads_per_rank']}", phase, f"{key} {unit}", time_s,
-                             f"{p['speedup']:.2f}x", f"{p['predicted_speedup']:.2f}x",
+                body.append([degree, f"{r['ranks']} x {r['threads_per_rank']}", phase, f"{key} {unit}",
+                             seconds(phase, p["s"]), f"{p['speedup']:.2f}x",
+                             f"{seconds(phase, p['device_s'])} (1 x {r['threads_per_rank']})",
+                             f"{p['device_speedup']:.2f}x", f"{p['predicted_speedup']:.2f}x",
                              f"{p['allreduce_s'] * 1e3:.2f} ms"])
     return head, body
 

@@ -23,8 +23,12 @@ def test_tp_bench_reports_time_speedup_prediction_and_allreduce_per_degree():
     for r in (one, two):
         assert set(r["prefill"]) == {"48"} and set(r["decode"]) == {"1", "3"}
         for point in [*r["prefill"].values(), *r["decode"].values()]:
-            assert all(math.isfinite(point[k]) and point[k] > 0 for k in ("s", "speedup", "predicted_speedup"))
+            assert all(math.isfinite(point[k]) and point[k] > 0
+                       for k in ("s", "speedup", "device_s", "device_speedup", "predicted_speedup"))
+    # degree 1's own points are its one-device baseline (2 threads); degree 2's is degree 1 on 1 thread
+    assert all(p["device_s"] == p["s"] for p in [*one["prefill"].values(), *one["decode"].values()])
+    assert all(p["device_s"] != one["decode"][key]["s"] for key, p in two["decode"].items())
     assert all(p["allreduce_s"] == 0 for p in [*one["prefill"].values(), *one["decode"].values()])
     assert all(p["allreduce_s"] > 0 for p in [*two["prefill"].values(), *two["decode"].values()])
     text = tensor_parallel.render_text(result)
-    assert "planner's speed-up" in text and "all-reduce / step" in text and len(text.splitlines()) == 3 + 6
+    assert "planner's speed-up" in text and "one device" in text and "all-reduce / step" in text and len(text.splitlines()) == 3 + 6
