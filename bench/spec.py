@@ -12,12 +12,18 @@ Workloads (from the model's held-out passages, never trained on):
 
 Decode tokens/s counts the tokens generated after every request of the batch has its first one,
 over the time since then (prefill excluded). Each figure is the best of `--repeats` runs, the
-methods interleaved run by run (on a shared machine the best run is the least disturbed one);
+methods interleaved run by run (on a shared machine the best run is the least disturbed one),
+after `--warmup` runs of each (kernels for the shapes, and the turn-down's first measurements of
+each k at this batch size: the steady state a long-running decode actor is in is what is timed);
 torch runs `--threads` threads (1 by default: the tiny model's fastest, and fair to neighbours).
 
     pdserve bench spec [--batches 1,8,32] [--temperatures 0,0.7] [--methods ngram,draft]
                        [--draft-model pydoc-draft] [--max-tokens 64] [--num-tokens 4] [--repeats 3]
-                       [--threads 1] [--json FILE] [--markdown FILE]
+                       [--warmup 1] [--threads 1] [--json FILE] [--markdown FILE]
+    pdserve bench spec --write-workload FILE [--workload quote] [--max-tokens 48]
+
+`--write-workload` writes a workload's prompts as text, one JSON line each, for `pdserve bench serve
+--workload FILE` (speculation through a cluster, colocated against disaggregated).
 """
 from __future__ import annotations
 
@@ -64,8 +70,8 @@ def decode_rate(engine: Engine, prompts: list[list[int]], params: SamplingParams
 
 
 def measure(batches=(1, 8, 32), temperatures=(0.0, 0.7), methods=("ngram",), max_tokens: int = 64,
-            num_tokens: int = 4, model: str = "pydoc", repeats: int = 3, draft_model: str = "pydoc-draft"
-            ) -> list[dict]:
+            num_tokens: int = 4, model: str = "pydoc", repeats: int = 3, draft_model: str = "pydoc-draft",
+            warmup: int = 1) -> list[dict]:
     from bench.train.passages import load_passages
     passages = load_passages(TRAINED[model] if model in TRAINED else model)
     engines = {m: Engine(EngineArgs(model, dtype="float32", num_blocks=2048, speculative=SpecConfig(
@@ -77,8 +83,9 @@ def measure(batches=(1, 8, 32), temperatures=(0.0, 0.7), methods=("ngram",), max
             for temperature in temperatures:
                 params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0, ignore_eos=True)
                 row = {"workload": name, "batch": batch, "temperature": temperature}
-                for engine in engines.values():
-                    decode_rate(engine, batch_prompts, params)          # warm: kernels for these shapes
+                for _ in range(warmup):
+                    for engine in engines.values():
+                        decode_rate(engine, batch_prompts, params)      # warm: kernels, the turn-down
                 for _ in range(repeats):
                     for method, engine in engines.items():
                         rate, acc = decode_rate(engine, batch_prompts, params)
@@ -118,6 +125,19 @@ def draft_handoff_cost(model: str = "pydoc", draft_model: str = "pydoc-draft", r
             "target_kv_bytes_per_token": engine.kv_bytes_per_block // engine.block_size}
 
 
+def write_workload(path: str, name: str, max_tokens: int, model: str = "pydoc") -> int:
+    """`name`'s prompts as `bench serve` JSONL rows ({"prompt": text, "output_len": max_tokens}); returns the count."""
+    from bench.train.passages import load_passages
+    from engine.model.presets import resolve_model
+    from engine.tokenizer import Tokenizer
+    tokenizer = Tokenizer(resolve_model(model))
+    prompts = workloads(load_passages(TRAINED[model] if model in TRAINED else model))[name]
+    with open(path, "w", encoding="utf-8") as f:
+        for ids in prompts:
+            f.write(json.dumps({"prompt": tokenizer.decode(ids), "output_len": max_tokens}) + "\n")
+    return len(prompts)
+
+
 def markdown(rows: list[dict], methods) -> str:
     head = "| workload | batch | temperature | off tok/s | " + " | ".join(
         f"{m} tok/s | {m} acceptance | {m} speedup" for m in methods) + " |"
@@ -140,15 +160,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-tokens", type=int, default=4, help="k: most tokens proposed per sequence and step")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure (the best is kept)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per figure before the timed ones")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--markdown", help="write the table here")
+    p.add_argument("--write-workload", metavar="FILE", help="write --workload's prompts as JSONL for bench serve")
+    p.add_argument("--workload", default="quote", choices=["heldout", "quote"])
     args = p.parse_args(argv)
+    if args.write_workload:
+        n = write_workload(args.write_workload, args.workload, args.max_tokens, args.model)
+        print(f"wrote {n} {args.workload} requests to {args.write_workload}")
+        return 0
     torch.set_num_threads(args.threads)
     methods = tuple(args.methods.split(","))
     rows = measure(tuple(int(b) for b in args.batches.split(",")),
                    tuple(float(t) for t in args.temperatures.split(",")), methods, args.max_tokens,
-                   args.num_tokens, args.model, args.repeats, args.draft_model)
+                   args.num_tokens, args.model, args.repeats, args.draft_model, args.warmup)
     table = markdown(rows, methods)
     if "draft" in methods:
         cost = draft_handoff_cost(args.model, args.draft_model)

@@ -220,6 +220,43 @@ def weight_layout(model, prefill_tokens: int = 256, memory: int | None = None) -
     return choice
 
 
+DENSE_ROWS = (2, 4, 8, 16)   # row counts the dense copy of `PACKED_WITH_GEMV` is timed at against packed
+DENSE_SLACK = 1.10           # the dense copy keeps a row count unless packed is this much faster alone
+
+
+def _products(mods: list, inputs: list, dense: bool) -> None:
+    with torch.inference_mode():
+        for m, x in zip(mods, inputs):
+            linear(x, m.weight if dense else m.packed)
+
+
+def dense_rows(model) -> int:
+    """For weights stored `PACKED_WITH_GEMV`: the most rows up to which a product runs faster on the
+    dense (input-major) copy than on the packed weight, timed on one decoder layer's projections at
+    `DENSE_ROWS` (cached per machine); 1 when packed wins at 2 rows. Timed alone, a product does not
+    show what switching copies costs in a serving loop (the 1-row steps in between read the dense copy;
+    a product on the packed one pulls a second copy of the weights through the caches), so the dense
+    copy keeps a row count unless packed is `DENSE_SLACK` faster. A speculative step's verification
+    rows and small batches take the dense copy below the crossover."""
+    layer = model.layers[0]
+    mods = [m for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+            if isinstance(m, Linear) and m.layout == PACKED_WITH_GEMV]
+    if not mods:
+        return 1
+    shapes = tuple(tuple(m.packed.shape) for m in mods) + (str(mods[0].weight.dtype),)
+    gen = torch.Generator().manual_seed(0)
+    most = 1
+    for rows in DENSE_ROWS:
+        inputs = [torch.randn(rows, m.in_features, generator=gen).to(m.weight.dtype) for m in mods]
+        seconds = measure("weight_layout/dense_rows", shapes + (rows,),
+                          {INPUT_MAJOR: functools.partial(_products, mods, inputs, True),
+                           ONEDNN_PACKED: functools.partial(_products, mods, inputs, False)})
+        if seconds[INPUT_MAJOR] > DENSE_SLACK * seconds[ONEDNN_PACKED]:
+            break
+        most = rows
+    return most
+
+
 QUANT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)   # row counts the packed kernel is timed at against the dense path
 
 

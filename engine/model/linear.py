@@ -78,11 +78,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     """nn.Linear whose weight may be stored packed for oneDNN (`packed`); the dense weight is then
-    freed, or kept input-major for 1-row products (`PACKED_WITH_GEMV`)."""
+    freed, or kept input-major for products of up to `dense_rows` rows (`PACKED_WITH_GEMV`: 1 row, or
+    the crossover `kernel_choice.dense_rows` measured, e.g. a speculative step's few rows)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__(in_features, out_features, bias=bias)
         self.packed: torch.Tensor | None = None
+        self.dense_rows = 1
 
     @property
     def layout(self) -> str:
@@ -105,6 +107,6 @@ class Linear(nn.Linear):
                 self.weight.data = relayout(self.weight.data, layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or (x.numel() == x.shape[-1] and self.weight.numel()):
-            return F.linear(x, self.weight, self.bias)     # dense, or one row with a dense copy kept
+        if self.packed is None or (x.numel() <= self.dense_rows * x.shape[-1] and self.weight.numel()):
+            return F.linear(x, self.weight, self.bias)     # dense, or few rows with a dense copy kept
         return linear(x, self.packed, self.bias)

@@ -9,7 +9,7 @@ from torch import nn
 
 from engine.model.attention import AttentionMetadata, paged_attention
 from engine.model.config import ModelConfig
-from engine.model.linear import ROW_MAJOR, Linear
+from engine.model.linear import PACKED_WITH_GEMV, ROW_MAJOR, Linear
 from engine.model.quantized_linear import DenseScratch, QuantizedLinear, QuantPlan
 from engine.model.rope import RotaryEmbedding
 from engine.parallel.shard import HeadShard, shard_heads
@@ -128,6 +128,12 @@ class LlamaModel(nn.Module):
             if isinstance(module, Linear) and module.weight is not self.embed_tokens.weight:
                 module.store(layout)
         self.weight_layout = layout
+
+    def use_dense_rows(self, rows: int) -> None:
+        """Products of up to `rows` rows take the dense copy of `PACKED_WITH_GEMV` weights (linear.py)."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module.layout == PACKED_WITH_GEMV:
+                module.dense_rows = rows
 
     @property
     def quantization(self) -> str:

@@ -12,7 +12,7 @@ import torch
 
 from engine.model import kernel_choice
 from engine.model.attention import build_metadata
-from engine.model.linear import layouts_for
+from engine.model.linear import PACKED_WITH_GEMV, layouts_for
 from engine.model.model import LlamaModel
 from engine.parallel.step_plan import PlanChannel, StepPlan
 from engine.runner.layer_hook import LayerDone, LayerHook, final_blocks, layer_written
@@ -46,6 +46,8 @@ class ModelRunner:
             raise ValueError(f"weight_layout {weight_layout!r} is not available for {dense.dtype} "
                              f"on {dense.device.type}; choose one of {', '.join(('auto',) + layouts_for(dense))}")
         model.store_weights(weight_layout)
+        if weight_layout == PACKED_WITH_GEMV:
+            model.use_dense_rows(kernel_choice.dense_rows(model))    # measured once per machine
         self.kv_cache = kv_cache          # [L, NB, 2, Hkv, bs, D] (quantized: [L, NB, cell_bytes])
         self.block_size = block_size
         self.device = device

@@ -89,6 +89,8 @@ def test_engine_applies_the_measured_weight_layout(tiny_model_dir, tmp_path, mon
     rows = {1: 0, 8: 1, 32: 2}
 
     def timer(fn):                              # fn: partial(_linears, layout, layer weights by layout, inputs)
+        if fn.func is kernel_choice._products:      # the dense copy against packed at a few rows
+            return 1.0 if fn.args[2] else 0.5
         layout, weights, inputs = fn.args
         which = 2 if weights(layout)[0].is_mkldnn else 0 if weights(layout)[0].is_contiguous() else 1
         n = inputs()[0].shape[0]
@@ -98,8 +100,11 @@ def test_engine_applies_the_measured_weight_layout(tiny_model_dir, tmp_path, mon
     assert engine.model.weight_layout == layout
     assert {m.layout for m in (engine.model.layers[0].qkv_proj, engine.model.lm_head)} == {layout}
     entries = json.loads((tmp_path / "choices.json").read_text()).values()
-    assert sorted(e["name"] for e in entries) == ["weight_layout/decode"] * 3 + ["weight_layout/prefill"]
-    assert all(set(e["seconds"]) == {"row-major", "input-major", "onednn-packed"} for e in entries)
+    chosen = [e for e in entries if e["name"] != "weight_layout/dense_rows"]
+    assert sorted(e["name"] for e in chosen) == ["weight_layout/decode"] * 3 + ["weight_layout/prefill"]
+    assert all(set(e["seconds"]) == {"row-major", "input-major", "onednn-packed"} for e in chosen)
+    assert len(entries) - len(chosen) == (layout == "onednn-packed+input-major")    # packed won at 2 rows
+    assert engine.model.layers[0].qkv_proj.dense_rows == 1
     prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     assert [c.token_ids for c in engine.generate(prompts, params)] == \
@@ -110,6 +115,40 @@ def _row_major(model_dir):
     from engine import Engine, EngineArgs
     from engine.model.linear import ROW_MAJOR
     return Engine(EngineArgs(model_dir, dtype="float32", num_blocks=16, attention="eager", weight_layout=ROW_MAJOR))
+
+
+@pytest.mark.parametrize("dense_s,packed_s,rows", [
+    ((1.0, 1.0, 1.0, 1.0), (2.0, 2.0, 2.0, 2.0), 16),      # the dense copy wins everywhere
+    ((1.0, 1.5, 3.0, 6.0), (1.2, 1.4, 2.0, 3.0), 4),       # a tie within the slack keeps it; 8 rows go packed
+    ((1.3, 1.5, 3.0, 6.0), (1.0, 1.4, 2.0, 3.0), 1),       # packed clearly faster at 2 rows
+])
+def test_the_dense_copy_serves_products_up_to_the_measured_crossover(tmp_path, monkeypatch, dense_s, packed_s, rows):
+    """`dense_rows`: the most rows (2, 4, 8, 16) up to which the dense copy of a packed-with-GEMV layer is not
+    `DENSE_SLACK` slower than packed; the engine's layers then take it for those products."""
+    from engine.model.linear import ONEDNN_PACKED, PACKED_WITH_GEMV, Linear, layouts_for
+    if ONEDNN_PACKED not in layouts_for(torch.zeros(1)):
+        pytest.skip("oneDNN cannot pack float32 weights here")
+    monkeypatch.setenv(kernel_choice.CACHE_ENV, str(tmp_path / "choices.json"))
+    at = {2: 0, 4: 1, 8: 2, 16: 3}
+
+    def timer(fn):                              # fn: partial(_products, layers, inputs, dense)
+        _, inputs, dense = fn.args
+        return (dense_s if dense else packed_s)[at[inputs[0].shape[0]]]
+    monkeypatch.setattr(kernel_choice, "best_time", timer)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj = (Linear(32, 48), Linear(16, 32),
+                                                                              Linear(32, 64), Linear(32, 32))
+            for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj):
+                m.store(PACKED_WITH_GEMV)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer()])
+    assert kernel_choice.dense_rows(Model()) == rows
 
 
 @pytest.mark.parametrize("layout", ["onednn-packed", "onednn-packed+input-major"])
@@ -132,6 +171,12 @@ def test_packed_weights_match_dense(layout):
             torch.testing.assert_close(out, torch.nn.functional.linear(x, dense_w, dense_b), rtol=1e-5, atol=1e-5)
             via = layer.weight if rows == 1 and layout != ONEDNN_PACKED else layer.packed
             assert torch.equal(out, linear(x, via, layer.bias))
+    if layout != ONEDNN_PACKED:                 # up to `dense_rows` rows through the dense copy
+        layer.dense_rows = 8
+        with torch.inference_mode():
+            for rows, via in ((7, layer.weight), (8, layer.weight), (9, layer.packed)):
+                x = torch.randn(rows, 48)
+                assert torch.equal(layer(x), linear(x, via, layer.bias))
     with pytest.raises(RuntimeError, match="already packed"):
         layer.store(layout)
 

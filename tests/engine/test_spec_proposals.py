@@ -6,7 +6,7 @@ import torch
 
 from engine.spec.config import SpecConfig
 from engine.spec.ngram import NgramIndex, propose_ngram
-from engine.spec.turn_down import PROBE_EVERY, TurnDown
+from engine.spec.turn_down import PROBE_EVERY, PROBE_EVERY_MOST, TRIES, WARMUP, WINDOW, TurnDown
 
 
 def test_ngram_proposes_after_the_latest_longest_match():
@@ -41,20 +41,48 @@ def _run(turn: TurnDown, num_seqs: int, seconds_per_step, tokens_per_seq, steps:
     return ks
 
 
-def test_turn_down_tries_every_k_then_keeps_the_fastest_and_probes_its_neighbours():
-    cheap = _run(TurnDown(4), 1, lambda k: 0.010, lambda k: 1 + 0.6 * k, 5 + 2 * PROBE_EVERY)
-    assert cheap[:5] == [4, 3, 2, 1, 0]                             # one try each, then the best
-    assert cheap[5:] == ([4] * (PROBE_EVERY - 1) + [3]) * 2          # a probe below the top
-    costly = _run(TurnDown(4), 32, lambda k: 0.004 * (1 + k), lambda k: 1 + 0.4 * k, 5 + 2 * PROBE_EVERY)
-    assert costly[5:] == ([0] * (PROBE_EVERY - 1) + [1]) * 2         # off, probing k = 1 now and then
-    middle = _run(TurnDown(4), 8, lambda k: 0.01 + 0.002 * k * k, lambda k: 1 + 0.5 * k, 5 + PROBE_EVERY)
-    assert middle[5:5 + PROBE_EVERY - 1] == [1] * (PROBE_EVERY - 1)         # 125 tok/s against 100, 111, 89, 62
+def test_turn_down_tries_every_k_then_keeps_the_fastest_and_probes_the_others():
+    explore = WARMUP + TRIES * 5
+    cheap = _run(TurnDown(4), 1, lambda k: 0.010, lambda k: 1 + 0.6 * k, explore + 3 * PROBE_EVERY + 1)
+    assert cheap[:explore] == [0] * WARMUP + [4, 3, 2, 1, 0] * TRIES    # warm-up, every k interleaved, the best
+    # the k measured longest ago, the gap doubling while the probes lose
+    assert cheap[explore:] == [4] * PROBE_EVERY + [3] + [4] * (2 * PROBE_EVERY - 1) + [2]
+    costly = _run(TurnDown(4), 32, lambda k: 0.004 * (1 + k), lambda k: 1 + 0.4 * k, explore + 3 * PROBE_EVERY + 1)
+    assert costly[explore:] == [0] * PROBE_EVERY + [4] + [0] * (2 * PROBE_EVERY - 1) + [3]   # off
+    settled = _run(TurnDown(4), 32, lambda k: 0.004 * (1 + k), lambda k: 1 + 0.4 * k, explore + 4096)
+    assert 0 < sum(k != 0 for k in settled[explore:]) <= 4096 // PROBE_EVERY_MOST + 4
+    middle = _run(TurnDown(4), 8, lambda k: 0.01 + 0.002 * k * k, lambda k: 1 + 0.5 * k, explore + PROBE_EVERY)
+    assert middle[explore:explore + PROBE_EVERY - 1] == [1] * (PROBE_EVERY - 1)   # 125 tok/s against 100, 111, 89, 62
+
+
+def test_a_one_off_stall_does_not_rule_a_k_out():
+    """The first measured step without proposals stalls (a host pause): k = 0 is still chosen."""
+    calls = {0: 0}
+
+    def seconds(k):
+        calls[k] = calls.get(k, 0) + 1
+        return 0.050 if k == 0 and calls[0] == WARMUP + 1 else 0.004 * (1 + k)
+    ks = _run(TurnDown(4), 32, seconds, lambda k: 1 + 0.4 * k, WARMUP + 5 * TRIES + PROBE_EVERY)
+    assert ks[WARMUP + 5 * TRIES:WARMUP + 5 * TRIES + PROBE_EVERY - 1] == [0] * (PROBE_EVERY - 1)
+
+
+def test_a_fall_in_acceptance_turns_speculation_off():
+    """Proposals that stop being accepted: each k's rate falls as it runs, and k reaches 0 within a few windows."""
+    turn, good = TurnDown(4), [True]
+    _run(turn, 1, lambda k: 0.010 * (1 + 0.1 * k), lambda k: 1 + 0.8 * k if good[0] else 1, WARMUP + 5 * TRIES + 4)
+    assert turn.num_tokens(1) == 4
+    turn.observe_step(1, 0.010)
+    good[0] = False
+    ks = _run(turn, 1, lambda k: 0.010 * (1 + 0.1 * k), lambda k: 1 + 0.8 * k if good[0] else 1, 20 * WINDOW)
+    later = ks[5 * WINDOW:]
+    assert sum(k != 0 for k in later) <= len(later) // PROBE_EVERY + 1     # off, but for the probes
 
 
 def test_buckets_are_measured_apart_and_a_fixed_k_is_never_turned_down():
     turn = TurnDown(2)
-    _run(turn, 1, lambda k: 0.01, lambda k: 1 + k, 3)
-    assert turn.num_tokens(16) == 2 and (5, 2) not in turn.samples     # batch 16: its own bucket, untried
+    assert _run(turn, 1, lambda k: 0.01, lambda k: 1 + k, WARMUP + 3) == [0] * WARMUP + [2, 1, 0]
+    assert _run(turn, 16, lambda k: 0.01, lambda k: 1 + k, WARMUP + 1) == [0] * WARMUP + [2]   # its own bucket
+    assert (5, 1) not in turn.samples and len(turn.samples[1, 1]) == 1
     assert _run(TurnDown(4, adaptive=False), 64, lambda k: 1.0, lambda k: 1.0, 3) == [4, 4, 4]
 
 
