@@ -1,4 +1,5 @@
-"""Tensor parallelism over two gloo ranks (two processes): greedy tokens and logits equal the one-rank engine.
+"""Tensor parallelism over two gloo ranks (two processes): greedy tokens and logits equal the one-rank engine,
+and the logits Hugging Face transformers computes for the same checkpoint.
 
 Every architecture the engine supports runs split over 2 ranks in float32: Llama with GQA from a sharded
 checkpoint, tied MHA, Llama with q/k/v, o_proj and MLP biases (row-parallel biases added once), Qwen2 with
@@ -91,6 +92,10 @@ def test_two_ranks_generate_what_one_rank_does(follower, checkpoints, name):
         tokens, logits = _run(engine)
     assert tokens == want_tokens
     torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32).eval()
+    with torch.no_grad():                                                 # and Hugging Face's own forward
+        ref = hf(torch.tensor([_prompts(min(engine.vocab_size, 250))[2]])).logits[0]
+    torch.testing.assert_close(logits, ref[:, :logits.shape[-1]], atol=ATOL, rtol=0)
     with pytest.raises(RankGroupError, match="the group is closed"):      # closed: no step runs on half a model
         engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
 
