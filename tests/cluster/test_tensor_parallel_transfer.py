@@ -1,7 +1,8 @@
 """Disaggregated tensor-parallel pools on local Ray: prefill actors of degree Np ship KV to decode actors of
 degree Nd (Np > Nd, Np < Nd, equal), each rank sending the head copies the resharding plan gives it and
-each receiving rank holding only its heads. Greedy tokens equal the one-rank colocated engine; every KV
-went through a transfer; no block is left held on any actor."""
+each receiving rank holding only its heads, over tcp, grpc, torch and nixl, for a model-dtype and an int8
+cache. Greedy tokens equal the one-rank colocated engine (with the same cache dtype); every KV went through a
+transfer; no block is left held on any actor."""
 from __future__ import annotations
 
 import threading
@@ -78,6 +79,34 @@ def test_tokens_across_degrees_equal_one_rank(ray_local, tiny_model_dir, workloa
         results = _generate_all(c.address, second_turn[0])
         assert [results[i] for i in range(N)] == second_turn[1]
         assert _counter(metrics.local_prefills) == 0 and _counter(metrics.kv_bytes) > shipped
+        stats = wait_blocks_free(c.address, timeout=20)
+        assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,transport,cache_dtype", [(2, 1, "tcp", "int8"), (1, 2, "nixl", "auto")],
+                         ids=["int8-cache-tcp", "nixl"])
+def test_quantized_cache_and_nixl_across_degrees(ray_local, tiny_model_dir, workload, prefill_tp, decode_tp, transport,
+                                                 cache_dtype):
+    """An int8 cache's cells go with their scales, each rank's heads as stored: the tokens are the one-rank engine's
+    with the same cache dtype. Over nixl each receiving rank registers its whole cache and reads its heads."""
+    from engine import Engine, EngineArgs
+    prompts = workload[0][:4]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=256, kv_cache_dtype=cache_dtype))
+    expected = [c.token_ids for c in engine.generate(prompts, [params] * len(prompts))]
+    cfg = cluster_config(tiny_model_dir, transport=transport, extra={
+        "pools.prefill.tensor_parallel": prefill_tp, "pools.decode.tensor_parallel": decode_tp,
+        "kv_cache.num_blocks": 256, "kv_cache.dtype": cache_dtype, "pools.prefill.resources.num_cpus": 0.25,
+        "pools.decode.resources.num_cpus": 0.25, "server.metrics_port": free_port(), "routing.local_prefill_tokens": 0})
+    c = ClusterThread(cfg)
+    try:
+        results = _generate_all(c.address, prompts)
+        assert [results[i] for i in range(len(prompts))] == expected
+        metrics = c.cluster.backend.metrics
+        assert _counter(metrics.local_prefills) == 0 and _counter(metrics.transfer_failures) == 0
+        assert _counter(metrics.kv_bytes) > 0
         stats = wait_blocks_free(c.address, timeout=20)
         assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
     finally:
