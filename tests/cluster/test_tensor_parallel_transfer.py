@@ -90,25 +90,33 @@ def test_tokens_across_degrees_equal_one_rank(ray_local, tiny_model_dir, workloa
 def test_quantized_cache_and_nixl_across_degrees(ray_local, tiny_model_dir, workload, prefill_tp, decode_tp, transport,
                                                  cache_dtype):
     """An int8 cache's cells go with their scales, each rank's heads as stored: the tokens are the one-rank engine's
-    with the same cache dtype. Over nixl each receiving rank registers its whole cache and reads its heads."""
+    with the same cache dtype. Over nixl each receiving rank registers its whole cache and reads its heads. Layer
+    by layer, then a second turn past the prefix the decode actor holds."""
     from engine import Engine, EngineArgs
     prompts = workload[0][:4]
+    turns = [prompts, [p + p[:20] for p in prompts]]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=256, kv_cache_dtype=cache_dtype))
-    expected = [c.token_ids for c in engine.generate(prompts, [params] * len(prompts))]
+    expected = [[c.token_ids for c in engine.generate(turn, [params] * len(turn))] for turn in turns]
     cfg = cluster_config(tiny_model_dir, transport=transport, extra={
         "pools.prefill.tensor_parallel": prefill_tp, "pools.decode.tensor_parallel": decode_tp,
         "kv_cache.num_blocks": 256, "kv_cache.dtype": cache_dtype, "pools.prefill.resources.num_cpus": 0.25,
         "pools.decode.resources.num_cpus": 0.25, "server.metrics_port": free_port(), "routing.local_prefill_tokens": 0})
     c = ClusterThread(cfg)
     try:
-        results = _generate_all(c.address, prompts)
-        assert [results[i] for i in range(len(prompts))] == expected
-        metrics = c.cluster.backend.metrics
-        assert _counter(metrics.local_prefills) == 0 and _counter(metrics.transfer_failures) == 0
-        assert _counter(metrics.kv_bytes) > 0
-        stats = wait_blocks_free(c.address, timeout=20)
-        assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
+        metrics, shipped = c.cluster.backend.metrics, 0.0
+        for turn, tokens in zip(turns, expected):
+            results = _generate_all(c.address, turn)
+            assert [results[i] for i in range(len(turn))] == tokens
+            assert _counter(metrics.local_prefills) == 0 and _counter(metrics.transfer_failures) == 0
+            assert _counter(metrics.kv_bytes) > shipped
+            shipped = _counter(metrics.kv_bytes)
+            stats = wait_blocks_free(c.address, timeout=20)
+            assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
+            decode = c.cluster.backend.pools.decode[0].client.handle
+            query = wpb.PrefixQuery(block_hashes=prompt_block_hashes(turns[1][0], cfg.kv_cache.block_size))
+            held = wpb.PrefixHits.FromString(ray.get(decode.cached_prefix.remote(query.SerializeToString())))
+            assert held.num_cached_blocks > 0                  # the second turn ships only what follows
     finally:
         c.stop()
 
