@@ -96,6 +96,16 @@ class Groups:
         self.receiver.close()
 
 
+def assert_copies_clean(g: Groups) -> None:
+    """Nothing left on either end of any copy: no nixl READ in flight or block held back for one, no staging
+    slot taken (the other transports have neither)."""
+    receivers = [member for *_, member in g.receiver.members]
+    assert wait_for(lambda: all(getattr(r, "num_in_flight", 0) == 0 and
+                                (getattr(r, "held", None) is None or r.held.num_deferred == 0) for r in receivers), 5)
+    for end in receivers + list(g.sender._senders.values()):
+        assert getattr(end, "staging", None) is None or end.staging.num_used == 0
+
+
 @pytest.fixture
 def groups():
     made: list[Groups] = []
@@ -139,6 +149,7 @@ def test_each_receiving_rank_gets_exactly_its_heads(groups, kind, source, dest, 
     assert [r.transfer_id for r in g.receiver.poll()] == ["t1"]          # one result for all copies
     g.pool.free(result.dst_block_ids)
     assert_no_leak(g.pool)
+    assert_copies_clean(g)
 
 
 @pytest.mark.parametrize("source,dest", DEGREES)
@@ -166,8 +177,7 @@ def test_quantized_heads_arrive_with_their_scales_byte_exact(groups, kind, sourc
     assert [r.transfer_id for r in g.receiver.poll()] == ["t1"]
     g.pool.free(result.dst_block_ids)
     assert_no_leak(g.pool)
-    for *_, member in g.receiver.members:    # nixl: no block held back for a READ that could still land
-        assert getattr(member, "held", None) is None or member.held.num_deferred == 0
+    assert_copies_clean(g)
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
@@ -265,9 +275,10 @@ def test_a_copy_missing_expires_the_transfer_and_frees_its_blocks_once(groups):
     assert g.receiver.blocks.num_transfers == 0
 
 
-@pytest.mark.parametrize("kind", ["tcp", "torch"])
-def test_cancel_mid_transfer_returns_every_block(groups, kind):
-    g = groups(kind, 1, 2)
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kind", ["tcp", "torch", NIXL])
+def test_cancel_mid_transfer_returns_every_block(groups, kind, cache_dtype):
+    g = groups(kind, 1, 2, cache_dtype=cache_dtype)
     handle = g.sender.send(KVPiece("r3", g.source_caches[0], [0, 1, 2], transfer_id="t3", layers=(0, 1)),
                            g.receiver.endpoint)
     assert handle.wait(30) == TransferStatus.DONE, handle.error
@@ -280,6 +291,7 @@ def test_cancel_mid_transfer_returns_every_block(groups, kind):
     assert late.wait(30) == TransferStatus.FAILED           # refused: nothing reserved again
     assert wait_for(lambda: g.pool.num_used == 0)
     assert_no_leak(g.pool)
+    assert_copies_clean(g)
 
 
 def test_a_sender_of_another_degree_is_refused_naming_both(groups):
