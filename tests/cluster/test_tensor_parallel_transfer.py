@@ -15,6 +15,7 @@ from engine import SamplingParams
 from router.client import generate
 from engine.kv_cache.block_manager import prompt_block_hashes
 from engine.parallel.group import free_port
+from kv_transfer.transports.nixl import agent as nixl_agent
 from proto.pdserve.v1 import worker_pb2 as wpb
 
 from cluster_helpers import (ClusterThread, cluster_config, join_streams, prompts_and_params, start_greedy_streams,
@@ -85,8 +86,10 @@ def test_tokens_across_degrees_equal_one_rank(ray_local, tiny_model_dir, workloa
         c.stop()
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp,transport,cache_dtype", [(2, 1, "tcp", "int8"), (1, 2, "nixl", "auto")],
-                         ids=["int8-cache-tcp", "nixl"])
+@pytest.mark.parametrize("prefill_tp,decode_tp,transport,cache_dtype", [
+    pytest.param(2, 1, "tcp", "int8", id="int8-cache-tcp"),
+    pytest.param(1, 2, "nixl", "auto", id="nixl", marks=pytest.mark.skipif(
+        nixl_agent.available() is not None, reason=f"nixl cannot be imported: {nixl_agent.available()}"))])
 def test_quantized_cache_and_nixl_across_degrees(ray_local, tiny_model_dir, workload, prefill_tp, decode_tp, transport,
                                                  cache_dtype):
     """An int8 cache's cells go with their scales, each rank's heads as stored: the tokens are the one-rank engine's
