@@ -178,7 +178,8 @@ class ServingActor:
 
         def member(copy, layout, blocks, done):
             if copy.dest_rank == 0:
-                return make_receiver(transfer, layout, head_view(engine.kv_cache, copy.dest_heads), blocks, done)
+                view = head_view(engine.kv_cache, copy.dest_heads, layout)
+                return make_receiver(transfer, layout, view, blocks, done)
             rank, key = self.ranks[copy.dest_rank - 1], uuid.uuid4().hex
             endpoint = ray.get(rank.open_copy.remote(key, transfer, layout, copy.dest_heads, me))
             return RemoteReceiver(rank, key, endpoint)

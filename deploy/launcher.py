@@ -232,17 +232,6 @@ class ActorFactory:
         # KV travels resharded by head when a degree above 1 ships or receives it (kv_transfer/resharded.py)
         self.kv_degrees = ((degrees["prefill"], degrees["decode"])
                            if mode != "colocated" and max(degrees.values()) > 1 else None)
-        if self.kv_degrees and cfg.kv_transfer.transport == "nixl":
-            pool = next(pool for pool, degree in degrees.items() if degree > 1)
-            raise ConfigError(f"pools.{pool}.tensor_parallel {degrees[pool]}: KV between tensor-parallel actors "
-                              "travels over tcp, grpc, torch or ray, not nixl (kv_transfer.transport)",
-                              f"pools.{pool}.tensor_parallel")
-        if self.kv_degrees and cfg.kv_cache.dtype != "auto":
-            pool = next(pool for pool, degree in degrees.items() if degree > 1)
-            raise ConfigError(f"pools.{pool}.tensor_parallel {degrees[pool]}: KV shipped between tensor-parallel "
-                              f"actors is resharded by head, which a kv_cache.dtype {cfg.kv_cache.dtype} cache "
-                              "(byte cells with scales) does not allow; set kv_cache.dtype auto",
-                              f"pools.{pool}.tensor_parallel")
         if self.tls is not None and cfg.kv_transfer.transport not in ("grpc", "tcp"):
             log.warning("security.internal_tls_* encrypts the token streams, not kv_transfer.transport %s "
                         "(only the grpc and tcp transports run over TLS)", cfg.kv_transfer.transport)

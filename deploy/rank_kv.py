@@ -64,7 +64,7 @@ class RankTransfers:
         def report(result: TransferResult) -> None:
             rank0.copy_done.remote(result)
 
-        receiver = make_receiver(transfer, layout, head_view(self.kv_cache, heads), RankBlocks(rank0), report)
+        receiver = make_receiver(transfer, layout, head_view(self.kv_cache, heads, layout), RankBlocks(rank0), report)
         with self._lock:
             self.receivers[key] = receiver
         return receiver.endpoint
@@ -75,7 +75,7 @@ class RankTransfers:
             sender = self.senders.get(key)
             if sender is None:
                 sender = self.senders[key] = make_sender(transfer, layout, self.device)
-        handle = sender.send(KVPiece(kv_cache=head_view(self.kv_cache, heads), **piece), dest)
+        handle = sender.send(KVPiece(kv_cache=head_view(self.kv_cache, heads, layout), **piece), dest)
         handle.wait(piece.get("deadline_s", 30.0) + CALL_TIMEOUT_S)
         return handle.status.value, handle.error, handle.failed_side.value, handle.wire_bytes
 

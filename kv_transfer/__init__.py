@@ -13,6 +13,8 @@ block, ``int8`` per token, ``fp8_tensor`` baseline) and transports (``grpc``, ``
     sender.py          BaseSender: what every transport's sender shares
     receiver.py        BaseReceiver: reserve, write, complete, free
     settings.py        TransferSettings, make_sender / make_receiver
+    resharded.py       between tensor-parallel degrees: one transfer per head copy; head_view.py: a cache's
+                       KV heads as views (a quantized cache's values and scales)
     transports/        grpc.py, tcp/, ray.py, fake.py, torch/, nixl/
 """
 

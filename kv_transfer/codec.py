@@ -30,6 +30,7 @@ import torch
 
 import kv_transfer.codec_compiled as codec_compiled
 from kv_transfer.buffers import Scratch
+from kv_transfer.head_view import cell_parts
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -337,7 +338,9 @@ class StoredCodec(Codec):
     stored. Per (layer, block): the fp8 / int8 data [2, H, B, D], then its float32 scales [2, H, S] (S = 1 per
     block for fp8, B per token for int8): the scheme, scales included, of the wire codec it is named after. A
     prefill actor with such a cache ships its blocks as they are, and the decode actor stores them as they
-    come: sending and receiving copy bytes, bit-exact (`encode` / `decode` exist for tests and tools)."""
+    come: sending and receiving copy bytes, bit-exact (`encode` / `decode` exist for tests and tools). A head
+    view of such a cache (`kv_transfer.head_view.QuantizedHeads`) ships its heads' data, then their scales:
+    the cells of a cache of those heads."""
 
     lossy = False
     as_stored = True
@@ -362,10 +365,27 @@ class StoredCodec(Codec):
 
     def encode_from(self, kv_cache, layers, index, out, scratch=None):
         cells = out.view(layers[1] - layers[0], index.numel(), -1)
-        torch.index_select(kv_cache[layers[0]:layers[1]], 1, index, out=cells)
+        if isinstance(kv_cache, torch.Tensor):
+            torch.index_select(kv_cache[layers[0]:layers[1]], 1, index, out=cells)
+            return
+        start = 0
+        for part in cell_parts(kv_cache):     # a head view: its heads' data, then their scales
+            rows = torch.index_select(part[layers[0]:layers[1]], 1, index)
+            width = rows[0, 0].numel()
+            cells[..., start:start + width].copy_(rows.view(*cells.shape[:2], width))
+            start += width
 
     def decode_into(self, payload, shape, kv_cache, layers, index, scratch=None):
-        write_blocks(kv_cache[layers[0]:layers[1]], index, payload.view(shape[0], shape[1], -1))
+        cells = payload.view(shape[0], shape[1], -1)
+        if isinstance(kv_cache, torch.Tensor):
+            write_blocks(kv_cache[layers[0]:layers[1]], index, cells)
+            return
+        start = 0
+        for part in cell_parts(kv_cache):
+            width = part[0, 0].numel()
+            rows = cells[..., start:start + width].reshape(shape[0], shape[1], *part.shape[2:])
+            part[layers[0]:layers[1]].index_copy_(1, index, rows)
+            start += width
 
     def roundtrip(self, kv_cache, index):
         return None       # the blocks travel as stored: nothing changes

@@ -135,7 +135,7 @@ class KVPiece:
     """
 
     request_id: str
-    kv_cache: torch.Tensor  # [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
+    kv_cache: torch.Tensor  # [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim], or a head view of one
     block_ids: tuple[int, ...] | list[int]
     transfer_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     layers: tuple[int, int] | None = None

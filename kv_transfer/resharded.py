@@ -5,11 +5,13 @@ a resharding plan (`engine.parallel.reshard.reshard_plan`: a list of head copies
 of sending rank s go to heads `dest_heads` of receiving rank d") says who sends what to whom. Each copy
 travels as a transfer of its own, over any transport and codec, unchanged:
 
-- the sending rank ships the *head view* of its cache, ``kv_cache[:, :, :, source_heads]``, under a layout
-  whose ``num_kv_heads`` is the copy's width and whose ``kv_head_start`` is the model's first head of it;
-- the receiving rank runs one receiver per copy over the head view ``kv_cache[:, :, :, dest_heads]`` of its
-  own cache, with the same layout: the handshake compares the model's head range on both ends (and refuses
-  a copy whose heads differ, naming both);
+- the sending rank ships the *head view* of its cache (`kv_transfer.head_view.head_view`: the strided view
+  ``kv_cache[:, :, :, source_heads]`` of a model-dtype cache; for a quantized cache, ``kv_cache.dtype`` fp8 /
+  int8, the views of those heads' bytes and of their scales) under a layout whose ``num_kv_heads`` is the
+  copy's width and whose ``kv_head_start`` is the model's first head of it (`head_layout`);
+- the receiving rank runs one receiver per copy over the head view of its own cache at ``dest_heads``, with
+  the same layout: the handshake compares the model's head range on both ends (and refuses a copy whose heads
+  differ, naming both), and the cache dtype as for any transfer;
 - every copy of one request carries the same ``transfer_id``, and all of a decode actor's receivers reserve
   their blocks through one `TransferBlocks`: the first to see a transfer allocates, the others get the same
   ids, so the block ids are shared across the decode actor's ranks (its rank 0's block manager allocates);
@@ -17,12 +19,17 @@ travels as a transfer of its own, over any transport and codec, unchanged:
   of its cells); the first copy that fails cancels the others and the blocks are freed once, when no copy
   writes into them any more.
 
+A head view's cell is, byte for byte, the cell of a cache holding only its heads, so a copy of a quantized
+cache ships its heads' fp8 / int8 values with their scales as stored (the `fp8_cache` / `int8_cache` codecs):
+per-head scales (fp8: per block x head; int8: per token x head) make every head split exact. Transports that
+move bytes in place read and write a head view's cells as a few byte runs each (tcp's rows, nixl's
+descriptors: `kv_transfer.transports.tcp.rows.CellRuns`); the others gather and scatter it through the codec.
+
 The decode side advertises one endpoint for all its receivers (`group_endpoint`: "tp:" and JSON naming
 the sending degree it expects and, per copy, the sending rank, its head range and the copy's receiver);
 `ReshardedSender` at the prefill side sends every copy from the rank the plan names. Layer-wise streaming
 (several pieces of one transfer) and prefix skipping (a piece covering part of the blocks) pass through:
-each piece goes out once per copy. Codecs apply per copy; a quantized cache (``kv_cache.dtype`` fp8/int8,
-byte cells with scales) is not head-sliced and is refused.
+each piece goes out once per copy. Codecs apply per copy.
 """
 from __future__ import annotations
 
@@ -46,24 +53,16 @@ from kv_transfer.interface import (
     TransferResult,
     TransferStatus,
 )
+from kv_transfer.head_view import head_view
 from kv_transfer.layout import KVLayout
 
 ENDPOINT_PREFIX = "tp:"
 MAX_FINISHED = 4096
 
 
-def head_view(kv_cache: torch.Tensor, heads: range) -> torch.Tensor:
-    """The cells of KV heads `heads` (positions in this cache) of a [L, NB, 2, H, B, D] cache, as a view."""
-    if kv_cache.dim() != 6:
-        raise ValueError("a quantized KV cache (kv_cache.dtype fp8/int8) cannot be resharded by head; "
-                         "use kv_cache.dtype auto with tensor-parallel pools of different degrees")
-    return kv_cache[:, :, :, heads.start:heads.stop]
-
-
 def head_layout(layout: KVLayout, heads: range) -> KVLayout:
-    """The layout of `head_view(cache, heads)` for a cache of `layout`: its width and the model's first head."""
-    if layout.quantized:
-        head_view(torch.empty(0, 0, 0), heads)          # the same refusal
+    """The layout of `head_view(cache, heads, layout)` for a cache of `layout`: its width and the model's first
+    head (a quantized cache's head view has the cells, scales included, of a cache of that width)."""
     return dataclasses.replace(layout, num_kv_heads=len(heads), kv_head_start=layout.kv_head_start + heads.start)
 
 
@@ -195,7 +194,7 @@ class ReshardedReceiver(KVReceiver):
              deadline_s: float = 30.0, codec: str = "none") -> ReshardedReceiver:
         """Receivers for every copy of `plan` (head copies from degree `source_degree` to this actor's ranks,
         whose layouts are `layouts`): `make_member(copy, layout, blocks, on_complete)` opens the receiver of
-        one copy on its receiving rank, over `head_view(that rank's cache, copy.dest_heads)` with `layout`,
+        one copy on its receiving rank, over `head_view(that rank's cache, copy.dest_heads, layout)` with `layout`,
         reserving through `blocks` and reporting to `on_complete`. `codec`: the members' codec."""
         group = cls(source_degree, TransferBlocks(allocator), on_complete, deadline_s)
         group.codec = codec
@@ -413,7 +412,9 @@ class ReshardedSender(KVSender):
 
     def _piece(self, piece: KVPiece, c: Copy) -> KVPiece:
         cache = self.caches[c.source_rank]
-        return piece if cache is None else dataclasses.replace(piece, kv_cache=head_view(cache, c.source_heads))
+        if cache is None:
+            return piece
+        return dataclasses.replace(piece, kv_cache=head_view(cache, c.source_heads, self.layouts[c.source_rank]))
 
     def handshake(self, dest: str) -> None:
         for c in self._copies(dest):

@@ -87,7 +87,7 @@ class PoolSection(Section):
         1, ge=1, description="Ranks each actor of the pool splits the model over (tensor parallelism: one Ray "
         "actor per rank, placed together in a placement group; resources are per rank). Must divide the "
         "model's attention heads. Prefill and decode pools may differ: KV is resharded by head on the way "
-        "(needs kv_cache.dtype auto). Above 1 needs routing.role_flips off.")
+        "(any kv_cache.dtype, any transport). Above 1 needs routing.role_flips off.")
 
     @field_validator("count", mode="before")
     @classmethod

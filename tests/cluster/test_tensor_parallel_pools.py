@@ -106,13 +106,6 @@ def test_tensor_parallel_actors_that_change_role_are_refused(tiny_model_dir):
         ActorFactory(cfg, "t")
 
 
-def test_tensor_parallel_kv_shipping_needs_a_model_dtype_cache(tiny_model_dir):
-    cfg = cluster_config(tiny_model_dir, extra={"pools.decode.tensor_parallel": 2, "kv_cache.dtype": "fp8"})
-    with pytest.raises(ConfigError, match="pools.decode.tensor_parallel 2: KV shipped between tensor-parallel actors "
-                                          "is resharded by head, which a kv_cache.dtype fp8 cache"):
-        ActorFactory(cfg, "t")
-
-
 def test_tensor_parallel_actors_with_kv_tiers_are_refused(tiny_model_dir):
     cfg = cluster_config(tiny_model_dir, extra={"pools.decode.tensor_parallel": 2,
                                                 "kv_cache.tiers": [{"kind": "host", "capacity_gib": 1}]})
@@ -121,11 +114,12 @@ def test_tensor_parallel_actors_with_kv_tiers_are_refused(tiny_model_dir):
         ActorFactory(cfg, "t")
 
 
-def test_tensor_parallel_kv_shipping_over_nixl_is_refused(tiny_model_dir):
-    cfg = cluster_config(tiny_model_dir, transport="nixl", extra={"pools.prefill.tensor_parallel": 2})
-    with pytest.raises(ConfigError, match="pools.prefill.tensor_parallel 2: KV between tensor-parallel actors "
-                                          "travels over tcp, grpc, torch or ray, not nixl"):
-        ActorFactory(cfg, "t")
+@pytest.mark.parametrize("transport,extra", [("tcp", {"kv_cache.dtype": "fp8"}), ("grpc", {"kv_cache.dtype": "int8"}),
+                                             ("nixl", {}), ("nixl", {"kv_cache.dtype": "int8"})])
+def test_tensor_parallel_kv_shipping_takes_quantized_caches_and_nixl(tiny_model_dir, transport, extra):
+    """KV between degrees is resharded by head for every cache dtype and transport: the factory starts."""
+    cfg = cluster_config(tiny_model_dir, transport=transport, extra={"pools.prefill.tensor_parallel": 2, **extra})
+    assert ActorFactory(cfg, "t").kv_degrees == (2, 1)
 
 
 def test_a_degree_that_does_not_divide_the_heads_names_the_key(tiny_model_dir):

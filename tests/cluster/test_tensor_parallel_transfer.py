@@ -1,7 +1,8 @@
 """Disaggregated tensor-parallel pools on local Ray: prefill actors of degree Np ship KV to decode actors of
 degree Nd (Np > Nd, Np < Nd, equal), each rank sending the head copies the resharding plan gives it and
-each receiving rank holding only its heads. Greedy tokens equal the one-rank colocated engine; every KV
-went through a transfer; no block is left held on any actor."""
+each receiving rank holding only its heads, over tcp, grpc, torch and nixl, for a model-dtype and an int8
+cache. Greedy tokens equal the one-rank colocated engine (with the same cache dtype); every KV went through a
+transfer; no block is left held on any actor."""
 from __future__ import annotations
 
 import threading
@@ -14,6 +15,7 @@ from engine import SamplingParams
 from router.client import generate
 from engine.kv_cache.block_manager import prompt_block_hashes
 from engine.parallel.group import free_port
+from kv_transfer.transports.nixl import agent as nixl_agent
 from proto.pdserve.v1 import worker_pb2 as wpb
 
 from cluster_helpers import (ClusterThread, cluster_config, join_streams, prompts_and_params, start_greedy_streams,
@@ -80,6 +82,44 @@ def test_tokens_across_degrees_equal_one_rank(ray_local, tiny_model_dir, workloa
         assert _counter(metrics.local_prefills) == 0 and _counter(metrics.kv_bytes) > shipped
         stats = wait_blocks_free(c.address, timeout=20)
         assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,transport,cache_dtype", [
+    pytest.param(2, 1, "tcp", "int8", id="int8-cache-tcp"),
+    pytest.param(1, 2, "nixl", "auto", id="nixl", marks=pytest.mark.skipif(
+        nixl_agent.available() is not None, reason=f"nixl cannot be imported: {nixl_agent.available()}"))])
+def test_quantized_cache_and_nixl_across_degrees(ray_local, tiny_model_dir, workload, prefill_tp, decode_tp, transport,
+                                                 cache_dtype):
+    """An int8 cache's cells go with their scales, each rank's heads as stored: the tokens are the one-rank engine's
+    with the same cache dtype. Over nixl each receiving rank registers its whole cache and reads its heads. Layer
+    by layer, then a second turn past the prefix the decode actor holds."""
+    from engine import Engine, EngineArgs
+    prompts = workload[0][:4]
+    turns = [prompts, [p + p[:20] for p in prompts]]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    engine = Engine(EngineArgs(tiny_model_dir, dtype="float32", num_blocks=256, kv_cache_dtype=cache_dtype))
+    expected = [[c.token_ids for c in engine.generate(turn, [params] * len(turn))] for turn in turns]
+    cfg = cluster_config(tiny_model_dir, transport=transport, extra={
+        "pools.prefill.tensor_parallel": prefill_tp, "pools.decode.tensor_parallel": decode_tp,
+        "kv_cache.num_blocks": 256, "kv_cache.dtype": cache_dtype, "pools.prefill.resources.num_cpus": 0.25,
+        "pools.decode.resources.num_cpus": 0.25, "server.metrics_port": free_port(), "routing.local_prefill_tokens": 0})
+    c = ClusterThread(cfg)
+    try:
+        metrics, shipped = c.cluster.backend.metrics, 0.0
+        for turn, tokens in zip(turns, expected):
+            results = _generate_all(c.address, turn)
+            assert [results[i] for i in range(len(turn))] == tokens
+            assert _counter(metrics.local_prefills) == 0 and _counter(metrics.transfer_failures) == 0
+            assert _counter(metrics.kv_bytes) > shipped
+            shipped = _counter(metrics.kv_bytes)
+            stats = wait_blocks_free(c.address, timeout=20)
+            assert all(a.kv_blocks_used == 0 for a in stats.actors), stats
+            decode = c.cluster.backend.pools.decode[0].client.handle
+            query = wpb.PrefixQuery(block_hashes=prompt_block_hashes(turns[1][0], cfg.kv_cache.block_size))
+            held = wpb.PrefixHits.FromString(ray.get(decode.cached_prefix.remote(query.SerializeToString())))
+            assert held.num_cached_blocks > 0                  # the second turn ships only what follows
     finally:
         c.stop()
 

@@ -12,8 +12,10 @@
 
 Each end registers its whole cache tensor (host memory on CPU, device memory on CUDA) with NIXL once; per
 transfer the decode side reserves blocks as every transport does and the bytes move one-sided, cache cells to
-cache cells, by descriptors (codec none), or encoded into a registered staging slot and decoded from one
-(fp8 / int8). ``mode`` pull (default): the decode side READs what the prefill side describes; push: the
+cache cells, by descriptors (codec none, or a quantized cache's cells as stored), or encoded into a registered
+staging slot and decoded from one (fp8 / int8). A head view of a cache (a head copy between tensor-parallel
+degrees) registers the whole cache and moves a few byte runs of each cell (``cells.py``).
+``mode`` pull (default): the decode side READs what the prefill side describes; push: the
 prefill side WRITEs where the decode side says, with a notification. The control connection (plain TCP to
 the receiver's endpoint, bound to its host) carries the metadata exchange, the per-chunk descriptors and
 the acks; nothing on it, nor any notification, is taken unless it carries the internal secret's MAC.

@@ -56,6 +56,7 @@ from kv_transfer.transports.nixl.protocol import (
 )
 from kv_transfer.transports.nixl.staging import DEFAULT_STAGING_BYTES, StagingArena, StagingFull
 from kv_transfer.transports.tcp.protocol import HELLO_TIMEOUT_S, hello_key, new_nonce, tune
+from kv_transfer.transports.tcp.rows import CellRuns
 from kv_transfer.wire import WireError, unpack_header
 
 log = logging.getLogger(__name__)
@@ -69,22 +70,31 @@ PUSH_DRAIN_S = 1.0          # after a push sender's connection closed, its unfin
 
 
 class HeldBlocks:
-    """The decode pool as the base receiver sees it: ``free`` defers blocks a posted READ or WRITE may still
-    write into until ``settle`` says it cannot any more."""
+    """The decode pool as the base receiver sees it: a transfer's blocks go back (``free`` / ``free_transfer``) only
+    once no READ or WRITE posted into them can still write there (``settle``); until then they are deferred.
+
+    A pool that reserves by transfer id (`kv_transfer.resharded.TransferBlocks`: the receiving ranks of a
+    tensor-parallel decode actor share each transfer's blocks, one copy receiver per head range) gets the
+    transfer back whole, once none of its blocks is held here; any other pool gets each block as it settles."""
 
     def __init__(self, allocator) -> None:
         self.allocator = allocator
         self._holds: Counter[int] = Counter()
         self._deferred: set[int] = set()
+        self._deferred_transfers: dict[str, list[int]] = {}
         self._lock = threading.Lock()
 
     @property
     def num_deferred(self) -> int:
         with self._lock:
-            return len(self._deferred)
+            return len(self._deferred) + sum(len(ids) for ids in self._deferred_transfers.values())
 
     def allocate(self, num_blocks: int) -> list[int] | None:
         return self.allocator.allocate(num_blocks)
+
+    def allocate_transfer(self, transfer_id: str, num_blocks: int) -> list[int] | None:
+        by_transfer = getattr(self.allocator, "allocate_transfer", None)
+        return by_transfer(transfer_id, num_blocks) if by_transfer else self.allocator.allocate(num_blocks)
 
     def free(self, block_ids: list[int]) -> None:
         with self._lock:
@@ -92,6 +102,16 @@ class HeldBlocks:
             self._deferred.update(block for block in block_ids if self._holds[block])
         if now:
             self.allocator.free(now)
+
+    def free_transfer(self, transfer_id: str, block_ids: list[int]) -> None:
+        by_transfer = getattr(self.allocator, "free_transfer", None)
+        if by_transfer is None:
+            return self.free(block_ids)
+        with self._lock:
+            if any(self._holds[block] for block in block_ids):
+                self._deferred_transfers[transfer_id] = list(block_ids)
+                return
+        by_transfer(transfer_id, block_ids)
 
     def hold(self, block_ids: list[int]) -> None:
         with self._lock:
@@ -105,8 +125,14 @@ class HeldBlocks:
                 if self._holds[block] <= 0:
                     del self._holds[block]
             self._deferred.difference_update(freeable)
+            transfers = [(tid, ids) for tid, ids in self._deferred_transfers.items()
+                         if not any(self._holds[block] for block in ids)]
+            for tid, _ in transfers:
+                del self._deferred_transfers[tid]
         if freeable:
             self.allocator.free(freeable)
+        for tid, ids in transfers:
+            self.allocator.free_transfer(tid, ids)
 
 
 @dataclass(eq=False)
@@ -166,14 +192,16 @@ class NixlReceiver(BaseReceiver):
                  hello_timeout_s: float = HELLO_TIMEOUT_S, **kwargs):
         if mode not in MODES:
             raise ValueError(f"nixl mode must be one of {MODES}, got {mode!r}")
-        if not kv_cache.is_contiguous():
-            raise ValueError("the nixl transport needs a contiguous KV cache (it registers the whole tensor)")
+        cells = CellRuns.of(kv_cache)
+        if cells is None:
+            raise ValueError("the nixl transport needs a contiguous KV cache or a head view of one (it registers "
+                             "the whole cache)")
         self.held = HeldBlocks(allocator)
         super().__init__(layout, kv_cache, self.held, **kwargs)
         self.mode, self.max_connections, self.hello_timeout_s = mode, max_connections, hello_timeout_s
         self.agent = Agent(f"pdkv-decode-{uuid.uuid4().hex[:12]}", backend=backend, ucx_tls=ucx_tls, host=host,
                            device=kv_cache.device)
-        self.cache = CacheShape.of(self.agent.register(kv_cache), kv_cache)
+        self.cache = CacheShape.of(self.agent.register(cells.memory), cells)
         in_place = get_codec(self.codec).as_stored  # chunks are the cache's own cells: READ straight into them
         self.staging = None if in_place else StagingArena(staging_bytes, kv_cache.device)
         self.staging_region = self.agent.register(self.staging.buffer) if self.staging is not None else None
@@ -445,7 +473,7 @@ class NixlReceiver(BaseReceiver):
             blocks = src.get("blocks")
             if cache is None or not isinstance(blocks, list) or len(blocks) != header.block_end - header.block_start \
                     or not all(isinstance(b, int) and 0 <= b < cache.num_blocks for b in blocks) \
-                    or cache.cell_bytes != self.cache.cell_bytes:
+                    or cache.nbytes != self.cache.nbytes:
                 raise WireError(f"bad nixl source for chunk {header.chunk_index}")
             local, remote = paired_descriptors(self.cache, chunk.block_ids, cache, blocks,
                                                (header.layer_start, header.layer_end))

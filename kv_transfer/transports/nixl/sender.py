@@ -50,12 +50,13 @@ from kv_transfer.transports.nixl.protocol import (
     channel_key,
 )
 from kv_transfer.transports.nixl.staging import DEFAULT_STAGING_BYTES, StagingArena, StagingFull
+from kv_transfer.transports.tcp.rows import CellRuns
 from kv_transfer.transports.tcp.protocol import NONCE_BYTES, hello_key, recv_exact, split_endpoint, tune
 from kv_transfer.wire import WireError, host_checksum, pack_header
 from proto.internal_auth import token_matches
 
 CONNECT_TIMEOUT_S = 10.0
-MAX_CACHES = 8          # registered cache tensors (a prefill actor has one)
+MAX_CACHES = 8          # registered caches or head views of one (a prefill actor's sender has one)
 WRITE_POLL_S = 0.0005
 RECLAIM_S = 0.002       # push: an encoder waiting for staging room looks for finished WRITEs this often
 READ_SCALE = 4          # a codec-none chunk: one READ of up to this many times chunk_bytes ...
@@ -275,23 +276,26 @@ class NixlSender(BaseSender):
             self._cache_of(kv_cache)
 
     # --- registered caches -----------------------------------------------------------------
-    def _cache_of(self, kv_cache: torch.Tensor) -> _Cache:
-        """The registration of ``kv_cache`` (made now, once, for a tensor not seen before)."""
-        key = (kv_cache.data_ptr(), kv_cache.numel() * kv_cache.element_size(), kv_cache.shape[1])
+    def _cache_of(self, kv_cache) -> _Cache:
+        """The registration of ``kv_cache``'s memory and where its cells lie (made now, once, for a cache or head
+        view not seen before)."""
+        cells = CellRuns.of(kv_cache)
+        if cells is None:
+            raise ValueError("the nixl transport needs a contiguous KV cache or a head view of one (it registers "
+                             "the whole cache)")
+        key = (cells.memory.data_ptr(), cells.memory.numel(), cells.num_blocks, cells.cell_bytes, cells.runs)
         with self._cache_lock:
             cache = self._caches.get(key)
-            if cache is not None:  # we hold its tensor: the memory cannot have been reused
+            if cache is not None:  # we hold its memory: it cannot have been reused
                 self._caches.move_to_end(key)
                 return cache
-            if not kv_cache.is_contiguous():
-                raise ValueError("the nixl transport needs a contiguous KV cache (it registers the whole tensor)")
             self._cache_ids += 1
-            cache = _Cache(self._cache_ids, kv_cache, CacheShape.of(self.agent.register(kv_cache), kv_cache))
+            cache = _Cache(self._cache_ids, cells.memory, CacheShape.of(self.agent.register(cells.memory), cells))
             self._caches[key] = cache
-            stale = list(self._caches.values())[:-MAX_CACHES]
-            for old in stale:
-                self._caches.pop((old.shape.region.base, old.shape.region.nbytes, old.shape.num_blocks), None)
-        for old in stale:
+            stale = list(self._caches.items())[:-MAX_CACHES]
+            for old_key, _ in stale:
+                self._caches.pop(old_key, None)
+        for _, old in stale:
             self.agent.deregister(old.tensor)
         return cache
 
@@ -383,7 +387,7 @@ class NixlSender(BaseSender):
                 cache = self._cache_of(kv_cache)
             except ValueError as exc:
                 raise TransferError(str(exc), FailedSide.SENDER) from None
-            cell_bytes = cache.shape.cell_bytes
+            cell_bytes = cache.shape.nbytes
             plans = self._read_plans(piece, cell_bytes)
             self._local.slots = None
 
@@ -532,7 +536,8 @@ class NixlSender(BaseSender):
         try:
             if chunk.slot is None:
                 blocks = dst.get("blocks")
-                if link.remote_cache is None or not isinstance(blocks, list) or len(blocks) != len(chunk.block_ids):
+                if link.remote_cache is None or not isinstance(blocks, list) or len(blocks) != len(chunk.block_ids) \
+                        or link.remote_cache.nbytes != chunk.cache.shape.nbytes:
                     raise ValueError("bad destination blocks")
                 local, remote = paired_descriptors(chunk.cache.shape, chunk.block_ids, link.remote_cache, blocks,
                                                    (header.layer_start, header.layer_end))

@@ -64,7 +64,7 @@ from kv_transfer.transports.tcp.protocol import (
     tune,
 )
 from kv_transfer.transports.hello_slots import MAX_HELLOS, HelloSlots
-from kv_transfer.transports.tcp.rows import cache_bytes, cell_nbytes, cell_runs, checksum_of, views
+from kv_transfer.transports.tcp.rows import cache_bytes, checksum_of, views
 from kv_transfer.wire import MAX_HEADER_BYTES, WireError, unpack_header
 
 log = logging.getLogger(__name__)
@@ -91,8 +91,7 @@ class TcpReceiver(BaseReceiver):
         self.max_connections, self.hello_timeout_s = max_connections, hello_timeout_s
         self._context = server_context(tls) if tls is not None else None
         self._key = hello_key(self.token)
-        self._rows = cache_bytes(kv_cache)  # None: every chunk takes the staging path
-        self._cell_bytes = cell_nbytes(kv_cache)
+        self._rows = cache_bytes(kv_cache)  # (bytes, where the cells lie); None: every chunk takes the staging path
         self._decoders = ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="kv-tcp-decode")
         self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                               backlog=128)
@@ -243,8 +242,8 @@ class TcpReceiver(BaseReceiver):
         written = False
         try:
             block_ids = transfer.dst_block_ids[header.block_start : header.block_end]
-            cells = views(self._rows, cell_runs(self.kv_cache.shape[1], self._cell_bytes,
-                                                (header.layer_start, header.layer_end), block_ids))
+            rows, where = self._rows
+            cells = views(rows, where.ranges((header.layer_start, header.layer_end), block_ids))
             recv_buffers(conn, cells)
             written = checksum_of(cells) == header.checksum
         finally:

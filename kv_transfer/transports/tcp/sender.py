@@ -48,7 +48,7 @@ from kv_transfer.transports.tcp.protocol import (
     split_endpoint,
     tune,
 )
-from kv_transfer.transports.tcp.rows import cache_bytes, cell_nbytes, cell_runs, checksum_of, views
+from kv_transfer.transports.tcp.rows import cache_bytes, checksum_of, views
 from kv_transfer.wire import WireError, pack_header
 
 MAX_IDLE = 8  # idle connections kept per destination
@@ -152,16 +152,17 @@ class TcpSender(BaseSender):
     def _jobs(self, piece: KVPiece, deadline_at: float) -> list[ChunkJob]:
         """Codec none (or a quantized cache's stored cells) on a contiguous CPU cache: chunks straight from the
         rows; otherwise the encode pipeline."""
-        rows = cache_bytes(piece.kv_cache)
-        if not self.codec.as_stored or rows is None:
+        addressed = cache_bytes(piece.kv_cache)
+        if not self.codec.as_stored or addressed is None:
             return super()._jobs(piece, deadline_at)
-        cell_bytes = cell_nbytes(piece.kv_cache)
+        rows, cells = addressed
+        cell_bytes = cells.nbytes
         plans = piece_plans(piece, cell_bytes, self.chunk_bytes)
-        layout, codec, num_cache_blocks = self.layout, self.codec, piece.kv_cache.shape[1]
+        layout, codec = self.layout, self.codec
 
         def frame(chunk_index: int, plan) -> _Frame:
-            buffers = views(rows, cell_runs(num_cache_blocks, cell_bytes, (plan.layer_start, plan.layer_end),
-                                            piece.block_ids[plan.block_start : plan.block_end]))
+            buffers = views(rows, cells.ranges((plan.layer_start, plan.layer_end),
+                                               piece.block_ids[plan.block_start : plan.block_end]))
             nbytes = sum(len(buffer) for buffer in buffers)
             header = chunk_header(piece, layout, codec, plan, chunk_index, len(plans), nbytes, checksum_of(buffers),
                                   deadline_at)

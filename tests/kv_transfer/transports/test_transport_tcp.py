@@ -255,21 +255,30 @@ def test_a_stalled_receiver_expires_the_send_at_its_deadline(make_pair, layout, 
     assert_no_leak(pair.pool, result.dst_block_ids)
 
 
-def test_caches_without_addressable_rows_take_the_staged_path(layout):
-    """A strided cache (as a device cache) is sent from encoded chunks and received into a staging buffer."""
+@pytest.mark.parametrize("strided", ["blocks", "rows"])
+def test_strided_caches_are_sent_from_their_runs_or_staged(layout, strided):
+    """Every other block of a cache: its cells are still byte runs (sent from and received into in place); a cache
+    whose rows are transposed has none (as a device cache): sent from encoded chunks, received into staging."""
     pool = SimpleBlockPool(8)
-    dst_storage = torch.zeros(layout.cache_shape(16), dtype=layout.dtype)
-    dst = dst_storage[:, ::2]  # [L, 8, 2, H, B, D], not contiguous
+    if strided == "blocks":
+        dst_storage = torch.zeros(layout.cache_shape(16), dtype=layout.dtype)
+        dst = dst_storage[:, ::2]  # [L, 8, 2, H, B, D], not contiguous
+        src = random_cache(layout, 12, seed=4)[:, ::2]  # 6 blocks, strided
+    else:
+        L, _, two, H, B, D = layout.cache_shape(8)
+        dst_storage = torch.zeros(L, 8, two, H, D, B, dtype=layout.dtype)
+        dst = dst_storage.transpose(-1, -2)
+        src = random_cache(layout, 6, seed=4).transpose(-1, -2).contiguous().transpose(-1, -2)
     receiver = make_receiver("tcp", layout, dst, pool, token=TOKEN)
     sender = make_sender("tcp", layout, token=TOKEN, chunk_bytes=200)
     try:
-        assert receiver._rows is None
-        src = random_cache(layout, 12, seed=4)[:, ::2]  # 6 blocks, strided
+        assert (receiver._rows is None) == (strided == "rows")
         handle = sender.send(KVPiece("r", src, [5, 0, 2]), receiver.endpoint)
         assert handle.wait(30) == TransferStatus.DONE, handle
         result = receiver.wait(handle.transfer_id, 10)
         assert torch.equal(dst[:, result.dst_block_ids], src[:, [5, 0, 2]])
-        assert bool((dst_storage[:, 1::2] == 0).all())  # the rows between were not touched
+        untouched = [b for b in range(8) if b not in result.dst_block_ids]
+        assert not dst[:, untouched].any() and (strided == "rows" or not dst_storage[:, 1::2].any())
         assert_no_leak(pool, result.dst_block_ids)
     finally:
         sender.close()
