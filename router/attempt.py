@@ -154,11 +154,12 @@ class IdleLimit:
         if self._timer is None:
             self._timer = self._loop.call_at(self._since + self.idle_s, self._check)
         self._reading, self._expired = task, False
-        cancelling = task.cancelling()
+        counted = hasattr(task, "uncancel")           # Python >= 3.11 counts cancel requests; 3.10 does not
+        cancelling = task.cancelling() if counted else 0
         try:
             return await read()
         except asyncio.CancelledError:
-            if self._expired and task.uncancel() <= cancelling:     # our cancel, and no one else's
+            if self._expired and (not counted or task.uncancel() <= cancelling):   # ours, and no one else's
                 raise DecodeLost(f"{self.what} sent nothing for {self.idle_s:.0f}s") from None
             raise
         finally:
