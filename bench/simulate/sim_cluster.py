@@ -46,7 +46,8 @@ IDLE_QUANTUM_S = 0.01     # an engine with work it cannot schedule yet (no free 
 
 
 class SimEngineLoop(EngineLoop):
-    """A worker's `EngineLoop` without its thread: `SimActor` calls `run_once`; posting wakes the actor."""
+    """A worker's `EngineLoop` without its thread: `SimActor` calls `run_once`; posting wakes the actor, so
+    `run_async` (a role change's checks) is answered between simulated steps, as the thread answers it."""
 
     def __init__(self, actor: SimActor, step: Callable[[], float]):
         super().__init__(f"{actor.actor_id}-loop", step)
