@@ -18,9 +18,10 @@ actor can change role at run time; a flip, as the pool manager runs it
 (`deploy.pool_manager.PoolManager.flip`):
 
     router: the actor leaves its pool (no new work of the old role), its in-flight requests end
-      → set_role(new): wait until the worker holds nothing (decode requests finish, prefill sends
-        complete); past `timeout_s` hand off what is left (decode requests get a retryable error
-        and the router migrates them; queued prefills are aborted and the router retries them)
+      → set_role(new) runs `deploy.role_change.change_role`: wait until the worker holds nothing
+        (decode requests finish, prefill sends complete); past `timeout_s` hand off what is left
+        (decode requests get a retryable error and the router migrates them; queued prefills are
+        aborted and the router retries them)
       → stop the old worker (its loop, KV receiver or sender; parked KV is freed), check that no
         KV block is held, set the scheduler's limits of the new role, start the new worker over
         the same engine (a decode role opens a new KV receiver endpoint)
@@ -36,7 +37,6 @@ import dataclasses
 import faulthandler
 import logging
 import os
-import time
 import uuid
 
 import grpc
@@ -46,6 +46,7 @@ from decode_worker.stream_service import DecodeStreamServer
 from decode_worker.streams import error_event
 from decode_worker.worker import DecodeWorker
 from deploy.rank_kv import RemoteReceiver, RemoteSender
+from deploy.role_change import change_role
 from engine import Engine, EngineArgs
 from engine.parallel.reshard import reshard_plan
 from engine.parallel.shard import kv_head_ranges
@@ -61,7 +62,6 @@ log = logging.getLogger(f"pdserve.{__name__}")
 
 ROLES = tuple(ROLE_OF_NAME)  # the roles by name, as the actor's calls take them
 CODEC_BUILD_TIMEOUT_S = 300.0   # longest wait at start for the KV codec's compiled kernels
-IDLE_POLL_S = 0.02
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -216,43 +216,9 @@ class ServingActor:
         async with self._flipping:
             if role == self.role:
                 return await self.info()
-            start = time.monotonic()
-            old, old_role = self.worker, self.role
-            handed_off = 0
-            if not await self._wait_idle(old, start + timeout_s):
-                handed_off = await old.loop.run_async(lambda: self._hand_off(old))
-                await self._wait_idle(old, time.monotonic() + 5.0)
-            old.stop()
-            used = self.engine.block_manager.num_used_blocks
-            if self.engine.requests or used:
-                raise RuntimeError(f"{self.actor_id}: {len(self.engine.requests)} requests and {used} KV blocks "
-                                   f"still held after the {old_role} worker stopped")
-            self.worker = self._make_worker(role)
-            self.role = role
-            self.worker.start()
+            handed_off = await change_role(self, role, timeout_s, self._make_worker)
             self.num_flips += 1
-            log.info("actor %s flipped %s -> %s in %.2fs (%d requests handed off)", self.actor_id, old_role, role,
-                     time.monotonic() - start, handed_off)
             return {**await self.info(), "handed_off": handed_off}
-
-    async def _wait_idle(self, worker, deadline: float) -> bool:
-        """Until the worker holds no request (read on its loop thread), or `deadline`."""
-        while True:
-            if await worker.loop.run_async(lambda: not self.engine.requests and holds_nothing(worker)):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(IDLE_POLL_S)
-
-    def _hand_off(self, worker) -> int:
-        """Loop thread: give up the work left (decode: retryable errors, the router migrates; prefill:
-        aborted, the router retries elsewhere)."""
-        if isinstance(worker, PrefillWorker):
-            request_ids = list(self.engine.requests)
-            for rid in request_ids:
-                worker.abort(rid)            # runs on this loop before the next idle check
-            return len(request_ids)
-        return worker.evict("the actor is changing role")
 
     # ---- calls of every role ----------------------------------------------
     async def prefill(self, job_bytes: bytes) -> bytes:
@@ -329,12 +295,6 @@ def log_named(role: str) -> type[ServingActor]:
 
 _LOG_NAMED = {role: type(f"{role.capitalize()}Actor", (ServingActor,), {"__module__": __name__, "__slots__": ()})
               for role in ROLES}
-
-
-def holds_nothing(worker) -> bool:
-    """No request queued, running, waiting for KV, or sending KV on this worker (loop thread)."""
-    stats = worker.stats()
-    return stats["queued_requests"] == 0 and stats["running_requests"] == 0
 
 
 class _StreamTarget:

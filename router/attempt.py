@@ -7,7 +7,8 @@ One attempt, as `Attempt.chunks` runs it:
     send       open the decode stream first (`DecodeJob`: the actor waits for the KV, or prefills it
                itself), then `PrefillJob` on the prefill actor ships the KV straight to that decode actor
     merge      two racing tasks, the stream's next read and the `PrefillResult`; their events pass an
-               `EventGate` (held / deferred / released) and go out as chunks
+               `EventGate` (held / deferred / released) and go out as chunks; once the PrefillResult is
+               in (or the prefill is local) the stream is read in the attempt's own task, one await a step
     end        the request finished, or the attempt raised: `RetryPrefill` (prefill side failed),
                `DecodeLost` (decode actor gone), `BackendError` (the request failed); unfinished, it
                is aborted on both actors
@@ -22,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 
@@ -38,6 +40,7 @@ from router.timing import Timing
 STATUS_NAME = {code.value[0]: code.name for code in grpc.StatusCode}
 SUSPECT_SIDES = (wpb.TRANSFER_SIDE_RECEIVER, wpb.TRANSFER_SIDE_TRANSPORT)
 LOSSLESS_CODECS = ("none", "fp8_cache", "int8_cache")     # the kv_transfer codecs that are not lossy
+T = TypeVar("T")
 
 
 class RetryPrefill(Exception):
@@ -129,6 +132,56 @@ class EventGate:
         return events
 
 
+class IdleLimit:
+    """Bounds each read of one stream at `idle_s`, as ``asyncio.timeout(idle_s)`` around it would, with one
+    timer per idle period instead of one per read (a read a step is the per-token path): the timer is armed
+    at the first read's deadline; when it fires it re-arms at the deadline of the read in progress, or, when
+    that read has waited `idle_s`, cancels it and the read raises `DecodeLost`. Between reads it sleeps.
+    """
+
+    def __init__(self, idle_s: float, what: str) -> None:
+        self.idle_s, self.what = idle_s, what
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._reading: asyncio.Task | None = None     # the task awaiting a read
+        self._since = 0.0                             # ... since when
+        self._expired = False
+
+    async def read(self, read: Callable[[], Awaitable[T]]) -> T:
+        """``await read()``; `DecodeLost` when it waited `idle_s`."""
+        task = asyncio.current_task()
+        self._since = self._loop.time()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._since + self.idle_s, self._check)
+        self._reading, self._expired = task, False
+        counted = hasattr(task, "uncancel")           # Python >= 3.11 counts cancel requests; 3.10 does not
+        cancelling = task.cancelling() if counted else 0
+        try:
+            return await read()
+        except asyncio.CancelledError:
+            if self._expired and (not counted or task.uncancel() <= cancelling):   # ours, and no one else's
+                raise DecodeLost(f"{self.what} sent nothing for {self.idle_s:.0f}s") from None
+            raise
+        finally:
+            self._reading = None
+
+    def _check(self) -> None:
+        self._timer = None
+        if self._reading is None:
+            return                                    # between reads: the next read arms it again
+        due = self._since + self.idle_s
+        if self._loop.time() >= due:
+            self._expired = True
+            self._reading.cancel()
+        else:
+            self._timer = self._loop.call_at(due, self._check)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 class Attempt:
     """One try of `state` on decode actor ``state.view`` (module docstring).
 
@@ -203,42 +256,51 @@ class Attempt:
         num_open = inp.params.num_sequences          # sequences without their finish yet
         gate = EventGate(holding=not local and inp.params.prompt_logprobs is not None)
         prompt_logprobs = None
-        read_task = asyncio.ensure_future(stream.read())
+        read_task = None            # the stream's next read as a task, while the PrefillResult is awaited too
+        idle_limit = IdleLimit(self.routing.stream_idle_s, f"decode actor {view.actor_id}")
+        stream_open = True
         d.sent_at = time.monotonic()
         try:
             while True:
-                waiting = {task for task in (read_task, prefill_task) if task is not None}
-                if not waiting:
-                    raise BackendError("INTERNAL", f"decode stream of {rid} ended without a finish")
-                done, _ = await asyncio.wait(waiting, timeout=self.routing.stream_idle_s,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    idle = f"sent nothing for {self.routing.stream_idle_s:.0f}s"
-                    if prefill_task is not None:
-                        raise RetryPrefill(f"prefill actor {pview.actor_id} {idle}")
-                    raise DecodeLost(f"decode actor {view.actor_id} {idle}")
                 events: list[wpb.DecodeEvent] = []
-                if prefill_task in done:
-                    result = prefill_task.result()
-                    prefill_task = None
-                    chunks = self._on_prefill(result, pview, usage)
-                    if chunks:                       # every sequence ended at its first token: no decode
-                        finished = True
-                        for chunk in chunks:
-                            yield chunk
-                        return
-                    if gate.holding:
-                        prompt_logprobs = list(result.prompt_logprobs)
-                    events = gate.release()
-                if read_task in done:
-                    got = read_task.result()
-                    read_task = None
+                got, read = None, False
+                if prefill_task is None and read_task is None:
+                    if not stream_open:
+                        raise BackendError("INTERNAL", f"decode stream of {rid} ended without a finish")
+                    got, read = await idle_limit.read(stream.read), True     # the stream alone: read in this task
+                else:
+                    if read_task is None and stream_open:
+                        read_task = asyncio.ensure_future(stream.read())
+                    waiting = {task for task in (read_task, prefill_task) if task is not None}
+                    done, _ = await asyncio.wait(waiting, timeout=self.routing.stream_idle_s,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if not done:
+                        idle = f"sent nothing for {self.routing.stream_idle_s:.0f}s"
+                        if prefill_task is not None:
+                            raise RetryPrefill(f"prefill actor {pview.actor_id} {idle}")
+                        raise DecodeLost(f"decode actor {view.actor_id} {idle}")
+                    if prefill_task in done:
+                        result = prefill_task.result()
+                        prefill_task = None
+                        chunks = self._on_prefill(result, pview, usage)
+                        if chunks:                       # every sequence ended at its first token: no decode
+                            finished = True
+                            for chunk in chunks:
+                                yield chunk
+                            return
+                        if gate.holding:
+                            prompt_logprobs = list(result.prompt_logprobs)
+                        events = gate.release()
+                    if read_task in done:
+                        got, read, read_task = read_task.result(), True, None
+                if read:
                     if got is not None:
                         events.extend(gate.read(got))
-                        read_task = asyncio.ensure_future(stream.read())
-                    elif not (gate.pending or events):
-                        # held, deferred or just-released events may still finish it: checked once they are out
-                        raise BackendError("INTERNAL", f"decode stream of {rid} ended without a finish")
+                    else:
+                        stream_open = False
+                        if not (gate.pending or events):
+                            # held, deferred or just-released events may still finish it: checked once they are out
+                            raise BackendError("INTERNAL", f"decode stream of {rid} ended without a finish")
                 for i, ev in enumerate(events):
                     last = bool(ev.finish_reason) and num_open == 1
                     if last and prefill_task is not None:
@@ -266,6 +328,7 @@ class Attempt:
                 d.excluded.add(pview.actor_id)       # try a different prefill actor next
             raise
         finally:
+            idle_limit.close()
             if d.local_tokens:
                 self._local_done(None)
             if read_task is not None:

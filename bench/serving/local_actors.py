@@ -57,20 +57,33 @@ class LocalPrefillClient(LocalClient):
 
 
 class LocalDecodeStream:
+    """The worker's events for one job, on the caller's event loop: a read takes every event that
+    arrived since the last one (waiting for the first)."""
+
     def __init__(self, worker, job: wpb.DecodeJob, bridge=None):
         self.worker, self.job = worker, job
-        self.queue: asyncio.Queue[wpb.DecodeEvent] = asyncio.Queue()
+        self._arrived: list[wpb.DecodeEvent] = []
+        self._waiter: asyncio.Future | None = None     # a read waiting for the next event
         self.open_sequences = job.params.best_of or job.params.n or 1
         self.ended = False
         bridge = bridge or functools.partial(on_event_loop, asyncio.get_running_loop())
-        worker.submit(job, bridge(self.queue.put_nowait))
+        worker.submit(job, bridge(self._arrive))
+
+    def _arrive(self, event: wpb.DecodeEvent) -> None:
+        self._arrived.append(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def read(self) -> list[wpb.DecodeEvent] | None:
         if self.ended:
             return None
-        events = [await self.queue.get()]
-        while not self.queue.empty():
-            events.append(self.queue.get_nowait())
+        while not self._arrived:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        events, self._arrived = self._arrived, []
         for ev in events:
             self.open_sequences -= bool(ev.finish_reason)
             aborted = ev.finish_reason == generation_pb2.FINISH_REASON_ABORT

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 
 from bench.serving.local_actors import LocalDecodeClient, LocalPrefillClient
@@ -30,9 +29,9 @@ from bench.simulate.step_time import StepTimeModel, sim_args
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from deploy.config import PDServeConfig
-from deploy.actor import IDLE_POLL_S, holds_nothing
 from deploy.launcher import colocated_engine_args, engine_args, role_engine_args
 from deploy.performance import live_model
+from deploy.role_change import change_role
 from deploy.running import routing_settings
 from engine.model.config import ModelConfig
 from engine.scheduling.loop import EngineLoop
@@ -47,7 +46,8 @@ IDLE_QUANTUM_S = 0.01     # an engine with work it cannot schedule yet (no free 
 
 
 class SimEngineLoop(EngineLoop):
-    """A worker's `EngineLoop` without its thread: `SimActor` calls `run_once`; posting wakes the actor."""
+    """A worker's `EngineLoop` without its thread: `SimActor` calls `run_once`; posting wakes the actor, so
+    `run_async` (a role change's checks) is answered between simulated steps, as the thread answers it."""
 
     def __init__(self, actor: SimActor, step: Callable[[], float]):
         super().__init__(f"{actor.actor_id}-loop", step)
@@ -108,39 +108,15 @@ class SimActor:
         return worker
 
     async def set_role(self, role: str, timeout_s: float) -> int:
-        """Change role as `deploy.actor.ServingActor.set_role` does: wait for the work in hand (past
-        `timeout_s`, hand it off: decode requests migrate, prefills are retried elsewhere), then a worker
-        of the new role over the same engine. Returns how many requests were handed off."""
+        """Change role with `deploy.role_change.change_role`, the procedure `deploy.actor.ServingActor.set_role`
+        runs: wait for the work in hand (past `timeout_s`, hand it off: decode requests migrate, prefills are
+        retried elsewhere), then a worker of the new role over the same engine. Returns how many requests
+        were handed off."""
         if self.limits is None:
             raise RuntimeError(f"{self.actor_id} cannot change role (routing.role_flips is off)")
         if role == self.role:
             return 0
-        old, handed_off = self.worker, 0
-        if not await self._wait_idle(time.monotonic() + timeout_s):
-            handed_off = len(self.engine.requests)
-            if isinstance(old, PrefillWorker):
-                for rid in list(self.engine.requests):
-                    old.abort(rid)
-            else:
-                old.loop.call(lambda: old.evict("the actor is changing role"))
-            await self._wait_idle(time.monotonic() + 5.0)
-        self.stop()
-        if isinstance(old, DecodeWorker):
-            old.receiver.close()
-        used = self.engine.block_manager.num_used_blocks
-        if self.engine.requests or used:
-            raise RuntimeError(f"{self.actor_id}: {len(self.engine.requests)} requests and {used} KV blocks still "
-                               f"held after the {self.role} worker stopped")
-        self.worker, self.role = self._make_worker(role), role
-        self.start()
-        return handed_off
-
-    async def _wait_idle(self, deadline: float) -> bool:
-        while self.engine.requests or not holds_nothing(self.worker):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(IDLE_POLL_S)
-        return True
+        return await change_role(self, role, timeout_s, self._make_worker)
 
     def _priced(self, step_s: float) -> None:
         """The step the worker is taking lasts `step_s` from now: what a KV send of its output waits for."""

@@ -6,8 +6,9 @@ the batch exactly as it would (chunks, preemptions, prefix-cache hits), the runn
 the `StepTimeModel` instead of computing it, and `draw` picks each sequence's next token from its
 seed and position instead of sampling logits. Everything else — `add_request`, `expect_kv`,
 `adopt`, forking of n sequences, stop checks, `release`, `abort`, the prefix cache's events — is
-`Engine`'s own code. The paged cache holds one byte per slot (block ids, copies and zeroed tails
-behave as in the real cache); `kv_bytes_per_block` reports the simulated model's size.
+`Engine`'s own code; only the detokenizer is silent (token-id workloads have no text to stream).
+The paged cache holds one byte per slot (block ids, copies and zeroed tails behave as in the real
+cache); `kv_bytes_per_block` reports the simulated model's size.
 """
 from __future__ import annotations
 
@@ -44,6 +45,28 @@ class SimTokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
+
+
+class SilentDetokenizer:
+    """A simulated sequence's detokenizer: its drawn ids stand for no text, so every delta is empty, at no
+    cost (the real one would decode a growing window of ids per token into nothing)."""
+
+    def push(self, token_id: int, final: bool = False) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class SimOutputProcessor(OutputProcessor):
+    """`OutputProcessor` (append, stop checks, the step's output) with a `SilentDetokenizer` per sequence."""
+
+    def attach(self, req: Request, num_emitted_chars: int = 0) -> None:
+        req.detokenizer = SILENT
+        req.num_emitted_chars = 0
+
+
+SILENT = SilentDetokenizer()
 
 
 class TimedRunner:
@@ -107,7 +130,7 @@ class SimEngine(Engine):
                                    args.chunk_size, cfg.sliding_window)
         self.attention = "simulated"
         self.runner = TimedRunner(model)
-        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.output = SimOutputProcessor(self.tokenizer, self.eos_token_ids)
         self.requests = {}
         self._kv_bytes_per_block = model.kv_bytes_per_token * block_size
 

@@ -65,7 +65,7 @@ class BlockManager:
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.enable_prefix_cache = enable_prefix_cache
         self.lock = threading.RLock()

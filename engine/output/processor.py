@@ -56,7 +56,7 @@ class OutputProcessor:
         if p.stop and delta and may_stop:
             self._check_stop(req, len(delta))
         # Hold back a possible stop-string prefix until the request finishes.
-        hold = 0 if req.status.finished else max((len(s) for s in p.stop), default=1) - 1
+        hold = 0 if req.status.finished or not p.stop else max(map(len, p.stop)) - 1
         end = max(len(req.text) - hold, req.num_emitted_chars)
         text_delta = req.text[req.num_emitted_chars:end]
         req.num_emitted_chars = end

@@ -1,9 +1,14 @@
 """`EventGate` (router.attempt): held events wait for the PrefillResult, a last finish that outruns it is
-deferred with what follows it, and both are released first, in arrival order."""
+deferred with what follows it, and both are released first, in arrival order. `IdleLimit`: each read of a
+stream is bounded, not their sum."""
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from proto.pdserve.v1 import generation_pb2 as pb, worker_pb2 as wpb
-from router.attempt import EventGate, chunk_of
+from router.attempt import DecodeLost, EventGate, IdleLimit, chunk_of
 from router.backend import Usage
 from router.timing import Timing
 
@@ -50,3 +55,32 @@ def test_finishing_events_add_their_speculative_counts_to_the_usage():
                              num_spec_proposed_tokens=proposed, num_spec_accepted_tokens=accepted)
         chunk_of(ev, timing, usage, last=index == 1)
     assert (usage.spec_proposed_tokens, usage.spec_accepted_tokens) == (16, 8)
+
+
+def test_idle_limit_bounds_each_read_not_their_sum_and_leaves_other_cancels_alone():
+    async def main():
+        loop = asyncio.get_running_loop()
+        limit = IdleLimit(0.2, "decode actor d0")
+
+        async def step() -> str:             # a stream that sends every 50 ms
+            await asyncio.sleep(0.05)
+            return "events"
+
+        async def hang() -> str:
+            await asyncio.Event().wait()
+            return "never"
+        start = loop.time()
+        assert [await limit.read(step) for _ in range(8)] == ["events"] * 8
+        assert loop.time() - start >= 0.4                   # twice the limit in all, a quarter of it each
+        start = loop.time()
+        with pytest.raises(DecodeLost, match="decode actor d0 sent nothing"):
+            await limit.read(hang)
+        assert loop.time() - start >= 0.2
+        reading = asyncio.ensure_future(limit.read(hang))   # a cancel from outside stays a cancel
+        await asyncio.sleep(0)
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        assert await limit.read(step) == "events"           # and the limit still serves the next read
+        limit.close()
+    asyncio.run(main())
