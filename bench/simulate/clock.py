@@ -10,6 +10,12 @@ deterministic for its inputs.
 The control plane also stamps `time.monotonic()` directly (deadlines, timelines, quarantines);
 `virtual_time(clock)` points `time.monotonic` at the clock while a simulation runs, so that code
 runs unchanged. Wall-clock `time.time()` (log records) and `time.perf_counter()` are untouched.
+
+A simulated engine step runs at once and its time passes after it (the actor sleeps it). So that the
+engine's own stamps fall where a device's would, the step's length is the clock's `ahead` from when
+the step is priced (its forward pass) until the actor sleeps: `time.monotonic()` then reads the step's
+end (the forward pass done, its tokens sampled), while the loop's own time (`loop.time()`, timers)
+stays at its start.
 """
 from __future__ import annotations
 
@@ -32,9 +38,10 @@ class SimulationStalled(RuntimeError):
 class VirtualClock:
     def __init__(self, start_s: float = START_S):
         self.now = start_s
+        self.ahead = 0.0          # the length of a simulated step being computed (module docstring)
 
     def monotonic(self) -> float:
-        return self.now
+        return self.now + self.ahead
 
     def advance(self, seconds: float) -> None:
         if seconds > 0:

@@ -119,9 +119,12 @@ class SimActor:
         return await change_role(self, role, timeout_s, self._make_worker)
 
     def _priced(self, step_s: float) -> None:
-        """The step the worker is taking lasts `step_s` from now: what a KV send of its output waits for."""
+        """The step the worker is taking lasts `step_s` from now: what a KV send of its output waits for.
+        Until the actor sleeps it, the engine's stamps read the step's end (`VirtualClock.ahead`)."""
         if step_s > 0:
-            self.busy_until, self.step_s = asyncio.get_running_loop().time() + step_s, step_s
+            loop = asyncio.get_running_loop()
+            self.busy_until, self.step_s = loop.time() + step_s, step_s
+            loop.clock.ahead = step_s
 
     def bridge(self, fn: Callable) -> Callable:
         """The worker → router path: held while a step runs, delivered when its time has passed."""
@@ -156,6 +159,8 @@ class SimActor:
             except Exception as e:      # as the engine thread does: log, keep serving
                 log.exception("simulated engine loop error on %s: %s", self.actor_id, e)
                 wait_s = 0.05
+            finally:
+                asyncio.get_running_loop().clock.ahead = 0.0     # the step's time passes in the sleep below
             step_s = self.engine.runner.take_step_s()
             if step_s > 0:                  # busy_until: set when the step was priced (`_priced`)
                 self.num_steps += 1

@@ -178,7 +178,8 @@ class SimSender(KVSender):
         first, last = piece.blocks or (0, len(piece.block_ids))
         num_blocks = len(piece.block_ids)
         wire = round((last - first) * self.kv_bytes_per_block * self.ratio)
-        now = time.monotonic()
+        loop = asyncio.get_running_loop()
+        now = loop.time()                   # the step's start: its length is still ahead (clock.py)
         step_end = max(self.actor.busy_until, now)
         step_s = self.actor.step_s if self.actor.busy_until > now else 0.0
         link = self.model.link_s(wire)
@@ -189,7 +190,6 @@ class SimSender(KVSender):
         else:
             first_at, done_at = step_end, step_end + link
         t = _Transfer(piece.transfer_id, piece.request_id, num_blocks, now + piece.deadline_s)
-        loop = asyncio.get_running_loop()
 
         def begin() -> None:
             refused = receiver.begin(t)
@@ -204,7 +204,7 @@ class SimSender(KVSender):
                 handle._finish(TransferStatus.FAILED, failed, FailedSide.RECEIVER)
                 return
             handle.wire_bytes = wire
-            handle.chunk_at.append(done_at)
+            handle.chunk_at.append(step_end)        # handed to the link when the step ends; the rest is wire
             handle._finish(TransferStatus.DONE)
         loop.call_at(max(first_at, now), begin)
         return handle

@@ -33,6 +33,7 @@ from prefill_worker.worker import PrefillWorker
 from router.backend import GenerationInput
 from router.dispatcher import Dispatcher
 from router.routing import RoutingSettings
+from router.timing import STAGE_NAMES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -163,6 +164,19 @@ def test_the_first_token_waits_for_the_prefill_step_that_makes_it(tiny, mode):
     if mode == "disaggregated":
         link = model.link_s(-(-200 // 16) * 16 * model.kv_bytes_per_token * 0.25)   # fp8 on float32: ~1/4
         assert min(r.ttft_s for r in run.records) >= prefill_s + link / model.num_layers
+
+
+def test_the_timeline_books_the_prefill_step_as_compute(tiny):
+    """A simulated step's time passes after it runs; the engine's stamps still read its end, so each
+    request's timeline puts the prefill step under prefill_compute, not under the KV send after it."""
+    cfg, shape = tiny
+    specs = make_workload("chat", 4, seed=3, scale=1.0, prompt_len=200, output_len=4)
+    run = _run(cfg, shape, specs, "disaggregated", rate=0.5)
+    prefill_s = LinearModel(shape.kv_bytes_per_token(4)).step_s([Chunk(200, 200)])
+    for r in run.records:
+        assert r.timeline["prefill_compute_s"] == pytest.approx(prefill_s, abs=1e-6)
+        assert r.timeline["kv_encode_s"] < 1e-6
+        assert sum(r.timeline[name] for name in STAGE_NAMES) == pytest.approx(r.ttft_s, abs=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
