@@ -61,6 +61,8 @@ def measured_acceptance(profile: dict | None, method: str, num_tokens: int) -> f
     measured = spec.get("acceptance") or {}
     if spec.get("method") != method or measured.get("ratio") is None or not measured.get("num_tokens"):
         return None
+    if measured["num_tokens"] == num_tokens:
+        return measured["ratio"]
     return acceptance_ratio(per_token_acceptance(measured["ratio"], measured["num_tokens"]), num_tokens)
 
 

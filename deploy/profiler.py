@@ -21,7 +21,8 @@ A profile is a JSON file:
      "decode":  {"engine": {...}, "points": [{batch, context, seconds, bytes, bytes_per_s, flops}]},
      "transfer": {transport, codec, kv_bytes, wire_bytes, seconds, kv_bytes_per_s} (or {..., error}),
      "speculative": {"method", "num_tokens": k, "adaptive",                   (with speculative.method on)
-                     "points": [{batch, context, num_tokens, seconds, bytes, bytes_per_s, flops}],
+                     "points": [{batch, context, num_tokens, seconds, bytes, bytes_per_s, flops,
+                                 num_proposed}],                               (num_tokens: 1 and k)
                      "acceptance": {ratio, num_tokens, proposed, accepted, prompts, temperature} | null},
      "degrees": {"2": {"prefill": {"engine", "points"}, "decode": {...}}, ...}   (optional, --tp)
      "calibration": {"prefill": factor, "decode": factor}}      (optional, bench.serving.plan_check)
@@ -69,7 +70,7 @@ def plan_points(cfg: PDServeConfig, model_dir: str, quick: bool = False) -> dict
     sizes up to what the KV budget and `max_batch_size` allow, at the workload's mean
     context (prompt + half the output) and at a short one. Speculative (with
     `speculative.method` on, run on the decode engine): the same decode points with k
-    proposals per sequence, and the acceptance rate at k. Each point keeps its best of
+    proposals per sequence and with 1, and the acceptance rate at k. Each point keeps its best of
     a few repeats: on a shared machine other work only adds time.
     """
     w = cfg.workload
@@ -91,10 +92,10 @@ def plan_points(cfg: PDServeConfig, model_dir: str, quick: bool = False) -> dict
               if b * _blocks(c + 1, d_args.block_size) <= d_args.num_blocks]
     points = {"prefill": prefill, "decode": decode}
     k = d_args.speculative.k
-    if d_args.speculative.enabled:
+    if d_args.speculative.enabled:          # at k and at 1 (what verifying at all costs a step)
         points["speculative"] = [
-            {**p, "num_tokens": k} for p in decode
-            if p["batch"] * _blocks(p["context"] + (p["repeats"] + 1) * (k + 1) + 1, d_args.block_size)
+            {**p, "num_tokens": j} for j in sorted({1, k}) for p in decode
+            if p["batch"] * _blocks(p["context"] + (p["repeats"] + 2) * (j + 1) + 1, d_args.block_size)
             <= d_args.num_blocks] + [{"kind": "acceptance", "num_tokens": k}]
     return points
 
@@ -150,12 +151,13 @@ def _assemble(source: str, engines: dict, results: dict) -> dict:
     profile = {"version": PROFILE_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "source": source}
     decode = [r for r in results["decode"] if r is not None]
+    steps = [r for r in decode if "seconds" in r]            # (the rest: the acceptance measurement)
     results = {"prefill": [r for r in results["prefill"] if r is not None],
-               "decode": [r for r in decode if "seconds" in r and not r.get("num_tokens")]}
+               "decode": [r for r in steps if not r.get("num_tokens")]}
     profile.update({pool: {"engine": engines[pool], "points": results[pool]} for pool in ("prefill", "decode")})
     spec = engines["decode"].get("speculative")
     if spec:
-        profile["speculative"] = {**spec, "points": [r for r in decode if r.get("num_tokens")],
+        profile["speculative"] = {**spec, "points": [r for r in steps if r.get("num_tokens")],
                                   "acceptance": next((r for r in decode if "ratio" in r), None)}
     return profile
 

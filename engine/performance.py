@@ -222,9 +222,9 @@ class MeasuredPerformance(PerformanceModel):
     actor, the send, the adopt), so whoever asks gets serving's time, not the bare engine's.
 
     Speculative steps: where the profile measured them (`"speculative"`: the decode steps again with k
-    proposals per sequence, for the method `speculation` names), a step with j proposals is the plain step
-    plus j / k of what the k proposals added (verifying costs about the same per query token), never less
-    than the plain step; otherwise `PerformanceModel.spec_step_seconds`'s stated assumption.
+    proposals per sequence, at one k or a few, for the method `speculation` names), a step with j proposals
+    is piecewise-linear in j through the plain step (j = 0) and the measured ones (linear beyond the last),
+    never faster with more proposals; otherwise `PerformanceModel.spec_step_seconds`'s stated assumption.
     """
 
     def __init__(self, data: dict, speculation: Speculation | None = None):
@@ -243,7 +243,10 @@ class MeasuredPerformance(PerformanceModel):
         self._sat = ([p["prompt_len"] for p in full], [p["batch"] * p["prompt_len"] / p["seconds"] for p in full])
         self._decode = _StepGrid(data["decode"]["points"])
         spec = self.spec_measured
-        self._spec = _StepGrid(spec["points"]) if spec.get("points") else None
+        by_k: dict[int, list[dict]] = {}
+        for p in spec.get("points") or []:
+            by_k.setdefault(p["num_tokens"], []).append(p)
+        self._spec = {k: _StepGrid(by_k[k]) for k in sorted(by_k) if k > 0}       # proposals per sequence → steps
         # serving-path factors measured on the running cluster: time in serving / time in the profile
         calibration = data.get("calibration", {})
         self.calibration = {k: float(v) for k, v in calibration.items() if k in ("prefill", "decode")}
@@ -320,13 +323,13 @@ class MeasuredPerformance(PerformanceModel):
         return self._serving(self._decode.seconds(batch, context))
 
     def spec_step_seconds(self, batch: float, context: float, num_tokens: int) -> float:
-        spec, measured = self.speculation, self.spec_measured
-        if (num_tokens <= 0 or self._spec is None or spec is None or measured.get("method") != spec.method
-                or not measured.get("num_tokens")):
+        spec = self.speculation
+        if num_tokens <= 0 or not self._spec or spec is None or self.spec_measured.get("method") != spec.method:
             return super().spec_step_seconds(batch, context, num_tokens)
-        plain = self._decode.seconds(batch, context)
-        added = max(self._spec.seconds(batch, context) - plain, 0.0) * num_tokens / measured["num_tokens"]
-        return self._serving(plain + added)
+        seconds = [self._decode.seconds(batch, context)]
+        for grid in self._spec.values():          # more proposals never verify faster (noise only adds time)
+            seconds.append(max(grid.seconds(batch, context), seconds[-1]))
+        return self._serving(max(_interp([0, *self._spec], seconds, num_tokens), seconds[0]))
 
     def _serving(self, seconds: float) -> float:
         """A profiled decode step's time in serving (the calibration's factor and fixed cost)."""

@@ -45,6 +45,14 @@ def test_measured_speculative_steps_and_tokens_per_step_give_the_time_per_token(
     assert (step.num_tokens, step.tokens_per_step) == (4, pytest.approx(3.0))                # 1 + 4 · 0.5
     assert p.token_seconds(8, 1024) == pytest.approx((0.01 + 0.0018 * 8) / 3.0)
     assert p.token_seconds(8, 1024) < p.decode_step_seconds(8, 1024)
+    # measured at k 1 too (verifying at all costs 0.4 ms per sequence): piecewise-linear through 0, 1 and 4
+    at1 = with_speculation(synthetic(step=plain_step), lambda b, c: 0.01 + 0.0014 * b, num_tokens=1)
+    both = MeasuredPerformance({**data, "speculative": {**data["speculative"], "points": [
+        *at1["speculative"]["points"], *data["speculative"]["points"]]}}, spec)
+    assert both.spec_step_seconds(8, 1024, 1) == pytest.approx(0.01 + 0.0014 * 8)
+    assert both.spec_step_seconds(8, 1024, 2) == pytest.approx(0.01 + 0.0014 * 8 + 0.0004 * 8 / 3)
+    assert both.spec_step_seconds(8, 1024, 4) == pytest.approx(0.01 + 0.0018 * 8)
+    assert both.spec_step_seconds(8, 1024, 5) == pytest.approx(0.01 + 0.0018 * 8 + 0.0004 * 8 / 3)
     # another method's measurements do not apply: the assumption from the plain steps does
     other = MeasuredPerformance(data, Speculation("draft", 4, acceptance=0.5, adaptive=False))
     assert other.spec_step_seconds(8, 1024, 4) == pytest.approx(other.decode_step_seconds(40, 1024))
