@@ -125,3 +125,22 @@ def test_the_models_speculation_comes_from_the_config_and_the_profiles_acceptanc
     def weights(name: str) -> int:
         return ModelCosts.of(ModelConfig.from_dir(resolve_model(name)), 4).weight_bytes
     assert spec.draft_cost == pytest.approx(weights("pydoc-draft") / weights("pydoc")) and 0 < spec.draft_cost < 0.5
+
+
+def test_the_autoscaler_plans_decode_at_the_acceptance_the_decode_actors_report():
+    from profile_support import with_speculation
+    cfg = config(**{"speculative.method": "ngram", "speculative.num_tokens": 4})
+    profile = with_speculation(synthetic(), lambda b, c: 0.012 + 0.0012 * b + 1e-6 * b * c, acceptance=0.2)
+    live = live_model(cfg, base_model(cfg, resolve_model("tiny"), profile))
+    pools = Pools([PrefillView("prefill-0", None, 512)], [DecodeView("decode-0", None, "kv://decode-0", 512)])
+    backend = Dispatcher(pools, tokenizer=None, max_model_len=4096, block_size=16, routing=RoutingSettings(),
+                         live=live)
+    scaler = asyncio.run(start_autoscaler(cfg, backend, None, AutoscaleSettings()))
+    before = asyncio.run(scaler.tick()).plan.decode
+    assert before["speculation"]["acceptance"] == 0.2
+    for _ in range(5):                  # requests that accepted 80 of 100 proposals, as fast as modelled
+        live.finished(4, live.base.token_seconds(4, 544, 0.8), 64, context=544, actor_id="decode-0",
+                      spec_proposed=100, spec_accepted=80)
+    after = asyncio.run(scaler.tick()).plan.decode
+    assert after["speculation"]["acceptance"] == pytest.approx(0.8)
+    assert after["tokens_per_s_per_actor"] > before["tokens_per_s_per_actor"]
