@@ -169,7 +169,7 @@ class Autoscaler:
         if obs.tpot_s is not None:
             n = max(len(self.backend.views("decode")), 1)
             concurrency = max(w.arrival_rate_rps * w.output_tokens * obs.tpot_s / n, 1.0)
-            predicted = self.model.decode_step_seconds(concurrency, w.input_tokens + w.output_tokens / 2)
+            predicted = self.model.token_seconds(concurrency, w.input_tokens + w.output_tokens / 2)
             tpot = (1 - a) * tpot + a * min(max(obs.tpot_s / predicted, lo), hi)
         return Corrections(ttft, tpot)
 

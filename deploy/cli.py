@@ -160,7 +160,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.devices is not None:
         search = ParallelismSearch(args.devices, tuple(int(d) for d in args.tp.split(",")), args.allreduce_us,
                                    args.allreduce_gbps)
-    return run_plan(args.cfg, as_json=args.json, profile_path=args.profile, local=args.local, search=search)
+    return run_plan(args.cfg, as_json=args.json, profile_path=args.profile, local=args.local, search=search,
+                    spec_acceptance=args.spec_acceptance)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -240,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                                ("profile", cmd_profile, "measure prefill FLOP/s and decode bytes/s")):
         p = sub.add_parser(name, help=helptext)
         add_config_flags(p)
+        p.add_argument("--speculative-method", choices=["off", "ngram", "draft"],
+                       help=_config_help("speculative.method", "speculative decoding on the decode actors"))
         if name == "plan":
             p.add_argument("--json", action="store_true")
             p.add_argument("--profile", help="profile file (default: profile this machine first)")
@@ -250,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="latency of one all-reduce among a degree's ranks, µs (default 30)")
             p.add_argument("--allreduce-gbps", type=float, default=100.0,
                            help="all-reduce bandwidth among a degree's ranks, GB/s (default 100)")
+            p.add_argument("--spec-acceptance", type=float, metavar="A",
+                           help="with speculative decoding: the acceptance rate to size decode at (accepted / "
+                           "proposed tokens, 0..1; default: the profile's measurement, else no speed-up)")
         else:
             p.add_argument("--out", help="where to save the profile (default: the config's cached profile)")
             p.add_argument("--tp", default="1", help="tensor-parallel degrees to measure both pools at (default "

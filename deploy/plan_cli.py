@@ -5,9 +5,11 @@
         in-process engines built from the same EngineArgs instead (no Ray). --tp also measures
         both pools at each further tensor-parallel degree (the planner then uses those points).
         Saves the profile to FILE, default the config's cached profile (see default_profile_path).
-    pdserve plan [--config F] [--model M] [--profile FILE] [--json] [--local]
+    pdserve plan [--config F] [--model M] [--profile FILE] [--json] [--local] [--spec-acceptance A]
                  [--devices N [--tp 1,2,4] [--allreduce-us U] [--allreduce-gbps G]]
         Size the pools from FILE, else the cached profile, else profile first (with progress).
+        With speculative decoding on, decode is sized at acceptance rate A (accepted / proposed
+        tokens), else at the profile's measurement on the model's held-out text, else without a speed-up.
         With --devices: search the tensor-parallel degree and count of each pool within N devices
         for the most goodput per device meeting the SLOs; print the choice and the runner-up.
 """
@@ -20,6 +22,7 @@ import sys
 
 from deploy.config import PDServeConfig
 from deploy.launcher import engine_args
+from deploy.performance import speculation_of
 from deploy.planner import (AllReduce, Network, Parallelism, Plan, inputs_from_config, link_kv_bytes_per_s, plan,
                             search_parallelism)
 from deploy.profiler import (default_profile_path, load_profile, profile_cluster, profile_local,
@@ -55,10 +58,10 @@ def run_profile(cfg: PDServeConfig, out: str | None = None, local: bool = False,
     return 0
 
 
-def plan_for(cfg: PDServeConfig, profile: dict) -> Plan:
+def plan_for(cfg: PDServeConfig, profile: dict, spec_acceptance: float | None = None) -> Plan:
     model_dir = resolve_model(cfg.model.name)
     args = engine_args(cfg, "decode", model_dir)
-    measured = MeasuredPerformance(profile)
+    measured = MeasuredPerformance(profile, speculation_of(cfg, model_dir, profile, spec_acceptance))
     head_dim = ModelConfig.from_dir(model_dir).head_dim
     return plan(measured, *inputs_from_config(cfg, args.num_blocks),
                 network=network_for(cfg, measured, args.block_size, head_dim))
@@ -107,11 +110,12 @@ class ParallelismSearch:
         return {d: AllReduce(self.allreduce_us * 1e-6, self.allreduce_gbps * 1e9) for d in self.degrees if d > 1}
 
 
-def search_for(cfg: PDServeConfig, profile: dict, search: ParallelismSearch) -> list[Parallelism]:
+def search_for(cfg: PDServeConfig, profile: dict, search: ParallelismSearch,
+               spec_acceptance: float | None = None) -> list[Parallelism]:
     model_dir = resolve_model(cfg.model.name)
     args = engine_args(cfg, "decode", model_dir)
     mcfg = ModelConfig.from_dir(model_dir)
-    measured = MeasuredPerformance(profile)
+    measured = MeasuredPerformance(profile, speculation_of(cfg, model_dir, profile, spec_acceptance))
     degrees = [d for d in search.degrees if mcfg.num_attention_heads % d == 0 and
                (mcfg.num_key_value_heads % d == 0 or d % mcfg.num_key_value_heads == 0)]
     return search_parallelism(measured, *inputs_from_config(cfg, args.num_blocks), search.devices, degrees,
@@ -142,14 +146,18 @@ def format_search(found: list[Parallelism], search: ParallelismSearch,
 
 
 def run_plan(cfg: PDServeConfig, as_json: bool = False, profile_path: str | None = None, local: bool = False,
-             search: ParallelismSearch | None = None) -> int:
+             search: ParallelismSearch | None = None, spec_acceptance: float | None = None) -> int:
+    if spec_acceptance is not None and not 0.0 <= spec_acceptance <= 1.0:
+        print(f"error: --spec-acceptance {spec_acceptance:g}: an acceptance rate (accepted / proposed tokens) "
+              "between 0 and 1", file=sys.stderr)
+        return 2
     try:
         profile, source = obtain_profile(cfg, profile_path, local)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if search is not None:
-        found = search_for(cfg, profile, search)
+        found = search_for(cfg, profile, search, spec_acceptance)
         measured = measured_degrees(profile, search)
         if as_json:
             print(json.dumps({"profile": source, "model": cfg.model.name, "devices": search.devices,
@@ -161,7 +169,7 @@ def run_plan(cfg: PDServeConfig, as_json: bool = False, profile_path: str | None
         else:
             print(format_search(found, search, measured))
         return 0 if found else 1
-    result = plan_for(cfg, profile)
+    result = plan_for(cfg, profile, spec_acceptance)
     if as_json:
         print(json.dumps({"profile": source, "model": cfg.model.name, **result.to_dict()}, indent=2))
     else:
@@ -208,8 +216,13 @@ def format_plan(p: Plan, model: str, source: str) -> str:
         ("machine balance point", f"{led['machine_balance_flops_per_byte']:.1f} FLOP/B"),
     ])
     d, f = p.decode, p.prefill
+    spec = d.get("speculation") or {}
+    spec_rows = [(f"speculative decoding ({spec['method']}, acceptance {spec['acceptance']:.2f})",
+                  f"k {spec['step_num_tokens']} of {spec['num_tokens']}, {spec['tokens_per_step']:.2f} tokens/step"),
+                 ("decode time per token", f"{d['token_s'] * 1e3:.1f} ms")] if spec else []
     lines += _table("Per actor", [
         ("decode batch (TPOT SLO, KV budget)", f"{d['batch']} (KV allows {d['kv_limit']}, max {d['max_batch_size']})"),
+        *spec_rows,
         ("decode tokens/s per actor", f"{d['tokens_per_s_per_actor']:.1f}"),
         ("prefill capacity tokens/s per actor", f"{f['capacity_tokens_per_s']:.1f}"),
         ("prefill utilization at TTFT SLO", f"{f['utilization']:.0%}"),

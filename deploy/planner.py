@@ -1,9 +1,11 @@
 """Pool sizing from the performance model (`engine.performance`): pure functions, no I/O.
 
-    decode:  B* = the largest batch whose measured step time at the workload's mean
+    decode:  B* = the largest batch whose time per output token at the workload's mean
              context (prompt + output/2) meets the TPOT SLO, within max_batch_size and
-             the KV budget (each request reserves prompt + max_tokens of blocks);
-             tokens/s per actor = B* / step(B*); n_decode = rate · out / (util · that).
+             the KV budget (each request reserves prompt + max_tokens of blocks); the time per
+             token is the measured step's, or with speculative decoding the step the engine would
+             run at that batch over the tokens it yields per sequence (`token_seconds`);
+             tokens/s per actor = B* / token time(B*); n_decode = rate · out / (util · that).
     prefill: t_p = measured time of one prompt of the mean length (chunked as served);
              capacity = prompt tokens/s of a saturated step (as many mean-length prompts
              as the token budget takes); the TTFT SLO caps the utilization ρ so that
@@ -24,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from engine.performance import PerformanceModel
+from engine.performance import DecodeStep, PerformanceModel
 
 
 @dataclass(slots=True, frozen=True)
@@ -124,11 +126,11 @@ def max_utilization(service_s: float, ttft_slo_s: float) -> float:
 
 def decode_batch(model: PerformanceModel, context: float, slo_s: float, kv_limit: int, max_batch: int,
                  tpot_correction: float = 1.0) -> tuple[int, bool]:
-    """(largest batch meeting the TPOT SLO within the limits, whether B=1 meets it)."""
+    """(largest batch whose time per output token meets the TPOT SLO within the limits, whether B=1 meets it)."""
     top = max(min(kv_limit, max_batch), 1)
     best = 0
     for b in range(1, top + 1):
-        if model.decode_step_seconds(b, context) * tpot_correction <= slo_s:
+        if model.token_seconds(b, context) * tpot_correction <= slo_s:
             best = b
     return max(best, 1), best > 0
 
@@ -166,14 +168,19 @@ def plan(model: PerformanceModel, workload: Workload, slo: SLO, limits: Limits,
     batch, tpot_ok = decode_batch(model, context, slo.tpot_s, max(kv_limit, 1), limits.max_batch_size,
                                   corrections.tpot)
     step_s = model.decode_step_seconds(batch, context) * corrections.tpot
-    decode_tps = batch / step_s
+    decode_step = model.decode_step(batch, context)
+    token_s = decode_step.token_s * corrections.tpot
+    decode_tps = batch / token_s
     binding = ("TPOT SLO" if batch < min(kv_limit, limits.max_batch_size) else
                "KV budget" if kv_limit <= limits.max_batch_size else "max_batch_size")
     reasons.append(f"decode batch {batch} (limits: KV budget {kv_limit}, max_batch_size "
                    f"{limits.max_batch_size}, TPOT SLO {slo.tpot_s * 1e3:.0f} ms → bound by {binding}); "
-                   f"step {step_s * 1e3:.1f} ms at context {context:.0f} → {decode_tps:.1f} tokens/s per actor")
+                   f"step {step_s * 1e3:.1f} ms at context {context:.0f}"
+                   + (f", {token_s * 1e3:.1f} ms per token with speculation" if model.speculation is not None else "")
+                   + f" → {decode_tps:.1f} tokens/s per actor")
+    speculation = _speculation_term(model, decode_step, batch, step_s, token_s, reasons)
     if not tpot_ok:
-        reasons.append(f"TPOT SLO unreachable: one sequence alone steps in {step_s * 1e3:.1f} ms")
+        reasons.append(f"TPOT SLO unreachable: one sequence alone takes {token_s * 1e3:.1f} ms per token")
     needed_decode = rate * s_out / (decode_utilization * decode_tps)
     reasons.append(f"decode demand {rate * s_out:.1f} tokens/s ÷ ({decode_utilization:.0%} × {decode_tps:.1f}) "
                    f"= {needed_decode:.2f} actors")
@@ -231,13 +238,38 @@ def plan(model: PerformanceModel, workload: Workload, slo: SLO, limits: Limits,
         "machine_balance_flops_per_byte": balance,
     }
     decode = {"batch": batch, "kv_limit": kv_limit, "max_batch_size": limits.max_batch_size, "step_s": step_s,
-              "tokens_per_s_per_actor": decode_tps, "tpot_slo_met": tpot_ok, "utilization": decode_utilization}
+              "token_s": token_s, "tokens_per_s_per_actor": decode_tps, "tpot_slo_met": tpot_ok,
+              "utilization": decode_utilization, "speculation": speculation}
     prefill = {"seconds_per_request": prefill_s, "capacity_tokens_per_s": capacity, "utilization": util,
                "tokens_per_s_per_actor": prefill_tps, "predicted_p99_ttft_s": p99_ttft(prefill_s, util),
                "ttft_slo_met": ttft_ok}
     return Plan({"input_tokens": s_in, "output_tokens": s_out, "arrival_rate_rps": rate},
                 {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, ledger, decode, prefill,
                 n_prefill, n_decode, needed_prefill, needed_decode, reasons, net, bounds)
+
+
+def _speculation_term(model: PerformanceModel, step: DecodeStep, batch: int, plain_s: float, token_s: float,
+                      reasons: list[str]) -> dict:
+    """What speculative decoding does to the decode step at the planned batch (the plan's ``decode.speculation``,
+    {} when it is off), with a line of reasons."""
+    spec = model.speculation
+    if spec is None:
+        return {}
+    if not spec.acceptance:
+        reasons.append(f"speculative decoding ({spec.method}, k {spec.num_tokens}): no acceptance figure (pdserve "
+                       "plan --spec-acceptance, or a profile that measured it), so no speed-up is counted")
+    elif step.num_tokens == 0:
+        reasons.append(f"speculative decoding ({spec.method}, k {spec.num_tokens}, acceptance {spec.acceptance:.2f}): "
+                       f"at batch {batch} proposing loses, so the engine turns it down to k 0 and no speed-up is "
+                       "counted")
+    else:
+        reasons.append(f"speculative decoding ({spec.method}, acceptance {spec.acceptance:.2f}): at batch {batch} "
+                       f"the engine verifies k {step.num_tokens} → {step.tokens_per_step:.2f} tokens per "
+                       f"{token_s * step.tokens_per_step * 1e3:.1f} ms step = {token_s * 1e3:.1f} ms per token "
+                       f"(a plain step: {plain_s * 1e3:.1f} ms)")
+    return {"method": spec.method, "num_tokens": spec.num_tokens, "acceptance": spec.acceptance,
+            "adaptive": spec.adaptive, "step_num_tokens": step.num_tokens, "tokens_per_step": step.tokens_per_step,
+            "verify_step_s": token_s * step.tokens_per_step}
 
 
 def _network_term(network: Network | None, kv_bytes: float, rate: float, bounds: dict, reasons: list[str]) -> dict:
@@ -294,12 +326,13 @@ class AllReduce:
     bytes_per_s: float
 
 
-class DegreeModel:
+class DegreeModel(PerformanceModel):
     """A `PerformanceModel` at tensor-parallel degrees (prefill `prefill_degree`, decode `decode_degree`).
     Where the profile measured a pool at its degree (`MeasuredPerformance.at_degree`) those points give its
     times; otherwise they are predicted from the degree-1 measurements: a step's compute splits over the
     ranks and each step adds its all-reduces (`tp_speedup`'s model). A decode actor's ranks hold
-    `decode_degree` times the KV blocks."""
+    `decode_degree` times the KV blocks. Speculation is the base's; a speculative step at a degree the
+    profile did not measure is predicted from degree 1's the same way."""
 
     def __init__(self, base: PerformanceModel, prefill_degree: int, decode_degree: int,
                  allreduce: dict[int, AllReduce]):
@@ -309,10 +342,16 @@ class DegreeModel:
         self.num_layers, self.value_bytes = costs.num_layers, costs.hidden_size * costs.dtype_bytes
         self.prefill_measured = base.measured.at_degree("prefill", prefill_degree) if prefill_degree > 1 else None
         self.decode_measured = base.measured.at_degree("decode", decode_degree) if decode_degree > 1 else None
+        self.speculation = base.speculation
+        self.kv_bytes_per_token = base.kv_bytes_per_token
 
     @property
     def measured(self):
         return self.base.measured
+
+    @property
+    def kv_bytes_per_s(self) -> float:
+        return self.base.kv_bytes_per_s
 
     def collective_seconds(self, degree: int, tokens: float) -> float:
         if degree == 1:
@@ -337,6 +376,13 @@ class DegreeModel:
             return self.decode_measured.decode_step_seconds(batch, context)
         d = self.decode_degree
         return self.base.decode_step_seconds(batch, context) / d + self.collective_seconds(d, batch)
+
+    def spec_step_seconds(self, batch: float, context: float, num_tokens: int) -> float:
+        if self.decode_measured is not None:
+            return self.decode_measured.spec_step_seconds(batch, context, num_tokens)
+        d = self.decode_degree
+        return (self.base.spec_step_seconds(batch, context, num_tokens) / d
+                + self.collective_seconds(d, batch * (1 + num_tokens)))
 
 
 @dataclass(slots=True)

@@ -2,10 +2,12 @@
 
 Measuring: prefill FLOP/s vs prompt length, decode step time vs batch size and context length
 (→ bytes/s), and the KV link: one prompt's KV through the configured transport and codec
-(`deploy.link_profiler`, on this host's loopback). The engine measurements run on the actual
-pool actors (`ServingActor.profile`, one point per call so progress shows) or, with `local=True`, on
-in-process engines built from the same `EngineArgs`; `engine.profile` takes each point and
-`engine.cost_model` counts its FLOPs and bytes.
+(`deploy.link_profiler`, on this host's loopback). With `speculative.method` on, the decode points
+again with k proposals per sequence (the speculative step), and the method's acceptance rate at k
+on the model's held-out text where the model directory has some (`engine.profile`). The engine
+measurements run on the actual pool actors (`ServingActor.profile`, one point per call so progress
+shows) or, with `local=True`, on in-process engines built from the same `EngineArgs`;
+`engine.profile` takes each point and `engine.cost_model` counts its FLOPs and bytes.
 
 Reading: `engine.performance.MeasuredPerformance` interpolates the points (prefill seconds(S), decode
 step seconds(B, C), the link's bytes/s): the performance model the planner, the autoscaler and auto
@@ -18,9 +20,15 @@ A profile is a JSON file:
                  "points": [{prompt_len, batch, seconds, flops, flops_per_s}]},
      "decode":  {"engine": {...}, "points": [{batch, context, seconds, bytes, bytes_per_s, flops}]},
      "transfer": {transport, codec, kv_bytes, wire_bytes, seconds, kv_bytes_per_s} (or {..., error}),
+     "speculative": {"method", "num_tokens": k, "adaptive",                   (with speculative.method on)
+                     "points": [{batch, context, num_tokens, seconds, bytes, bytes_per_s, flops,
+                                 num_proposed}],                               (num_tokens: 1 and k)
+                     "acceptance": {ratio, num_tokens, proposed, accepted, prompts, temperature} | null},
      "degrees": {"2": {"prefill": {"engine", "points"}, "decode": {...}}, ...}   (optional, --tp)
      "calibration": {"prefill": factor, "decode": factor}}      (optional, bench.serving.plan_check)
 
+A profile without "speculative" (made with speculation off, or before it was measured) still serves a
+config with speculation on: `engine.performance` then models the speculative step from the plain ones.
 The top-level prefill and decode points are the pools at tensor-parallel degree 1; ``"degrees"`` holds
 the same points measured with both pools at each further degree (`pdserve profile --tp 1,2`: one actor
 of N ranks, or locally rank 0 here and N - 1 follower processes). The planner's `DegreeModel` reads a
@@ -60,7 +68,9 @@ def plan_points(cfg: PDServeConfig, model_dir: str, quick: bool = False) -> dict
     Prefill: one prompt at a few reference lengths and at the workload's mean (the TTFT
     side), and a saturated step of mean-length prompts (the throughput side). Decode: batch
     sizes up to what the KV budget and `max_batch_size` allow, at the workload's mean
-    context (prompt + half the output) and at a short one. Each point keeps its best of
+    context (prompt + half the output) and at a short one. Speculative (with
+    `speculative.method` on, run on the decode engine): the same decode points with k
+    proposals per sequence and with 1, and the acceptance rate at k. Each point keeps its best of
     a few repeats: on a shared machine other work only adds time.
     """
     w = cfg.workload
@@ -80,7 +90,14 @@ def plan_points(cfg: PDServeConfig, model_dir: str, quick: bool = False) -> dict
     decode = [{"kind": "decode", "batch": b, "context": c, "repeats": 3 if b * c > 50_000 else 7}
               for c in contexts for b in batches
               if b * _blocks(c + 1, d_args.block_size) <= d_args.num_blocks]
-    return {"prefill": prefill, "decode": decode}
+    points = {"prefill": prefill, "decode": decode}
+    k = d_args.speculative.k
+    if d_args.speculative.enabled:          # at k and at 1 (what verifying at all costs a step)
+        points["speculative"] = [
+            {**p, "num_tokens": j} for j in sorted({1, k}) for p in decode
+            if p["batch"] * _blocks(p["context"] + (p["repeats"] + 2) * (j + 1) + 1, d_args.block_size)
+            <= d_args.num_blocks] + [{"kind": "acceptance", "num_tokens": k}]
+    return points
 
 
 # ------------------------------------------------------------------ measuring
@@ -118,14 +135,31 @@ class Progress:
 def _label(point: dict) -> str:
     if point["kind"] == "prefill":
         return f"prefill S={point['prompt_len']}" + (" saturated" if point.get("batch") == "saturated" else "")
-    return f"decode B={point['batch']} C={point['context']}"
+    if point["kind"] == "acceptance":
+        return f"acceptance k={point['num_tokens']}"
+    return f"decode B={point['batch']} C={point['context']}" + (f" k={point['num_tokens']}"
+                                                                if point.get("num_tokens") else "")
+
+
+def _runs_on(points: dict, pool: str) -> list[dict]:
+    """The points `pool`'s engine measures: its own, and the decode engine the speculative ones."""
+    return points[pool] + (points.get("speculative", []) if pool == "decode" else [])
 
 
 def _assemble(source: str, engines: dict, results: dict) -> dict:
-    return {"version": PROFILE_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "source": source,
-            **{pool: {"engine": engines[pool], "points": [r for r in results[pool] if r is not None]}
-               for pool in ("prefill", "decode")}}
+    """The profile of one degree from each pool's engine description and results (in `_runs_on` order)."""
+    profile = {"version": PROFILE_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "source": source}
+    decode = [r for r in results["decode"] if r is not None]
+    steps = [r for r in decode if "seconds" in r]            # (the rest: the acceptance measurement)
+    results = {"prefill": [r for r in results["prefill"] if r is not None],
+               "decode": [r for r in steps if not r.get("num_tokens")]}
+    profile.update({pool: {"engine": engines[pool], "points": results[pool]} for pool in ("prefill", "decode")})
+    spec = engines["decode"].get("speculative")
+    if spec:
+        profile["speculative"] = {**spec, "points": [r for r in steps if r.get("num_tokens")],
+                                  "acceptance": next((r for r in decode if "ratio" in r), None)}
+    return profile
 
 
 def degree_config(cfg: PDServeConfig, degree: int) -> PDServeConfig:
@@ -158,7 +192,9 @@ def profile_local(cfg: PDServeConfig, points: dict | None = None, progress: bool
     degrees = _check_degrees(degrees)
     model_dir = resolve_model(cfg.model.name)
     points = points or plan_points(cfg, model_dir)
-    bar = Progress(len(degrees) * sum(len(v) for v in points.values()), "profiling (local)", progress)
+    at_degree = {pool: v for pool, v in points.items() if pool != "speculative"}   # degree 1 alone measures those
+    total = sum(len(v) for v in points.values()) + (len(degrees) - 1) * sum(len(v) for v in at_degree.values())
+    bar = Progress(total, "profiling (local)", progress)
     measured = {}
     try:
         for degree in degrees:
@@ -169,7 +205,7 @@ def profile_local(cfg: PDServeConfig, points: dict | None = None, progress: bool
                     engines[pool] = describe(engine)
                     run_point(engine, {"kind": "prefill", "prompt_len": 16})     # warm-up
                     results[pool] = []
-                    for point in points[pool]:
+                    for point in _runs_on(points if degree == 1 else at_degree, pool):
                         results[pool].append(run_point(engine, point))
                         bar.step(_label(point) + (f" TP {degree}" if degree > 1 else ""))
                 finally:
@@ -209,7 +245,7 @@ async def profile_actors(handles: dict, points: dict, progress: bool = True,
             engines[pool] = await h.profile.remote({"kind": "describe"})
             await h.profile.remote({"kind": "prefill", "prompt_len": 16})
             results[pool] = []
-            for point in points[pool]:
+            for point in _runs_on(points, pool):
                 results[pool].append(await h.profile.remote(point))
                 bar.step(_label(point))
                 if on_point:
@@ -231,10 +267,11 @@ def profile_cluster(cfg: PDServeConfig, points: dict | None = None, progress: bo
     async def at(degree: int, pts: dict | None) -> tuple[dict, dict]:
         factory = ActorFactory(degree_config(cfg, degree), cluster_token(cfg))
         pts = pts or plan_points(cfg, factory.model_dir)
+        run = pts if degree == 1 else {pool: v for pool, v in pts.items() if pool != "speculative"}
         handles = {pool: factory.spawn(pool) for pool in ("prefill", "decode")}
         try:
             await factory.views(list(handles.items()))
-            return await profile_actors(handles, pts, progress), pts
+            return await profile_actors(handles, run, progress), pts
         finally:
             for h in handles.values():
                 ray.kill(h, no_restart=True)

@@ -6,21 +6,87 @@ live model) and the simulator all ask a `PerformanceModel` the same questions:
     prefill_seconds(S)            one prompt of S tokens, alone on a prefill actor
     prefill_capacity(S)           prompt tokens/s one actor sustains on S-token prompts under saturation
     decode_step_seconds(B, C)     one decode step of B sequences that each attend over C tokens
+    token_seconds(B, C)           seconds per output token of each of B decoding sequences (the TPOT):
+                                  the plain step, or with speculative decoding (`speculation`) the step
+                                  the engine would run divided by the tokens it yields per sequence
     link_seconds(kv_bytes)        one prompt's KV over the configured link (transport + codec)
 
 `MeasuredPerformance` answers from a measured profile (`pdserve profile`: `engine.profile` measures the
 points, `deploy.profiler` writes the file); `LinearPerformance` from a handful of figures, for a cluster
 that has no profile yet. `router.placement.live_profile.LiveProfile` answers from one of those, corrected
 by what the running cluster reports; it is the model the router's placement and the autoscaler share.
+
+Speculative decoding (`Speculation`, the `speculative:` settings with an acceptance rate): a step in which
+each sequence verifies k proposals (1 + k query tokens, the proposing included) costs
+`spec_step_seconds(B, C, k)` and yields `Speculation.tokens_per_step(k)` tokens per sequence
+(engine/spec/tokens_per_step.py); the engine's turn-down picks, per step, the k (0 included) with the most
+tokens per second (engine/spec/turn_down.py), so `token_seconds` takes the k with the fewest seconds per
+token and never predicts a speed-up where the engine would turn proposals off.
 """
 from __future__ import annotations
 
 import bisect
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
 
 from engine.cost_model import ModelCosts
+from engine.spec.tokens_per_step import expected_tokens, per_token_acceptance
 
 DEFAULT_KV_BYTES_PER_S = 1e9        # a profile without a link measurement
+
+
+@dataclass(slots=True, frozen=True)
+class Speculation:
+    """What the performance model needs of the `speculative:` settings (engine/spec).
+
+    Args:
+        method: "ngram" or "draft".
+        num_tokens: k, the most proposals per sequence and step.
+        acceptance: accepted / proposed tokens at k proposals per step (the ratio the engine reports);
+            0.0 when none is known, and then no speed-up is predicted.
+        adaptive: the engine picks k per step, 0 included (`speculative.adaptive`): the model takes the k with
+            the fewest seconds per token; False: always k, even where that is slower.
+        draft_cost: seconds of one draft forward per second of the target's plain step at the same batch; the
+            draft method's proposing where the profile has no measured speculative step (`deploy.performance`
+            counts it from the two models' weight bytes).
+    """
+
+    method: str
+    num_tokens: int
+    acceptance: float = 0.0
+    adaptive: bool = True
+    draft_cost: float = 0.0
+    alpha: float = field(init=False, repr=False, compare=False)     # the per-token acceptance
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "alpha", per_token_acceptance(self.acceptance, self.num_tokens))
+
+    @property
+    def choices(self) -> range:
+        """The k a step may run with."""
+        return range(0 if self.adaptive else self.num_tokens, self.num_tokens + 1)
+
+    def tokens_per_step(self, num_tokens: int) -> float:
+        """Tokens a step with `num_tokens` proposals yields per sequence at this acceptance."""
+        return expected_tokens(self.alpha, num_tokens)
+
+    def with_acceptance(self, acceptance: float) -> Speculation:
+        return replace(self, acceptance=acceptance)
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeStep:
+    """The decode step the engine runs at a batch and context: `num_tokens` proposals per sequence
+    (0: a plain step), its seconds, and the tokens it yields per sequence."""
+
+    num_tokens: int
+    step_s: float
+    tokens_per_step: float
+
+    @property
+    def token_s(self) -> float:
+        """Seconds per output token of each sequence."""
+        return self.step_s / self.tokens_per_step
 
 
 class PerformanceModel(ABC):
@@ -28,9 +94,11 @@ class PerformanceModel(ABC):
 
     Attributes:
         kv_bytes_per_token: K and V of one prompt token over all layers (what a handoff moves per token).
+        speculation: the decode actors' speculative decoding; None: off.
     """
 
     kv_bytes_per_token: float
+    speculation: Speculation | None = None
 
     @abstractmethod
     def prefill_seconds(self, prompt_len: float) -> float:
@@ -43,6 +111,38 @@ class PerformanceModel(ABC):
     @abstractmethod
     def decode_step_seconds(self, batch: float, context: float) -> float:
         """One decode step of `batch` sequences that each attend over `context` tokens."""
+
+    def spec_step_seconds(self, batch: float, context: float, num_tokens: int) -> float:
+        """One decode step in which each of `batch` sequences verifies `num_tokens` proposals (1 + k query
+        tokens), the proposing included. Where it was not measured: a plain step of batch · (1 + k)
+        sequences (the same query rows; it also counts their KV reads, so it errs slow), plus, for the draft
+        method, k draft forwards of `draft_cost` plain steps each."""
+        plain = self.decode_step_seconds(batch, context)
+        if num_tokens <= 0:
+            return plain
+        seconds = self.decode_step_seconds(batch * (1 + num_tokens), context)
+        spec = self.speculation
+        if spec is not None and spec.method == "draft":
+            seconds += num_tokens * spec.draft_cost * plain
+        return seconds
+
+    def decode_step(self, batch: float, context: float, acceptance: float | None = None) -> DecodeStep:
+        """The step the engine runs with `batch` sequences at `context` tokens: a plain one without
+        speculation; with it, the k of `speculation.choices` with the fewest seconds per token (the turn-down's
+        choice: the most tokens per second at this batch), at `acceptance` (None: the speculation's own)."""
+        spec = self.speculation
+        if spec is None:
+            return DecodeStep(0, self.decode_step_seconds(batch, context), 1.0)
+        if acceptance is not None:
+            spec = spec.with_acceptance(acceptance)
+        steps = [DecodeStep(k, self.spec_step_seconds(batch, context, k), spec.tokens_per_step(k))
+                 for k in spec.choices]
+        return min(steps, key=lambda s: (s.token_s, s.num_tokens))
+
+    def token_seconds(self, batch: float, context: float, acceptance: float | None = None) -> float:
+        """Seconds per output token of each of `batch` sequences decoding at `context` tokens: the TPOT the
+        planner and auto placement predict (`decode_step`; without speculation, the plain step)."""
+        return self.decode_step(batch, context, acceptance).token_s
 
     @property
     @abstractmethod
@@ -82,6 +182,32 @@ def _monotone(ys: list[float]) -> list[float]:
     return out
 
 
+class _StepGrid:
+    """Step seconds measured at (batch, context) points: piecewise-linear in batch, then linear in context
+    between the measured contexts (clamped to the nearest outside them); made non-decreasing in batch and
+    context first (see `_monotone`)."""
+
+    def __init__(self, points: list[dict]):
+        grid: dict[int, dict[int, float]] = {}
+        for p in points:
+            grid.setdefault(p["context"], {})[p["batch"]] = p["seconds"]
+        self.contexts = sorted(grid)
+        for i, c in enumerate(self.contexts[:-1]):          # a longer context never steps faster
+            longer = grid[self.contexts[i + 1]]
+            for b in grid[c]:
+                grid[c][b] = min(grid[c][b], longer.get(b, grid[c][b]))
+        self.steps = {c: (sorted(grid[c]), _monotone([grid[c][b] for b in sorted(grid[c])])) for c in self.contexts}
+
+    def seconds(self, batch: float, context: float) -> float:
+        cs = self.contexts
+        at = [_interp(*self.steps[c], batch) for c in cs]
+        if len(cs) == 1 or context <= cs[0]:
+            return at[0]
+        if context >= cs[-1]:
+            return at[-1]
+        return _interp(cs, at, context)
+
+
 class MeasuredPerformance(PerformanceModel):
     """A measured profile's points (the file format is in `deploy.profiler`), interpolated.
 
@@ -94,10 +220,16 @@ class MeasuredPerformance(PerformanceModel):
     step (the worker's output processing and the token's message to the router, which the profile of the
     bare engine step does not see) and `handoff_s` to every KV handoff (the router's call to the prefill
     actor, the send, the adopt), so whoever asks gets serving's time, not the bare engine's.
+
+    Speculative steps: where the profile measured them (`"speculative"`: the decode steps again with k
+    proposals per sequence, at one k or a few, for the method `speculation` names), a step with j proposals
+    is piecewise-linear in j through the plain step (j = 0) and the measured ones (linear beyond the last),
+    never faster with more proposals; otherwise `PerformanceModel.spec_step_seconds`'s stated assumption.
     """
 
-    def __init__(self, data: dict):
+    def __init__(self, data: dict, speculation: Speculation | None = None):
         self.data = data
+        self.speculation = speculation
         self.prefill_costs = ModelCosts.from_dict(data["prefill"]["engine"]["costs"])
         self.costs = ModelCosts.from_dict(data["decode"]["engine"]["costs"])
         self.kv_bytes_per_token = float(self.costs.kv_bytes_per_token)
@@ -109,23 +241,25 @@ class MeasuredPerformance(PerformanceModel):
         # saturated steps (several prompts batched): prompt tokens/s at each length
         full = sorted((p for p in prefill if p.get("batch", 1) > 1), key=lambda p: p["prompt_len"])
         self._sat = ([p["prompt_len"] for p in full], [p["batch"] * p["prompt_len"] / p["seconds"] for p in full])
-        grid: dict[int, dict[int, float]] = {}
-        for p in data["decode"]["points"]:
-            grid.setdefault(p["context"], {})[p["batch"]] = p["seconds"]
-        self._contexts = sorted(grid)
+        self._decode = _StepGrid(data["decode"]["points"])
+        spec = self.spec_measured
+        by_k: dict[int, list[dict]] = {}
+        for p in spec.get("points") or []:
+            by_k.setdefault(p["num_tokens"], []).append(p)
+        self._spec = {k: _StepGrid(by_k[k]) for k in sorted(by_k) if k > 0}       # proposals per sequence → steps
         # serving-path factors measured on the running cluster: time in serving / time in the profile
         calibration = data.get("calibration", {})
         self.calibration = {k: float(v) for k, v in calibration.items() if k in ("prefill", "decode")}
         self.step_overhead_s = float(calibration.get("step_s", 0.0))      # added to every decode step
         self.handoff_s = float(calibration.get("handoff_s", 0.0))         # added to every KV handoff
-        for i, c in enumerate(self._contexts[:-1]):          # a longer context never steps faster
-            longer = grid[self._contexts[i + 1]]
-            for b in grid[c]:
-                grid[c][b] = min(grid[c][b], longer.get(b, grid[c][b]))
-        self._decode = {c: (sorted(grid[c]), _monotone([grid[c][b] for b in sorted(grid[c])]))
-                        for c in self._contexts}
         link = self.transfer
         self._kv_bytes_per_s = float(link.get("kv_bytes_per_s") or DEFAULT_KV_BYTES_PER_S)
+
+    @property
+    def spec_measured(self) -> dict:
+        """The speculative measurements (`deploy.profiler`): {"method", "num_tokens", "points", "acceptance"},
+        {} in profiles made without speculation or before it was measured."""
+        return dict(self.data.get("speculative") or {})
 
     @property
     def measured(self) -> MeasuredPerformance:
@@ -142,7 +276,12 @@ class MeasuredPerformance(PerformanceModel):
         if degree == 1:
             return self
         points = (self.data.get("degrees") or {}).get(str(degree), {}).get(pool)
-        return MeasuredPerformance({**self.data, pool: points}) if points else None
+        if not points:
+            return None
+        data = {**self.data, pool: points}
+        if pool == "decode":                # the speculative steps were measured at degree 1 only
+            data["speculative"] = {k: v for k, v in self.spec_measured.items() if k != "points"}
+        return MeasuredPerformance(data, self.speculation)
 
     @property
     def transfer(self) -> dict:
@@ -181,14 +320,19 @@ class MeasuredPerformance(PerformanceModel):
     def decode_step_seconds(self, batch: float, context: float) -> float:
         """Piecewise-linear in batch, then linear in context between the measured contexts (clamped to the
         nearest outside them)."""
-        cs = self._contexts
-        at = [_interp(*self._decode[c], batch) for c in cs]
-        if len(cs) == 1 or context <= cs[0]:
-            seconds = at[0]
-        elif context >= cs[-1]:
-            seconds = at[-1]
-        else:
-            seconds = _interp(cs, at, context)
+        return self._serving(self._decode.seconds(batch, context))
+
+    def spec_step_seconds(self, batch: float, context: float, num_tokens: int) -> float:
+        spec = self.speculation
+        if num_tokens <= 0 or not self._spec or spec is None or self.spec_measured.get("method") != spec.method:
+            return super().spec_step_seconds(batch, context, num_tokens)
+        seconds = [self._decode.seconds(batch, context)]
+        for grid in self._spec.values():          # more proposals never verify faster (noise only adds time)
+            seconds.append(max(grid.seconds(batch, context), seconds[-1]))
+        return self._serving(max(_interp([0, *self._spec], seconds, num_tokens), seconds[0]))
+
+    def _serving(self, seconds: float) -> float:
+        """A profiled decode step's time in serving (the calibration's factor and fixed cost)."""
         return self.calibration.get("decode", 1.0) * seconds + self.step_overhead_s
 
 
@@ -199,10 +343,11 @@ class LinearPerformance(PerformanceModel):
 
     def __init__(self, prefill_tokens_per_s: float = 2000.0, step_base_s: float = 0.02,
                  step_per_seq_s: float = 0.001, kv_bytes_per_s: float = DEFAULT_KV_BYTES_PER_S,
-                 kv_bytes_per_token: float = 0.0):
+                 kv_bytes_per_token: float = 0.0, speculation: Speculation | None = None):
         self.prefill_tokens_per_s, self.step_base_s, self.step_per_seq_s = (prefill_tokens_per_s, step_base_s,
                                                                            step_per_seq_s)
         self._kv_bytes_per_s, self.kv_bytes_per_token = kv_bytes_per_s, kv_bytes_per_token
+        self.speculation = speculation
 
     @property
     def kv_bytes_per_s(self) -> float:

@@ -81,6 +81,7 @@ class RequestState:
     batch_at_start: int = 0              # requests running on its decode actor when the attempt began
     recorded: bool = False               # in the finished requests (and the live profile) already
     prompt_kv_lossy: bool = False        # the attempt that streamed `emitted` decoded from transferred KV
+    usage: Usage | None = None           # the finished request's counts (its last chunk's)
 
     @property
     def attempt_id(self) -> str:

@@ -204,6 +204,7 @@ class Dispatcher(Backend):
                             d.emitted_chars += len(chunk.text)
                             if chunk.timing is not None:      # the request's last chunk: the servicer
                                 chunk.timing.timeline = self._timeline(d)     # closes us at its yield,
+                                d.usage = chunk.usage
                                 self._succeeded(d)                            # so record before it
                             yield chunk
                     self._succeeded(d)
@@ -312,8 +313,9 @@ class Dispatcher(Backend):
         tpot = time_per_output_token(ttft, now - d.started, len(d.emitted))
         num_prompt = len(d.inp.prompt_token_ids)
         self.finished.append(FinishedRequest(now, num_prompt, len(d.emitted), ttft, tpot))
+        spec = (d.usage.spec_proposed_tokens, d.usage.spec_accepted_tokens) if d.usage is not None else (0, 0)
         self.live.finished((d.batch_at_start + d.view.running) / 2, tpot, len(d.emitted),
-                           num_prompt + len(d.emitted) / 2)
+                           num_prompt + len(d.emitted) / 2, d.view.actor_id, *spec)
 
     def _attempt(self, d: RequestState) -> Attempt:
         return Attempt(d, self.placer, self.live, self.routing, self.codec, self.metrics, self._prefill_ended)

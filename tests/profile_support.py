@@ -27,3 +27,17 @@ def with_degree(profile: dict, degree: int, pools: tuple[str, ...] = ("prefill",
     degrees = dict(profile.get("degrees") or {})
     degrees[str(degree)] = {pool: measured[pool] for pool in pools}
     return {**profile, "degrees": degrees}
+
+
+def with_speculation(profile: dict, step, method: str = "ngram", num_tokens: int = 4,
+                     acceptance: float | None = None) -> dict:
+    """`profile` with the speculative section `pdserve profile` writes with `speculative.method` on: its decode
+    points again at `num_tokens` proposals per sequence, timed by `step(b, c)`, and the acceptance measured
+    on held-out text (None: the model has none)."""
+    points = [{**p, "seconds": step(p["batch"], p["context"]), "num_tokens": num_tokens}
+              for p in profile["decode"]["points"]]
+    measured = None if acceptance is None else {"ratio": acceptance, "num_tokens": num_tokens, "proposed": 1000,
+                                                "accepted": round(1000 * acceptance), "prompts": 8,
+                                                "temperature": 0.0}
+    return {**profile, "speculative": {"method": method, "num_tokens": num_tokens, "adaptive": True,
+                                       "points": points, "acceptance": measured}}

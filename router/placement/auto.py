@@ -5,14 +5,17 @@ For each request the router weighs two ways to compute its prompt:
     remote  prefill on a prefill actor, then ship the KV to the decode actor
             TTFT = overhead + (prefill actor's queued + this prompt's uncached tokens) / its prefill rate
                    + KV bytes / link bytes/s + one decode step at the running batch
-            TPOT = decode step at (running + 1) + the decode actor's local-prefill backlog, spread over the
-                   tokens its batch still streams
+            TPOT = time per output token at (running + 1) + the decode actor's local-prefill backlog, spread
+                   over the tokens its batch still streams
     local   chunked prefill on the decode actor itself (conditional disaggregation), reusing the prefix
             that actor already holds
             TTFT = (its local-prefill backlog + this prompt's tokens it lacks) / its chunked-prefill rate
                    + one decode step at the running batch per chunk
-            TPOT = decode step at (running + 1) + (backlog + this prompt) prefill seconds, spread over the
-                   tokens the batch still streams (the running requests absorb the prefill chunks)
+            TPOT = time per output token at (running + 1) + (backlog + this prompt) prefill seconds, spread
+                   over the tokens the batch still streams (the running requests absorb the prefill chunks)
+
+The time per output token is the decode step's, or with speculative decoding the step the engine would
+run over the tokens it yields per sequence at the decode actor's acceptance (`DecodeProfile.token_s`).
 
 Each option's slack is ``1 - estimate / SLO`` for TTFT and for TPOT. An option *keeps* the SLOs when
 both slacks are >= 0. The choice: the options that keep both SLOs first; among them the most headroom
@@ -61,11 +64,16 @@ class LinkProfile:
 
 @dataclass(slots=True, frozen=True)
 class DecodeProfile:
-    """A decode actor's step time vs running batch (at the request's context), and its chunked-prefill rate."""
+    """A decode actor's step time and time per output token vs running batch (at the request's context), and
+    its chunked-prefill rate."""
 
     step_s: Callable[[float], float]   # a decode step's seconds at a running batch
     prefill_tokens_per_s: float  # prompt tokens/s it prefills between decode steps
     chunk_tokens: int = 512      # prompt tokens per step when it prefills in chunks
+    token_s: Callable[[float], float] | None = None   # seconds per output token (None: one per step)
+
+    def seconds_per_token(self, batch: float) -> float:
+        return (self.token_s or self.step_s)(batch)
 
     @classmethod
     def linear(cls, step_base_s: float, step_per_seq_s: float, prefill_tokens_per_s: float,
@@ -169,7 +177,7 @@ def estimate_local(inp: PlacementInputs) -> Estimate:
     num_chunks = math.ceil(tokens / max(dp.chunk_tokens, 1))
     prefill_s = tokens / dp.prefill_tokens_per_s
     ttft = prefill_s + num_chunks * dp.step_s(ds.running)
-    tpot = dp.step_s(ds.running + 1) + prefill_s / max(inp.output_tokens, 1.0)
+    tpot = dp.seconds_per_token(ds.running + 1) + prefill_s / max(inp.output_tokens, 1.0)
     return _estimate(Choice.LOCAL, ttft, tpot, inp)
 
 
@@ -183,7 +191,7 @@ def estimate_remote(inp: PlacementInputs) -> Estimate | None:
     transfer_s = inp.num_prompt_tokens * inp.link.kv_bytes_per_token / inp.link.kv_bytes_per_s
     ttft = pp.overhead_s + prefill_s + transfer_s + dp.step_s(ds.running)
     backlog_s = ds.local_prefill_tokens / dp.prefill_tokens_per_s      # the decode actor's, either way
-    tpot = dp.step_s(ds.running + 1) + backlog_s / max(inp.output_tokens, 1.0)
+    tpot = dp.seconds_per_token(ds.running + 1) + backlog_s / max(inp.output_tokens, 1.0)
     return _estimate(Choice.REMOTE, ttft, tpot, inp)
 
 

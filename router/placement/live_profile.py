@@ -10,12 +10,18 @@ router already receives:
                                      kv_bytes / transfer_s              → link bytes/s; kv_bytes per token
                                      router TTFT − actor stages         → remote overhead
     first event of a local prefill   base time of its tokens / the actor's compute_s → chunked-prefill factor
-    finished request                 (mean running batch, its context, its TPOT) → decode step
-                                     = a · base step(batch, context) + b, refitted over recent requests
+    finished request                 (mean running batch, its context, its TPOT) → decode time per token
+                                     = a · base time per token(batch, context) + b, refitted over recent
+                                     requests (without speculation the base's time per token is its step)
+                                     its speculative tokens proposed and accepted → the acceptance rate of
+                                     its decode actor (decayed), which the base's speculative step takes
 
 The decode fit keeps `a` at 1 (only `b` moves, a fixed per-step cost the profile does not see) until the
-recent requests' batches spread by `MIN_BATCH_SPREAD`; then both are fitted. Per decode actor it also
-keeps what placement needs now: the prompt tokens it is prefilling locally (the router's own count).
+recent requests' batches spread by `MIN_BATCH_SPREAD`; then both are fitted. With speculative decoding
+(`base.speculation`) each finished request is fitted at its own acceptance, and placement asks at the
+decode actor's: what the decode actors report replaces the acceptance the base started from (the plan's
+or the profile's). Per decode actor it also keeps what placement needs now: the prompt tokens it is
+prefilling locally (the router's own count).
 What each decode actor holds cached comes from the cache-event index (`router.placement.kv_index`).
 """
 from __future__ import annotations
@@ -23,13 +29,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.performance import LinearPerformance, MeasuredPerformance, PerformanceModel
+from engine.performance import DecodeStep, LinearPerformance, MeasuredPerformance, PerformanceModel, Speculation
 from router.placement.auto import DecodeProfile, LinkProfile, PrefillProfile
 
 SMOOTHING = 0.2              # EMA weight of the newest observation
 STEP_SAMPLES = 64            # recent (batch, base step, TPOT) triples the decode step fit uses
 MIN_BATCH_SPREAD = 2.0       # batches must span this much before the slope is fitted
 MIN_STEP_S = 1e-6
+SPEC_DECAY = 0.9             # weight of the past per finished request, in an actor's speculative counts
+MIN_SPEC_PROPOSED = 16.0     # proposed tokens (decayed) before an acceptance rate is trusted
 DEFAULT_REMOTE_OVERHEAD_S = 0.005
 DEFAULT_CHUNK_TOKENS = 512
 
@@ -39,8 +47,24 @@ def _ema(old: float, new: float) -> float:
 
 
 @dataclass(slots=True)
+class _SpecCounts:
+    """Speculative tokens proposed and accepted, decayed per report."""
+    proposed: float = 0.0
+    accepted: float = 0.0
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.proposed = SPEC_DECAY * self.proposed + proposed
+        self.accepted = SPEC_DECAY * self.accepted + accepted
+
+    @property
+    def ratio(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed >= MIN_SPEC_PROPOSED else None
+
+
+@dataclass(slots=True)
 class _DecodeActorState:
     local_prefill_tokens: int = 0
+    spec: _SpecCounts | None = None
 
 
 class LiveProfile(PerformanceModel):
@@ -59,13 +83,14 @@ class LiveProfile(PerformanceModel):
         self.block_size, self.chunk_tokens = block_size, chunk_tokens
         self.prefill_speed = 1.0                     # base prefill time / observed (EMA)
         self.local_prefill_speed: float | None = None    # the same for local prefill; None: prefill_speed
-        self.step_scale, self.step_offset_s = 1.0, 0.0   # decode step = scale · base step + offset
+        self.step_scale, self.step_offset_s = 1.0, 0.0   # decode time per token = scale · base's + offset
         self.remote_overhead_s = remote_overhead_s
         self._kv_bytes_per_s = self.base.kv_bytes_per_s
         self.kv_bytes_per_token = self.base.kv_bytes_per_token
         self.output_tokens: float | None = None       # mean output length of finished requests
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=STEP_SAMPLES)
         self._decode: dict[str, _DecodeActorState] = {}
+        self._spec = _SpecCounts()                      # every decode actor's reports together
 
     # ---- the performance model ------------------------------------------
     @property
@@ -82,8 +107,33 @@ class LiveProfile(PerformanceModel):
     def prefill_capacity(self, prompt_len: float) -> float:
         return self.base.prefill_capacity(prompt_len) * self.prefill_speed
 
+    @property
+    def speculation(self) -> Speculation | None:
+        """The base's speculative settings at the acceptance the decode actors report (once they have)."""
+        spec, live = self.base.speculation, self.acceptance()
+        return spec if spec is None or live is None else spec.with_acceptance(live)
+
     def decode_step_seconds(self, batch: float, context: float) -> float:
-        return max(self.step_scale * self.base.decode_step_seconds(batch, context) + self.step_offset_s, MIN_STEP_S)
+        return self._corrected(self.base.decode_step_seconds(batch, context))
+
+    def spec_step_seconds(self, batch: float, context: float, num_tokens: int) -> float:
+        return self._corrected(self.base.spec_step_seconds(batch, context, num_tokens))
+
+    def decode_step(self, batch: float, context: float, acceptance: float | None = None) -> DecodeStep:
+        """The base's step at `acceptance` (None: the decode actors' reported one, else the base's), its time
+        per token corrected by the fit."""
+        step = self.base.decode_step(batch, context, self.acceptance() if acceptance is None else acceptance)
+        return DecodeStep(step.num_tokens, self._corrected(step.token_s) * step.tokens_per_step, step.tokens_per_step)
+
+    def _corrected(self, seconds: float) -> float:
+        return max(self.step_scale * seconds + self.step_offset_s, MIN_STEP_S)
+
+    def acceptance(self, actor_id: str | None = None) -> float | None:
+        """The speculative acceptance rate `actor_id` reports (None, or an actor that has not reported enough:
+        every decode actor's together); None when none has."""
+        state = self._decode.get(actor_id) if actor_id is not None else None
+        ratio = state.spec.ratio if state is not None and state.spec is not None else None
+        return self._spec.ratio if ratio is None else ratio
 
     def local_prefill_seconds(self, prompt_len: float) -> float:
         """A prompt prefilled in chunks on a decode actor, between its decode steps."""
@@ -96,10 +146,13 @@ class LiveProfile(PerformanceModel):
     def link(self) -> LinkProfile:
         return LinkProfile(self.kv_bytes_per_s, self.kv_bytes_per_token)
 
-    def decode_profile(self, prompt_len: float, context: float) -> DecodeProfile:
-        """The decode actor's step vs batch at `context`, and its chunked-prefill rate at `prompt_len`."""
-        return DecodeProfile(lambda batch: self.decode_step_seconds(batch, context),
-                             prompt_len / self.local_prefill_seconds(prompt_len), self.chunk_tokens)
+    def decode_profile(self, prompt_len: float, context: float, actor_id: str | None = None) -> DecodeProfile:
+        """Decode actor `actor_id`'s step and time per output token vs batch at `context` (with speculation, at
+        its reported acceptance), and its chunked-prefill rate at `prompt_len`."""
+        acceptance = self.acceptance(actor_id)
+        return DecodeProfile(lambda batch: self.decode_step(batch, context, acceptance).step_s,
+                             prompt_len / self.local_prefill_seconds(prompt_len), self.chunk_tokens,
+                             lambda batch: self.token_seconds(batch, context, acceptance))
 
     def local_backlog(self, actor_id: str) -> int:
         return self._actor(actor_id).local_prefill_tokens
@@ -131,15 +184,27 @@ class LiveProfile(PerformanceModel):
             old = self.local_prefill_speed or self.prefill_speed
             self.local_prefill_speed = _ema(old, self.base.prefill_seconds(tokens) / compute_s)
 
-    def finished(self, mean_batch: float, tpot_s: float, num_output_tokens: int, context: float) -> None:
-        """A request finished: its TPOT at the batch it decoded in (at `context`, its prompt and half its
-        output) refits the decode step."""
+    def finished(self, mean_batch: float, tpot_s: float, num_output_tokens: int, context: float,
+                 actor_id: str | None = None, spec_proposed: int = 0, spec_accepted: int = 0) -> None:
+        """A request finished on decode actor `actor_id`: its TPOT at the batch it decoded in (at `context`, its
+        prompt and half its output) refits the decode time per token; the speculative tokens its sequences had
+        verified there (`spec_proposed`) and accepted count in that actor's acceptance rate, and the fit takes
+        the base's time per token at the request's own rate."""
         self.output_tokens = num_output_tokens if self.output_tokens is None else \
             _ema(self.output_tokens, num_output_tokens)
+        acceptance = None                   # (without speculation: the plain step)
+        if self.base.speculation is not None:      # a request that proposed nothing decoded plain steps
+            acceptance = spec_accepted / spec_proposed if spec_proposed > 0 else 0.0
+        if spec_proposed > 0:
+            self._spec.add(spec_proposed, spec_accepted)
+            if actor_id is not None:
+                state = self._actor(actor_id)
+                state.spec = state.spec or _SpecCounts()
+                state.spec.add(spec_proposed, spec_accepted)
         if num_output_tokens < 2 or tpot_s <= 0:
             return
         batch = max(mean_batch, 1.0)
-        self._steps.append((batch, self.base.decode_step_seconds(batch, context), tpot_s))
+        self._steps.append((batch, self.base.token_seconds(batch, context, acceptance), tpot_s))
         batches = [b for b, _, _ in self._steps]
         xs = [x for _, x, _ in self._steps]
         ys = [y for _, _, y in self._steps]

@@ -118,7 +118,7 @@ class Placer:
         decode_cached = self.kv_index.prefix_blocks(view.actor_id, hashes)
         decode = DecodeState(view.actor_id, max(view.running - 1, 0), live.local_backlog(view.actor_id),
                              self._priced_tokens(view.actor_id, hashes, decode_cached))
-        decode_profile = live.decode_profile(num_prompt_tokens, num_prompt_tokens + output_tokens / 2)
+        decode_profile = live.decode_profile(num_prompt_tokens, num_prompt_tokens + output_tokens / 2, view.actor_id)
         placement = place(PlacementInputs(
             num_prompt_tokens, output_tokens, self.routing.ttft_slo_s, self.routing.tpot_slo_s, decode,
             decode_profile, prefill, prefill_profile, live.link()),

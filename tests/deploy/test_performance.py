@@ -99,3 +99,48 @@ def test_the_autoscaler_and_placement_ask_the_same_live_model():
         live.decode_step_seconds(batch, context) * decision.corrections.tpot)
     assert live.decode_profile(512, context).step_s(batch) == pytest.approx(live.decode_step_seconds(batch, context))
     assert decision.plan.decode["step_s"] > before
+
+
+def test_the_models_speculation_comes_from_the_config_and_the_profiles_acceptance():
+    from deploy.performance import measured_acceptance, speculation_of
+    from engine.cost_model import ModelCosts
+    from engine.performance import Speculation
+    from engine.spec.tokens_per_step import acceptance_ratio, per_token_acceptance
+    from profile_support import with_speculation
+    model_dir = resolve_model("tiny")
+    profile = with_speculation(synthetic(), lambda b, c: 0.012 + 0.001 * b, num_tokens=4, acceptance=0.5)
+    assert base_model(config(), model_dir, profile).speculation is None           # speculation off
+    ngram = config(**{"speculative.method": "ngram", "speculative.num_tokens": 4})
+    assert base_model(ngram, model_dir, profile).speculation == Speculation("ngram", 4, 0.5, True, 0.0)
+    assert base_model(ngram, model_dir, synthetic()).speculation.acceptance == 0.0     # an older profile
+    assert base_model(ngram, model_dir, None).speculation == Speculation("ngram", 4)   # the generic figures
+    assert live_model(ngram, base_model(ngram, model_dir, profile)).speculation.acceptance == 0.5
+    assert speculation_of(ngram, model_dir, profile, acceptance=0.8).acceptance == 0.8    # given beats measured
+    # measured at k 4, asked at k 2: the same per-token rate
+    assert measured_acceptance(profile, "ngram", 2) == pytest.approx(acceptance_ratio(per_token_acceptance(0.5, 4), 2))
+    assert measured_acceptance(profile, "draft", 4) is None                      # another method's
+    draft = config(**{"model.name": "pydoc", "speculative.method": "draft", "speculative.draft.model": "pydoc-draft"})
+    spec = speculation_of(draft, resolve_model("pydoc"))
+
+    def weights(name: str) -> int:
+        return ModelCosts.of(ModelConfig.from_dir(resolve_model(name)), 4).weight_bytes
+    assert spec.draft_cost == pytest.approx(weights("pydoc-draft") / weights("pydoc")) and 0 < spec.draft_cost < 0.5
+
+
+def test_the_autoscaler_plans_decode_at_the_acceptance_the_decode_actors_report():
+    from profile_support import with_speculation
+    cfg = config(**{"speculative.method": "ngram", "speculative.num_tokens": 4})
+    profile = with_speculation(synthetic(), lambda b, c: 0.012 + 0.0012 * b + 1e-6 * b * c, acceptance=0.2)
+    live = live_model(cfg, base_model(cfg, resolve_model("tiny"), profile))
+    pools = Pools([PrefillView("prefill-0", None, 512)], [DecodeView("decode-0", None, "kv://decode-0", 512)])
+    backend = Dispatcher(pools, tokenizer=None, max_model_len=4096, block_size=16, routing=RoutingSettings(),
+                         live=live)
+    scaler = asyncio.run(start_autoscaler(cfg, backend, None, AutoscaleSettings()))
+    before = asyncio.run(scaler.tick()).plan.decode
+    assert before["speculation"]["acceptance"] == 0.2
+    for _ in range(5):                  # requests that accepted 80 of 100 proposals, as fast as modelled
+        live.finished(4, live.base.token_seconds(4, 544, 0.8), 64, context=544, actor_id="decode-0",
+                      spec_proposed=100, spec_accepted=80)
+    after = asyncio.run(scaler.tick()).plan.decode
+    assert after["speculation"]["acceptance"] == pytest.approx(0.8)
+    assert after["tokens_per_s_per_actor"] > before["tokens_per_s_per_actor"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from profile_support import synthetic, with_degree
+from profile_support import synthetic, with_degree, with_speculation
 
 
 def test_plan_cli_json_from_profile_file(tmp_path, tiny_model_dir, capsys):
@@ -54,3 +54,33 @@ def test_plan_devices_says_which_degrees_were_measured(tmp_path, tiny_model_dir,
     text = capsys.readouterr().out
     assert "prefill measured at TP 1; other degrees predicted" in text
     assert "decode measured at TP 1, 2; other degrees predicted" in text
+
+
+def test_plan_sizes_decode_at_the_acceptance_given_else_measured_else_without_a_speed_up(tmp_path, tiny_model_dir,
+                                                                                       capsys):
+    from deploy.cli import main
+    measured = tmp_path / "spec.json"
+    measured.write_text(json.dumps(with_speculation(synthetic(), lambda b, c: 0.012 + 0.0018 * b + 1e-6 * b * c,
+                                                    acceptance=0.5)))
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(synthetic()))
+    flags = ["--model", tiny_model_dir, "--json", "--set", "kv_cache.num_blocks=4096",
+             "--set", "workload.arrival_rate_rps=3"]
+
+    def planned(*more: str) -> dict:
+        assert main(["plan", *flags, *more]) == 0
+        return json.loads(capsys.readouterr().out)["decode"]
+    off = planned("--profile", str(measured))
+    at_measured = planned("--profile", str(measured), "--speculative-method", "ngram")
+    given = planned("--profile", str(measured), "--speculative-method", "ngram", "--spec-acceptance", "0.8")
+    unknown = planned("--profile", str(old), "--speculative-method", "ngram")
+    assert off["speculation"] == {} and unknown["speculation"]["acceptance"] == 0.0
+    assert (at_measured["speculation"]["acceptance"], given["speculation"]["acceptance"]) == (0.5, 0.8)
+    assert off["tokens_per_s_per_actor"] < at_measured["tokens_per_s_per_actor"] < given["tokens_per_s_per_actor"]
+    assert unknown["tokens_per_s_per_actor"] == off["tokens_per_s_per_actor"]
+    table = [f for f in flags if f != "--json"]
+    assert main(["plan", *table, "--profile", str(measured), "--speculative-method", "ngram",
+                 "--spec-acceptance", "0.8"]) == 0
+    assert "speculative decoding (ngram, acceptance 0.80)" in capsys.readouterr().out
+    assert main(["plan", *flags, "--profile", str(measured), "--spec-acceptance", "1.5"]) == 2
+    assert "--spec-acceptance 1.5: an acceptance rate" in capsys.readouterr().err

@@ -4,10 +4,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from profile_support import COSTS, synthetic, with_degree
+from profile_support import COSTS, synthetic, with_degree, with_speculation
 
 from deploy.planner import SLO, Corrections, Limits, Workload, decode_batch, max_utilization, p99_ttft, plan
 from engine.performance import MeasuredPerformance as Profile
+from engine.performance import Speculation
 
 LIMITS = Limits(decode_kv_blocks=100_000, block_size=16, max_batch_size=256)
 
@@ -181,3 +182,59 @@ def test_search_finds_nothing_when_no_degree_meets_the_slo():
     slo = SLO(ttft_s=1e-6, tpot_s=0.05)
     assert search_parallelism(p, Workload(512, 128, 4.0), slo, LIMITS, 8, [1, 2],
                               {2: AllReduce(1e-5, 1e10)}) == []
+
+
+def _plain(b, c):
+    return 0.01 + 0.001 * b
+
+
+def test_speculation_sizes_decode_at_its_acceptance_and_off_changes_nothing():
+    """ngram, k 4 at acceptance 0.5: a step yields 1 + 4 · 0.5 = 3 tokens per sequence and verifying adds 0.8 ms
+    per sequence, so (10 + 1.8 · B ms) / 3 meets the 50 ms TPOT up to B = 77, where plain steps allow 40."""
+    data = with_speculation(synthetic(step=_plain), lambda b, c: 0.01 + 0.0018 * b)
+    w, slo = Workload(512, 128, 20.0), SLO(3.0, 0.05)
+    off = plan(Profile(data), w, slo, LIMITS)
+    assert off.to_dict() == plan(Profile(synthetic(step=_plain)), w, slo, LIMITS).to_dict()
+    assert (off.decode["batch"], off.n_decode, off.decode["speculation"]) == (40, 4, {})   # 2560 / (0.9 · 800)
+    fixed = plan(Profile(data, Speculation("ngram", 4, acceptance=0.5, adaptive=False)), w, slo, LIMITS)
+    token_s = (0.01 + 0.0018 * 77) / 3
+    assert fixed.decode["batch"] == 77 and fixed.decode["token_s"] == pytest.approx(token_s)
+    assert fixed.decode["tokens_per_s_per_actor"] == pytest.approx(77 / token_s)
+    assert fixed.needed_decode == pytest.approx(20 * 128 / (0.9 * 77 / token_s)) and fixed.n_decode == 2
+    assert fixed.decode["speculation"]["step_num_tokens"] == 4
+    assert fixed.decode["step_s"] == pytest.approx(_plain(77, 0))      # the ledger keeps the plain step
+    model = Profile(data, Speculation("ngram", 4, acceptance=0.5))
+    adaptive = plan(model, w, slo, LIMITS)
+    batch = adaptive.decode["batch"]
+    assert batch >= 77 and model.token_seconds(batch, 576) <= 0.05 < model.token_seconds(batch + 1, 576)
+    assert any(r.startswith("speculative decoding (ngram, acceptance 0.50)") for r in adaptive.reasons)
+    unknown = plan(Profile(data, Speculation("ngram", 4)), w, slo, LIMITS)     # no acceptance figure
+    assert (unknown.decode["batch"], unknown.n_decode) == (40, 4)
+    assert unknown.decode["tokens_per_s_per_actor"] == pytest.approx(off.decode["tokens_per_s_per_actor"])
+    assert any("no acceptance figure" in r for r in unknown.reasons)
+
+
+def test_where_the_engine_would_turn_proposals_down_the_plan_counts_no_speed_up():
+    """Verifying 4 proposals costs 4 ms more per sequence (compute-bound): one sequence still gains, but at
+    the batch the TPOT allows every k > 0 loses, so the plan is the plain one (k 0, as the turn-down picks)."""
+    data = with_speculation(synthetic(step=_plain), lambda b, c: 0.01 + 0.005 * b)
+    w, slo = Workload(512, 128, 20.0), SLO(3.0, 0.05)
+    model = Profile(data, Speculation("ngram", 4, acceptance=0.5))
+    assert model.decode_step(1, 576).num_tokens > 0
+    spec, off = plan(model, w, slo, LIMITS), plan(Profile(data), w, slo, LIMITS)
+    assert spec.decode["batch"] == off.decode["batch"] == 40
+    assert spec.decode["speculation"]["step_num_tokens"] == 0
+    assert spec.decode["tokens_per_s_per_actor"] == pytest.approx(off.decode["tokens_per_s_per_actor"])
+    assert any("turns it down to k 0" in r for r in spec.reasons)
+
+
+def test_degree_model_predicts_the_speculative_step_like_the_plain_one():
+    from deploy.planner import AllReduce, DegreeModel
+    data = with_speculation(synthetic(step=_plain), lambda b, c: 0.01 + 0.0018 * b)
+    p = Profile(data, Speculation("ngram", 4, acceptance=0.5, adaptive=False))
+    ar = {2: AllReduce(latency_s=1e-4, bytes_per_s=1e9)}
+    collective = lambda tokens: 2 * COSTS.num_layers * (1e-4 + tokens * 256 * 4 / 1e9)     # noqa: E731
+    assert DegreeModel(p, 1, 1, ar).token_seconds(8, 500) == p.token_seconds(8, 500)
+    m = DegreeModel(p, 2, 2, ar)
+    assert m.spec_step_seconds(8, 500, 4) == pytest.approx(p.spec_step_seconds(8, 500, 4) / 2 + collective(40))
+    assert m.token_seconds(8, 500) == pytest.approx(m.spec_step_seconds(8, 500, 4) / 3)

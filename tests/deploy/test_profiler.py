@@ -63,3 +63,48 @@ def test_profile_tp_without_degree_one_is_refused(tiny_model_dir, capsys):
     from deploy.cli import main
     assert main(["profile", "--model", tiny_model_dir, "--local", "--tp", "2"]) == 2
     assert "--tp 2: tensor-parallel degrees must be positive and include 1" in capsys.readouterr().err
+
+
+def test_plan_points_measure_the_speculative_step_and_acceptance_only_with_speculation(tiny_model_dir):
+    from deploy.config import load_config
+    from deploy.profiler import plan_points
+    base = {"model.name": tiny_model_dir, "kv_cache.num_blocks": 256}
+    off = plan_points(load_config(None, base), tiny_model_dir, quick=True)
+    assert "speculative" not in off
+    on = plan_points(load_config(None, {**base, "speculative.method": "ngram", "speculative.num_tokens": 3}),
+                     tiny_model_dir, quick=True)
+    assert on["decode"] == off["decode"] and on["prefill"] == off["prefill"]
+    *steps, acceptance = on["speculative"]
+    assert acceptance == {"kind": "acceptance", "num_tokens": 3}
+    assert {p["num_tokens"] for p in steps} == {1, 3}                    # at k, and what verifying at all costs
+    assert all({k: v for k, v in p.items() if k != "num_tokens"} in off["decode"] for p in steps)
+
+
+def test_profile_local_writes_the_speculative_steps_and_acceptance_the_model_reads(tmp_path):
+    """With speculation on, the profile gains the decode points at k proposals per sequence (the plain points
+    stay plain) and the acceptance on the model's held-out text; the model interpolates the steps, the
+    config's speculation takes the acceptance, and the file round-trips."""
+    from deploy.config import load_config
+    from deploy.performance import speculation_of
+    from deploy.profiler import load_profile, profile_local, save_profile
+    from engine.model.presets import resolve_model
+    from engine.performance import Speculation
+    cfg = load_config(None, {"model.name": "pydoc", "model.dtype": "float32", "kv_cache.num_blocks": 64,
+                             "speculative.method": "ngram", "speculative.num_tokens": 2,
+                             "pools.prefill.resources.torch_threads": 1, "pools.decode.resources.torch_threads": 1})
+    points = {**POINTS, "speculative": [{**p, "num_tokens": 2} for p in POINTS["decode"]]
+              + [{"kind": "acceptance", "num_tokens": 2}]}
+    data = load_profile(save_profile(profile_local(cfg, points, progress=False), str(tmp_path / "p.json")))
+    spec = data["speculative"]
+    assert (spec["method"], spec["num_tokens"], spec["adaptive"]) == ("ngram", 2, True)
+    assert [(p["batch"], p["context"], p["num_tokens"], p["num_proposed"]) for p in spec["points"]] == \
+        [(1, 32, 2, 2 * 1 * 2), (2, 32, 2, 2 * 2 * 2)]            # 2 steps (1 untimed) × batch × k
+    assert [(p["batch"], p["num_proposed"]) for p in data["decode"]["points"]] == [(1, 0), (2, 0)]
+    acceptance = spec["acceptance"]
+    assert acceptance["num_tokens"] == 2 and acceptance["proposed"] > 0 and acceptance["prompts"] == 8
+    assert acceptance["ratio"] == acceptance["accepted"] / acceptance["proposed"]
+    assert speculation_of(cfg, resolve_model("pydoc"), data).acceptance == acceptance["ratio"]
+    model = Profile(data, Speculation("ngram", 2, acceptance=0.5, adaptive=False))
+    plain, verify = data["decode"]["points"][1]["seconds"], spec["points"][1]["seconds"]
+    assert model.spec_step_seconds(2, 32, 2) == pytest.approx(max(verify, plain))
+    assert model.token_seconds(2, 32) == pytest.approx(max(verify, plain) / 2.0)       # 1 + 2 · 0.5 tokens

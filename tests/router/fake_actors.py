@@ -244,6 +244,7 @@ class FakeStream:
                 event.prompt_logprobs.extend(logprob_of(t) for t in self.prompt[1:])
             if self.position + 1 >= self.job.params.max_tokens:
                 event.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+                event.num_spec_proposed_tokens, event.num_spec_accepted_tokens = self.actor.spec_counts
             events.append(event)
         self.position += 1
         self.done = self.position >= self.job.params.max_tokens
@@ -267,6 +268,7 @@ class FakeDecode(FakeActor):
         self.streams: set[FakeStream] = set()
         self.cached_blocks = 0               # what cached_prefix answers (its prefix cache, scripted)
         self.prefix_queries: list[int] = []  # block hashes asked about, per query
+        self.spec_counts = (0, 0)            # speculative tokens proposed, accepted: each sequence's finish reports
 
     async def cached_prefix(self, query: wpb.PrefixQuery) -> wpb.PrefixHits:
         if not self.alive:

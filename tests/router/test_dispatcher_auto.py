@@ -33,12 +33,12 @@ class PlacementCounts(Counts):
         self.placements.append(choice)
 
 
-def make(cluster, mode: str = "auto", **routing) -> Dispatcher:
+def make(cluster, mode: str = "auto", base=SEED, **routing) -> Dispatcher:
     settings = RoutingSettings(**{"max_queue": 8, "stream_idle_s": 2.0, "mode": mode, "ttft_slo_s": 1.0,
                                   "tpot_slo_s": 0.05, **routing})
     return Dispatcher(cluster.pools, tokenizer=None, max_model_len=1024, block_size=BLOCK_SIZE, routing=settings,
                       metrics=PlacementCounts(),
-                      live=LiveProfile(SEED, BLOCK_SIZE, chunk_tokens=64, remote_overhead_s=0.05))
+                      live=LiveProfile(base, BLOCK_SIZE, chunk_tokens=64, remote_overhead_s=0.05))
 
 
 def run(coro):
@@ -213,3 +213,25 @@ def test_auto_placement_prices_a_prefix_the_decode_actor_holds_in_a_tier():
     assert cached_tokens == {kpb.KV_CACHE_TIER_UNSPECIFIED: blocks * BLOCK_SIZE,
                              kpb.KV_CACHE_TIER_HOST: round(blocks * (1 - cost[kpb.KV_CACHE_TIER_HOST]) * BLOCK_SIZE),
                              kpb.KV_CACHE_TIER_DISK: round(blocks * (1 - cost[kpb.KV_CACHE_TIER_DISK]) * BLOCK_SIZE)}
+
+
+def test_the_acceptance_a_decode_actor_reports_reaches_the_live_profile_and_its_placements():
+    from engine.performance import Speculation
+
+    async def main():
+        c = fake_cluster(num_decode=1)
+        c.decode[0].spec_counts = (40, 30)           # each request: 30 of 40 proposals accepted
+        base = LinearPerformance(prefill_tokens_per_s=1000.0, kv_bytes_per_s=1e9, kv_bytes_per_token=100,
+                                 step_base_s=0.01, step_per_seq_s=0.001, speculation=Speculation("ngram", 4))
+        d = make(c, base=base)
+        _, chunks = await collect(d, request("first", max_tokens=6))
+        usage = chunks[-1].usage
+        assert (usage.spec_proposed_tokens, usage.spec_accepted_tokens) == (40, 30)
+        assert d.live.acceptance("decode-0") == pytest.approx(0.75)
+        _, chunks = await collect(d, request("second", max_tokens=6))
+        inp = chunks[-1].timing.placement.inputs
+        context = inp.num_prompt_tokens + inp.output_tokens / 2
+        assert inp.decode_profile.seconds_per_token(1) == pytest.approx(d.live.token_seconds(1, context, 0.75))
+        assert d.live.token_seconds(1, context, 0.75) < d.live.token_seconds(1, context, 0.0)
+        assert_nothing_held(c)
+    run(main())

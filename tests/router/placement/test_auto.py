@@ -37,6 +37,18 @@ def test_estimates_follow_the_formulas():
     assert remote.ttft_slack == pytest.approx(1 - remote.ttft_s / 2.0)
 
 
+def test_with_speculation_the_tpot_is_the_time_per_token_and_the_ttft_waits_whole_steps():
+    """A speculative decode actor: 30 ms steps that yield 3 tokens per sequence (10 ms per token)."""
+    spec = DecodeProfile(lambda batch: 0.030, 2000.0, 512, token_s=lambda batch: 0.010)
+    inp = inputs(1024, running=8, backlog=512, prefill_queued=1000, decode=spec)
+    local, remote = estimate_local(inp), estimate_remote(inp)
+    assert local.ttft_s == pytest.approx(0.768 + 3 * 0.030)
+    assert local.tpot_s == pytest.approx(0.010 + 0.768 / 64)
+    assert remote.ttft_s == pytest.approx(0.010 + 0.506 + 0.01024 + 0.030)
+    assert remote.tpot_s == pytest.approx(0.010 + 0.256 / 64)
+    assert DECODE.seconds_per_token(8) == DECODE.step_s(8) == pytest.approx(0.028)     # without: one per step
+
+
 def test_long_prompt_with_an_idle_prefill_pool_goes_remote():
     p = place(inputs(3000, running=8))
     assert (p.choice, p.reason) == (Choice.REMOTE, "keeps_slo")

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import pytest
-from profile_support import synthetic
+from profile_support import synthetic, with_speculation
 
-from engine.performance import LinearPerformance, MeasuredPerformance
+from engine.performance import LinearPerformance, MeasuredPerformance, Speculation
+from router.placement.auto import estimate_local
 from router.placement.live_profile import LiveProfile
 
 
@@ -65,3 +66,65 @@ def test_local_backlog_and_rate():
     assert live.decode_profile(100, 100).prefill_tokens_per_s == pytest.approx(0.8 * 1000 + 0.2 * 500)
     live.local_ended("d0", 50)                                       # failed: no rate
     assert live.local_backlog("d0") == 0
+
+
+def _spec_base(acceptance: float = 0.25) -> MeasuredPerformance:
+    data = with_speculation(synthetic(step=lambda b, c: 0.01 + 0.001 * b), lambda b, c: 0.01 + 0.0012 * b)
+    return MeasuredPerformance(data, Speculation("ngram", 4, acceptance=acceptance))
+
+
+def test_the_acceptance_the_decode_actors_report_sets_their_time_per_token():
+    base = _spec_base(acceptance=0.25)
+    live = LiveProfile(base, block_size=4)
+    assert live.acceptance("decode-0") is None and live.speculation == base.speculation
+    assert live.decode_profile(100, 1024, "decode-0").seconds_per_token(4) == pytest.approx(base.token_seconds(4, 1024))
+    # a request that accepted 30 of 40 proposals, exactly as fast as the base predicts at that rate
+    live.finished(4, base.token_seconds(4, 1024, 0.75), 20, context=1024, actor_id="decode-0", spec_proposed=40,
+                  spec_accepted=30)
+    assert (live.step_scale, live.step_offset_s) == (1.0, pytest.approx(0.0, abs=1e-12))
+    assert live.acceptance("decode-0") == live.acceptance("decode-1") == pytest.approx(0.75)   # the pool's: no own
+    assert live.speculation.acceptance == pytest.approx(0.75)
+    fast = live.decode_profile(100, 1024, "decode-0")
+    assert fast.seconds_per_token(4) == pytest.approx(base.token_seconds(4, 1024, 0.75))
+    assert fast.seconds_per_token(4) < base.token_seconds(4, 1024)
+    assert fast.step_s(4) == pytest.approx(base.decode_step(4, 1024, 0.75).step_s)
+    live.finished(4, base.token_seconds(4, 1024, 0.1), 20, context=1024, actor_id="decode-1", spec_proposed=40,
+                  spec_accepted=4)
+    assert live.acceptance("decode-1") == pytest.approx(0.1) and live.acceptance("decode-0") == pytest.approx(0.75)
+    assert live.acceptance() == pytest.approx((0.9 * 30 + 4) / (0.9 * 40 + 40))             # decayed, pooled
+    live.finished(4, base.token_seconds(4, 1024, 0.5), 20, context=1024, actor_id="decode-2", spec_proposed=8,
+                  spec_accepted=4)
+    assert live.acceptance("decode-2") == pytest.approx(live.acceptance())     # too few of its own yet
+    # auto placement: the same request's TPOT on each actor, at its acceptance
+    from router.placement.auto import DecodeState, LinkProfile, PlacementInputs, PrefillProfile
+
+    def tpot(actor: str) -> float:
+        return estimate_local(PlacementInputs(
+            100, 20, 1.0, 0.1, DecodeState(actor, 3, 0, 0), live.decode_profile(100, 1024, actor),
+            None, PrefillProfile(1000.0), LinkProfile(1e9, 100))).tpot_s
+    prefill_share = live.local_prefill_seconds(100) / 20
+    assert tpot("decode-0") == pytest.approx(base.token_seconds(4, 1024, 0.75) + prefill_share)
+    assert tpot("decode-1") == pytest.approx(base.token_seconds(4, 1024, 0.1) + prefill_share)
+    assert tpot("decode-1") > tpot("decode-0")
+
+
+def test_without_speculation_the_time_per_token_is_the_corrected_step():
+    base = MeasuredPerformance(synthetic())
+    live = LiveProfile(base, block_size=4)
+    for _ in range(5):
+        live.finished(4, base.decode_step_seconds(4, 1024) + 0.005, 10, context=1024, actor_id="decode-0")
+    profile = live.decode_profile(100, 1024, "decode-0")
+    assert live.speculation is None and live.acceptance() is None
+    for batch in (1, 4, 16):
+        assert profile.seconds_per_token(batch) == profile.step_s(batch) == pytest.approx(
+            live.decode_step_seconds(batch, 1024)) == pytest.approx(base.decode_step_seconds(batch, 1024) + 0.005)
+
+
+def test_the_fit_learns_what_the_speculative_model_misses_at_each_requests_acceptance():
+    base = _spec_base()
+    live = LiveProfile(base, block_size=4)
+    for _ in range(20):          # serving adds 2 ms to every token at the rate each request met
+        for accepted in (10, 20, 30):
+            live.finished(4, base.token_seconds(4, 1024, accepted / 40) + 0.002, 10, context=1024,
+                          actor_id="decode-0", spec_proposed=40, spec_accepted=accepted)
+    assert live.token_seconds(4, 1024, 0.6) == pytest.approx(base.token_seconds(4, 1024, 0.6) + 0.002)
