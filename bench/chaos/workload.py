@@ -60,7 +60,7 @@ class WorkloadSettings:
     cancel_fraction: float = 0.06
     deadline_fraction: float = 0.05
     safety_deadline_s: float = 60.0         # the deadline of every request that is not a deadline drill
-    short_deadline_s: tuple[float, float] = (0.2, 1.5)
+    short_deadline_s: tuple[float, float] = (0.05, 1.0)   # the first deadline drill gets the shortest
     cancel_after_s: tuple[float, float] = (0.0, 0.6)
 
 
@@ -85,8 +85,10 @@ def make_requests(s: WorkloadSettings) -> list[ChaosRequest]:
             else:
                 req.cancel_after_messages = rng.randrange(0, max(1, params.max_tokens // 2))   # mid-stream
         elif draw < s.cancel_fraction + s.deadline_fraction:
-            req.kind = "deadline"
-            req.deadline_s = rng.uniform(*s.short_deadline_s)
+            req.kind = "deadline"        # the longest output: the deadline expires before it ends
+            first = not any(r.kind == "deadline" for r in requests)
+            req.deadline_s = s.short_deadline_s[0] if first else rng.uniform(*s.short_deadline_s)
+            req.params.max_tokens = s.max_output_tokens
         requests.append(req)
     return requests
 
