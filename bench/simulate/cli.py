@@ -254,10 +254,11 @@ def sweep_split(args, specs: list) -> dict:
                 f"pools.decode.tensor_parallel={c['decode_degree']}"]
 
     per_device = [float(v) for v in (args.sweep_values or "").split(",") if v.strip()]
-    if not per_device:
-        first = next(c for c in candidates.values() if c["kind"] == "colocated")
-        cap = capacity(args, "colocated-chunked", specs, {"prefill": 0, "decode": first["n_decode"]}, settings(first))
-        per_device = rates_around(cap / first["devices"] * 1.5)
+    if not per_device:       # up to 1.5x the most per device that colocated completes or the planner predicts
+        most = max([capacity(args, "colocated-chunked", specs, {"prefill": 0, "decode": c["n_decode"]}, settings(c))
+                    / c["devices"] for c in candidates.values() if c["kind"] == "colocated"]
+                   + [c.goodput_per_device for c in planned[:1]])
+        per_device = rates_around(most * 1.5)
     print(f"{len(every)} splits within {n} devices at degrees {', '.join(map(str, degrees))}; simulating "
           f"{len(chosen)}" + (f" (the planner's top {len(chosen)} of {len(predicted)} that it says meet the SLOs; "
                               f"{len(every) - len(predicted)} it says cannot)" if flat and len(chosen) < len(every)

@@ -108,8 +108,9 @@ def search_with_model(cfg, model: StepTimeModel, shape: ModelConfig, specs: list
                       slo_tpot_s: float, search: ParallelismSearch) -> list[Parallelism]:
     """`pdserve plan --devices N --tp …`'s search (`deploy.planner.search_parallelism`) over `model`'s seconds:
     the profile holds the model's points at every degree searched, so the planner's `DegreeModel` reads them
-    rather than predicting. The decode KV budget is the smallest usable degree's per rank (the planner scales
-    it by the degree); the link is the degree-1 handoff's, as the planner has one link for all degrees."""
+    rather than predicting; a decode actor's KV budget at each degree is the model's (`kv_blocks`: each rank's
+    memory after its share of the weights). The link is the degree-1 handoff's, as the planner has one link
+    for all degrees."""
     s_in = sum(s.prompt_len for s in specs) / len(specs)
     s_out = sum(s.output_len for s in specs) / len(specs)
     block_size = cfg.pool_kv_cache("decode").block_size
@@ -117,12 +118,10 @@ def search_with_model(cfg, model: StepTimeModel, shape: ModelConfig, specs: list
     if not degrees:
         return []
     profile = MeasuredPerformance(profile_of(model, shape, (128, round(s_in + s_out / 2)), tuple(degrees)))
-    blocks = model.at_degree("decode", degrees[0]).kv_blocks(block_size)
-    if blocks is None:
-        blocks = sim_args(engine_args(cfg, "decode", cfg.model.name, shape), model).num_blocks
-    else:
-        blocks //= degrees[0]
-    limits = Limits(blocks, block_size, cfg.pools.decode.max_batch_size)
+    blocks = {d: model.at_degree("decode", d).kv_blocks(block_size) for d in degrees}
+    configured = engine_args(cfg, "decode", cfg.model.name, shape).num_blocks     # (a budget the config sets)
+    limits = Limits(configured, block_size, cfg.pools.decode.max_batch_size)
     network = Network(profile.transfer["kv_bytes_per_s"], model.name)
     return search_parallelism(profile, Workload(s_in, s_out, 1.0), SLO(slo_ttft_s, slo_tpot_s), limits,
-                              search.devices, degrees, search.allreduce(), network)
+                              search.devices, degrees, search.allreduce(), network,
+                              {d: b for d, b in blocks.items() if b is not None})
