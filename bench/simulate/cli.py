@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     s.add_argument("--slo-tpot-ms", type=float, default=100.0)
     s.add_argument("--sweep", choices=["rate", "split", "ratio"])
-    s.add_argument("--sweep-values", help="rates (comma-separated), or P:O length pairs for --sweep ratio")
+    s.add_argument("--sweep-values", help="rates (comma-separated; --sweep split: offered to all "
+                   "--devices, in proportion to a candidate on fewer), or P:O length pairs for --sweep ratio")
     s.add_argument("--json", metavar="FILE", help="write every figure here")
     s.add_argument("--plot", metavar="DIR", help="write the sweep's plot here")
     s.add_argument("--progress", action="store_true", help="a progress line per run")
@@ -212,7 +213,8 @@ def split_label(tp_p: int, n_p: int, tp_d: int, n_d: int) -> str:
 
 def sweep_split(args, specs: list) -> dict:
     """Every (TP_p, n_p, TP_d, n_d) with TP_p·n_p + TP_d·n_d ≤ --devices, and colocated at each degree (devices
-    ÷ degree engines), at rates per device common to all; the best per device beside the planner's choice.
+    ÷ degree engines), at rates per device common to all (--sweep-values: the rates offered to all --devices;
+    a candidate on fewer gets them in proportion); the best per device beside the planner's choice.
 
     The planner's search on the same time model (`search_with_model`) ranks the split candidates; those whose
     degrees it says cannot meet the SLOs, and those past the top --top, are listed but not simulated."""
@@ -253,7 +255,7 @@ def sweep_split(args, specs: list) -> dict:
         return [f"pools.prefill.tensor_parallel={c['prefill_degree']}",
                 f"pools.decode.tensor_parallel={c['decode_degree']}"]
 
-    per_device = [float(v) for v in (args.sweep_values or "").split(",") if v.strip()]
+    per_device = [float(v) / n for v in (args.sweep_values or "").split(",") if v.strip()]
     if not per_device:       # up to 1.5x the most per device that colocated completes or the planner predicts
         most = max([capacity(args, "colocated-chunked", specs, {"prefill": 0, "decode": c["n_decode"]}, settings(c))
                     / c["devices"] for c in candidates.values() if c["kind"] == "colocated"]

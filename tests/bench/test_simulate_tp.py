@@ -104,7 +104,7 @@ def test_a_measured_profile_times_a_degree_from_its_points_and_refuses_one_it_la
 def test_the_split_sweep_over_degrees_stays_in_the_budget_and_names_a_best_and_the_plan(tmp_path, capsys):
     out = tmp_path / "split.json"
     assert cli.main(["--hardware", "H100-SXM", "--model", "llama-3-8b", "--workload", "rag", "--num-requests", "24",
-                     "--sweep", "split", "--devices", "4", "--tp", "1,2", "--top", "0", "--sweep-values", "1,6",
+                     "--sweep", "split", "--devices", "4", "--tp", "1,2", "--top", "0", "--sweep-values", "4,24",
                      "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     expected = {(a, n_p, b, n_d) for a in (1, 2) for b in (1, 2) for n_p in range(1, 4) for n_d in range(1, 4)
@@ -116,6 +116,7 @@ def test_the_split_sweep_over_degrees_stays_in_the_budget_and_names_a_best_and_t
     for label, c in result["candidates"].items():
         assert c["devices"] <= 4
         assert c["per_device"] == pytest.approx(c["max_rate_rps"] / c["devices"])
+        # the rates offered to all 4 devices, in proportion to the candidate's
         assert [p["x"] for p in result["points"][label]] == pytest.approx([1 * c["devices"], 6 * c["devices"]])
     colocated = {k: c for k, c in result["candidates"].items() if c["kind"] == "colocated"}
     assert sorted((c["decode_degree"], c["n_decode"]) for c in colocated.values()) == [(1, 4), (2, 2)]
