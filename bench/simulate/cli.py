@@ -27,7 +27,7 @@ import os
 import sys
 
 from bench.serving.runs import autoscale_settings
-from bench.serving.slo_scale import max_rate_rps, rates_around
+from bench.serving.slo_scale import ATTAINMENT, max_rate_rps, rates_around
 from bench.serving.sweep import print_points
 from bench.serving.tables import lengths_line, table
 from bench.serving.workloads import MULTI_TURN, describe, make_conversations, make_workload
@@ -273,25 +273,36 @@ def sweep_split(args, specs: list) -> dict:
         points[label] = rate_points(args, variant, specs, rates, counts, label, settings(c))
     held = {k: max_rate_rps(v) for k, v in points.items()}
     for k, c in candidates.items():
+        lowest = min(points[k], key=lambda p: p["x"])
         c.update(max_rate_rps=held[k]["max_rate_rps"], bounded=held[k]["bounded"],
-                 per_device=held[k]["max_rate_rps"] / c["devices"])
+                 per_device=held[k]["max_rate_rps"] / c["devices"],
+                 below_lowest=lowest["slo_attainment"] < ATTAINMENT)     # (its figure is a guess below that rate)
     print_points("rate", points)
-    best = max(candidates, key=lambda k: (candidates[k]["per_device"], -candidates[k]["devices"]))
-    print(f"\nmax rate at >= 90% SLO attainment within {n} devices (rates per device: "
+    held_some = [k for k, c in candidates.items() if not c["below_lowest"]]
+    best = max(held_some, key=lambda k: (candidates[k]["per_device"], -candidates[k]["devices"])) \
+        if held_some else None
+    print(f"\nmax rate at >= 90% SLO attainment within {n} devices (≥: every rate held it; <: not even the "
+          "lowest did; rates per device: "
           f"{', '.join(f'{v:g}' for v in per_device)})")
     print(f"  {'candidate':<22} {'devices':>7} {'req/s':>9} {'per device':>11} {'plan predicts':>14}")
     for k, c in sorted(candidates.items(), key=lambda kv: -kv[1]["per_device"]):
         plan_cell = "–" if c["planned_per_device"] is None else f"{c['planned_per_device']:.3g}"
-        print(f"  {k:<22} {c['devices']:>7} {('' if c['bounded'] else '≥') + format(c['max_rate_rps'], '.3g'):>9} "
-              f"{c['per_device']:>11.3g} {plan_cell:>14}" + ("  ← best" if k == best else ""))
+        mark = "<" if c["below_lowest"] else "" if c["bounded"] else "≥"
+        rate, per = (min(p["x"] for p in points[k]), per_device[0]) if c["below_lowest"] else \
+            (c["max_rate_rps"], c["per_device"])
+        print(f"  {k:<22} {c['devices']:>7} {mark + format(rate, '.3g'):>9} {mark + format(per, '.3g'):>11} "
+              f"{plan_cell:>14}" + ("  ← best" if k == best else ""))
     left = [c for c in every if c not in chosen]
     if left:
         print(f"  not simulated: {len(left)} splits" + (f", of which {sum(c not in predicted for c in left)} the "
                                                          "planner says cannot meet the SLOs" if flat else ""))
     plan = planned_choice(planned, search)
-    b = candidates[best]
-    print(f"best: {best} ({b['per_device']:.3g} req/s per device{'' if b['bounded'] else ', a lower bound'}); "
-          f"pdserve plan --devices {n} --tp {','.join(map(str, degrees))}: {plan}")
+    if best is None:
+        said = "best: none held 90% attainment at the lowest rate (lower --sweep-values)"
+    else:
+        b = candidates[best]
+        said = f"best: {best} ({b['per_device']:.3g} req/s per device{'' if b['bounded'] else ', a lower bound'})"
+    print(f"{said}; pdserve plan --devices {n} --tp {','.join(map(str, degrees))}: {plan}")
     return {"sweep": "split", "devices": n, "degrees": degrees, "rates_per_device": per_device, "points": points,
             "max_rate_rps": held, "candidates": candidates, "not_simulated": [split_label(*c) for c in left],
             "best": best, "plan": plan}

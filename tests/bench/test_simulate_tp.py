@@ -121,11 +121,25 @@ def test_the_split_sweep_over_degrees_stays_in_the_budget_and_names_a_best_and_t
     colocated = {k: c for k, c in result["candidates"].items() if c["kind"] == "colocated"}
     assert sorted((c["decode_degree"], c["n_decode"]) for c in colocated.values()) == [(1, 4), (2, 2)]
     best = result["candidates"][result["best"]]
-    assert best["per_device"] == max(c["per_device"] for c in result["candidates"].values())
+    assert best["per_device"] == max(c["per_device"] for c in result["candidates"].values() if not c["below_lowest"])
     printed = capsys.readouterr().out
     assert f"best: {result['best']}" in printed
     assert "pdserve plan --devices 4 --tp 1,2: " in printed and result["plan"] in printed
     assert "@tp" in result["plan"]                      # the planner chose a split within the budget
+
+
+def test_a_sweep_where_nothing_holds_the_lowest_rate_names_no_best(tmp_path, capsys):
+    """llama-3-70b at degree 2 leaves each H100 about 1 GB for KV: no candidate holds 2 req/s per device."""
+    out = tmp_path / "split.json"
+    assert cli.main(["--hardware", "H100-SXM", "--model", "llama-3-70b", "--workload", "chat", "--num-requests", "16",
+                     "--sweep", "split", "--devices", "4", "--tp", "1,2", "--sweep-values", "8",
+                     "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["best"] is None and result["degrees"] == [2]       # degree 1 does not fit: left out
+    assert all(c["below_lowest"] for c in result["candidates"].values())
+    captured = capsys.readouterr()
+    assert "best: none held 90% attainment at the lowest rate" in captured.out
+    assert "leaving out degree 1" in captured.err and "do not fit" in captured.err
 
 
 def test_tensor_parallel_flag_sets_every_pool_and_refuses_a_conflicting_set(capsys):
