@@ -3,12 +3,14 @@
     pdserve simulate --workload mixed --rate 2 --compare colocated,disaggregated,auto
     pdserve simulate --hardware H100-SXM --model llama-3-8b --workload rag --sweep rate
     pdserve simulate --hardware A100-80GB --model opt-13b --sweep split --devices 8 --workload chat
+    pdserve simulate --hardware H100-SXM --model llama-3-70b --sweep split --devices 8 --tp 1,2,4
     pdserve simulate --profile ~/.cache/pdserve/profiles/tiny-….json --workload chat --rate 1 --json out.json
 
 Time comes from a measured profile of this machine (`--profile`, default: the config's cached one,
 written by `pdserve profile`) or from a roofline of `--hardware` (a shipped name or a YAML file) and the
 `--model` (a model directory or a shipped shape). The router, the workers, their schedulers and block
 managers are pdserve's own (bench/simulate/sim_cluster.py); the report is `pdserve bench serve`'s.
+Each pool's actors run at its `pools.<pool>.tensor_parallel` (`--set`, or `--tensor-parallel N` for all).
 
     --sweep rate    each variant at rates around the first one's capacity: SLO attainment per rate and
                     the highest rate held at >= 90% (DistServe's goodput)
