@@ -88,11 +88,13 @@ def plan_with_model(cfg, model: StepTimeModel, shape: ModelConfig, specs: list[R
 
 
 def usable_degrees(model: StepTimeModel, degrees: tuple[int, ...], block_size: int) -> tuple[list[int], dict]:
-    """(the degrees an actor of the model can run at, {degree: why not} for the rest): the engine must split
-    the heads (`at_degree`), and a hardware model must fit a rank's weights with room for KV blocks."""
+    """(the degrees an actor of either pool can run at, {degree: why not} for the rest): the engine must split
+    the heads and a measured profile must have both pools' points there (`at_degree`), and a hardware model
+    must fit a rank's weights with room for KV blocks."""
     usable, refused = [], {}
     for d in degrees:
         try:
+            model.at_degree("prefill", d)
             blocks = model.at_degree("decode", d).kv_blocks(block_size)
         except ValueError as e:
             refused[d] = str(e)

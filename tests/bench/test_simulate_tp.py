@@ -20,6 +20,8 @@ from bench.simulate.sim_cluster import build_cluster
 from bench.simulate.clock import run_virtual
 from bench.simulate.step_time import Chunk
 from deploy.config import ConfigError, load_config
+from engine.model.config import ModelConfig
+from engine.model.presets import resolve_model
 from engine.performance import MeasuredPerformance
 
 H100 = Hardware.load("H100-SXM")
@@ -149,3 +151,19 @@ def test_tensor_parallel_flag_sets_every_pool_and_refuses_a_conflicting_set(caps
     assert cli.main(["--hardware", "H100-SXM", "--model", "llama-3-8b", "--tensor-parallel", "2",
                      "--set", "pools.decode.tensor_parallel=1"]) == 2
     assert "--tensor-parallel 2 sets every pool's degree; --set pools.decode.tensor_parallel" in capsys.readouterr().err
+
+
+def test_the_split_sweep_leaves_out_a_degree_a_measured_profile_lacks(tmp_path, capsys):
+    """A profile with decode points at degree 2 but none for prefill: the sweep runs degree 1 only, and says why."""
+    tiny = ModelConfig.from_dir(resolve_model("tiny"))           # the config's model, which a profile times
+    profile = profile_of(RooflineModel(H100, tiny), tiny, (128, 256), (2,))
+    del profile["degrees"]["2"]["prefill"]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    out = tmp_path / "split.json"
+    assert cli.main(["--profile", str(path), "--workload", "chat", "--num-requests", "8",
+                     "--sweep", "split", "--devices", "2", "--tp", "1,2", "--sweep-values", "2",
+                     "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["degrees"] == [1]
+    assert "leaving out degree 2: pools.prefill.tensor_parallel 2: the profile measured prefill" in \
+        capsys.readouterr().err
