@@ -303,7 +303,9 @@ def sweep_split(args, specs: list) -> dict:
         said = "best: none held 90% attainment at the lowest rate (lower --sweep-values)"
     else:
         b = candidates[best]
-        said = f"best: {best} ({b['per_device']:.3g} req/s per device{'' if b['bounded'] else ', a lower bound'})"
+        ties = sum(1 for k in held_some if k != best and candidates[k]["per_device"] >= b["per_device"] * (1 - 1e-9))
+        said = f"best: {best} ({b['per_device']:.3g} req/s per device{'' if b['bounded'] else ', a lower bound'}" + \
+            (f"; {ties} more hold as much: offer higher --sweep-values to part them)" if ties else ")")
     print(f"{said}; pdserve plan --devices {n} --tp {','.join(map(str, degrees))}: {plan}")
     return {"sweep": "split", "devices": n, "degrees": degrees, "rates_per_device": per_device, "points": points,
             "max_rate_rps": held, "candidates": candidates, "not_simulated": [split_label(*c) for c in left],
