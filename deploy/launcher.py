@@ -198,6 +198,23 @@ def asked_resources(cfg: PDServeConfig, pool: str) -> dict[str, float]:
     return {"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {}), **r.custom}
 
 
+def tensor_parallel_degrees(cfg: PDServeConfig, mode: str) -> dict[str, int]:
+    """Each pool's `tensor_parallel`, after refusing what tensor-parallel actors cannot do (change role, tier
+    their KV) with a ConfigError naming the key."""
+    degrees = {pool: p.tensor_parallel for pool, p in cfg.pools.items()}
+    flips = mode != "colocated" and cfg.routing.role_flips != "off"
+    for pool, degree in degrees.items():
+        if degree > 1 and flips:
+            raise ConfigError(f"pools.{pool}.tensor_parallel {degree}: tensor-parallel actors do not change "
+                              "role; set routing.role_flips off", f"pools.{pool}.tensor_parallel")
+    if cfg.kv_cache.tiers and max(degrees.values()) > 1:
+        pool = next(pool for pool, degree in degrees.items() if degree > 1)
+        raise ConfigError(f"kv_cache.tiers: tiers below the paged cache are not available with "
+                          f"pools.{pool}.tensor_parallel {degrees[pool]}; remove the tiers or set the degree "
+                          "to 1", "kv_cache.tiers")
+    return degrees
+
+
 class ActorFactory:
     """Creates pool actors with the resources pools.yaml gives them (also used by the autoscaler)."""
 
@@ -218,17 +235,7 @@ class ActorFactory:
             log.warning("internal endpoints (KV, token streams) listen on node addresses in plaintext; "
                         "set security.internal_tls_cert/_key/_ca to encrypt them")
         self.rank_groups: dict[str, tuple[object, list]] = {}    # actor id -> (placement group, ranks 1..)
-        degrees = {pool: p.tensor_parallel for pool, p in cfg.pools.items()}
-        flips = mode != "colocated" and cfg.routing.role_flips != "off"
-        for pool, degree in degrees.items():
-            if degree > 1 and flips:
-                raise ConfigError(f"pools.{pool}.tensor_parallel {degree}: tensor-parallel actors do not change "
-                                  "role; set routing.role_flips off", f"pools.{pool}.tensor_parallel")
-        if cfg.kv_cache.tiers and max(degrees.values()) > 1:
-            pool = next(pool for pool, degree in degrees.items() if degree > 1)
-            raise ConfigError(f"kv_cache.tiers: tiers below the paged cache are not available with "
-                              f"pools.{pool}.tensor_parallel {degrees[pool]}; remove the tiers or set the degree "
-                              "to 1", "kv_cache.tiers")
+        degrees = tensor_parallel_degrees(cfg, mode)
         # KV travels resharded by head when a degree above 1 ships or receives it (kv_transfer/resharded.py)
         self.kv_degrees = ((degrees["prefill"], degrees["decode"])
                            if mode != "colocated" and max(degrees.values()) > 1 else None)

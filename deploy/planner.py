@@ -403,15 +403,19 @@ class Parallelism:
 
 def search_parallelism(model: PerformanceModel, workload: Workload, slo: SLO, limits: Limits, devices: int,
                        degrees: list[int], allreduce: dict[int, AllReduce],
-                       network: Network | None = None) -> list[Parallelism]:
+                       network: Network | None = None,
+                       decode_kv_blocks: dict[int, int] | None = None) -> list[Parallelism]:
     """Every (TP_p, n_p, TP_d, n_d) within `devices` whose prefill meets the TTFT SLO and decode the TPOT
     SLO, best first: the most req/s carried per device used, then the most req/s. For a degree pair the
     per-actor rates come from `plan` on the `DegreeModel`; the counts are every split of the devices
-    (at least one actor per pool)."""
+    (at least one actor per pool). A decode actor at degree d holds `decode_kv_blocks[d]` KV blocks where
+    given (e.g. from each rank's memory left after its share of the weights), else d times
+    `limits.decode_kv_blocks`."""
     found: list[Parallelism] = []
     for tp_p in degrees:
         for tp_d in degrees:
-            dl = Limits(limits.decode_kv_blocks * tp_d, limits.block_size, limits.max_batch_size)
+            blocks = (decode_kv_blocks or {}).get(tp_d, limits.decode_kv_blocks * tp_d)
+            dl = Limits(blocks, limits.block_size, limits.max_batch_size)
             p = plan(DegreeModel(model, tp_p, tp_d, allreduce), workload, slo, dl, network=network)
             if not (p.decode["tpot_slo_met"] and p.prefill["ttft_slo_met"]):
                 continue

@@ -3,17 +3,20 @@
     pdserve simulate --workload mixed --rate 2 --compare colocated,disaggregated,auto
     pdserve simulate --hardware H100-SXM --model llama-3-8b --workload rag --sweep rate
     pdserve simulate --hardware A100-80GB --model opt-13b --sweep split --devices 8 --workload chat
+    pdserve simulate --hardware H100-SXM --model llama-3-70b --sweep split --devices 8 --tp 1,2,4
     pdserve simulate --profile ~/.cache/pdserve/profiles/tiny-….json --workload chat --rate 1 --json out.json
 
 Time comes from a measured profile of this machine (`--profile`, default: the config's cached one,
 written by `pdserve profile`) or from a roofline of `--hardware` (a shipped name or a YAML file) and the
 `--model` (a model directory or a shipped shape). The router, the workers, their schedulers and block
 managers are pdserve's own (bench/simulate/sim_cluster.py); the report is `pdserve bench serve`'s.
+Each pool's actors run at its `pools.<pool>.tensor_parallel` (`--set`, or `--tensor-parallel N` for all).
 
     --sweep rate    each variant at rates around the first one's capacity: SLO attainment per rate and
                     the highest rate held at >= 90% (DistServe's goodput)
-    --sweep split   every (prefill, decode) split of --devices actors, and colocated on all of them:
-                    max rate at >= 90% attainment per device, the best split beside `pdserve plan`'s
+    --sweep split   every (prefill TP × count, decode TP × count) within --devices GPUs, degrees from --tp
+                    (default 1), and colocated at each degree: max rate at >= 90% attainment per device,
+                    the best beside the choice of `pdserve plan --devices N --tp …` on the same time model
     --sweep ratio   disaggregated vs colocated as the prompt:output length ratio moves (--sweep-values
                     "P:O,P:O,…"): where disaggregation starts to pay
 """
@@ -26,14 +29,17 @@ import os
 import sys
 
 from bench.serving.runs import autoscale_settings
-from bench.serving.slo_scale import max_rate_rps, rates_around
+from bench.serving.slo_scale import ATTAINMENT, max_rate_rps, rates_around
 from bench.serving.sweep import print_points
 from bench.serving.tables import lengths_line, table
 from bench.serving.workloads import MULTI_TURN, describe, make_conversations, make_workload
+from bench.simulate.plan_profile import search_with_model, usable_degrees
 from bench.simulate.run import SimRun, simulate
 from bench.simulate.sim_control import ACTOR_START_S
-from bench.simulate.step_time import StepTimeModel
+from bench.simulate.step_time import PoolModels, StepTimeModel
 from deploy.config import ConfigError
+from deploy.launcher import tensor_parallel_degrees
+from deploy.plan_cli import ParallelismSearch
 from engine.model.config import ModelConfig
 
 VARIANT_MODES = {"disaggregated": ("disaggregated", True), "disaggregated-no-reuse": ("disaggregated", True),
@@ -51,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     c.add_argument("--mode", choices=list(VARIANT_MODES), default="disaggregated")
     c.add_argument("--compare", help="variants side by side, e.g. colocated,disaggregated,auto")
-    c.add_argument("--devices", type=int, help="--sweep split: actors (devices) to split between the pools")
+    c.add_argument("--devices", type=int, help="--sweep split: devices (GPUs) to split between the pools")
+    c.add_argument("--tp", default="1", metavar="D,D,…", help="--sweep split: tensor-parallel degrees to try per "
+                   "pool (those the model's heads and the GPU's memory allow)")
+    c.add_argument("--top", type=int, default=8, metavar="K", help="--sweep split: simulate the K candidates the "
+                   "planner ranks highest (0: all; colocated at each degree always runs)")
     c.add_argument("--autoscale-interval", type=float, default=2.0, metavar="S",
                    help="autoscaler period (pools with count auto, routing.role_flips auto); its window is 10 periods")
     c.add_argument("--actor-start-s", type=float, default=ACTOR_START_S, metavar="S",
@@ -62,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", help="with --hardware: the simulated model (a directory with config.json, or "
                    "llama-3-8b, llama-3-70b, llama-2-7b, llama-2-13b, opt-13b, opt-66b; default: the config's)")
     t.add_argument("--dtype", default="bf16", help="with --hardware: weights' and KV's dtype (bf16, fp16, fp8)")
-    t.add_argument("--tensor-parallel", type=int, default=1, help="with --hardware: GPUs per actor")
+    t.add_argument("--tensor-parallel", type=int, metavar="N", help="every pool at N GPUs per actor (sets "
+                   "pools.<pool>.tensor_parallel; an error beside --set of either); per pool: --set "
+                   "pools.decode.tensor_parallel=N")
     t.add_argument("--intra-node", action="store_true", help="with --hardware: KV moves over the node's "
                    "GPU link (NVLink) instead of the network between nodes")
     w = p.add_argument_group("workload")
@@ -81,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     s.add_argument("--slo-tpot-ms", type=float, default=100.0)
     s.add_argument("--sweep", choices=["rate", "split", "ratio"])
-    s.add_argument("--sweep-values", help="rates (comma-separated), or P:O length pairs for --sweep ratio")
+    s.add_argument("--sweep-values", help="rates (comma-separated; --sweep split: offered to all "
+                   "--devices, in proportion to a candidate on fewer), or P:O length pairs for --sweep ratio")
     s.add_argument("--json", metavar="FILE", help="write every figure here")
     s.add_argument("--plot", metavar="DIR", help="write the sweep's plot here")
     s.add_argument("--progress", action="store_true", help="a progress line per run")
@@ -91,21 +104,29 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- inputs
 
 def variant_config(args: argparse.Namespace, variant: str, extra: list[str] = ()):
+    """The config of `variant`: the file, --tensor-parallel, --set, then `extra` (a sweep's own settings)."""
     from bench.serving.cluster import variant_values
     from deploy.config import load_config
-    return load_config(args.config, variant_values(None, None, [*args.set, *extra], variant))
+    degree = []
+    if args.tensor_parallel is not None:
+        keys = [s.split("=", 1)[0].strip() for s in args.set if s.split("=", 1)[0].strip().endswith(".tensor_parallel")]
+        if keys:
+            raise ValueError(f"--tensor-parallel {args.tensor_parallel} sets every pool's degree; --set {keys[0]} "
+                             "sets one: use either")
+        degree = [f"pools.{pool}.tensor_parallel={args.tensor_parallel}" for pool in ("prefill", "decode")]
+    return load_config(args.config, variant_values(None, None, [*degree, *args.set, *extra], variant))
 
 
 def time_model(args: argparse.Namespace, cfg) -> tuple[StepTimeModel, ModelConfig]:
-    """The step-time model the flags ask for, and the simulated model's shape."""
+    """The step-time model the flags ask for (at degree 1; each pool's actors use `at_degree` of the pool's
+    `tensor_parallel`), and the simulated model's shape."""
     if args.hardware:
         from bench.simulate.hardware import Hardware
         from bench.simulate.models import model_config
         from bench.simulate.roofline import RooflineModel
         shape = model_config(args.model or cfg.model.name)
-        model = RooflineModel(Hardware.load(args.hardware), shape, dtype=args.dtype,
-                              tensor_parallel=args.tensor_parallel, inter_node=not args.intra_node,
-                              model_name=args.model or cfg.model.name)
+        model = RooflineModel(Hardware.load(args.hardware), shape, dtype=args.dtype, inter_node=not args.intra_node,
+                              model_name=args.model or cfg.model.name)         # degree 1: at_degree gives the rest
         return model, shape
     from bench.simulate.measured import MeasuredModel
     from deploy.profiler import default_profile_path
@@ -150,17 +171,17 @@ def run_one(args, variant: str, specs: list, rate: float, counts: dict | None = 
     return run
 
 
-def capacity(args, variant: str, specs: list, counts: dict | None = None) -> float:
+def capacity(args, variant: str, specs: list, counts: dict | None = None, extra: list[str] = ()) -> float:
     """Requests/s the variant completes with every request sent at once."""
-    run = run_one(args, variant, specs, math.inf, counts, label=f"{variant} capacity")
+    run = run_one(args, variant, specs, math.inf, counts, label=f"{variant} capacity", extra=extra)
     return run.summary["completed"] / run.duration_s if run.duration_s > 0 else 0.0
 
 
 def rate_points(args, variant: str, specs: list, rates: list[float], counts: dict | None = None,
-                label: str = "") -> list[dict]:
+                label: str = "", extra: list[str] = ()) -> list[dict]:
     points = []
     for rate in rates:
-        s = run_one(args, variant, specs, rate, counts, label=label or variant).summary
+        s = run_one(args, variant, specs, rate, counts, label=label or variant, extra=extra).summary
         points.append({"x": rate, **{k: s[k] for k in FIGURES}})
     return points
 
@@ -178,46 +199,126 @@ def sweep_rates(args, variants: list[str], specs: list) -> dict:
     return {"sweep": "rate", "values": values, "points": points, "max_rate_rps": held}
 
 
+def degrees_of(text: str) -> tuple[int, ...]:
+    try:
+        degrees = tuple(sorted({int(d) for d in text.split(",") if d.strip()}))
+    except ValueError:
+        raise ValueError(f"--tp: {text!r} is not a list of degrees (e.g. 1,2,4)") from None
+    if not degrees or degrees[0] < 1:
+        raise ValueError(f"--tp: {text!r}: degrees are integers of at least 1")
+    return degrees
+
+
+def split_label(tp_p: int, n_p: int, tp_d: int, n_d: int) -> str:
+    return f"{n_p}P{n_d}D @tp{tp_p}/{tp_d}"
+
+
 def sweep_split(args, specs: list) -> dict:
-    """Every split of --devices actors (and colocated on all of them) at common rates; the best beside the plan."""
+    """Every (TP_p, n_p, TP_d, n_d) with TP_p·n_p + TP_d·n_d ≤ --devices, and colocated at each degree (devices
+    ÷ degree engines), at rates per device common to all (--sweep-values: the rates offered to all --devices;
+    a candidate on fewer gets them in proportion); the best per device beside the planner's choice.
+
+    The planner's search on the same time model (`search_with_model`) ranks the split candidates; those whose
+    degrees it says cannot meet the SLOs, and those past the top --top, are listed but not simulated."""
     n = args.devices or 4
     if n < 2:
         raise ValueError("--devices must be at least 2 for --sweep split")
-    splits = {f"{p}P{n - p}D": {"prefill": p, "decode": n - p} for p in range(1, n)}
-    colocated = {"prefill": 1, "decode": n - 1}                   # n colocated engines
-    values = [float(v) for v in (args.sweep_values or "").split(",") if v.strip()]
-    if not values:
-        values = rates_around(capacity(args, "colocated-chunked", specs, colocated) * 1.5)
-    points = {"colocated": rate_points(args, "colocated-chunked", specs, values, colocated, f"colocated x{n}")}
-    for label, counts in splits.items():
-        points[label] = rate_points(args, "disaggregated", specs, values, counts, label)
-    held = {k: max_rate_rps(v) for k, v in points.items()}
-    print_points("rate", points)
-    print(f"\nmax rate at >= 90% SLO attainment over {n} devices")
-    for k, m in held.items():
-        print(f"  {k:<12} {m['max_rate_rps']:>8.3g} req/s  {m['max_rate_rps'] / n:>8.3g} req/s per device"
-              f"{'' if m['bounded'] else '  (lower bound)'}")
-    best = max(held, key=lambda k: held[k]["max_rate_rps"])
-    plan = planned_split(args, specs, held[best]["max_rate_rps"], n)
-    print(f"best: {best} ({held[best]['max_rate_rps'] / n:.3g} req/s per device); pdserve plan at that rate: {plan}")
-    return {"sweep": "split", "devices": n, "values": values, "points": points, "max_rate_rps": held, "best": best,
-            "plan": plan}
-
-
-def planned_split(args, specs: list, rate: float, devices: int) -> str:
-    """What `pdserve plan` recommends for this workload at `rate`, from the same time model."""
-    from bench.simulate.plan_profile import plan_with_model
     cfg = variant_config(args, "disaggregated")
     model, shape = time_model(args, cfg)
+    degrees, refused = usable_degrees(model, degrees_of(args.tp), cfg.pool_kv_cache("decode").block_size)
+    for d, why in refused.items():
+        print(f"--tp: leaving out degree {d}: {why}", file=sys.stderr)
+    for d in [d for d in degrees if d > n]:
+        print(f"--tp: leaving out degree {d}: more than the {n} devices", file=sys.stderr)
+    degrees = [d for d in degrees if d <= n]
+    if not degrees:
+        raise ValueError(f"--tp {args.tp}: no degree an actor of this model can run at")
+    search = ParallelismSearch(n, tuple(degrees))
     flat = [s for s in specs if hasattr(s, "output_len")]
-    if not flat or not rate or math.isinf(rate):
-        return "–"
-    try:
-        p = plan_with_model(cfg, model, shape, flat, rate, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
-    except ValueError as e:
-        return f"no plan ({e})"
-    return f"{p.n_prefill}P{p.n_decode}D (prefill:decode {p.ratio:.2f}; {p.n_prefill + p.n_decode} devices" + \
-        (f", more than the {devices} given)" if p.n_prefill + p.n_decode > devices else ")")
+    planned = search_with_model(cfg, model, shape, flat, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3,
+                                search) if flat else []
+    predicted = {(c.prefill_degree, c.n_prefill, c.decode_degree, c.n_decode): c.goodput_per_device for c in planned}
+    every = [(a, n_p, b, n_d) for a in degrees for b in degrees for n_p in range(1, (n - b) // a + 1)
+             for n_d in range(1, (n - n_p * a) // b + 1)]
+    if flat:
+        ranked = sorted((c for c in every if c in predicted), key=lambda c: -predicted[c])
+        chosen = ranked if args.top <= 0 else ranked[:args.top]
+    else:                    # (conversations: the planner has no mean lengths; every candidate runs)
+        chosen = every
+    candidates = {split_label(*c): {"kind": "split", "prefill_degree": c[0], "n_prefill": c[1],
+                                    "decode_degree": c[2], "n_decode": c[3], "devices": c[0] * c[1] + c[2] * c[3],
+                                    "planned_per_device": predicted.get(c)} for c in chosen}
+    for d in degrees:
+        candidates[f"colocated {n // d}×tp{d}"] = {"kind": "colocated", "prefill_degree": d, "n_prefill": 0,
+                                                  "decode_degree": d, "n_decode": n // d, "devices": n // d * d,
+                                                  "planned_per_device": None}
+
+    def settings(c: dict) -> list[str]:
+        return [f"pools.prefill.tensor_parallel={c['prefill_degree']}",
+                f"pools.decode.tensor_parallel={c['decode_degree']}"]
+
+    per_device = [float(v) / n for v in (args.sweep_values or "").split(",") if v.strip()]
+    if not per_device:       # up to 1.5x the most per device that colocated completes or the planner predicts
+        most = max([capacity(args, "colocated-chunked", specs, {"prefill": 0, "decode": c["n_decode"]}, settings(c))
+                    / c["devices"] for c in candidates.values() if c["kind"] == "colocated"]
+                   + [c.goodput_per_device for c in planned[:1]])
+        per_device = rates_around(most * 1.5)
+    print(f"{len(every)} splits within {n} devices at degrees {', '.join(map(str, degrees))}; simulating "
+          f"{len(chosen)}" + (f" (the planner's top {len(chosen)} of {len(predicted)} that it says meet the SLOs; "
+                              f"{len(every) - len(predicted)} it says cannot)" if flat and len(chosen) < len(every)
+                              else "") + " and colocated at each degree", file=sys.stderr)
+    points = {}
+    for label, c in candidates.items():
+        rates = [round(v * c["devices"], 4) for v in per_device]
+        counts = {"prefill": c["n_prefill"], "decode": c["n_decode"]}
+        variant = "colocated-chunked" if c["kind"] == "colocated" else "disaggregated"
+        points[label] = rate_points(args, variant, specs, rates, counts, label, settings(c))
+    held = {k: max_rate_rps(v) for k, v in points.items()}
+    for k, c in candidates.items():
+        lowest = min(points[k], key=lambda p: p["x"])
+        c.update(max_rate_rps=held[k]["max_rate_rps"], bounded=held[k]["bounded"],
+                 per_device=held[k]["max_rate_rps"] / c["devices"],
+                 below_lowest=lowest["slo_attainment"] < ATTAINMENT)     # (its figure is a guess below that rate)
+    print_points("rate", points)
+    held_some = [k for k, c in candidates.items() if not c["below_lowest"]]
+    best = max(held_some, key=lambda k: (candidates[k]["per_device"], -candidates[k]["devices"])) \
+        if held_some else None
+    print(f"\nmax rate at >= 90% SLO attainment within {n} devices (≥: every rate held it; <: not even the "
+          "lowest did; rates per device: "
+          f"{', '.join(f'{v:g}' for v in per_device)})")
+    print(f"  {'candidate':<22} {'devices':>7} {'req/s':>9} {'per device':>11} {'plan predicts':>14}")
+    for k, c in sorted(candidates.items(), key=lambda kv: -kv[1]["per_device"]):
+        plan_cell = "–" if c["planned_per_device"] is None else f"{c['planned_per_device']:.3g}"
+        mark = "<" if c["below_lowest"] else "" if c["bounded"] else "≥"
+        rate, per = (min(p["x"] for p in points[k]), per_device[0]) if c["below_lowest"] else \
+            (c["max_rate_rps"], c["per_device"])
+        print(f"  {k:<22} {c['devices']:>7} {mark + format(rate, '.3g'):>9} {mark + format(per, '.3g'):>11} "
+              f"{plan_cell:>14}" + ("  ← best" if k == best else ""))
+    left = [c for c in every if c not in chosen]
+    if left:
+        print(f"  not simulated: {len(left)} splits" + (f", of which {sum(c not in predicted for c in left)} the "
+                                                         "planner says cannot meet the SLOs" if flat else ""))
+    plan = planned_choice(planned, search)
+    if best is None:
+        said = "best: none held 90% attainment at the lowest rate (lower --sweep-values)"
+    else:
+        b = candidates[best]
+        ties = sum(1 for k in held_some if k != best and candidates[k]["per_device"] >= b["per_device"] * (1 - 1e-9))
+        said = f"best: {best} ({b['per_device']:.3g} req/s per device{'' if b['bounded'] else ', a lower bound'}" + \
+            (f"; {ties} more hold as much: offer higher --sweep-values to part them)" if ties else ")")
+    print(f"{said}; pdserve plan --devices {n} --tp {','.join(map(str, degrees))}: {plan}")
+    return {"sweep": "split", "devices": n, "degrees": degrees, "rates_per_device": per_device, "points": points,
+            "max_rate_rps": held, "candidates": candidates, "not_simulated": [split_label(*c) for c in left],
+            "best": best, "plan": plan}
+
+
+def planned_choice(planned: list, search: ParallelismSearch) -> str:
+    """The planner's choice, as the sweep labels it, with the req/s per device it predicts."""
+    if not planned:
+        return "no degree and count meets both SLOs within the devices"
+    c = planned[0]
+    return (f"{split_label(c.prefill_degree, c.n_prefill, c.decode_degree, c.n_decode)} "
+            f"(predicts {c.goodput_per_device:.3g} req/s per device)")
 
 
 DEFAULT_RATIOS = "200:200,1000:200,2000:200,5000:500,10000:1000"
@@ -282,7 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [v for v in variants if v not in VARIANT_MODES]
         if unknown:
             raise ValueError(f"--compare: unknown variant {unknown[0]!r}; use {', '.join(VARIANT_MODES)}")
-        print(f"time model: {model.name}", file=sys.stderr)
+        pools = PoolModels.of(model, tensor_parallel_degrees(cfg, VARIANT_MODES[variants[0]][0]),
+                              VARIANT_MODES[variants[0]][0] == "colocated")
+        print(f"time model: {model.name}" + ("" if args.sweep == "split" or set(pools.degrees.values()) == {1} else
+                                             f"; {pools.describe()}"), file=sys.stderr)
         if args.sweep == "ratio":
             result = sweep_ratio(args)
         else:

@@ -14,6 +14,11 @@ simulated scheduler is priced from those points:
 time factors and the fixed costs of a step and of a handoff). The link moves wire bytes at the
 measured wire bytes per second (through the configured transport and codec, encode and decode
 included), plus the calibrated fixed cost of a handoff.
+
+A pool at tensor-parallel degree N > 1 is priced from the points `pdserve profile --tp N` measured
+for that pool at N (`MeasuredPerformance.at_degree`); a profile without them refuses the degree
+(no prediction: measure it, or simulate the GPU with --hardware). The link is the measured one at
+every degree.
 """
 from __future__ import annotations
 
@@ -35,6 +40,18 @@ class MeasuredModel(StepTimeModel):
         link = profile.transfer
         wire, seconds = link.get("wire_bytes") or link.get("kv_bytes"), link.get("seconds")
         self.link_bytes_per_s = wire / seconds if wire and seconds else DEFAULT_LINK_BYTES_PER_S
+
+    def at_degree(self, pool: str, degree: int) -> StepTimeModel:
+        """The model over `pool`'s points measured at `degree`; ValueError naming the key when there are none."""
+        if degree == 1:
+            return self
+        at = self.profile.at_degree(pool, degree)
+        if at is None:
+            measured = ", ".join(map(str, self.profile.degrees(pool)))
+            raise ValueError(f"pools.{pool}.tensor_parallel {degree}: the profile measured {pool} at tensor-parallel "
+                             f"degree {measured} only; run `pdserve profile --tp 1,{degree}` for this config, or "
+                             "simulate a GPU with --hardware")
+        return MeasuredModel(at, f"{self.name}, {pool} tp={degree}")
 
     @classmethod
     def from_file(cls, path: str) -> MeasuredModel:

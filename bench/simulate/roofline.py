@@ -22,7 +22,12 @@ per layer (after attention and after the MLP), each of T·h activations, costed 
     link_s  = link_latency_s + wire_bytes / (tp · link bytes/s)
 
 The KV handoff leaves from every rank at once (each sends its KV heads over its own link), over the
-inter-node network by default (prefill and decode pools usually sit on different nodes).
+inter-node network by default (prefill and decode pools usually sit on different nodes). Between
+pools of different degrees the KV is resharded by head: the prefill actor's tp_p ranks send and the
+decode actor's tp_d ranks receive, each over its own NIC, so the side with fewer NICs binds and the
+handoff is priced by the model at min(tp_p, tp_d) (`bench.simulate.sim_cluster.PoolModels`).
+
+`at_degree` gives the same GPU and model at another degree (a pool's `tensor_parallel`).
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from bench.simulate.hardware import Hardware
 from bench.simulate.step_time import Chunk, StepTimeModel
 from engine.cost_model import ModelCosts, decode_weight_params
 from engine.model.config import ModelConfig
+from engine.parallel.shard import check_degree
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "fp32": 4}
 ALL_REDUCES_PER_LAYER = 2                 # attention output and MLP output (row-parallel o_proj, down_proj)
@@ -64,6 +70,10 @@ class RooflineModel(StepTimeModel):
         if not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         self.hardware, self.cfg, self.dtype, self.tensor_parallel = hardware, cfg, dtype, tensor_parallel
+        self._settings = dict(kv_dtype_bytes=kv_dtype_bytes, weight_bytes_per_param=weight_bytes_per_param,
+                              inter_node=inter_node, model_name=model_name, memory_fraction=memory_fraction,
+                              activation_reserve_bytes=activation_reserve_bytes)
+        self._degrees: dict[int, RooflineModel] = {tensor_parallel: self}
         self.inter_node, self.memory_fraction = inter_node, memory_fraction
         self.activation_reserve_bytes = activation_reserve_bytes
         dtype_bytes = DTYPE_BYTES[dtype]
@@ -82,6 +92,15 @@ class RooflineModel(StepTimeModel):
         self.bytes_per_s = hardware.memory_bytes_per_s * hardware.memory_efficiency
         model = model_name or f"{cfg.num_params / 1e9:.1f}B {cfg.model_type}"
         self.name = f"roofline: {hardware.name}, {model}, tp={tensor_parallel}"
+
+    def at_degree(self, pool: str, degree: int) -> RooflineModel:
+        """This GPU and model with `degree` GPUs per actor; a degree the engine cannot split the model over
+        (`engine.parallel.shard.check_degree`) is a ValueError naming `pools.<pool>.tensor_parallel`."""
+        if degree not in self._degrees:
+            check_degree(self.cfg, degree, f"pools.{pool}.tensor_parallel")
+            self._degrees[degree] = RooflineModel(self.hardware, self.cfg, self.dtype, degree, **self._settings)
+            self._degrees[degree]._degrees = self._degrees
+        return self._degrees[degree]
 
     # -- the step ---------------------------------------------------------------------------------
 

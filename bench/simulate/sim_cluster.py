@@ -1,7 +1,9 @@
 """A simulated cluster: the real router over the real workers, each worker's engine a `SimEngine`.
 
 One `SimActor` per actor of the config's pools, as `deploy.launcher.start_pools` would start them
-(in colocated mode: prefill + decode count colocated engines with the decode pool's settings):
+(in colocated mode: prefill + decode count colocated engines with the decode pool's settings). Each
+actor's steps are timed by its pool's model at the pool's `tensor_parallel` (`PoolModels`; colocated
+actors at the decode pool's degree), the KV handoff by the model of the lower of the two degrees:
 
     SimActor ── drives ──► PrefillWorker | DecodeWorker | ColocatedWorker   (prefill_worker/, decode_worker/)
                                └─ SimEngine (real Engine bookkeeping, Scheduler, BlockManager)
@@ -25,11 +27,11 @@ from bench.serving.local_actors import LocalDecodeClient, LocalPrefillClient
 from bench.simulate.sim_engine import SimEngine, SimTokenizer
 from bench.simulate.sim_transport import SimNetwork, SimReceiver, SimSender
 from bench.simulate.plan_profile import performance_of
-from bench.simulate.step_time import StepTimeModel, sim_args
+from bench.simulate.step_time import PoolModels, StepTimeModel, sim_args
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from deploy.config import PDServeConfig
-from deploy.launcher import colocated_engine_args, engine_args, role_engine_args
+from deploy.launcher import colocated_engine_args, engine_args, role_engine_args, tensor_parallel_degrees
 from deploy.performance import live_model
 from deploy.role_change import change_role
 from deploy.running import routing_settings
@@ -96,8 +98,8 @@ class SimActor:
             sched.chunk_size = limits.chunk_size
         engine.layer_hook = None
         if role == "prefill":
-            sender = SimSender(cluster.network, self, cluster.model, engine.kv_bytes_per_block, cluster.wire_ratio,
-                               cluster.cfg.kv_transfer.layerwise)
+            sender = SimSender(cluster.network, self, cluster.models.link, engine.kv_bytes_per_block,
+                               cluster.wire_ratio, cluster.cfg.kv_transfer.layerwise)
             worker = PrefillWorker(engine, sender, self.actor_id, layerwise=cluster.cfg.kv_transfer.layerwise)
         elif role == "decode":
             worker = DecodeWorker(engine, lambda on_complete: SimReceiver(cluster.network, engine.block_manager,
@@ -186,10 +188,13 @@ class SimActor:
 
 
 class SimCluster:
-    """The simulated actors and the router over them; it makes actors as the deploy factory would."""
+    """The simulated actors and the router over them; it makes actors as the deploy factory would.
+
+    `model` times degree 1; `models` holds each pool's model at its configured degree."""
 
     def __init__(self, cfg: PDServeConfig, model: StepTimeModel, shape: ModelConfig, mode: str, chunked: bool):
         self.cfg, self.model, self.shape, self.mode, self.chunked = cfg, model, shape, mode, chunked
+        self.models = PoolModels.of(model, tensor_parallel_degrees(cfg, mode), colocated=mode == "colocated")
         self.network = SimNetwork()
         dtype_bytes = max(model.kv_bytes_per_token // max(shape.kv_bytes_per_token(1), 1), 1)
         self.wire_ratio = wire_bytes_per_kv_byte(cfg.transfer_codec(), dtype_bytes, cfg.kv_cache.block_size,
@@ -218,7 +223,8 @@ class SimCluster:
             else:
                 args = engine_args(cfg, pool, name, self.shape)
         actor_id = f"{role if role == 'colocated' else pool}-{index}"
-        actor = SimActor(actor_id, role, SimEngine(sim_args(args, self.model), self.shape, self.model), self, limits)
+        model = self.models.of_pool(pool)
+        actor = SimActor(actor_id, role, SimEngine(sim_args(args, model), self.shape, model), self, limits)
         self.actors.append(actor)
         return actor
 
@@ -244,7 +250,7 @@ class SimCluster:
 def pool_sizes(cfg: PDServeConfig, counts: dict[str, int] | None = None) -> dict[str, int]:
     """Actors per pool at start, as `deploy.launcher.start_pools` counts them."""
     counts = counts or {}
-    return {pool: counts.get(pool) or p.bounds()[0] for pool, p in cfg.pools.items()}
+    return {pool: p.bounds()[0] if counts.get(pool) is None else counts[pool] for pool, p in cfg.pools.items()}
 
 
 def build_cluster(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig, mode: str = "disaggregated",
@@ -261,6 +267,7 @@ def build_cluster(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig
         for pool, n in size.items():
             for _ in range(n):
                 pools.get(pool).append(cluster.view_of(pool, cluster.new_actor(pool)))
+    # (the router's live model rests on the degree-1 profile, as `deploy.running` gives the real router)
     live = live_model(cfg, performance_of(model, sim_cfg, cfg))
     max_len = min(cfg.model.max_model_len or sim_cfg.max_position_embeddings, sim_cfg.max_position_embeddings)
     cluster.dispatcher = Dispatcher(pools, SimTokenizer(sim_cfg.vocab_size), max_len, cfg.kv_cache.block_size,

@@ -8,7 +8,8 @@ scheduled sequence: the tokens it computes this step and the context it attends 
     bench.simulate.roofline.RooflineModel   a hardware file (peak FLOP/s, bytes/s, links) + a model's shape
 
 Both answer for one actor (a tensor-parallel group counts as one actor: its all-reduces are in
-`step_s`), and for the KV link between two actors (`link_s`).
+`step_s`), and for the KV link between two actors (`link_s`). A pool's actors run at the pool's
+degree (`pools.<pool>.tensor_parallel`): `at_degree` gives the model of an actor of that degree.
 """
 from __future__ import annotations
 
@@ -50,6 +51,14 @@ class StepTimeModel(ABC):
     def link_s(self, wire_bytes: float) -> float:
         """Moving `wire_bytes` of KV from a prefill actor to a decode actor (latency included)."""
 
+    def at_degree(self, pool: str, degree: int) -> StepTimeModel:
+        """The model of an actor of `pool` at tensor-parallel `degree` (`pools.<pool>.tensor_parallel`).
+        This one serves degree 1; a model that knows no other degree refuses it, naming the key."""
+        if degree == 1:
+            return self
+        raise ValueError(f"pools.{pool}.tensor_parallel {degree}: the time model {self.name!r} has no times at "
+                         "tensor-parallel degrees above 1")
+
     def kv_blocks(self, block_size: int) -> int | None:
         """KV blocks one actor holds when its budget comes from the hardware (memory left after the
         weights), or None when the pool's configured budget applies."""
@@ -62,3 +71,35 @@ def sim_args(args: EngineArgs, model: StepTimeModel) -> EngineArgs:
     if blocks is not None:
         args.num_blocks = blocks
     return args
+
+
+@dataclass(frozen=True, slots=True)
+class PoolModels:
+    """The time model of each pool's actors at the pool's degree, and of the KV handoff between them.
+
+    prefill, decode: `StepTimeModel.at_degree` of the pool's `tensor_parallel`. Colocated actors run at
+        one degree, the decode pool's (they take its engine settings, as `deploy.launcher` starts them).
+    link: the handoff's model. KV resharded by head leaves the prefill actor's ranks and reaches the decode
+        actor's, each rank over its own NIC: the side with fewer ranks binds, so the model at the lower
+        degree prices it.
+    """
+
+    prefill: StepTimeModel
+    decode: StepTimeModel
+    link: StepTimeModel
+    degrees: dict[str, int]
+
+    @classmethod
+    def of(cls, model: StepTimeModel, degrees: dict[str, int], colocated: bool = False) -> PoolModels:
+        if colocated:
+            degrees = {"prefill": degrees["decode"], "decode": degrees["decode"]}
+        prefill, decode = (model.at_degree(pool, degrees[pool]) for pool in ("prefill", "decode"))
+        link = prefill if degrees["prefill"] <= degrees["decode"] else decode
+        return cls(prefill, decode, link, degrees)
+
+    def of_pool(self, pool: str) -> StepTimeModel:
+        return self.prefill if pool == "prefill" else self.decode
+
+    def describe(self) -> str:
+        """"prefill tp=2, decode tp=1" for the report."""
+        return ", ".join(f"{pool} tp={d}" for pool, d in self.degrees.items())

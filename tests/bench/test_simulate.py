@@ -335,7 +335,7 @@ def test_split_sweep_names_a_best_split_and_the_plan(capsys):
                      "30", "--sweep", "split", "--devices", "3", "--sweep-values", "2,8"]) == 0
     printed = capsys.readouterr().out
     assert "1P2D" in printed and "2P1D" in printed and "colocated" in printed
-    assert "best:" in printed and "pdserve plan at that rate:" in printed
+    assert "best:" in printed and "pdserve plan --devices 3 --tp 1:" in printed
 
 
 def test_ratio_sweep_rows_and_a_pair_past_the_context_is_refused(tmp_path, capsys):

@@ -238,3 +238,18 @@ def test_degree_model_predicts_the_speculative_step_like_the_plain_one():
     m = DegreeModel(p, 2, 2, ar)
     assert m.spec_step_seconds(8, 500, 4) == pytest.approx(p.spec_step_seconds(8, 500, 4) / 2 + collective(40))
     assert m.token_seconds(8, 500) == pytest.approx(m.spec_step_seconds(8, 500, 4) / 3)
+
+
+def test_search_takes_each_decode_degrees_kv_budget_where_given():
+    """A decode actor's KV blocks per degree (each rank's memory after its share of the weights) bind the
+    batch; without them degree d holds d times the degree-1 budget."""
+    from deploy.planner import AllReduce, search_parallelism
+    p = Profile(synthetic(step=lambda b, c: 0.01 + 0.0001 * b))
+    w, slo = Workload(512, 128, 4.0), SLO(ttft_s=10.0, tpot_s=0.05)
+    tight = Limits(decode_kv_blocks=40, block_size=16, max_batch_size=256)     # 40 blocks: 1 request of 640 tokens
+    ar = {2: AllReduce(1e-5, 1e10)}
+    scaled = search_parallelism(p, w, slo, tight, 8, [1, 2], ar)
+    given = search_parallelism(p, w, slo, tight, 8, [1, 2], ar, decode_kv_blocks={2: 400})
+    assert {c.plan.decode["kv_limit"] for c in scaled if c.decode_degree == 2} == {2}
+    assert {c.plan.decode["kv_limit"] for c in given if c.decode_degree == 2} == {10}
+    assert {c.plan.decode["kv_limit"] for c in given if c.decode_degree == 1} == {1}
