@@ -6,7 +6,7 @@ the decode step's seconds by batch and context, and the KV link's measured trans
 simulated scheduler is priced from those points:
 
     decode rows (1 new token each)     decode_step_seconds(rows, their mean context)
-    each prefill chunk (n tokens → c)  prefill_seconds(c) − prefill_seconds(c − n)   (the chunk's share of its prompt)
+    each prefill chunk (n tokens → c)  prefill_seconds(c) − prefill_seconds(c − n)   (its share of the prompt)
     a mixed step                       the sum of both
     a step of prefill chunks alone     also the serving path's fixed cost of a step
 

@@ -3,7 +3,7 @@
 For one step of chunks (n_i new tokens each, attending over c_i tokens), T = Σ n_i:
 
     FLOPs   = 2·P·T                               matmuls of the decoder layers (P: engine.cost_model)
-            + 4·L·d·Σ (n_i·c_i − n_i(n_i−1)/2)    attention: QKᵀ and PV, 2·d each per causal (query, key) pair
+            + 4·L·d·Σ (n_i·c_i − n_i(n_i−1)/2)    attention: QKᵀ and PV, 2·d each per causal pair
             + 2·V·h·(number of chunks)            the LM head, one sampled row per chunk
     bytes   = W                                   the weights a step reads (engine.cost_model), once
             + Σ c_i·kv + T·kv                     the KV read over each context, the new tokens' KV written
@@ -145,7 +145,8 @@ class RooflineModel(StepTimeModel):
     def kv_blocks(self, block_size: int) -> int:
         """Blocks that fit in what each rank keeps after its weights and the activation reserve.
 
-            blocks = ⌊(memory·memory_fraction − resident weights/tp − reserve) / (block_size·kv bytes per token/tp)⌋
+            blocks = ⌊(memory·memory_fraction − resident weights/tp − reserve)
+                      / (block_size·kv bytes per token/tp)⌋
 
         The resident weights count the embedding table, which a step only gathers from.
 

@@ -3,8 +3,8 @@ on the virtual clock, every request finished and every KV block returned after t
 from __future__ import annotations
 
 import pytest
+from sim_support import keep_built_cluster
 
-import bench.simulate.run as run_module
 from bench.serving.workloads import make_workload
 from bench.simulate.hardware import Hardware
 from bench.simulate.models import model_config
@@ -23,13 +23,7 @@ def roofline() -> RooflineModel:
 
 def run_keeping_cluster(monkeypatch, overrides: dict, specs, rate: float, seed: int = 0):
     """One simulated run of `specs`, and the simulated cluster it ran on (to look inside its actors after)."""
-    held = {}
-    real_build = run_module.build_cluster
-
-    def keep(*args, **kwargs):
-        held["cluster"] = cluster = real_build(*args, **kwargs)
-        return cluster
-    monkeypatch.setattr(run_module, "build_cluster", keep)
+    held = keep_built_cluster(monkeypatch)
     cfg = load_config(None, overrides)
     run = simulate(cfg, roofline(), SHAPE, specs, rate=rate, seed=seed, slo_ttft_s=1.0, slo_tpot_s=0.1,
                    autoscale=AutoscaleSettings(interval_s=1.0, window_s=10.0), actor_start_s=5.0)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from sim_support import keep_built_cluster
 
-import bench.simulate.run as run_module
 from bench.serving.workloads import make_workload
 from bench.simulate import cli
 from bench.simulate.hardware import Hardware
@@ -59,13 +59,7 @@ def test_colocated_actors_run_at_the_decode_pools_degree():
 
 
 def test_a_mixed_degree_cluster_completes_every_request_and_returns_every_block(monkeypatch):
-    held = {}
-    real_build = run_module.build_cluster
-
-    def keep(*args, **kwargs):
-        held["cluster"] = cluster = real_build(*args, **kwargs)
-        return cluster
-    monkeypatch.setattr(run_module, "build_cluster", keep)
+    held = keep_built_cluster(monkeypatch)
     specs = make_workload("chat", 40, seed=0, scale=0.5)
     cfg = load_config(None, {"pools.prefill.tensor_parallel": 2, "pools.decode.tensor_parallel": 1,
                              "pools.decode.count": 2})

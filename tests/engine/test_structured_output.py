@@ -269,7 +269,8 @@ def test_bad_specs_are_refused_naming_the_problem_and_hold_nothing(engine, spec,
 
 @pytest.mark.parametrize("spec", [
     StructuredOutput(json_schema=json.dumps(SCHEMAS["anyOf"])), StructuredOutput(json_object=True),
-    StructuredOutput(regex=r"\d+"), StructuredOutput(choice=("a", "", "ü ✓")), StructuredOutput(grammar="start: /x+/"),
+    StructuredOutput(regex=r"\d+"), StructuredOutput(choice=("a", "", "ü ✓")),
+    StructuredOutput(grammar="start: /x+/"),
 ])
 def test_proto_round_trip(spec):
     params = SamplingParams(max_tokens=9, structured=spec)
