@@ -113,21 +113,25 @@ async def _light_phase(stub, pb, tokens, s_in: int, requests: int, k: int) -> di
 
 
 def light_predictions(model, s_in: int, k: int, wire_ratio: float) -> dict:
-    """What the profile says one lone request takes: TPOT = the decode step at batch 1 and the mean context,
-    TTFT = its prefill + its KV over the link (both with the profile's fixed costs, if it has any)."""
+    """What the profile says one lone request takes: TPOT = the time per output token at batch 1 and the mean
+    context (the decode step, or with speculative decoding the step over the tokens it yields), TTFT = its
+    prefill + its KV over the link (both with the profile's fixed costs, if it has any)."""
     from bench.simulate.measured import MeasuredModel
     link = MeasuredModel(model)
     kv_bytes = s_in * model.costs.kv_bytes_per_token
-    return {"tpot_s": model.decode_step_seconds(1, s_in + k / 2),
+    step = model.decode_step(1, s_in + k / 2)
+    return {"tpot_s": step.token_s, "tokens_per_step": step.tokens_per_step,
             "ttft_s": model.prefill_seconds(s_in) + link.link_s(kv_bytes * wire_ratio)}
 
 
 def fixed_costs(calibration: dict, predicted: dict, measured: dict) -> dict:
     """The calibration with its fixed costs moved by what the light phase measured beyond the prediction
-    (never below zero): `step_s` by the TPOT gap, `handoff_s` by the TTFT gap."""
+    (never below zero): `step_s` by the TPOT gap (per step: times the tokens a step yields, with speculative
+    decoding more than one), `handoff_s` by the TTFT gap."""
     out = dict(calibration)
-    for key, figure in (("step_s", "tpot_s"), ("handoff_s", "ttft_s")):
-        out[key] = max(out.get(key, 0.0) + measured[figure] - predicted[figure], 0.0)
+    per_step = predicted.get("tokens_per_step", 1.0)
+    out["step_s"] = max(out.get("step_s", 0.0) + (measured["tpot_s"] - predicted["tpot_s"]) * per_step, 0.0)
+    out["handoff_s"] = max(out.get("handoff_s", 0.0) + measured["ttft_s"] - predicted["ttft_s"], 0.0)
     return out
 
 
@@ -192,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         from engine.model.config import ModelConfig
         from engine.performance import MeasuredPerformance
         from kv_transfer import wire_bytes_per_kv_byte
-        model = MeasuredPerformance(profile)
+        from deploy.performance import speculation_of
+        model = MeasuredPerformance(profile, speculation_of(cfg, resolve_model(cfg.model.name), profile))
         ratio = wire_bytes_per_kv_byte(cfg.transfer_codec(), model.costs.dtype_bytes, cfg.kv_cache.block_size,
                                        ModelConfig.from_dir(resolve_model(cfg.model.name)).head_dim)
         predicted = light_predictions(model, s_in, LIGHT_TOKENS, ratio)

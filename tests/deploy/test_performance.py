@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import pytest
-from profile_support import synthetic
+from profile_support import synthetic, with_speculation
 
 from deploy.autoscaler import AutoscaleSettings, start_autoscaler
 from deploy.config import load_config
@@ -14,7 +14,7 @@ from deploy.performance import base_model, live_model
 from deploy.planner import SLO, Limits, Workload, plan
 from engine.model.config import ModelConfig
 from engine.model.presets import resolve_model
-from engine.performance import LinearPerformance, MeasuredPerformance
+from engine.performance import LinearPerformance, MeasuredPerformance, Speculation
 from router.dispatcher import Dispatcher, FinishedRequest
 from router.pools import DecodeView, Pools, PrefillView
 from router.routing import RoutingSettings
@@ -51,6 +51,23 @@ def test_calibration_is_inside_every_answer():
     assert calibrated.decode_step_seconds(10, 1536) == pytest.approx(1.5 * plain.decode_step_seconds(10, 1536))
 
 
+def test_the_light_phase_predicts_and_calibrates_the_speculative_token_time():
+    """With speculative decoding a lone request's TPOT is the step over the tokens it yields; the gap the
+    light phase measures per token becomes a fixed cost per step, and the calibrated model then predicts
+    exactly the measured TPOT."""
+    from bench.serving.plan_check import fixed_costs, light_predictions
+    spec = Speculation("ngram", 4, acceptance=0.5, adaptive=False)
+    data = with_speculation(synthetic(), lambda b, c: 0.012 + 0.001 * b)
+    before = light_predictions(MeasuredPerformance(data, spec), 512, 32, 0.5)
+    assert before["tokens_per_step"] == pytest.approx(3.0)              # 1 + 4 · 0.5
+    assert before["tpot_s"] == pytest.approx(MeasuredPerformance(data, spec).token_seconds(1, 528))
+    measured = {"tpot_s": before["tpot_s"] + 0.002, "ttft_s": before["ttft_s"]}
+    data["calibration"] = fixed_costs({}, before, measured)
+    assert data["calibration"]["step_s"] == pytest.approx(0.006)       # 2 ms a token, 3 tokens a step
+    after = light_predictions(MeasuredPerformance(data, spec), 512, 32, 0.5)
+    assert after["tpot_s"] == pytest.approx(measured["tpot_s"])
+
+
 def test_fixed_costs_from_a_light_load_close_the_gap_they_measured():
     """plan_check's light phase: what one lone request measured beyond the profile becomes `step_s` and
     `handoff_s`; the calibrated profile then predicts exactly what was measured (the simulator's step and
@@ -67,7 +84,7 @@ def test_fixed_costs_from_a_light_load_close_the_gap_they_measured():
     assert data["calibration"] == pytest.approx({"decode": 1.2, "step_s": 0.004, "handoff_s": 0.03})
     calibrated = MeasuredPerformance(data)
     after = light_predictions(calibrated, 512, 32, 0.5)
-    assert after == pytest.approx(measured)
+    assert after == pytest.approx({**measured, "tokens_per_step": 1.0})
     assert calibrated.decode_step_seconds(8, 900) == pytest.approx(plain.decode_step_seconds(8, 900) + 0.004)
     sim, sim_plain = MeasuredModel(calibrated), MeasuredModel(plain)
     assert sim.link_s(1e6) == pytest.approx(sim_plain.link_s(1e6) + 0.03)
@@ -75,7 +92,7 @@ def test_fixed_costs_from_a_light_load_close_the_gap_they_measured():
     assert sim.step_s(prefill_only) == pytest.approx(sim_plain.step_s(prefill_only) + 0.004)
     mixed = [Chunk(1, 700), Chunk(64, 300)]
     assert sim.step_s(mixed) == pytest.approx(sim_plain.step_s(mixed) + 0.004)     # once a step
-    faster = {"tpot_s": after["tpot_s"] - 0.010, "ttft_s": after["ttft_s"] - 0.010}
+    faster = {"tpot_s": after["tpot_s"] - 0.010, "ttft_s": after["ttft_s"] - 0.010, "tokens_per_step": 1.0}
     assert fixed_costs(data["calibration"], after, faster) == pytest.approx({"decode": 1.2, "step_s": 0.0,
                                                                              "handoff_s": 0.02})
 
