@@ -75,10 +75,10 @@ def run(args, plan, log) -> dict:
     load_start = load_average()
     shapes = [(degree, max(threads // degree, 1)) for degree in degrees]
     # one-device baselines: degree 1 on each rank's thread count that differs from degree 1's own
-    shapes += sorted({(1, per_rank) for degree, per_rank in shapes if degree > 1} - set(shapes))
+    baselines = sorted({(1, per_rank) for degree, per_rank in shapes if degree > 1} - set(shapes))
     runs, devices = {}, {}
-    for degree, per_rank in shapes:
-        name = f"tp {degree}" if (degree, per_rank) in shapes[:len(degrees)] else f"tp 1 on {per_rank} thread(s)"
+    for (degree, per_rank), baseline in [*((s, False) for s in shapes), *((s, True) for s in baselines)]:
+        name = f"tp 1 on {per_rank} thread(s)" if baseline else f"tp {degree}"
         engine, peers = build(plan, args, degree, per_rank)
         torch.set_num_threads(per_rank)
         log(f"{name}: {degree} rank(s) x {per_rank} thread(s), attention {engine.attention}, "
@@ -90,7 +90,7 @@ def run(args, plan, log) -> dict:
             engine.close()
             for p in peers:
                 p.join(60)
-        if name == f"tp {degree}":
+        if not baseline:
             runs[str(degree)] = run
         if degree == 1:
             devices[per_rank] = run
@@ -100,10 +100,9 @@ def run(args, plan, log) -> dict:
         for phase in ("prefill", "decode"):
             for key, point in r[phase].items():
                 point["speedup"] = base[phase][key]["s"] / point["s"]
-                point["device_s"] = device[phase][key]["s"]
-                point["device_speedup"] = device[phase][key]["s"] / point["s"]
-                point["predicted_speedup"] = tp_speedup(device[phase][key]["s"], r["ranks"] / base["ranks"],
-                                                        point["allreduce_s"])
+                point["device_s"] = device_s = device[phase][key]["s"]
+                point["device_speedup"] = device_s / point["s"]
+                point["predicted_speedup"] = tp_speedup(device_s, r["ranks"] / base["ranks"], point["allreduce_s"])
     return {"model": args.model, "dtype": args.dtype, "quick": args.quick, "threads": threads,
             "decode_context": plan.decode_context, "torch_version": torch.__version__,
             "load_average_start": load_start, "load_average_end": load_average(), "tp": runs}
