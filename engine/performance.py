@@ -247,6 +247,7 @@ class MeasuredPerformance(PerformanceModel):
         for p in spec.get("points") or []:
             by_k.setdefault(p["num_tokens"], []).append(p)
         self._spec = {k: _StepGrid(by_k[k]) for k in sorted(by_k) if k > 0}       # proposals per sequence → steps
+        self._spec_method = spec.get("method")                                    # the method they were run with
         # serving-path factors measured on the running cluster: time in serving / time in the profile
         calibration = data.get("calibration", {})
         self.calibration = {k: float(v) for k, v in calibration.items() if k in ("prefill", "decode")}
@@ -324,7 +325,7 @@ class MeasuredPerformance(PerformanceModel):
 
     def spec_step_seconds(self, batch: float, context: float, num_tokens: int) -> float:
         spec = self.speculation
-        if num_tokens <= 0 or not self._spec or spec is None or self.spec_measured.get("method") != spec.method:
+        if num_tokens <= 0 or not self._spec or spec is None or self._spec_method != spec.method:
             return super().spec_step_seconds(batch, context, num_tokens)
         seconds = [self._decode.seconds(batch, context)]
         for grid in self._spec.values():          # more proposals never verify faster (noise only adds time)
