@@ -42,6 +42,12 @@ PROMPT_TOKENS = 128
 QUOTE_TOKENS = 24
 
 
+def heldout_passages(model: str) -> list[list[int]]:
+    """The token ids of `model`'s held-out passages (a trained preset's, or a directory's)."""
+    from bench.train.passages import load_passages
+    return load_passages(TRAINED[model] if model in TRAINED else model)
+
+
 def workloads(passages: list[list[int]]) -> dict[str, list[list[int]]]:
     return {"heldout": [p[:PROMPT_TOKENS] for p in passages],
             "quote": [p[:PROMPT_TOKENS] + p[:QUOTE_TOKENS] for p in passages]}
@@ -72,8 +78,7 @@ def decode_rate(engine: Engine, prompts: list[list[int]], params: SamplingParams
 def measure(batches=(1, 8, 32), temperatures=(0.0, 0.7), methods=("ngram",), max_tokens: int = 64,
             num_tokens: int = 4, model: str = "pydoc", repeats: int = 3, draft_model: str = "pydoc-draft",
             warmup: int = 1) -> list[dict]:
-    from bench.train.passages import load_passages
-    passages = load_passages(TRAINED[model] if model in TRAINED else model)
+    passages = heldout_passages(model)
     engines = {m: Engine(EngineArgs(model, dtype="float32", num_blocks=2048, speculative=SpecConfig(
         m, num_tokens=num_tokens, draft_model=draft_model if m == "draft" else None))) for m in ("off", *methods)}
     rows = []
@@ -102,11 +107,10 @@ def measure(batches=(1, 8, 32), temperatures=(0.0, 0.7), methods=("ngram",), max
 def draft_handoff_cost(model: str = "pydoc", draft_model: str = "pydoc-draft", repeats: int = 20) -> dict:
     """What the draft's prompt KV costs a decode actor: prefilling it there (median seconds for a
     `PROMPT_TOKENS`-token prompt, beside the target's own prefill) against shipping it (bytes per token)."""
-    from bench.train.passages import load_passages
     engine = Engine(EngineArgs(model, dtype="float32", num_blocks=64,
                                speculative=SpecConfig("draft", draft_model=draft_model)))
     draft = engine.speculator.draft
-    prompts = [p[:PROMPT_TOKENS] for p in load_passages(TRAINED[model] if model in TRAINED else model)[:repeats]]
+    prompts = [p[:PROMPT_TOKENS] for p in heldout_passages(model)[:repeats]]
     blocks = -(-PROMPT_TOKENS // engine.block_size)
     draft_table, target_table = draft.block_manager.allocate(blocks), engine.block_manager.allocate(blocks)
 
@@ -127,11 +131,10 @@ def draft_handoff_cost(model: str = "pydoc", draft_model: str = "pydoc-draft", r
 
 def write_workload(path: str, name: str, max_tokens: int, model: str = "pydoc") -> int:
     """`name`'s prompts as `bench serve` JSONL rows ({"prompt": text, "output_len": max_tokens}); returns the count."""
-    from bench.train.passages import load_passages
     from engine.model.presets import resolve_model
     from engine.tokenizer import Tokenizer
     tokenizer = Tokenizer(resolve_model(model))
-    prompts = workloads(load_passages(TRAINED[model] if model in TRAINED else model))[name]
+    prompts = workloads(heldout_passages(model))[name]
     with open(path, "w", encoding="utf-8") as f:
         for ids in prompts:
             f.write(json.dumps({"prompt": tokenizer.decode(ids), "output_len": max_tokens}) + "\n")

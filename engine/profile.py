@@ -196,15 +196,18 @@ def measure_decode(engine, batch: int, context: int, repeats: int = 3, seed: int
     return point
 
 
+def heldout_passages(model_dir: str) -> list[list[int]]:
+    """The token ids of the model's held-out passages (`HELDOUT_FILE`); FileNotFoundError without the file."""
+    with open(os.path.join(model_dir, HELDOUT_FILE), encoding="utf-8") as f:
+        return [p["token_ids"] for p in json.load(f)["passages"]]
+
+
 def heldout_prompts(model_dir: str, num: int = ACCEPTANCE_PROMPTS,
                     length: int = ACCEPTANCE_PROMPT_TOKENS) -> list[list[int]] | None:
     """The first `length` tokens of up to `num` of the model's held-out passages; None without any."""
-    path = os.path.join(model_dir, HELDOUT_FILE)
-    if not os.path.isfile(path):
+    if not os.path.isfile(os.path.join(model_dir, HELDOUT_FILE)):
         return None
-    with open(path, encoding="utf-8") as f:
-        passages = [p["token_ids"][:length] for p in json.load(f)["passages"][:num]]
-    return passages or None
+    return [p[:length] for p in heldout_passages(model_dir)[:num]] or None
 
 
 def measure_acceptance(engine, prompts: list[list[int]], num_tokens: int,

@@ -13,9 +13,11 @@ import json
 import os
 import sys
 
+from engine.profile import HELDOUT_FILE, heldout_passages
+
 PASSAGE_TOKENS = 193               # 128 prompt + 64 continuation inputs + 1 last target
 NUM_PASSAGES = 64
-FILE = "heldout_passages.json"
+FILE = HELDOUT_FILE
 
 
 def select_passages(tok, heldout: list[tuple[str, str]], num: int = NUM_PASSAGES,
@@ -44,8 +46,8 @@ def write_passages(model_dir: str, heldout: list[tuple[str, str]]) -> str:
 
 
 def load_passages(model_dir: str) -> list[list[int]]:
-    with open(os.path.join(model_dir, FILE), encoding="utf-8") as f:
-        return [p["token_ids"] for p in json.load(f)["passages"]]
+    """Every held-out passage's token ids (`engine.profile.heldout_passages`, which the profiler reads too)."""
+    return heldout_passages(model_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
