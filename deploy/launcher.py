@@ -180,7 +180,7 @@ def role_engine_args(cfg: PDServeConfig, model_dir: str, mcfg: ModelConfig | Non
 def transfer_settings(cfg: PDServeConfig, cluster_token: str, bind_host: str) -> TransferSettings:
     """The actors' transfer settings: they carry the secret derived from the token, never the token."""
     t = cfg.kv_transfer
-    nixl = NixlOptions(t.nixl.mode, t.nixl.ucx_tls, t.nixl.backend, t.nixl.staging_bytes)
+    nixl = NixlOptions(**t.nixl.options())
     return TransferSettings(t.transport, cfg.transfer_codec(), internal_secret(cluster_token), t.chunk_bytes,
                             t.deadline_s, bind_host, cfg.security.internal_tls(), layerwise=t.layerwise, nixl=nixl)
 

@@ -48,8 +48,7 @@ def measure_link(cfg: PDServeConfig, model_dir: str, reps: int = 3, timeout_s: f
     dst = torch.zeros_like(src)
     receiver = sender = None
     try:
-        nixl = (dict(mode=t.nixl.mode, ucx_tls=t.nixl.ucx_tls, backend=t.nixl.backend,
-                     staging_bytes=t.nixl.staging_bytes) if t.transport == "nixl" else {})
+        nixl = t.nixl.options() if t.transport == "nixl" else {}
         receiver = make_receiver(t.transport, layout, dst, pool, codec=codec, token=TOKEN,
                                  on_complete=lambda r: pool.free(r.dst_block_ids) if r.dst_block_ids else None, **nixl)
         sender = make_sender(t.transport, layout, codec=codec, token=TOKEN, chunk_bytes=t.chunk_bytes, **nixl)

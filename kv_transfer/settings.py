@@ -13,6 +13,7 @@ on, over the transport classes' own defaults).
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ class NixlOptions:
     ucx_tls: str = "tcp,shm"          # UCX_TLS of both ends' agents
     backend: str = "UCX"              # the NIXL backend plugin
     staging_bytes: int = 64 << 20     # registered staging per end for fp8 / int8 chunks
+    workers: int = 2                  # UCX workers per agent (transfers on different workers move at once)
 
 
 @dataclass(slots=True)
@@ -78,7 +80,7 @@ def make_sender(
         options: transport keywords, over what the settings give: codec, token, chunk_bytes,
             max_workers, prefetch_depth, encode_workers; grpc: num_streams, tls; tcp: tls, connect_timeout_s;
             torch: max_groups,
-            connect_timeout_s, interface; nixl: host, mode, ucx_tls, backend, staging_bytes,
+            connect_timeout_s, interface; nixl: host, mode, ucx_tls, backend, staging_bytes, workers,
             connect_timeout_s; fake: hub.
     Returns:
         A ``KVSender``. Raises ValueError for an unknown transport.
@@ -114,7 +116,7 @@ def make_receiver(
         on_complete: called once per terminal ``TransferResult``, from a transport thread.
         options: transport keywords, over what the settings give: codec, token, default_timeout_s;
             grpc, tcp, torch and nixl: host, port; grpc: max_streams, max_calls, tls; tcp: max_connections, tls;
-            torch: max_groups, interface; nixl: mode, ucx_tls, backend, staging_bytes, max_connections;
+            torch: max_groups, interface; nixl: mode, ucx_tls, backend, staging_bytes, workers, max_connections;
             ray: name; fake: hub.
     Returns:
         A ``KVReceiver``. Raises ValueError for an unknown transport.
@@ -135,6 +137,5 @@ def _options(settings: TransferSettings, **side) -> dict:
     if settings.transport in ("grpc", "tcp") and settings.tls is not None:
         options["tls"] = settings.tls
     if settings.transport == "nixl":
-        nixl = settings.nixl
-        options.update(mode=nixl.mode, ucx_tls=nixl.ucx_tls, backend=nixl.backend, staging_bytes=nixl.staging_bytes)
+        options.update(dataclasses.asdict(settings.nixl))
     return options

@@ -40,6 +40,14 @@ class NixlSection(Section):
     staging_bytes: Annotated[Int, BeforeValidator(_parse_bytes)] = Field(
         64 * MIB, ge=MIB, le=4 * GIB, description="Registered staging memory per actor that fp8 / int8 "
         "chunks are encoded into and read into, bytes (also '64MiB'); at least 2 x kv_transfer.chunk_bytes.")
+    workers: Int = Field(
+        2, ge=1, le=16, description="UCX workers per actor's agent: transfers on different workers move at once "
+        "(a shared-memory READ copies on the thread that starts it, so two workers use two cores).")
+
+    def options(self) -> dict:
+        """The transport's keywords these settings give (``kv_transfer.settings.NixlOptions`` fields)."""
+        return {"mode": self.mode, "ucx_tls": self.ucx_tls, "backend": self.backend,
+                "staging_bytes": self.staging_bytes, "workers": self.workers}
 
     @field_validator("ucx_tls")
     @classmethod

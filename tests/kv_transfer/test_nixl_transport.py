@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 
 import msgpack
 import pytest
@@ -70,6 +71,36 @@ def test_layer_pieces_with_a_prefix_skip_arrive_bit_exact(make_pair, layout, mod
     assert not bool(pair.dst_cache[:, untouched].any())
     assert result.nbytes == len(sent) * src[:, 0].numel() * 4
     assert_no_leak(pair.pool, pinned + [4] + result.dst_block_ids)
+    assert_both_sides_clean(pair)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_concurrent_pieces_land_bit_exact_on_any_number_of_workers(make_pair, layout, workers):
+    """Pieces sent from several threads at once, READ by ``workers`` threads on as many UCX workers."""
+    src = random_cache(layout, 24, seed=workers)
+    pair = nixl_pair(make_pair, layout, num_dst_blocks=32, chunk_bytes=300, workers=workers,
+                     receiver_options={"workers": workers})
+    for end in (pair.sender, pair.receiver):
+        assert end.agent.backend_params()["num_workers"] == str(workers)
+    pieces = {f"t{i}": list(range(1 + 4 * i, 5 + 4 * i)) for i in range(5)}
+    handles = {}
+
+    def send(transfer_id):
+        piece = KVPiece(transfer_id, src, pieces[transfer_id], transfer_id=transfer_id, num_tokens=16)
+        handles[transfer_id] = pair.sender.send(piece, pair.dest)
+
+    threads = [threading.Thread(target=send, args=(transfer_id,)) for transfer_id in pieces]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(handle.wait(30) == TransferStatus.DONE for handle in handles.values()), handles
+    for transfer_id, blocks in pieces.items():
+        result = pair.receiver.wait(transfer_id, 10)
+        assert result.status == TransferStatus.DONE
+        assert torch.equal(pair.dst_cache[:, result.dst_block_ids].view(torch.uint8), src[:, blocks].view(torch.uint8))
+        pair.pool.free(result.dst_block_ids)
+    assert_no_leak(pair.pool, [])
     assert_both_sides_clean(pair)
 
 
@@ -286,6 +317,40 @@ def test_listeners_bind_loopback_only(make_pair, layout):
     assert all(address.startswith(("127.", "[::1]", "[::ffff:127.")) for address in mine), mine
 
 
+def test_a_transfer_is_checked_by_one_thread_at_a_time_and_never_after_its_release():
+    """NIXL's state check relinks the handle's own request list, unguarded: two threads at once corrupt it,
+    and a check after release reads freed memory (both crashed receivers with several UCX workers)."""
+
+    class Library:
+        def __init__(self):
+            self.inside, self.released, self.overlaps, self.after_release = set(), set(), 0, 0
+
+        def check_xfer_state(self, handle):
+            self.overlaps += handle in self.inside
+            self.after_release += handle in self.released
+            self.inside.add(handle)
+            time.sleep(0.0005)          # the library's work, long enough for the other threads to try
+            self.inside.discard(handle)
+            return "DONE"
+
+        def release_xfer_handle(self, handle):
+            self.released.add(handle)
+
+    library = Library()
+    agent = object.__new__(nixl_agent.Agent)
+    agent._agent = library
+    xfer = nixl_agent.Transfer("handle")
+    threads = [threading.Thread(target=lambda: [agent.state(xfer) for _ in range(40)]) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    agent.release(xfer)
+    agent.release(xfer)
+    assert agent.state(xfer) == "DONE"              # the state it was released in
+    assert (library.overlaps, library.after_release, library.released) == (0, 0, {"handle"})
+
+
 def test_environment_keeps_ucx_on_loopback_and_adds_cuda_copy():
     env = nixl_agent.ucx_environment("tcp,shm", "127.0.0.1", torch.device("cpu"))
     assert env["UCX_NET_DEVICES"] == "lo" and env["UCX_TLS"] == "tcp,shm" and env["NIXL_LOG_LEVEL"]
@@ -306,7 +371,7 @@ def test_config_errors_name_the_key():
     cfg = load_config(None, {"kv_transfer.transport": "nixl", "kv_transfer.nixl.mode": "push"})
     assert (cfg.kv_transfer.nixl.mode, cfg.kv_transfer.nixl.ucx_tls) == ("push", "tcp,shm")
     bad = {"kv_transfer.nixl.ucx_tls": "tcp;shm", "kv_transfer.nixl.mode": "pul", "kv_transfer.nixl.bakend": "UCX",
-           "kv_transfer.nixl.staging_bytes": "1MiB"}
+           "kv_transfer.nixl.staging_bytes": "1MiB", "kv_transfer.nixl.workers": 0}
     for key, value in bad.items():
         with pytest.raises(ConfigError) as err:
             load_config(None, {"kv_transfer.transport": "nixl", key: value})

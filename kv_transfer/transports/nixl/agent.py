@@ -1,10 +1,10 @@
 """One end's NIXL agent: the library, the environment UCX reads, registered regions, one-sided transfers.
 
-    agent = Agent(name, backend="UCX", ucx_tls="tcp,shm", host="127.0.0.1", device=cache.device)
+    agent = Agent(name, backend="UCX", ucx_tls="tcp,shm", host="127.0.0.1", device=cache.device, workers=2)
     region = agent.register(tensor)                  # a whole tensor, once: DRAM on CPU, VRAM on CUDA
     peer = agent.load_peer(metadata)                 # the other end's agent (again: its new regions)
     xfer = agent.post("READ", local, remote, peer)   # Nx3 (address, bytes, device) descriptor arrays
-    agent.state(xfer) -> "PROC" | "DONE" | "ERR";  agent.release(xfer)
+    agent.state(xfer) -> "PROC" | "DONE" | "ERR";  agent.release(xfer)     # any thread, one at a time per xfer
     agent.notifications() -> {peer: [bytes]}
 
 The library is imported on first use: ``nixl_cu13`` (what ``pip install 'pdserve[nixl]'`` installs), else
@@ -16,6 +16,11 @@ interface holding its bind address, unless set already), ``UCX_TCP_TX_SEG_SIZE``
 metadata listener (it binds every interface) is never started: metadata travels over the transport's
 authenticated control connection. The Python API starts its progress thread busy-polling (a whole core
 per agent); agents here wait on the UCX worker's events instead, with a periodic wake-up.
+
+An agent has ``workers`` UCX workers and takes NIXL's reader-writer lock (``NIXL_THREAD_SYNC_RW``): transfers
+are posted and polled under a shared lock, registrations and peers change under an exclusive one. Transfers
+posted from different threads then run on different workers at once: over shared memory a READ copies (CMA)
+on the thread that posts it, so one worker is one core's copy, two are two.
 """
 
 from __future__ import annotations
@@ -149,7 +154,8 @@ _CONFIG_LOCK = threading.Lock()
 
 def _event_driven_agent(api, name: str):
     """A ``nixl_agent`` whose progress thread waits on events (``pthrDelay`` > 0); the Python API hard-codes 0,
-    a busy poll. The agent is built through the API with its config class swapped for one that keeps our delay."""
+    a busy poll. The agent is built through the API with its config class swapped for one that keeps our delay.
+    Its lock is the reader-writer one (see the module docstring)."""
     bindings = api.nixlBind
     real = bindings.nixlAgentConfig
 
@@ -158,7 +164,7 @@ def _event_driven_agent(api, name: str):
             super().__setattr__(key, PROGRESS_WAKE_US if key == "pthrDelay" else value)
 
     config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[],
-                                   sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+                                   sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
     with _CONFIG_LOCK:
         bindings.nixlAgentConfig = _Config
         try:
@@ -167,14 +173,27 @@ def _event_driven_agent(api, name: str):
             bindings.nixlAgentConfig = real
 
 
+class Transfer:
+    """One posted READ or WRITE. Its handle is used by one thread at a time and never after its release:
+    checking a handle's state walks and relinks the handle's own request list inside NIXL, unguarded under
+    the reader-writer lock, and a released handle is freed memory."""
+
+    __slots__ = ("handle", "lock", "last")
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self.lock = threading.Lock()
+        self.last = "PROC"
+
+
 class Agent:
     def __init__(self, name: str, *, backend: str = "UCX", ucx_tls: str = "tcp,shm", host: str = "127.0.0.1",
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", workers: int = 2) -> None:
         configure_environment(ucx_tls, host, torch.device(device))
         api = load_api()
         self.name, self.backend = name, backend
         self._agent = _event_driven_agent(api, name)
-        self._agent.create_backend(backend, {})
+        self._agent.create_backend(backend, {"num_workers": str(workers)})
         self._registered: list = []
         self._lock = threading.Lock()
 
@@ -184,6 +203,10 @@ class Agent:
         if agent is None:
             raise RuntimeError(f"nixl agent {self.name} is closed")
         return agent
+
+    def backend_params(self) -> dict[str, str]:
+        """The backend's parameters as the library reports them (``num_workers`` among them for UCX)."""
+        return dict(self._live.get_backend_params(self.backend))
 
     # --- memory and peers -------------------------------------------------------------
     def register(self, tensor: torch.Tensor) -> Region:
@@ -221,33 +244,45 @@ class Agent:
 
     # --- transfers --------------------------------------------------------------------
     def post(self, op: str, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str, peer: str,
-             notif: bytes = b""):
+             notif: bytes = b"") -> Transfer:
         """Start ``op`` ("READ": remote -> local, "WRITE": local -> remote) over paired descriptors.
 
         ``local`` / ``remote``: uint64 [N, 3] rows (address, bytes, device id), row i of one matching row i
-        of the other. Returns the transfer handle; RuntimeError when it cannot start.
+        of the other. Returns the transfer; RuntimeError when it cannot start.
         """
         local_descs = self._live.get_xfer_descs(local, local_mem)
         remote_descs = self._live.get_xfer_descs(remote, remote_mem)
-        xfer = self._live.initialize_xfer(op, local_descs, remote_descs, peer, notif)
-        if self._live.transfer(xfer) == "ERR":
+        xfer = Transfer(self._live.initialize_xfer(op, local_descs, remote_descs, peer, notif))
+        with xfer.lock:
+            started = self._live.transfer(xfer.handle)
+        if started == "ERR":
             self.release(xfer)
             raise RuntimeError(f"nixl {op} to {peer} failed to start")
         return xfer
 
-    def state(self, xfer) -> str:
-        """"PROC", "DONE" or "ERR" (a peer that went away, or a handle the agent no longer knows)."""
-        try:
-            return self._live.check_xfer_state(xfer)
-        except Exception:
-            return "ERR"
+    def state(self, xfer: Transfer) -> str:
+        """"PROC", "DONE" or "ERR" (a peer that went away, or a handle the agent no longer knows); a released
+        transfer keeps the state it was released in."""
+        with xfer.lock:
+            if xfer.handle is None:
+                return xfer.last
+            try:
+                xfer.last = self._live.check_xfer_state(xfer.handle)
+            except Exception:
+                xfer.last = "ERR"
+            return xfer.last
 
-    def release(self, xfer) -> None:
-        """Release a settled handle (an unsettled one may still move bytes: see the receiver's held blocks)."""
-        try:
-            self._live.release_xfer_handle(xfer)
-        except Exception as exc:
-            log.debug("nixl: releasing a transfer handle: %s", exc)
+    def release(self, xfer: Transfer) -> None:
+        """Release a settled transfer (an unsettled one may still move bytes: see the receiver's held blocks);
+        again is a no-op."""
+        with xfer.lock:
+            handle, xfer.handle = xfer.handle, None
+            if handle is None:
+                return
+            try:
+                self._live.release_xfer_handle(handle)
+            except Exception as exc:
+                log.debug("nixl: releasing a transfer handle: %s", exc)
 
     def notifications(self) -> dict[str, list[bytes]]:
         return self._live.get_new_notifs()

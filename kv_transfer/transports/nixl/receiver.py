@@ -63,7 +63,6 @@ log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256
 MAX_CARRIED = 1024          # transfer ids a connection remembers (pruned to the active ones beyond)
 MAX_PEER_CACHES = 8         # caches one sender may announce
-READ_THREADS = 2            # READs started at once (a shared-memory READ copies on the thread that starts it)
 POLL_S = 0.0005             # progress poll while transfers are in flight
 IDLE_WAIT_S = 0.05
 PUSH_DRAIN_S = 1.0          # after a push sender's connection closed, its unfinished WRITEs are over
@@ -188,7 +187,7 @@ class _Conn:
 class NixlReceiver(BaseReceiver):
     def __init__(self, layout, kv_cache, allocator, *, host: str = "127.0.0.1", port: int = 0, mode: str = "pull",
                  ucx_tls: str = "tcp,shm", backend: str = "UCX", staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 max_connections: int = MAX_CONNECTIONS, verify_threads: int = 2,
+                 workers: int = 2, max_connections: int = MAX_CONNECTIONS, verify_threads: int = 2,
                  hello_timeout_s: float = HELLO_TIMEOUT_S, **kwargs):
         if mode not in MODES:
             raise ValueError(f"nixl mode must be one of {MODES}, got {mode!r}")
@@ -200,7 +199,7 @@ class NixlReceiver(BaseReceiver):
         super().__init__(layout, kv_cache, self.held, **kwargs)
         self.mode, self.max_connections, self.hello_timeout_s = mode, max_connections, hello_timeout_s
         self.agent = Agent(f"pdkv-decode-{uuid.uuid4().hex[:12]}", backend=backend, ucx_tls=ucx_tls, host=host,
-                           device=kv_cache.device)
+                           device=kv_cache.device, workers=workers)
         self.cache = CacheShape.of(self.agent.register(cells.memory), cells)
         in_place = get_codec(self.codec).as_stored  # chunks are the cache's own cells: READ straight into them
         self.staging = None if in_place else StagingArena(staging_bytes, kv_cache.device)
@@ -215,7 +214,7 @@ class NixlReceiver(BaseReceiver):
         self._inflight: list[_Chunk] = []
         self._progress_cond = threading.Condition()
         self._verifiers = ThreadPoolExecutor(max_workers=verify_threads, thread_name_prefix="kv-nixl-verify")
-        self._readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="kv-nixl-read")
+        self._readers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-nixl-read")
         self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                               backlog=128)
         bound = self._listener.getsockname()[1]

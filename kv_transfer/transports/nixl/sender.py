@@ -253,15 +253,15 @@ class _Link:
 class NixlSender(BaseSender):
     def __init__(self, layout, *, kv_cache: torch.Tensor | None = None, host: str = "127.0.0.1", mode: str = "pull",
                  ucx_tls: str = "tcp,shm", backend: str = "UCX", staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 device: torch.device | str | None = None, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 **kwargs) -> None:
+                 workers: int = 2, device: torch.device | str | None = None,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S, **kwargs) -> None:
         if mode not in MODES:
             raise ValueError(f"nixl mode must be one of {MODES}, got {mode!r}")
         super().__init__(layout, **kwargs)
         self.mode, self.connect_timeout_s = mode, connect_timeout_s
         device = kv_cache.device if kv_cache is not None else torch.device(device or "cpu")
         self.agent = Agent(f"pdkv-prefill-{uuid.uuid4().hex[:12]}", backend=backend, ucx_tls=ucx_tls, host=host,
-                           device=device)
+                           device=device, workers=workers)
         self._key = hello_key(self.token)
         self._caches: OrderedDict[tuple[int, int], _Cache] = OrderedDict()
         self._cache_ids = 0
