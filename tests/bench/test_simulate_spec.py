@@ -6,6 +6,7 @@ import math
 import pytest
 
 from bench.serving.workloads import make_workload
+from bench.simulate import cli
 from bench.simulate.hardware import Hardware
 from bench.simulate.measured import MeasuredModel
 from bench.simulate.models import model_config
@@ -220,3 +221,16 @@ def test_a_measured_profile_prices_a_verify_step_from_its_speculative_points():
     assert model.step_s([Chunk(1, 128)] * 8) == pytest.approx(0.0036)
     with pytest.raises(ValueError, match="--spec-acceptance"):
         speculation_for(cfg, TINY, {**data, "speculative": {**data["speculative"], "acceptance": None}})
+
+
+def test_cli_prints_the_speculation_and_refuses_a_run_without_an_acceptance(capsys):
+    base = ["--hardware", "H100-SXM", "--model", "llama-3-8b", "--workload", "chat", "--num-requests", "12",
+            "--rate", "4"]
+    assert cli.main([*base, "--compare", "colocated-chunked,colocated-spec"]) == 2
+    assert "--spec-acceptance" in capsys.readouterr().err
+    assert cli.main([*base, "--compare", "colocated-chunked,colocated-spec", "--spec-acceptance", "0.6"]) == 0
+    out = capsys.readouterr()
+    assert "speculative decoding (colocated-spec): ngram, k = 4 (adaptive), acceptance 0.60" in out.err
+    assert "colocated-spec" in out.out
+    assert cli.main([*base, "--spec-acceptance", "0.6"]) == 2          # speculation off in every variant
+    assert "speculative.method" in capsys.readouterr().err
