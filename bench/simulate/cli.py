@@ -38,9 +38,11 @@ from bench.serving.slo_scale import ATTAINMENT, max_rate_rps, rates_around
 from bench.serving.sweep import print_points
 from bench.serving.tables import lengths_line, table
 from bench.serving.workloads import MULTI_TURN, describe, make_conversations, make_workload
+from bench.simulate.measured import MeasuredModel
 from bench.simulate.plan_profile import search_with_model, usable_degrees
 from bench.simulate.run import SimRun, simulate
 from bench.simulate.sim_control import ACTOR_START_S
+from bench.simulate.sim_spec import describe_speculation, speculation_for
 from bench.simulate.step_time import PoolModels, StepTimeModel
 from deploy.config import ConfigError
 from deploy.launcher import tensor_parallel_degrees
@@ -137,7 +139,6 @@ def time_model(args: argparse.Namespace, cfg) -> tuple[StepTimeModel, ModelConfi
         model = RooflineModel(Hardware.load(args.hardware), shape, dtype=args.dtype, inter_node=not args.intra_node,
                               model_name=args.model or cfg.model.name)         # degree 1: at_degree gives the rest
         return model, shape
-    from bench.simulate.measured import MeasuredModel
     from deploy.profiler import default_profile_path
     from engine.model.presets import resolve_model
     path = args.profile or default_profile_path(cfg)
@@ -151,8 +152,6 @@ def speculation_of_variants(args: argparse.Namespace, variants: list[str], model
     """Each variant's speculative decoding as its actors will run it (`sim_spec.speculation_for`), printed in
     the report's header; ValueError where it is on without an acceptance, or where --spec-acceptance is given
     and every variant has it off."""
-    from bench.simulate.measured import MeasuredModel
-    from bench.simulate.sim_spec import describe, speculation_for
     if args.spec_acceptance is not None and not 0.0 <= args.spec_acceptance <= 1.0:
         raise ValueError(f"--spec-acceptance {args.spec_acceptance:g}: an acceptance rate is accepted / proposed "
                          "tokens, between 0 and 1")
@@ -164,7 +163,7 @@ def speculation_of_variants(args: argparse.Namespace, variants: list[str], model
         spec = speculation_for(cfg, shape, profile, args.spec_acceptance)
         if spec is not None:
             source = "--spec-acceptance" if args.spec_acceptance is not None else "the profile's measurement"
-            print(f"speculative decoding ({variant}): {describe(spec)}, from {source}", file=sys.stderr)
+            print(f"speculative decoding ({variant}): {describe_speculation(spec)}, from {source}", file=sys.stderr)
             out[variant] = {"method": spec.method, "num_tokens": spec.num_tokens, "adaptive": spec.adaptive,
                             "acceptance": spec.acceptance, "per_token_acceptance": spec.alpha,
                             "draft_cost": spec.draft_cost}
@@ -272,8 +271,10 @@ def sweep_split(args, specs: list) -> dict:
         raise ValueError(f"--tp {args.tp}: no degree an actor of this model can run at")
     search = ParallelismSearch(n, tuple(degrees))
     flat = [s for s in specs if hasattr(s, "output_len")]
+    profile = model.profile.data if isinstance(model, MeasuredModel) else None
+    speculation = speculation_for(cfg, shape, profile, args.spec_acceptance)
     planned = search_with_model(cfg, model, shape, flat, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3,
-                                search) if flat else []
+                                search, speculation) if flat else []
     predicted = {(c.prefill_degree, c.n_prefill, c.decode_degree, c.n_decode): c.goodput_per_device for c in planned}
     every = [(a, n_p, b, n_d) for a in degrees for b in degrees for n_p in range(1, (n - b) // a + 1)
              for n_d in range(1, (n - n_p * a) // b + 1)]

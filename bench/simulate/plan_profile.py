@@ -123,19 +123,22 @@ def usable_degrees(model: StepTimeModel, degrees: tuple[int, ...], block_size: i
 
 
 def search_with_model(cfg, model: StepTimeModel, shape: ModelConfig, specs: list[RequestSpec], slo_ttft_s: float,
-                      slo_tpot_s: float, search: ParallelismSearch) -> list[Parallelism]:
+                      slo_tpot_s: float, search: ParallelismSearch,
+                      speculation: Speculation | None = None) -> list[Parallelism]:
     """`pdserve plan --devices N --tp …`'s search (`deploy.planner.search_parallelism`) over `model`'s seconds:
     the profile holds the model's points at every degree searched, so the planner's `DegreeModel` reads them
     rather than predicting; a decode actor's KV budget at each degree is the model's (`kv_blocks`: each rank's
     memory after its share of the weights). The link is the degree-1 handoff's, as the planner has one link
-    for all degrees."""
+    for all degrees. With the decode actors' `speculation`, the planner prices their decode step as
+    `pdserve plan` does (`PerformanceModel.token_seconds`), from the model's speculative steps."""
     s_in = sum(s.prompt_len for s in specs) / len(specs)
     s_out = sum(s.output_len for s in specs) / len(specs)
     block_size = cfg.pool_kv_cache("decode").block_size
     degrees, _ = usable_degrees(model, search.degrees, block_size)
     if not degrees:
         return []
-    profile = MeasuredPerformance(profile_of(model, shape, (128, round(s_in + s_out / 2)), tuple(degrees)))
+    profile = MeasuredPerformance(profile_of(model, shape, (128, round(s_in + s_out / 2)), tuple(degrees),
+                                             speculation), speculation)
     blocks = {d: model.at_degree("decode", d).kv_blocks(block_size) for d in degrees}
     configured = engine_args(cfg, "decode", cfg.model.name, shape).num_blocks     # (a budget the config sets)
     limits = Limits(configured, block_size, cfg.pools.decode.max_batch_size)

@@ -103,7 +103,7 @@ def draft_cost(cfg: PDServeConfig, shape: ModelConfig) -> float:
     return ModelCosts.of(draft, 2).weight_bytes / ModelCosts.of(shape, 2).weight_bytes
 
 
-def describe(spec: Speculation) -> str:
+def describe_speculation(spec: Speculation) -> str:
     """"ngram, k = 4 (adaptive), acceptance 0.60 (per token 0.71)" for the report."""
     how = "adaptive" if spec.adaptive else "fixed"
     cost = f", draft forward {spec.draft_cost:.3g}× a step" if spec.method == "draft" else ""
