@@ -170,9 +170,7 @@ class SimEngine(Engine):
 
     def draw(self, logits, seqs: list[Request]) -> tuple[list[int], list]:
         """Each sequence's `target_token` at its next position."""
-        span = self.vocab_size - FIRST_TOKEN_ID
-        tokens = [FIRST_TOKEN_ID + (seq.seed + 7919 * len(seq.output_token_ids)) % span for seq in seqs]
-        return tokens, [None] * len(seqs)
+        return [self.target_token(seq, len(seq.output_token_ids)) for seq in seqs], [None] * len(seqs)
 
     def accepted_tokens(self, logits, req: Request) -> list[int]:
         """The proposals that are the target's tokens, up to the first that is not, then the target's own
