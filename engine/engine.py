@@ -473,7 +473,7 @@ class Engine:
         """`req`'s tokens from its 1 + k rows (engine/spec/verify.py), processed in order until one ends
         it; then the KV of the proposals it did not keep is rolled back."""
         num_proposed = len(req.spec_token_ids)
-        tokens = accept(logits, req, self.output.eos)
+        tokens = self.accepted_tokens(logits, req)
         logprobs = self._logprobs(logits[:len(tokens)], [req] * len(tokens), tokens)
         self.speculator.verified(req, num_proposed, len(tokens) - 1)
         outs = []
@@ -483,6 +483,12 @@ class Engine:
                 break
         self.scheduler.settle(req, len(outs) - 1)
         return merge_outputs(outs)
+
+    def accepted_tokens(self, logits, req: Request) -> list[int]:
+        """The tokens `req` keeps from its 1 + k verification rows `logits`: the proposals the target accepts,
+        then its own next token (engine/spec/verify.py). Like `draw`, the one place the step reads tokens
+        off logits for a verifying sequence."""
+        return accept(logits, req, self.output.eos)
 
     def draw(self, logits, seqs: list[Request]) -> tuple[list[int], list]:
         """Each sequence's next token from its logits row (the sampler's fixed order), and its

@@ -5,12 +5,17 @@
     pdserve simulate --hardware A100-80GB --model opt-13b --sweep split --devices 8 --workload chat
     pdserve simulate --hardware H100-SXM --model llama-3-70b --sweep split --devices 8 --tp 1,2,4
     pdserve simulate --profile ~/.cache/pdserve/profiles/tiny-….json --workload chat --rate 1 --json out.json
+    pdserve simulate --hardware H100-SXM --model llama-3-8b --workload chat --rate 8 \
+        --compare colocated-chunked,colocated-spec --spec-acceptance 0.6
 
 Time comes from a measured profile of this machine (`--profile`, default: the config's cached one,
 written by `pdserve profile`) or from a roofline of `--hardware` (a shipped name or a YAML file) and the
 `--model` (a model directory or a shipped shape). The router, the workers, their schedulers and block
 managers are pdserve's own (bench/simulate/sim_cluster.py); the report is `pdserve bench serve`'s.
 Each pool's actors run at its `pools.<pool>.tensor_parallel` (`--set`, or `--tensor-parallel N` for all).
+With `speculative:` on (the config, `--set speculative.method=ngram`, or a `-spec` variant), decode and
+colocated actors speculate as the engine does, their proposals accepted at `--spec-acceptance` (else the
+profile's measurement; bench/simulate/sim_spec.py).
 
     --sweep rate    each variant at rates around the first one's capacity: SLO attainment per rate and
                     the highest rate held at >= 90% (DistServe's goodput)
@@ -33,9 +38,11 @@ from bench.serving.slo_scale import ATTAINMENT, max_rate_rps, rates_around
 from bench.serving.sweep import print_points
 from bench.serving.tables import lengths_line, table
 from bench.serving.workloads import MULTI_TURN, describe, make_conversations, make_workload
+from bench.simulate.measured import MeasuredModel
 from bench.simulate.plan_profile import search_with_model, usable_degrees
 from bench.simulate.run import SimRun, simulate
 from bench.simulate.sim_control import ACTOR_START_S
+from bench.simulate.sim_spec import describe_speculation, speculation_for
 from bench.simulate.step_time import PoolModels, StepTimeModel
 from deploy.config import ConfigError
 from deploy.launcher import tensor_parallel_degrees
@@ -44,7 +51,8 @@ from engine.model.config import ModelConfig
 
 VARIANT_MODES = {"disaggregated": ("disaggregated", True), "disaggregated-no-reuse": ("disaggregated", True),
                  "colocated": ("colocated", False), "colocated-chunked": ("colocated", True),
-                 "auto": ("disaggregated", True)}
+                 "auto": ("disaggregated", True), "disaggregated-spec": ("disaggregated", True),
+                 "colocated-spec": ("colocated", True)}
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "tpot_p99_s", "goodput_rps",
            "slo_attainment", "request_throughput_rps")
 
@@ -77,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "pools.decode.tensor_parallel=N")
     t.add_argument("--intra-node", action="store_true", help="with --hardware: KV moves over the node's "
                    "GPU link (NVLink) instead of the network between nodes")
+    t.add_argument("--spec-acceptance", type=float, metavar="A", help="with speculative decoding (speculative."
+                   "method, or a -spec variant: ngram): the proposals' acceptance rate, accepted / proposed tokens "
+                   "at speculative.num_tokens per step, 0..1 (default: the profile's measurement)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="mixed", help="chat | rag | mixed | shared-prefix | multi-turn | phases "
                    "(chat → rag → chat) | FILE.jsonl")
@@ -128,7 +139,6 @@ def time_model(args: argparse.Namespace, cfg) -> tuple[StepTimeModel, ModelConfi
         model = RooflineModel(Hardware.load(args.hardware), shape, dtype=args.dtype, inter_node=not args.intra_node,
                               model_name=args.model or cfg.model.name)         # degree 1: at_degree gives the rest
         return model, shape
-    from bench.simulate.measured import MeasuredModel
     from deploy.profiler import default_profile_path
     from engine.model.presets import resolve_model
     path = args.profile or default_profile_path(cfg)
@@ -136,6 +146,31 @@ def time_model(args: argparse.Namespace, cfg) -> tuple[StepTimeModel, ModelConfi
         raise ValueError(f"no measured profile at {path}: run `pdserve profile --local` for this config, pass "
                          "--profile FILE, or simulate a GPU with --hardware")
     return MeasuredModel.from_file(path), ModelConfig.from_dir(resolve_model(cfg.model.name))
+
+
+def speculation_of_variants(args: argparse.Namespace, variants: list[str], model: StepTimeModel) -> dict:
+    """Each variant's speculative decoding as its actors will run it (`sim_spec.speculation_for`), printed in
+    the report's header; ValueError where it is on without an acceptance, or where --spec-acceptance is given
+    and every variant has it off."""
+    if args.spec_acceptance is not None and not 0.0 <= args.spec_acceptance <= 1.0:
+        raise ValueError(f"--spec-acceptance {args.spec_acceptance:g}: an acceptance rate is accepted / proposed "
+                         "tokens, between 0 and 1")
+    profile = model.profile.data if isinstance(model, MeasuredModel) else None
+    out = {}
+    for variant in variants:
+        cfg = variant_config(args, variant)
+        _, shape = time_model(args, cfg)
+        spec = speculation_for(cfg, shape, profile, args.spec_acceptance)
+        if spec is not None:
+            source = "--spec-acceptance" if args.spec_acceptance is not None else "the profile's measurement"
+            print(f"speculative decoding ({variant}): {describe_speculation(spec)}, from {source}", file=sys.stderr)
+            out[variant] = {"method": spec.method, "num_tokens": spec.num_tokens, "adaptive": spec.adaptive,
+                            "acceptance": spec.acceptance, "per_token_acceptance": spec.alpha,
+                            "draft_cost": spec.draft_cost}
+    if args.spec_acceptance is not None and not out:
+        raise ValueError("--spec-acceptance: speculative.method is off in every variant (set it with --set "
+                         "speculative.method=ngram, or compare a -spec variant: colocated-spec, disaggregated-spec)")
+    return out
 
 
 def workload(args: argparse.Namespace, prompt_len: int | None = None, output_len: int | None = None) -> list:
@@ -162,7 +197,8 @@ def run_one(args, variant: str, specs: list, rate: float, counts: dict | None = 
     run = simulate(cfg, model, shape, specs, rate=rate, mode=mode, chunked=chunked, seed=args.seed,
                    burstiness=args.burstiness, slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=args.slo_tpot_ms / 1e3,
                    counts=counts, label=label or variant, progress=args.progress, timeout_s=args.timeout,
-                   autoscale=autoscale_settings(args), actor_start_s=args.actor_start_s)
+                   autoscale=autoscale_settings(args), actor_start_s=args.actor_start_s,
+                   spec_acceptance=args.spec_acceptance)
     s = run.summary
     print(f"{run.label} @ {rate:g} req/s: TTFT p50 {s['ttft_p50_s'] * 1e3:.1f} ms, TPOT p50 "
           f"{s['tpot_p50_s'] * 1e3:.2f} ms, SLO attainment {s['slo_attainment'] * 100:.0f}% "
@@ -235,8 +271,10 @@ def sweep_split(args, specs: list) -> dict:
         raise ValueError(f"--tp {args.tp}: no degree an actor of this model can run at")
     search = ParallelismSearch(n, tuple(degrees))
     flat = [s for s in specs if hasattr(s, "output_len")]
+    profile = model.profile.data if isinstance(model, MeasuredModel) else None
+    speculation = speculation_for(cfg, shape, profile, args.spec_acceptance)
     planned = search_with_model(cfg, model, shape, flat, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3,
-                                search) if flat else []
+                                search, speculation) if flat else []
     predicted = {(c.prefill_degree, c.n_prefill, c.decode_degree, c.n_decode): c.goodput_per_device for c in planned}
     every = [(a, n_p, b, n_d) for a in degrees for b in degrees for n_p in range(1, (n - b) // a + 1)
              for n_d in range(1, (n - n_p * a) // b + 1)]
@@ -387,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                               VARIANT_MODES[variants[0]][0] == "colocated")
         print(f"time model: {model.name}" + ("" if args.sweep == "split" or set(pools.degrees.values()) == {1} else
                                              f"; {pools.describe()}"), file=sys.stderr)
+        speculation = speculation_of_variants(args, variants, model)
         if args.sweep == "ratio":
             result = sweep_ratio(args)
         else:
@@ -411,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result.update(time_model=model.name, workload=args.workload, rate=args.rate, seed=args.seed,
-                  slo={"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms})
+                  slo={"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, speculation=speculation)
     if args.plot:
         path = plot(result, args.plot, f"{args.workload}, {model.name}")
         if path:

@@ -6,10 +6,14 @@ the decode step's seconds by batch and context, and the KV link's measured trans
 simulated scheduler is priced from those points:
 
     decode rows (1 new token each)     decode_step_seconds(rows, their mean context)
+    decode rows verifying proposals    spec_step_seconds(rows, their mean context, their mean proposals)
     each prefill chunk (n tokens → c)  prefill_seconds(c) − prefill_seconds(c − n)   (its share of the prompt)
     a mixed step                       the sum of both
     a step of prefill chunks alone     also the serving path's fixed cost of a step
 
+(the speculative step: the profile's measured one where it has points for the actor's method, the
+draft's proposing timed in; else `engine.performance`'s estimate, a plain step of rows · (1 + k) plus
+the draft's forwards — exactly what the planner predicts from the same profile.)
 (the profile's answers include its serving-path calibration, `bench.serving.plan_check --calibrate`:
 time factors and the fixed costs of a step and of a handoff). The link moves wire bytes at the
 measured wire bytes per second (through the configured transport and codec, encode and decode
@@ -26,7 +30,7 @@ from collections.abc import Sequence
 
 from bench.simulate.step_time import Chunk, StepTimeModel
 from deploy.profiler import load_profile
-from engine.performance import MeasuredPerformance
+from engine.performance import MeasuredPerformance, Speculation
 
 DEFAULT_LINK_BYTES_PER_S = 1e9      # a profile without a link measurement
 
@@ -57,14 +61,24 @@ class MeasuredModel(StepTimeModel):
     def from_file(cls, path: str) -> MeasuredModel:
         return cls(MeasuredPerformance(load_profile(path)), f"measured: {path}")
 
+    def with_speculation(self, speculation: Speculation) -> MeasuredModel:
+        """The profile's speculative steps (or its estimate of them) for `speculation`'s method."""
+        model = MeasuredModel(MeasuredPerformance(self.profile.data, speculation), self.name)
+        model.speculation = speculation
+        return model
+
     def step_s(self, chunks: Sequence[Chunk]) -> float:
-        decode = [c.context for c in chunks if c.new_tokens == 1]
+        decode = [c for c in chunks if c.new_tokens - c.proposals == 1]
         if decode:           # (the serving path's fixed cost of a step is in the decode step's time)
-            seconds = self.profile.decode_step_seconds(len(decode), sum(decode) / len(decode))
+            batch = len(decode)
+            context = sum(c.context - c.proposals for c in decode) / batch
+            proposals = sum(c.proposals for c in decode) / batch
+            seconds = self.profile.spec_step_seconds(batch, context, proposals) if proposals else \
+                self.profile.decode_step_seconds(batch, context)
         else:
             seconds = self.profile.step_overhead_s
         for c in chunks:
-            if c.new_tokens > 1:
+            if c.new_tokens - c.proposals > 1:
                 seconds += self.profile.prefill_share_seconds(c.context, c.new_tokens)
         return seconds
 

@@ -16,16 +16,17 @@ from deploy.planner import SLO, Limits, Network, Parallelism, Plan, Workload, pl
 from deploy.profiler import DECODE_BATCHES, PROFILE_VERSION
 from engine.cost_model import ModelCosts
 from engine.model.config import ModelConfig
-from engine.performance import MeasuredPerformance, PerformanceModel
+from engine.performance import MeasuredPerformance, PerformanceModel, Speculation
 
 PREFILL_POINTS = (128, 512, 1024, 2048, 4096, 8192)
 
 
 def profile_of(model: StepTimeModel, shape: ModelConfig, contexts: tuple[int, ...],
-               degrees: tuple[int, ...] = ()) -> dict:
+               degrees: tuple[int, ...] = (), speculation: Speculation | None = None) -> dict:
     """A profile (deploy.profiler's format) whose points are the model's seconds; with `degrees`, also both
     pools' points at each of those tensor-parallel degrees (the `"degrees"` section `pdserve profile --tp`
-    writes), from `model.at_degree`."""
+    writes), from `model.at_degree`; with `speculation`, the speculative steps at 1 and k proposals per
+    sequence (`"speculative"`, as `pdserve profile` measures them), the proposing included."""
     dtype_bytes = max(round(model.kv_bytes_per_token / max(shape.kv_bytes_per_token(1), 1)), 1)
     costs = ModelCosts.of(shape, dtype_bytes)
     engine = {"costs": costs.to_dict()}
@@ -35,6 +36,11 @@ def profile_of(model: StepTimeModel, shape: ModelConfig, contexts: tuple[int, ..
                "decode": {"engine": engine, "points": _decode_points(model, costs, contexts)},
                "transfer": {"kv_bytes": probe, "wire_bytes": probe, "seconds": model.link_s(probe),
                             "kv_bytes_per_s": probe / model.link_s(probe)}}
+    if speculation is not None:
+        spec_model = model.with_speculation(speculation)
+        profile["speculative"] = {"method": speculation.method, "num_tokens": speculation.num_tokens,
+                                  "adaptive": speculation.adaptive, "acceptance": None,
+                                  "points": _spec_points(spec_model, costs, contexts, speculation.num_tokens)}
     above = [d for d in degrees if d > 1]
     if above:
         profile["degrees"] = {str(d): {
@@ -64,13 +70,23 @@ def _decode_points(model: StepTimeModel, costs: ModelCosts, contexts: tuple[int,
     return decode
 
 
-def performance_of(model: StepTimeModel, shape: ModelConfig, cfg) -> PerformanceModel:
+def _spec_points(model: StepTimeModel, costs: ModelCosts, contexts: tuple[int, ...], k: int) -> list[dict]:
+    """The decode points again with exactly 1 and exactly k proposals per sequence."""
+    return [{"batch": b, "context": c, "num_tokens": j, "seconds": model.step_s([Chunk(1 + j, c + j, j)] * b),
+             "flops": costs.decode_flops(b * (1 + j), c)}
+            for j in sorted({1, k}) for c in sorted(set(contexts)) for b in DECODE_BATCHES]
+
+
+def performance_of(model: StepTimeModel, shape: ModelConfig, cfg,
+                   speculation: Speculation | None = None) -> PerformanceModel:
     """The performance model the simulated router and autoscaler ask: the measured profile of a `MeasuredModel`,
-    else a profile written from the time model at the config's workload context."""
+    else a profile written from the time model at the config's workload context; with the decode actors'
+    `speculation`, as `deploy.performance.base_model` gives a real router its own."""
     if isinstance(model, MeasuredModel):
-        return model.profile
+        return MeasuredPerformance(model.profile.data, speculation)
     w = cfg.workload
-    return MeasuredPerformance(profile_of(model, shape, (128, round(w.input_tokens_mean + w.output_tokens_mean / 2))))
+    contexts = (128, round(w.input_tokens_mean + w.output_tokens_mean / 2))
+    return MeasuredPerformance(profile_of(model, shape, contexts, speculation=speculation), speculation)
 
 
 def plan_with_model(cfg, model: StepTimeModel, shape: ModelConfig, specs: list[RequestSpec], rate: float,
@@ -107,19 +123,22 @@ def usable_degrees(model: StepTimeModel, degrees: tuple[int, ...], block_size: i
 
 
 def search_with_model(cfg, model: StepTimeModel, shape: ModelConfig, specs: list[RequestSpec], slo_ttft_s: float,
-                      slo_tpot_s: float, search: ParallelismSearch) -> list[Parallelism]:
+                      slo_tpot_s: float, search: ParallelismSearch,
+                      speculation: Speculation | None = None) -> list[Parallelism]:
     """`pdserve plan --devices N --tp …`'s search (`deploy.planner.search_parallelism`) over `model`'s seconds:
     the profile holds the model's points at every degree searched, so the planner's `DegreeModel` reads them
     rather than predicting; a decode actor's KV budget at each degree is the model's (`kv_blocks`: each rank's
     memory after its share of the weights). The link is the degree-1 handoff's, as the planner has one link
-    for all degrees."""
+    for all degrees. With the decode actors' `speculation`, the planner prices their decode step as
+    `pdserve plan` does (`PerformanceModel.token_seconds`), from the model's speculative steps."""
     s_in = sum(s.prompt_len for s in specs) / len(specs)
     s_out = sum(s.output_len for s in specs) / len(specs)
     block_size = cfg.pool_kv_cache("decode").block_size
     degrees, _ = usable_degrees(model, search.degrees, block_size)
     if not degrees:
         return []
-    profile = MeasuredPerformance(profile_of(model, shape, (128, round(s_in + s_out / 2)), tuple(degrees)))
+    profile = MeasuredPerformance(profile_of(model, shape, (128, round(s_in + s_out / 2)), tuple(degrees),
+                                             speculation), speculation)
     blocks = {d: model.at_degree("decode", d).kv_blocks(block_size) for d in degrees}
     configured = engine_args(cfg, "decode", cfg.model.name, shape).num_blocks     # (a budget the config sets)
     limits = Limits(configured, block_size, cfg.pools.decode.max_batch_size)

@@ -4,7 +4,8 @@ For one step of chunks (n_i new tokens each, attending over c_i tokens), T = Σ 
 
     FLOPs   = 2·P·T                               matmuls of the decoder layers (P: engine.cost_model)
             + 4·L·d·Σ (n_i·c_i − n_i(n_i−1)/2)    attention: QKᵀ and PV, 2·d each per causal pair
-            + 2·V·h·(number of chunks)            the LM head, one sampled row per chunk
+            + 2·V·h·(number of scored rows)       the LM head: one sampled row per chunk, 1 + k for a
+                                                  chunk verifying k proposals
     bytes   = W                                   the weights a step reads (engine.cost_model), once
             + Σ c_i·kv + T·kv                     the KV read over each context, the new tokens' KV written
 
@@ -12,7 +13,11 @@ For one step of chunks (n_i new tokens each, attending over c_i tokens), T = Σ 
 left out: at the batch sizes that matter they are a small share of the weights and KV.
 
     step_s  = max(FLOPs / tp / (peak·compute_efficiency), bytes per rank / (bandwidth·memory_efficiency))
-            + step_overhead_s + all-reduces
+            + step_overhead_s + all-reduces (+ the draft's proposing, `StepTimeModel.proposing_s`)
+
+A step verifying proposals is priced like any other: its rows read the weights once for all of
+them (the reason speculation pays while decode is bound by memory), and they cost their FLOPs, KV
+and LM-head rows.
 
 With tensor parallelism every rank holds 1/tp of the weights and of the KV heads (a KV head is
 replicated when tp exceeds the KV heads) and does 1/tp of the FLOPs; the ranks meet in 2 all-reduces
@@ -110,15 +115,20 @@ class RooflineModel(StepTimeModel):
         compute_s = self.step_flops(chunks) / self.tensor_parallel / self.flops_per_s
         memory_s = self.rank_bytes(chunks) / self.bytes_per_s
         num_tokens = sum(c.new_tokens for c in chunks)
-        return max(compute_s, memory_s) + self.hardware.step_overhead_s + self.all_reduce_s(num_tokens)
+        seconds = max(compute_s, memory_s) + self.hardware.step_overhead_s + self.all_reduce_s(num_tokens)
+        if self.speculation is not None:
+            seconds += self.proposing_s(chunks)
+        return seconds
 
     def step_flops(self, chunks: Sequence[Chunk]) -> float:
-        """FLOPs of the whole step over all ranks: matmuls, causal attention, one LM-head row per chunk."""
+        """FLOPs of the whole step over all ranks: matmuls, causal attention, the LM head's rows (one per
+        chunk, 1 + k for a chunk verifying k proposals)."""
         c = self.costs
         num_tokens = sum(chunk.new_tokens for chunk in chunks)
         pairs = sum(attended_pairs(chunk) for chunk in chunks)
+        rows = len(chunks) + sum(chunk.proposals for chunk in chunks)
         return (2.0 * c.layer_params * num_tokens + 4.0 * c.num_layers * c.attn_dim * pairs
-                + 2.0 * c.head_params * len(chunks))
+                + 2.0 * c.head_params * rows)
 
     def rank_bytes(self, chunks: Sequence[Chunk]) -> float:
         """HBM bytes one rank moves: its share of the weights, of the KV read and of the KV written."""

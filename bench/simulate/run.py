@@ -126,16 +126,17 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
              rate: float, mode: str = "disaggregated", chunked: bool = True, seed: int = 0, burstiness: float = 1.0,
              slo_ttft_s: float, slo_tpot_s: float, counts: dict[str, int] | None = None, label: str = "",
              progress: bool = False, timeout_s: float = 600.0, autoscale: AutoscaleSettings | None = None,
-             actor_start_s: float = ACTOR_START_S) -> SimRun:
+             actor_start_s: float = ACTOR_START_S, spec_acceptance: float | None = None) -> SimRun:
     """Run `specs` at `rate` requests/s (Poisson for burstiness 1) through the simulated cluster of `cfg`;
     `Conversation`s arrive at `rate` conversations/s (`run_conversations`). With pools of `count: auto` or
     `routing.role_flips: auto` the autoscaler runs (`autoscale`, default its settings; new actors take
-    `actor_start_s` to come up)."""
+    `actor_start_s` to come up). With `speculative:` on, the proposals meet `spec_acceptance` (accepted /
+    proposed tokens; None: the measured profile's, `bench.simulate.sim_spec`)."""
     label = label or mode
     roles: list[dict] = []
 
     async def main() -> tuple[list[RequestRecord], float, SimCluster]:
-        cluster = build_cluster(cfg, model, sim_cfg, mode, chunked, counts)
+        cluster = build_cluster(cfg, model, sim_cfg, mode, chunked, counts, spec_acceptance)
         cluster.start()
         d = cluster.dispatcher
         core = RequestCore(d, max_in_flight(cfg, d.pools))

@@ -24,7 +24,9 @@ import logging
 from collections.abc import Callable
 
 from bench.serving.local_actors import LocalDecodeClient, LocalPrefillClient
+from bench.simulate.measured import MeasuredModel
 from bench.simulate.sim_engine import SimEngine, SimTokenizer
+from bench.simulate.sim_spec import speculation_for
 from bench.simulate.sim_transport import SimNetwork, SimReceiver, SimSender
 from bench.simulate.plan_profile import performance_of
 from bench.simulate.step_time import PoolModels, StepTimeModel, sim_args
@@ -190,11 +192,16 @@ class SimActor:
 class SimCluster:
     """The simulated actors and the router over them; it makes actors as the deploy factory would.
 
-    `model` times degree 1; `models` holds each pool's model at its configured degree."""
+    `model` times degree 1; `models` holds each pool's model at its configured degree. `speculation`: the
+    config's speculative decoding with the acceptance the simulated proposals meet (`sim_spec.speculation_for`:
+    `spec_acceptance`, else the measured profile's); None with it off."""
 
-    def __init__(self, cfg: PDServeConfig, model: StepTimeModel, shape: ModelConfig, mode: str, chunked: bool):
+    def __init__(self, cfg: PDServeConfig, model: StepTimeModel, shape: ModelConfig, mode: str, chunked: bool,
+                 spec_acceptance: float | None = None):
         self.cfg, self.model, self.shape, self.mode, self.chunked = cfg, model, shape, mode, chunked
         self.models = PoolModels.of(model, tensor_parallel_degrees(cfg, mode), colocated=mode == "colocated")
+        profile = model.profile.data if isinstance(model, MeasuredModel) else None
+        self.speculation = speculation_for(cfg, shape, profile, spec_acceptance)
         self.network = SimNetwork()
         dtype_bytes = max(model.kv_bytes_per_token // max(shape.kv_bytes_per_token(1), 1), 1)
         self.wire_ratio = wire_bytes_per_kv_byte(cfg.transfer_codec(), dtype_bytes, cfg.kv_cache.block_size,
@@ -224,6 +231,8 @@ class SimCluster:
                 args = engine_args(cfg, pool, name, self.shape)
         actor_id = f"{role if role == 'colocated' else pool}-{index}"
         model = self.models.of_pool(pool)
+        if args.speculative.enabled:       # (decode, colocated and role-flippable actors, as the launcher sets)
+            model = model.with_speculation(self.speculation)
         actor = SimActor(actor_id, role, SimEngine(sim_args(args, model), self.shape, model), self, limits)
         self.actors.append(actor)
         return actor
@@ -254,10 +263,12 @@ def pool_sizes(cfg: PDServeConfig, counts: dict[str, int] | None = None) -> dict
 
 
 def build_cluster(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig, mode: str = "disaggregated",
-                  chunked: bool = True, counts: dict[str, int] | None = None) -> SimCluster:
+                  chunked: bool = True, counts: dict[str, int] | None = None,
+                  spec_acceptance: float | None = None) -> SimCluster:
     """The simulated actors of `cfg` (in `mode`: disaggregated or colocated, as `deploy.launcher.start_pools`
-    lays them out) and the router over them. Call inside the virtual loop; `SimCluster.start` starts them."""
-    cluster = SimCluster(cfg, model, sim_cfg, mode, chunked)
+    lays them out) and the router over them. Call inside the virtual loop; `SimCluster.start` starts them.
+    spec_acceptance: with `speculative:` on, the acceptance rate its proposals meet (`SimCluster`)."""
+    cluster = SimCluster(cfg, model, sim_cfg, mode, chunked, spec_acceptance)
     size = pool_sizes(cfg, counts)
     pools = Pools()
     if mode == "colocated":
@@ -268,7 +279,7 @@ def build_cluster(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig
             for _ in range(n):
                 pools.get(pool).append(cluster.view_of(pool, cluster.new_actor(pool)))
     # (the router's live model rests on the degree-1 profile, as `deploy.running` gives the real router)
-    live = live_model(cfg, performance_of(model, sim_cfg, cfg))
+    live = live_model(cfg, performance_of(model, sim_cfg, cfg, cluster.speculation))
     max_len = min(cfg.model.max_model_len or sim_cfg.max_position_embeddings, sim_cfg.max_position_embeddings)
     cluster.dispatcher = Dispatcher(pools, SimTokenizer(sim_cfg.vocab_size), max_len, cfg.kv_cache.block_size,
                                     routing_settings(cfg), codec=cfg.kv_transfer.compression, live=live)

@@ -9,6 +9,13 @@ seed and position instead of sampling logits. Everything else — `add_request`,
 `Engine`'s own code; only the detokenizer is silent (token-id workloads have no text to stream).
 The paged cache holds one byte per slot (block ids, copies and zeroed tails behave as in the real
 cache); `kv_bytes_per_block` reports the simulated model's size.
+
+With `args.speculative` on, the engine speculates as a real one does (`Engine.step`'s verifying branch,
+the `Speculator` and its `TurnDown`, the scheduler's rollback), with `SimProposer`'s proposals at the
+acceptance of `model.speculation` and `accepted_tokens` comparing them with `target_token`
+(bench/simulate/sim_spec.py). The turn-down times each step by `time.monotonic()` as in a real engine;
+in a simulation that reads the virtual clock, which the runner moves by the step's priced seconds
+(the draft's proposing included), so it chooses k by simulated time.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from bench.simulate.sim_spec import SimProposer
 from bench.simulate.step_time import Chunk, StepTimeModel
 from engine.args import EngineArgs
 from engine.engine import Engine
@@ -27,6 +35,7 @@ from engine.output.processor import OutputProcessor
 from engine.runner.model_runner import ModelOutput
 from engine.scheduling.request import Request
 from engine.scheduling.scheduler import ScheduledRequest, Scheduler
+from engine.spec.speculator import Speculator
 
 FIRST_TOKEN_ID = 2          # ids 0 and 1 are BOS and EOS in every preset; drawn tokens stay above them
 
@@ -85,18 +94,20 @@ class TimedRunner:
         """A stand-in cache holds no KV: nothing to zero."""
 
     def run(self, batch: list[ScheduledRequest]) -> ModelOutput:
-        chunks, sampled = [], []
+        chunks, sampled, rows = [], [], 0
         for s in batch:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            chunks.append(Chunk(n, start + n))
-            if start + n == req.num_tokens:
+            num_spec = len(req.spec_token_ids)
+            chunks.append(Chunk(n, start + n, num_spec))
+            if start + n == req.num_tokens + num_spec:
                 sampled.append(req)
+                rows += 1 + num_spec          # a verifying sequence's 1 + k rows
         self.last_step_s = self.model.step_s(chunks)
         if self.on_step is not None:
             self.on_step(self.last_step_s)
-        if len(sampled) > len(self._rows):
-            self._rows = torch.zeros(2 * len(sampled), 1)
-        return ModelOutput(sampled, self._rows[:len(sampled)])
+        if rows > len(self._rows):
+            self._rows = torch.zeros(2 * rows, 1)
+        return ModelOutput(sampled, self._rows[:rows])
 
     def take_step_s(self) -> float:
         step_s, self.last_step_s = self.last_step_s, 0.0
@@ -104,8 +115,10 @@ class TimedRunner:
 
 
 class SimEngine(Engine):
-    """An `Engine` over `model`'s time (module docstring). `args` gives the block size, pool size and
-    batch limits as the real actor's `EngineArgs` would; `cfg` is the simulated model's shape."""
+    """An `Engine` over `model`'s time (module docstring). `args` gives the block size, pool size, batch
+    limits and speculative decoding as the real actor's `EngineArgs` would; `cfg` is the simulated model's
+    shape. With `args.speculative` on, `model.speculation` (`StepTimeModel.with_speculation`) gives the
+    acceptance its proposals meet."""
 
     def __init__(self, args: EngineArgs, cfg: ModelConfig, model: StepTimeModel):
         self.args = args
@@ -133,14 +146,40 @@ class SimEngine(Engine):
         self.output = SimOutputProcessor(self.tokenizer, self.eos_token_ids)
         self.requests = {}
         self._kv_bytes_per_block = model.kv_bytes_per_token * block_size
+        self.speculator = None
+        if args.speculative.enabled:
+            if model.speculation is None:
+                raise ValueError(f"speculative.method {args.speculative.method}: the simulated actor's time model "
+                                 "has no acceptance rate (StepTimeModel.with_speculation)")
+            proposer = SimProposer(model.speculation.alpha, self.target_token, self.wrong_token)
+            self.speculator = Speculator(args.speculative, proposer=proposer)
 
     @property
     def kv_bytes_per_block(self) -> int:
         return self._kv_bytes_per_block
 
+    def target_token(self, seq: Request, position: int) -> int:
+        """The simulated model's token at output `position` of `seq`: from its seed and the position, never
+        EOS. Outputs are reproducible, and a later turn's prompt that repeats them hits the prefix cache
+        as a real conversation would."""
+        return FIRST_TOKEN_ID + (seq.seed + 7919 * position) % (self.vocab_size - FIRST_TOKEN_ID)
+
+    def wrong_token(self, token: int) -> int:
+        """A token other than `token` (never EOS): what a proposal the target rejects proposes."""
+        return FIRST_TOKEN_ID + (token - FIRST_TOKEN_ID + 1) % (self.vocab_size - FIRST_TOKEN_ID)
+
     def draw(self, logits, seqs: list[Request]) -> tuple[list[int], list]:
-        """A token per sequence from its seed and position (never EOS): outputs are reproducible, and a
-        later turn's prompt that repeats them hits the prefix cache as a real conversation would."""
-        span = self.vocab_size - FIRST_TOKEN_ID
-        tokens = [FIRST_TOKEN_ID + (seq.seed + 7919 * len(seq.output_token_ids)) % span for seq in seqs]
-        return tokens, [None] * len(seqs)
+        """Each sequence's `target_token` at its next position."""
+        return [self.target_token(seq, len(seq.output_token_ids)) for seq in seqs], [None] * len(seqs)
+
+    def accepted_tokens(self, logits, req: Request) -> list[int]:
+        """The proposals that are the target's tokens, up to the first that is not, then the target's own
+        token at the next position (its token in place of the rejected one, or one more after all k)."""
+        first = len(req.output_token_ids)
+        tokens = []
+        for position, proposal in enumerate(req.spec_token_ids, first):
+            tokens.append(self.target_token(req, position))
+            if tokens[-1] != proposal:
+                return tokens
+        tokens.append(self.target_token(req, first + len(req.spec_token_ids)))
+        return tokens

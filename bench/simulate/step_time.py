@@ -10,23 +10,33 @@ scheduled sequence: the tokens it computes this step and the context it attends 
 Both answer for one actor (a tensor-parallel group counts as one actor: its all-reduces are in
 `step_s`), and for the KV link between two actors (`link_s`). A pool's actors run at the pool's
 degree (`pools.<pool>.tensor_parallel`): `at_degree` gives the model of an actor of that degree.
+
+Speculative decoding: a sequence verifying k proposals is Chunk(1 + k, its length + k, proposals=k)
+(its last sampled token and the proposals, each with its logits row). An actor that speculates is
+priced by `with_speculation` of its pool's model: the model then knows the method (the draft
+method's proposing is part of the step, `proposing_s`) and the acceptance its engine's stand-in
+proposer meets (bench/simulate/sim_spec.py).
 """
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.args import EngineArgs
+from engine.performance import Speculation
 
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """One sequence's share of a step: `new_tokens` computed, attending over `context` tokens
-    (those computed before plus the new ones). A decode row is Chunk(1, its length)."""
+    (those computed before plus the new ones). A decode row is Chunk(1, its length); a decode row
+    verifying k proposals is Chunk(1 + k, its length + k, k): every one of its rows is scored."""
 
     new_tokens: int
     context: int
+    proposals: int = 0
 
 
 class StepTimeModel(ABC):
@@ -42,10 +52,33 @@ class StepTimeModel(ABC):
     name: str
     kv_bytes_per_token: int
     num_layers: int
+    speculation: Speculation | None = None     # set by `with_speculation` on an actor that speculates
 
     @abstractmethod
     def step_s(self, chunks: Sequence[Chunk]) -> float:
-        """One step of the batch `chunks` (non-empty), forward pass and sampling included."""
+        """One step of the batch `chunks` (non-empty), forward pass and sampling included; with chunks that
+        verify proposals, also their proposing (`proposing_s` where the model has no measurement of it)."""
+
+    def with_speculation(self, speculation: Speculation) -> StepTimeModel:
+        """This model for an actor whose engine speculates with `speculation` (method, k, acceptance, the
+        draft's cost)."""
+        model = copy.copy(self)
+        model.speculation = speculation
+        return model
+
+    def proposing_s(self, chunks: Sequence[Chunk]) -> float:
+        """The draft method's proposing for the step's verifying chunks, as `engine.performance` counts it
+        (`Speculation.draft_cost`): k draft forwards, each `draft_cost` × the target's plain step over the
+        same sequences, k the rows' mean proposals. 0 for n-gram proposals (a few dict reads)."""
+        spec = self.speculation
+        if spec is None or spec.method != "draft":
+            return 0.0
+        rows = [c for c in chunks if c.new_tokens - c.proposals == 1]
+        proposals = sum(c.proposals for c in rows)
+        if not proposals:
+            return 0.0
+        plain = self.step_s([Chunk(1, c.context - c.proposals) for c in rows])
+        return proposals / len(rows) * spec.draft_cost * plain
 
     @abstractmethod
     def link_s(self, wire_bytes: float) -> float:

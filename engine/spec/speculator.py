@@ -8,7 +8,9 @@ Prefill-only sequences are never proposed for. A sequence with a grammar (struct
 verification judges each row under the grammar's mask after the tokens before it, so a proposal the
 grammar refuses has probability 0 and is rejected, and the matcher only ever consumes kept tokens.
 Proposals come from the sequence's own tokens (`ngram`) or from a draft model (`draft`,
-engine/spec/draft.py), which also holds KV blocks per sequence until `release`.
+engine/spec/draft.py), which also holds KV blocks per sequence until `release`; or, given a `proposer`,
+from that (the simulator's stand-in for the method's, bench/simulate/sim_spec.py): everything else above
+runs as it does for the method's own proposals.
 """
 from __future__ import annotations
 
@@ -20,11 +22,14 @@ from engine.spec.turn_down import TurnDown
 
 
 class Speculator:
-    def __init__(self, config: SpecConfig, draft: DraftModel | None = None):
+    def __init__(self, config: SpecConfig, draft: DraftModel | None = None, proposer: object | None = None):
+        """draft: the draft model (method `draft`). proposer: proposes in place of the method's own n-gram
+        lookup or draft; anything with DraftModel's `propose(seqs, rooms)` and `release(req)`."""
         config.validate()
-        assert (config.method == "draft") == (draft is not None)
+        assert proposer is not None or (config.method == "draft") == (draft is not None)
         self.config = config
         self.draft = draft
+        self.proposer = proposer if proposer is not None else draft     # None: the n-gram lookup
         self.turn_down = TurnDown(config.k, config.adaptive)
         self.num_proposed = 0        # draft tokens verified, over the engine's life
         self.num_accepted = 0        # of those, accepted
@@ -44,8 +49,8 @@ class Speculator:
             self.num_steps_off += 1
         cfg = self.config
         rooms = [min(k, req.params.max_tokens - len(req.output_token_ids) - 1) for req in seqs]  # +1 per step
-        if self.draft is not None:
-            self.draft.propose(seqs, rooms)
+        if self.proposer is not None:
+            self.proposer.propose(seqs, rooms)
             return
         for req, room in zip(seqs, rooms):
             if req.spec_state is None:
@@ -54,8 +59,8 @@ class Speculator:
 
     def release(self, req: Request) -> None:
         """The sequence ended: what the proposer holds for it goes back."""
-        if self.draft is not None:
-            self.draft.release(req)
+        if self.proposer is not None:
+            self.proposer.release(req)
 
     def verified(self, req: Request, num_proposed: int, num_accepted: int) -> None:
         req.num_spec_proposed += num_proposed
