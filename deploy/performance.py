@@ -82,11 +82,15 @@ def speculation_of(cfg: PDServeConfig, model_dir: str, profile: dict | None = No
     s = cfg.speculative
     if s.method == "off":
         return None
-    k = s.engine_config().k
-    if acceptance is None:
-        acceptance = measured_acceptance(profile, s.method, k)
-    return Speculation(s.method, k, acceptance or 0.0, s.adaptive,
-                       draft_cost(cfg, model_dir) if s.method == "draft" else 0.0)
+    return Speculation(s.method, s.engine_config().k, configured_acceptance(cfg, profile, acceptance) or 0.0,
+                       s.adaptive, draft_cost(cfg, model_dir) if s.method == "draft" else 0.0)
+
+
+def configured_acceptance(cfg: PDServeConfig, profile: dict | None, acceptance: float | None) -> float | None:
+    """The speculation's acceptance ratio: `acceptance` when given, else what `profile` measured for the
+    config's method at its k; None when neither knows one."""
+    s = cfg.speculative
+    return acceptance if acceptance is not None else measured_acceptance(profile, s.method, s.engine_config().k)
 
 
 def base_model(cfg: PDServeConfig, model_dir: str, profile: dict | None) -> PerformanceModel:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from deploy.config import PDServeConfig
-from deploy.performance import measured_acceptance
+from deploy.performance import configured_acceptance
 from engine.cost_model import ModelCosts
 from engine.model.config import ModelConfig
 from engine.performance import Speculation
@@ -78,8 +78,7 @@ def speculation_for(cfg: PDServeConfig, shape: ModelConfig, profile: dict | None
     if s.method == "off":
         return None
     k = s.engine_config().k
-    if acceptance is None:
-        acceptance = measured_acceptance(profile, s.method, k)
+    acceptance = configured_acceptance(cfg, profile, acceptance)
     if acceptance is None:
         raise ValueError(f"speculative.method {s.method}: the simulator needs the proposals' acceptance rate: pass "
                          f"--spec-acceptance A (accepted / proposed tokens at k = {k} proposals per step, as "
