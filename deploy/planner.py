@@ -71,6 +71,13 @@ class Network:
     source: str
 
 
+def ranks_network(network: Network | None, ranks: int) -> Network | None:
+    """`network`, one rank's link, as `ranks` ranks' links moving their shares of a handoff at once."""
+    if network is None or ranks == 1:
+        return network
+    return Network(network.kv_bytes_per_s * ranks, f"{network.source}, over {ranks} ranks' links")
+
+
 def link_kv_bytes_per_s(link_gbps: float, wire_bytes_per_kv_byte: float) -> float:
     """KV bytes/s through a link of ``link_gbps`` Gbit/s when each KV byte costs that many wire bytes."""
     return link_gbps * 1e9 / 8 / wire_bytes_per_kv_byte
@@ -410,13 +417,16 @@ def search_parallelism(model: PerformanceModel, workload: Workload, slo: SLO, li
     per-actor rates come from `plan` on the `DegreeModel`; the counts are every split of the devices
     (at least one actor per pool). A decode actor at degree d holds `decode_kv_blocks[d]` KV blocks where
     given (e.g. from each rank's memory left after its share of the weights), else d times
-    `limits.decode_kv_blocks`."""
+    `limits.decode_kv_blocks`. `network` is one rank's link: KV resharded by head leaves each prefill rank
+    and reaches each decode rank over its own, so a handoff between degrees p and d moves over min(p, d)
+    of them at once (`ranks_network`)."""
     found: list[Parallelism] = []
     for tp_p in degrees:
         for tp_d in degrees:
             blocks = (decode_kv_blocks or {}).get(tp_d, limits.decode_kv_blocks * tp_d)
             dl = Limits(blocks, limits.block_size, limits.max_batch_size)
-            p = plan(DegreeModel(model, tp_p, tp_d, allreduce), workload, slo, dl, network=network)
+            p = plan(DegreeModel(model, tp_p, tp_d, allreduce), workload, slo, dl,
+                     network=ranks_network(network, min(tp_p, tp_d)))
             if not (p.decode["tpot_slo_met"] and p.prefill["ttft_slo_met"]):
                 continue
             per_prefill = p.prefill["tokens_per_s_per_actor"] / workload.input_tokens

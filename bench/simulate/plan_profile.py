@@ -128,8 +128,9 @@ def search_with_model(cfg, model: StepTimeModel, shape: ModelConfig, specs: list
     """`pdserve plan --devices N --tp …`'s search (`deploy.planner.search_parallelism`) over `model`'s seconds:
     the profile holds the model's points at every degree searched, so the planner's `DegreeModel` reads them
     rather than predicting; a decode actor's KV budget at each degree is the model's (`kv_blocks`: each rank's
-    memory after its share of the weights). The link is the degree-1 handoff's, as the planner has one link
-    for all degrees. With the decode actors' `speculation`, the planner prices their decode step as
+    memory after its share of the weights). The link is one rank's (the degree-1 handoff's); the search moves
+    a handoff over the fewer ranks' links of its two pools at once, as the simulator's `PoolModels` does.
+    With the decode actors' `speculation`, the planner prices their decode step as
     `pdserve plan` does (`PerformanceModel.token_seconds`), from the model's speculative steps."""
     s_in = sum(s.prompt_len for s in specs) / len(specs)
     s_out = sum(s.output_len for s in specs) / len(specs)

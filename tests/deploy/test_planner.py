@@ -176,6 +176,22 @@ def test_search_plans_a_measured_degree_on_its_points():
                                                         if c.decode_degree == 2)
 
 
+def test_a_handoff_between_degrees_moves_over_the_fewer_ranks_links():
+    """Each rank sends (or receives) its own KV heads over its own link: the link bound of a degree pair is
+    min(p, d) times one rank's, which a link-bound workload's carried rate follows."""
+    from deploy.planner import AllReduce, Network, search_parallelism
+    p = Profile(synthetic(step=lambda b, c: 0.01 + 0.001 * b))
+    w = Workload(512, 128, 4.0)
+    one_link = Network(COSTS.kv_bytes_per_token * 512 * 0.5, "test")    # 0.5 req/s through one rank's link
+    found = search_parallelism(p, w, SLO(ttft_s=60.0, tpot_s=0.05), LIMITS, devices=8, degrees=[1, 2],
+                               allreduce={2: AllReduce(1e-5, 1e10)}, network=one_link)
+    bound = {(c.prefill_degree, c.decode_degree): c.plan.rate_bounds["link"] for c in found}
+    assert bound[(1, 1)] == pytest.approx(0.5) and bound[(1, 2)] == pytest.approx(0.5)
+    assert bound[(2, 1)] == pytest.approx(0.5) and bound[(2, 2)] == pytest.approx(1.0)
+    assert all(c.goodput_rps <= bound[(c.prefill_degree, c.decode_degree)] + 1e-9 for c in found)
+    assert max(c.goodput_rps for c in found if (c.prefill_degree, c.decode_degree) == (2, 2)) > 0.5
+
+
 def test_search_finds_nothing_when_no_degree_meets_the_slo():
     from deploy.planner import AllReduce, search_parallelism
     p = Profile(synthetic(step=lambda b, c: 0.01 + 0.001 * b))
