@@ -496,10 +496,12 @@ def check_quantized(perf_model_dir: str) -> list[Row]:
 
 def check_kv_cache_dtype(perf_model_dir: str) -> list[Row]:
     """The fp8 / int8 KV cache on the device: decode attention over the quantized cache (the gather path that
-    dequantizes what it reads) against the same attention over its dequantized copy in float32; then the ~1B
+    dequantizes what it reads, and the compiled kernel that dequantizes in its loops, Triton on CUDA) against the
+    same attention over its dequantized copy in float32; then the ~1B
     model's decode step at DECODE_POINT and the blocks its budget holds, beside the bf16 cache."""
     from engine import Engine, EngineArgs
     from engine.kv_cache.kv_format import KVFormat
+    from engine.model import attention_compiled, kernel_choice
     from engine.model.attention import decode_attention, gather_kv
     from engine.profile import measure_decode
     device = torch.device(DEVICE)
@@ -523,6 +525,18 @@ def check_kv_cache_dtype(perf_model_dir: str) -> list[Row]:
         err = float((got - want).abs().max() / want.abs().max())
         rows.append(Row(f"{kind} KV cache attention vs dequantized", "ok" if err <= QUANT_RTOL else "FAIL",
                         f"{err:.1e}", "bf16 query, float32 reference", {"rel_err": err}))
+        kernel = attention_compiled.build(cache, heads, fmt)    # what the engine decodes a quantized cache with
+        if kernel is None:
+            rows.append(Row(f"{kind} KV cache compiled decode kernel", "FAIL", "not built",
+                            "Inductor could not build it here (the log says why): the engine decodes eagerly", {}))
+            continue
+        with torch.inference_mode():
+            got = kernel(q.to(torch.bfloat16), cache, tables, bias, dim ** -0.5).float()
+        err = float((got - want).abs().max() / want.abs().max())
+        wins = kernel_choice.compiled_decode_wins(kernel, cache, heads)
+        rows.append(Row(f"{kind} KV cache compiled decode kernel vs dequantized", "ok" if err <= QUANT_RTOL else "FAIL",
+                        f"{err:.1e}", f"{'faster' if wins else 'slower'} than the gather path at batch 16 × 256 ctx",
+                        {"rel_err": err, "compiled_wins": wins}))
     (batch, context) = DECODE_POINT
     figures = {}
     for kind in ("auto", "fp8", "int8"):
@@ -540,7 +554,8 @@ def check_kv_cache_dtype(perf_model_dir: str) -> list[Row]:
         step = (f"{ours['seconds'] * 1e3:.2f} ms ({ours['seconds'] / base['seconds']:.2f}x)"
                 if ours["seconds"] and base["seconds"] else "did not fit")
         rows.append(Row(f"decode step {kind} KV cache ({batch} × {context} ctx)", "info",
-                        f"{step}, {ours['blocks']} blocks ({ours['blocks'] / base['blocks']:.2f}x)",
+                        f"{step}, {ours['blocks']} blocks ({ours['blocks'] / base['blocks']:.2f}x), "
+                        f"attention {ours['attention']}",
                         f"bf16 cache {base['seconds'] * 1e3:.2f} ms, {base['blocks']} blocks" if base["seconds"] else
                         f"bf16 cache {base['blocks']} blocks", {**ours, "bf16": base}))
     return rows

@@ -152,7 +152,9 @@ class Engine:
             if requested != "auto":
                 raise ValueError(f"attention={requested!r} does not read a kv_cache_dtype "
                                  f"{self.kv_format.kind!r} cache; use 'eager' or 'compiled'")
-            attention = "eager"              # the gather path dequantizes what it reads (CUDA too)
+            # flex reads K/V in place and cannot dequantize them: the compiled decode kernel does, in the loops
+            # that load each row (Inductor: C++ on CPU, Triton on CUDA); eager where it cannot be built or is slower
+            attention = "compiled"
         graphs = args.cuda_graphs and attention.startswith("flex") and num_blocks > 8
         # with decode graphs the pool's last block is the padded entries' scratch, never handed out
         self.block_manager = BlockManager(num_blocks - graphs, block_size, args.enable_prefix_cache)

@@ -84,7 +84,8 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
     always carry a bias (the compiled kernel keeps one graph for every shape).
     With a `sliding_window` each table is read from the block of its first query's
     window start; the decode bias masks the keys before the window. A quantized `kv_format`
-    (fp8 / int8 cache) is written and read through it; flex does not read one.
+    (fp8 / int8 cache) is written and read through it; flex does not read one (the engine decodes such a cache
+    through the compiled kernel on CUDA too).
     """
     if kv_format is not None and not kv_format.quantized:
         kv_format = None

@@ -315,6 +315,12 @@ def quantized_plan(cfg, scheme: str, group_size: int, dtype: torch.dtype, device
     return plan
 
 
+def _settle(device: torch.device) -> None:
+    """Wait for the device's queued kernels (a CUDA call returns once launched: time it to completion)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def compiled_decode_wins(kernel, layer_cache: torch.Tensor, num_heads: int, batch: int = 16,
                          context: int = 256) -> bool:
     """Is the compiled decode attention faster than the gather + bmm path here, at this model's shapes?"""
@@ -336,9 +342,11 @@ def compiled_decode_wins(kernel, layer_cache: torch.Tensor, num_heads: int, batc
         def compiled() -> None:
             with torch.inference_mode():
                 kernel(q, layer_cache, tables, bias, dim ** -0.5)
+            _settle(layer_cache.device)
 
         def eager() -> None:
             with torch.inference_mode():
                 decode_attention(q, gather_kv(layer_cache, tables, fmt), bias, dim ** -0.5)
+            _settle(layer_cache.device)
     shapes = (num_heads, num_kv_heads, block_size, dim, stored, batch, width)
     return choose("decode_attention", shapes, {"compiled": compiled, "eager": eager}) == "compiled"

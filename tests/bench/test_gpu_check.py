@@ -134,14 +134,16 @@ def test_quantized_check_runs_on_cpu(on_cpu, monkeypatch):
 
 
 def test_kv_cache_dtype_check_runs_on_cpu(on_cpu, monkeypatch):
-    """Attention over each quantized cache within tolerance of its dequantized copy; a decode row per dtype."""
+    """Attention over each quantized cache (the gather path, then the compiled kernel) within tolerance of its
+    dequantized copy; a decode row per dtype."""
     from engine.model.presets import resolve_model
     monkeypatch.setattr(gpu_check, "FLEX_NUM_BLOCKS", 48)
     rows = gpu_check.check_kv_cache_dtype(resolve_model("tiny"))
-    assert [r.check for r in rows] == [*(f"{k} KV cache attention vs dequantized" for k in ("fp8", "int8")),
+    assert [r.check for r in rows] == [*(f"{k} KV cache {what} vs dequantized" for k in ("fp8", "int8")
+                                         for what in ("attention", "compiled decode kernel")),
                                        *(f"decode step {k} KV cache (4 × 64 ctx)" for k in ("fp8", "int8"))]
-    assert rows[0].status == rows[1].status == "ok", rows[:2]
-    assert all(r.data["seconds"] > 0 and r.data["bf16"]["seconds"] > 0 for r in rows[2:])
+    assert all(r.status == "ok" for r in rows[:4]), rows[:4]
+    assert all(r.data["seconds"] > 0 and r.data["bf16"]["seconds"] > 0 for r in rows[4:])
 
 
 def test_kv_tiers_check_runs_on_cpu(on_cpu):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import Engine
+from engine.engine import ATTENTION_ENV
 from engine.args import EngineArgs
 from engine.kv_cache.kv_format import FP8_BIT_SCALE, FP8_MAX, KVFormat, fp8_bits_to_float
 from engine.model.attention import build_metadata, decode_attention, gather_kv, paged_attention
@@ -180,6 +181,16 @@ def test_outputs_do_not_depend_on_cached_prefixes_or_chunks(kind, tiny_model_dir
         assert same(run(chunked, base + tail), cold)
 
 
-def test_flex_is_refused_for_a_quantized_cache(tiny_model_dir):
+def test_flex_is_refused_for_a_quantized_cache_and_auto_decodes_it_compiled(tiny_model_dir, monkeypatch):
+    """Where `auto` means flex (CUDA; here $PDSERVE_ATTENTION), a quantized cache decodes through the compiled
+    kernel, which dequantizes in its loops, with the eager engine's tokens; an explicit flex is refused."""
     with pytest.raises(ValueError, match="does not read"):
         Engine(EngineArgs(model=tiny_model_dir, kv_cache_dtype="fp8", attention="flex-eager"))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in (5, 21)]
+    eager = Engine(EngineArgs(model=tiny_model_dir, num_blocks=64, kv_cache_dtype="int8", attention="eager"))
+    monkeypatch.setenv(ATTENTION_ENV, "flex")
+    auto = Engine(EngineArgs(model=tiny_model_dir, num_blocks=64, kv_cache_dtype="int8"))
+    assert auto.attention == "compiled"
+    want = [c.token_ids for c in eager.generate(prompts, params)]
+    assert [c.token_ids for c in auto.generate(prompts, params)] == want
