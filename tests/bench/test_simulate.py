@@ -357,3 +357,20 @@ def test_ratio_sweep_rows_and_a_pair_past_the_context_is_refused(tmp_path, capsy
     assert "4000:200 needs 4200 tokens, more than the model's context of 4096" in capsys.readouterr().err
     assert cli.main(["--hardware", "H100-SXM", "--sweep", "ratio", "--sweep-values", "2000-200"]) == 2
     assert "'2000-200' is not PROMPT:OUTPUT" in capsys.readouterr().err
+
+
+def test_a_sweep_flags_held_points_that_measured_a_burst(tmp_path, capsys):
+    """40 requests offered at 400 req/s all fit the decode actor's batch and meet loose SLOs, but the run
+    completes far fewer per second than offered: a burst, flagged; at 5 req/s the run keeps up: not flagged."""
+    out = tmp_path / "sweep.json"
+    assert cli.main(["--hardware", "H100-SXM", "--model", "llama-3-8b", "--workload", "chat", "--num-requests", "40",
+                     "--sweep", "rate", "--compare", "disaggregated", "--sweep-values", "5,400",
+                     "--slo-ttft-ms", "5000", "--slo-tpot-ms", "200", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    points = {p["x"]: p for p in result["points"]["disaggregated"]}
+    assert all(p["slo_attainment"] >= 0.9 for p in points.values())
+    assert [(b["label"], b["rate_rps"]) for b in result["bursts"]] == [("disaggregated", 400)]
+    assert result["bursts"][0]["completed_rps"] == pytest.approx(points[400]["request_throughput_rps"])
+    assert points[400]["request_throughput_rps"] < 200
+    assert points[5]["request_throughput_rps"] >= 2.5
+    assert "measure a burst" in capsys.readouterr().out
