@@ -267,7 +267,14 @@ def build_cluster(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig
                   spec_acceptance: float | None = None) -> SimCluster:
     """The simulated actors of `cfg` (in `mode`: disaggregated or colocated, as `deploy.launcher.start_pools`
     lays them out) and the router over them. Call inside the virtual loop; `SimCluster.start` starts them.
-    spec_acceptance: with `speculative:` on, the acceptance rate its proposals meet (`SimCluster`)."""
+    spec_acceptance: with `speculative:` on, the acceptance rate its proposals meet (`SimCluster`).
+    ValueError naming `kv_cache.tiers` where a pool has tiers: the simulated engines have none, and a run
+    without them would be reported as the config's."""
+    for pool in ("prefill", "decode"):
+        if cfg.pool_kv_cache(pool).tiers:
+            raise ValueError(f"kv_cache.tiers: the simulator does not model KV tiers (pool {pool} has "
+                             f"{len(cfg.pool_kv_cache(pool).tiers)}); remove them (--set kv_cache.tiers=[]) to "
+                             "simulate the rest of the config")
     cluster = SimCluster(cfg, model, sim_cfg, mode, chunked, spec_acceptance)
     size = pool_sizes(cfg, counts)
     pools = Pools()

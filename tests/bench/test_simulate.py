@@ -374,3 +374,12 @@ def test_a_sweep_flags_held_points_that_measured_a_burst(tmp_path, capsys):
     assert points[400]["request_throughput_rps"] < 200
     assert points[5]["request_throughput_rps"] >= 2.5
     assert "measure a burst" in capsys.readouterr().out
+
+
+def test_kv_tiers_are_refused_naming_the_key(capsys):
+    """The simulated engines have no tiers below the paged cache: a config with them is refused, not run
+    without them."""
+    rc = cli.main(["--hardware", "H100-SXM", "--model", "llama-3-8b", "--num-requests", "4", "--rate", "1",
+                   "--set", "kv_cache.tiers=[{kind: host, capacity_gib: 1}]"])
+    assert rc == 2
+    assert "kv_cache.tiers: the simulator does not model KV tiers" in capsys.readouterr().err
