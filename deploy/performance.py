@@ -67,11 +67,15 @@ def measured_acceptance(profile: dict | None, method: str, num_tokens: int) -> f
 
 
 def draft_cost(cfg: PDServeConfig, model_dir: str) -> float:
+    """`draft_cost_of` the config's draft model and the model in `model_dir`."""
+    return draft_cost_of(ModelConfig.from_dir(resolve_model(cfg.speculative.draft.model)),
+                         ModelConfig.from_dir(model_dir))
+
+
+def draft_cost_of(draft: ModelConfig, target: ModelConfig) -> float:
     """Seconds of one draft forward per second of a target step, counted as the weight bytes each reads
-    (`engine.cost_model`; both bound by reading their weights at small batches)."""
-    def weight_bytes(path: str) -> int:
-        return ModelCosts.of(ModelConfig.from_dir(path), 4).weight_bytes
-    return weight_bytes(resolve_model(cfg.speculative.draft.model)) / weight_bytes(model_dir)
+    (`engine.cost_model`; both bound by reading their weights at small batches, in the same dtype)."""
+    return ModelCosts.of(draft, 4).weight_bytes / ModelCosts.of(target, 4).weight_bytes
 
 
 def speculation_of(cfg: PDServeConfig, model_dir: str, profile: dict | None = None,

@@ -23,8 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from deploy.config import PDServeConfig
-from deploy.performance import configured_acceptance
-from engine.cost_model import ModelCosts
+from deploy.performance import configured_acceptance, draft_cost_of
 from engine.model.config import ModelConfig
 from engine.performance import Speculation
 from engine.scheduling.request import Request
@@ -91,15 +90,15 @@ def speculation_for(cfg: PDServeConfig, shape: ModelConfig, profile: dict | None
 
 
 def draft_cost(cfg: PDServeConfig, shape: ModelConfig) -> float:
-    """Seconds of one draft forward per second of the target's step: the weight bytes each reads
-    (`deploy.performance.draft_cost`'s measure, with the draft's shape read as `--model` is)."""
+    """`deploy.performance.draft_cost_of` the config's draft model, its shape read as `--model` is, and
+    `shape`."""
     from bench.simulate.models import model_config
     name = cfg.speculative.draft.model
     try:
         draft = model_config(name)
     except ValueError as e:
         raise ValueError(f"speculative.draft.model: {e}") from None
-    return ModelCosts.of(draft, 2).weight_bytes / ModelCosts.of(shape, 2).weight_bytes
+    return draft_cost_of(draft, shape)
 
 
 def describe_speculation(spec: Speculation) -> str:
