@@ -18,6 +18,7 @@ import xxhash
 from kv_helpers import TOKEN, assert_no_leak, random_cache, wait_for
 
 from kv_transfer import FailedSide, KVLayout, KVPiece, TransferStatus
+from kv_transfer import codec as kv_codec
 from kv_transfer.transports.nixl import agent as nixl_agent
 from kv_transfer.transports.nixl import sender as nixl_sender
 from kv_transfer.transports.nixl.protocol import landed_note, parse_landed_note, recv_hello, send_hello
@@ -227,6 +228,33 @@ def test_nan_in_kv_fails_on_the_sender_side_and_the_link_goes_on(make_pair, layo
     assert ok.wait(30) == TransferStatus.DONE, ok
     assert_both_sides_clean(pair)
     assert_no_leak(pair.pool, pair.receiver.wait(ok.transfer_id, 5).dst_block_ids)
+
+
+def test_an_abort_after_every_shipped_chunk_landed_still_fails_the_transfer(make_pair, layout, monkeypatch):
+    """Pull: the encode of the last chunk (the NaN) waits until every earlier chunk has been READ and checked;
+    the abort then finds no chunk pending, and must still end the transfer on the receiver, freeing its
+    blocks. (Push cannot be held this way: its WRITEs do not complete while the sending thread waits here.)"""
+    real = kv_codec.Fp8BlockCodec.encode_from
+    pair = nixl_pair(make_pair, layout, "pull", codec="fp8", chunk_bytes=200)
+
+    def all_shipped_chunks_landed() -> bool:
+        pieces = [piece for conn in list(pair.receiver._conns.values()) for piece in list(conn.pieces.values())]
+        return bool(pieces) and all(piece.transfer_ids and not piece.pending for piece in pieces)
+
+    def encode_last_after_the_rest_landed(self, kv_cache, layers, *args, **kwargs):
+        if layers[0] == layout.num_layers - 1 and int(args[0][-1]) == 3:
+            assert wait_for(all_shipped_chunks_landed, 10)
+        return real(self, kv_cache, layers, *args, **kwargs)
+
+    monkeypatch.setattr(kv_codec.Fp8BlockCodec, "encode_from", encode_last_after_the_rest_landed)
+    src = random_cache(layout, 4)
+    src[2, 3, 1, 0, 0, 0] = float("nan")
+    handle = pair.sender.send(KVPiece("r", src, [0, 1, 2, 3]), pair.dest)
+    assert handle.wait(30) == TransferStatus.FAILED and handle.failed_side == FailedSide.SENDER
+    result = pair.receiver.wait(handle.transfer_id, 5)
+    assert result is not None and result.status == TransferStatus.FAILED and "aborted" in result.error
+    assert_both_sides_clean(pair)
+    assert_no_leak(pair.pool)
 
 
 def test_a_wrong_token_is_refused_before_any_address_travels(make_pair, layout):

@@ -144,6 +144,7 @@ class _Piece:
     ended: bool = False                            # the sender said end (or abort)
     error: str = ""
     acked: bool = False
+    transfer_ids: set = field(default_factory=set)  # transfers it carried chunks of (failed by an abort)
 
 
 @dataclass(eq=False)
@@ -386,10 +387,12 @@ class NixlReceiver(BaseReceiver):
                 self._chunk(conn, message)
             elif kind in ("end", "abort"):
                 piece = conn.piece(message.get("piece"))
-                if kind == "abort":
+                if kind == "abort":  # its landed chunks count for nothing: the transfer fails as a whole
                     piece.error = piece.error or f"sender aborted mid-transfer: {str(message.get('reason'))[:500]}"
                     for chunk in list(piece.pending):
                         self._abandon(chunk, piece.error)
+                    for transfer_id in piece.transfer_ids:
+                        self.fail(transfer_id, piece.error)
                 piece.ended = True
                 if self.mode == "push":  # the sender's WRITEs of this piece are over
                     self._settle_pieces([piece])
@@ -404,6 +407,7 @@ class NixlReceiver(BaseReceiver):
         header_bytes = message.get("header")
         header = unpack_header(header_bytes if isinstance(header_bytes, bytes) else b"")
         self._carried(conn, header.transfer_id)
+        piece.transfer_ids.add(header.transfer_id)
         if piece.error:  # the piece was refused: take nothing more of it
             return self._refuse(conn, piece, header, piece.error)
         try:
