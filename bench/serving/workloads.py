@@ -74,7 +74,18 @@ def _scaled(lo: int, hi: int, scale: float) -> tuple[int, int]:
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(*TOKEN_ID_RANGE) for _ in range(n)]
+    """``n`` ids, each ``rng.randrange(*TOKEN_ID_RANGE)``: the same draws (``randrange`` takes k random bits
+    and redraws while they reach the width), without its argument checks per id."""
+    lo, hi = TOKEN_ID_RANGE
+    width = hi - lo
+    bits, getrandbits = width.bit_length(), rng.getrandbits
+    ids = []
+    for _ in range(n):
+        r = getrandbits(bits)
+        while r >= width:
+            r = getrandbits(bits)
+        ids.append(lo + r)
+    return ids
 
 
 def _shaped(rng: random.Random, shape: str, scale: float, kind: str | None = None) -> RequestSpec:

@@ -68,6 +68,20 @@ def test_workloads_are_deterministic_and_shaped():
     assert d["output_len"]["min"] == d["output_len"]["max"] == 7
 
 
+def test_a_seed_draws_the_prompts_it_always_drew():
+    """Prompt ids are the draws of ``randrange(*TOKEN_ID_RANGE)`` in order: a seed's workload (and every
+    figure recorded with it) stays the same."""
+    import random
+
+    from bench.serving.workloads import SHAPES, TOKEN_ID_RANGE
+    rng = random.Random("rag-5")
+    expected = []
+    for _ in range(3):
+        ids = [rng.randrange(*TOKEN_ID_RANGE) for _ in range(rng.randint(*SHAPES["rag"][:2]))]
+        expected.append((ids, rng.randint(*SHAPES["rag"][2:])))
+    assert [(s.prompt_token_ids, s.output_len) for s in make_workload("rag", 3, seed=5)] == expected
+
+
 def test_poisson_gaps_have_the_requested_rate():
     gaps = arrival_gaps(4000, 5.0, 1.0, seed=0)
     assert sum(gaps) / len(gaps) == pytest.approx(0.2, rel=0.05)
