@@ -73,18 +73,20 @@ def _scaled(lo: int, hi: int, scale: float) -> tuple[int, int]:
     return max(1, round(lo * scale)), max(1, round(hi * scale))
 
 
+_TOKEN_IDS = list(range(*TOKEN_ID_RANGE))   # one int object per id, shared by every prompt (8 bytes a token, not 36)
+
+
 def _tokens(rng: random.Random, n: int) -> list[int]:
     """``n`` ids, each ``rng.randrange(*TOKEN_ID_RANGE)``: the same draws (``randrange`` takes k random bits
     and redraws while they reach the width), without its argument checks per id."""
-    lo, hi = TOKEN_ID_RANGE
-    width = hi - lo
-    bits, getrandbits = width.bit_length(), rng.getrandbits
+    width = len(_TOKEN_IDS)
+    bits, getrandbits, ids_of = width.bit_length(), rng.getrandbits, _TOKEN_IDS
     ids = []
     for _ in range(n):
         r = getrandbits(bits)
         while r >= width:
             r = getrandbits(bits)
-        ids.append(lo + r)
+        ids.append(ids_of[r])
     return ids
 
 

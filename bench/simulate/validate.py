@@ -9,7 +9,9 @@ made first when the config has none) finds the disaggregated variant's capacity 
 disaggregated,auto` runs the real cluster and `pdserve simulate` the same workload, seed and
 arrivals. Printed side by side: TTFT and TPOT p50/p90 of every variant and their ratio, and per
 variant the highest rate held at >= 90% SLO attainment over the three rates, and which variant is best.
-Role flips are off on both sides. `--measured JSON` reuses an earlier run's rates and measured
+Role flips are off on both sides. `--repeats N` measures each point N times (this host's own figures
+move between runs of the same command): the tables take the median, and count the simulated figures
+that fall inside the N runs' range. `--measured JSON` reuses an earlier run's rates and measured
 figures and simulates again, e.g. after `python -m bench.serving.plan_check --calibrate` stored the
 serving path's time factors in the profile (the measured model applies them).
 """
@@ -59,6 +61,27 @@ def measured(args, workload: str, rate: float) -> dict:
     return {v: {k: runs[v].get(k) for k in (*FIGURES, "slo_attainment", "goodput_rps")} for v in VARIANTS}
 
 
+def measured_repeats(args, workload: str, rate: float) -> dict:
+    """`measured` `args.repeats` times: each figure's median, and with several runs each figure's
+    range over them (``range``: {variant: {figure: [min, max]}}): how far the host itself moves."""
+    runs = [measured(args, workload, rate) for _ in range(args.repeats)]
+    if len(runs) == 1:
+        return runs[0]
+    out = {v: {k: _median([run[v][k] for run in runs]) for k in runs[0][v]} for v in VARIANTS}
+    out["range"] = {v: {k: [min(run[v][k] for run in runs), max(run[v][k] for run in runs)] for k in FIGURES}
+                    for v in VARIANTS}
+    out["runs"] = runs
+    return out
+
+
+def _median(values: list) -> float | None:
+    values = sorted(x for x in values if x is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 def simulated(args, workload: str, rate: float) -> dict:
     a = sim_args(args, workload, rate)
     specs = cli.workload(a)
@@ -90,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--rates", help="workload=r1:r2:r3,... (default: 0.4/0.7/1.0 of the simulated capacity)")
+    p.add_argument("--repeats", type=int, default=1, metavar="N", help="measure each point N times: the tables "
+                   "take each figure's median and count the simulated figures inside the N runs' range")
     p.add_argument("--measured", metavar="JSON", help="take the rates and measured figures of an earlier run's "
                    "--json and simulate only (e.g. again with a calibrated profile)")
     p.add_argument("--json")
@@ -113,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             a = sim_args(args, workload)
             cap = cli.capacity(a, "disaggregated", cli.workload(a))
             rates = [round(cap * f, 2) for f in FRACTIONS]
-        points = [{"rate": r, "measured": old[r] if workload in earlier else measured(args, workload, r),
+        points = [{"rate": r, "measured": old[r] if workload in earlier else measured_repeats(args, workload, r),
                    "simulated": simulated(args, workload, r)} for r in rates]
         held = {side: {v: max_rate_rps([{"x": pt["rate"], "slo_attainment": pt[side][v]["slo_attainment"]}
                                         for pt in points]) for v in VARIANTS} for side in ("measured", "simulated")}
@@ -141,6 +166,11 @@ def print_workload(workload: str, points: list[dict], held: dict) -> None:
             cells = [f"{_ms(m[k])} / {_ms(s[k])} ({_ratio(s[k], m[k])})" for k in FIGURES]
             print(f"| {pt['rate']:g} | {v} | " + " | ".join(cells) +
                   f" | {m['slo_attainment'] * 100:.0f}% / {s['slo_attainment'] * 100:.0f}% |")
+    spread = [(pt["measured"]["range"][v][k], pt["simulated"][v][k]) for pt in points if "range" in pt["measured"]
+              for v in VARIANTS for k in FIGURES]
+    if spread:
+        inside = sum(lo <= s <= hi for (lo, hi), s in spread if s is not None and lo is not None)
+        print(f"\nsimulated figures inside the range of the repeated measured runs: {inside} of {len(spread)}")
     best = {side: max(VARIANTS, key=lambda v: held[side][v]["max_rate_rps"]) for side in held}
     rows = ", ".join(f"{v} {held['measured'][v]['max_rate_rps']:.2f} / {held['simulated'][v]['max_rate_rps']:.2f}"
                      for v in VARIANTS)

@@ -190,6 +190,29 @@ def test_same_seed_same_run(tiny, mode):
     assert _timings(a) != _timings(_run(cfg, shape, specs, mode, seed=2))      # other arrivals, other times
 
 
+def test_a_run_leaves_the_garbage_collector_as_it_found_it(tiny, monkeypatch):
+    """A run freezes what exists at its start and collects the young generation less often; both are undone
+    when it ends, also when it fails."""
+    import gc
+
+    from bench.simulate import run as sim_run
+    cfg, shape = tiny
+    before = gc.get_threshold()
+    seen = []
+
+    async def load_under_a_frozen_collector(*args, **kwargs):
+        seen.append((gc.get_freeze_count(), gc.get_threshold()))
+        raise RuntimeError("the load generator failed")
+
+    _run(cfg, shape, make_workload("chat", 3, seed=1, scale=0.1))
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    monkeypatch.setattr(sim_run, "run_load", load_under_a_frozen_collector)
+    with pytest.raises(RuntimeError, match="load generator failed"):
+        _run(cfg, shape, make_workload("chat", 3, seed=1, scale=0.1))
+    assert seen[0][0] > 0 and seen[0][1][0] == sim_run.GC_YOUNG_THRESHOLD
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
 def test_same_seed_same_run_across_processes():
     """Hash randomization (set and dict orders of other processes) does not move a simulated figure."""
     code = ("import json, sys; from bench.simulate import cli; sys.exit(cli.main(['--hardware', 'H100-SXM', "
