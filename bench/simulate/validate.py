@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,19 +68,15 @@ def measured_repeats(args, workload: str, rate: float) -> dict:
     runs = [measured(args, workload, rate) for _ in range(args.repeats)]
     if len(runs) == 1:
         return runs[0]
-    out = {v: {k: _median([run[v][k] for run in runs]) for k in runs[0][v]} for v in VARIANTS}
-    out["range"] = {v: {k: [min(run[v][k] for run in runs), max(run[v][k] for run in runs)] for k in FIGURES}
+
+    def values(v: str, k: str) -> list[float]:
+        return [run[v][k] for run in runs if run[v][k] is not None]
+
+    out = {v: {k: statistics.median(values(v, k)) if values(v, k) else None for k in runs[0][v]} for v in VARIANTS}
+    out["range"] = {v: {k: [min(values(v, k)), max(values(v, k))] if values(v, k) else [None, None] for k in FIGURES}
                     for v in VARIANTS}
     out["runs"] = runs
     return out
-
-
-def _median(values: list) -> float | None:
-    values = sorted(x for x in values if x is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def simulated(args, workload: str, rate: float) -> dict:

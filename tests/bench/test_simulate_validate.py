@@ -42,3 +42,15 @@ def test_the_report_counts_simulated_figures_inside_the_measured_range(monkeypat
     inside = 2 * len(validate.FIGURES)
     assert f"inside the range of the repeated measured runs: {inside} of {3 * len(validate.FIGURES)}" in \
         capsys.readouterr().out
+
+
+def test_a_figure_missing_from_a_run_is_left_out_of_its_median(monkeypatch):
+    missing = figures(5.0)
+    for v in validate.VARIANTS:
+        missing[v]["ttft_p90_s"] = None                     # (no request completed in that run, say)
+    runs = iter([figures(1.0), missing, figures(3.0)])
+    monkeypatch.setattr(validate, "measured", lambda args, workload, rate: next(runs))
+    out = validate.measured_repeats(argparse.Namespace(repeats=3), "chat", 1.0)
+    v = validate.VARIANTS[0]
+    assert out[v]["ttft_p90_s"] == (figures(1.0)[v]["ttft_p90_s"] + figures(3.0)[v]["ttft_p90_s"]) / 2
+    assert out["range"][v]["ttft_p90_s"] == [figures(1.0)[v]["ttft_p90_s"], figures(3.0)[v]["ttft_p90_s"]]
