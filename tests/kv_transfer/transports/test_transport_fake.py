@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kv_helpers import Pair, assert_no_leak, random_cache
+from kv_helpers import Pair, assert_no_leak, random_cache, wait_for
 from kv_transfer import FakeHub, KVLayout, KVPiece, TransferStatus
 from kv_transfer.wire import FRAME_PREFIX, WIRE_VERSION
 
@@ -93,13 +93,14 @@ def _check_one(pair: Pair, m, which: int, num_blocks: int) -> None:
         assert ours is None or ours.status is not TransferStatus.DONE, (m, ours)
     # Every reserved block came back; only DONE transfers (possibly under a damaged id) own theirs,
     # which the decode worker frees as orphans when nobody claims them.
-    owned = {b for r in results.values() if r.status is TransferStatus.DONE for b in r.dst_block_ids}
-    if not pair.pool.used_ids <= owned:           # a damaged id left a transfer pending: let it expire
-        time.sleep(1.2)
+    def only_done_transfers_hold_blocks() -> bool:
         for r in pair.receiver.poll():
             results[r.transfer_id] = r
         owned = {b for r in results.values() if r.status is TransferStatus.DONE for b in r.dst_block_ids}
-    assert pair.pool.used_ids <= owned, (m, sorted(pair.pool.used_ids - owned))
+        return pair.pool.used_ids <= owned
+
+    # (a damaged id may leave a transfer pending: its 1 s deadline expires it)
+    assert wait_for(only_done_transfers_hold_blocks, 3.0), (m, sorted(pair.pool.used_ids))
 
 
 def _results(pair: Pair, transfer_id: str, wait_s: float, request_id: str) -> dict:
