@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import torch
 
 from engine.cost_model import ModelCosts
+from engine.model.kernel_choice import settle
 from engine.sampling.params import SamplingParams
 from engine.spec.turn_down import TurnDown
 
@@ -52,11 +53,6 @@ def describe(engine) -> dict:
             "block_size": engine.block_size, "kv_blocks": engine.block_manager.num_blocks,
             "chunk_size": engine.scheduler.chunk_size if hasattr(engine.scheduler, "chunk_size") else None,
             "costs": engine_costs(engine).to_dict()}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _random_ids(engine, n: int, gen: torch.Generator) -> list[int]:
@@ -121,13 +117,13 @@ def measure_prefill(engine, prompt_len: int, batch: int = 1, repeats: int = 1, s
         ids = [engine.add_request(_random_ids(engine, prompt_len, gen), params, prefill_only=True)
                for _ in range(batch)]   # fresh random prompts: no prefix-cache hits
         pending = set(ids)
-        _sync(engine.device)
+        settle(engine.device)
         t0 = time.perf_counter()
         try:
             while pending:
                 for out in engine.step():
                     pending.discard(out.request_id)
-            _sync(engine.device)
+            settle(engine.device)
             best = min(best, time.perf_counter() - t0)
         finally:
             for rid in ids:
@@ -175,10 +171,10 @@ def measure_decode(engine, batch: int, context: int, repeats: int = 3, seed: int
                 if num_tokens and engine.speculator.draft is None:
                     engine.requests[rid].spec_state = _RandomProposals(engine.vocab_size, gen)
             for i in range(steps):
-                _sync(engine.device)
+                settle(engine.device)
                 t0 = time.perf_counter()
                 engine.step()
-                _sync(engine.device)
+                settle(engine.device)
                 if i >= warm_up:
                     best = min(best, time.perf_counter() - t0)
         finally:

@@ -315,7 +315,7 @@ def quantized_plan(cfg, scheme: str, group_size: int, dtype: torch.dtype, device
     return plan
 
 
-def _settle(device: torch.device) -> None:
+def settle(device: torch.device) -> None:
     """Wait for the device's queued kernels (a CUDA call returns once launched: time it to completion)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -342,11 +342,11 @@ def compiled_decode_wins(kernel, layer_cache: torch.Tensor, num_heads: int, batc
         def compiled() -> None:
             with torch.inference_mode():
                 kernel(q, layer_cache, tables, bias, dim ** -0.5)
-            _settle(layer_cache.device)
+            settle(layer_cache.device)
 
         def eager() -> None:
             with torch.inference_mode():
                 decode_attention(q, gather_kv(layer_cache, tables, fmt), bias, dim ** -0.5)
-            _settle(layer_cache.device)
+            settle(layer_cache.device)
     shapes = (num_heads, num_kv_heads, block_size, dim, stored, batch, width)
     return choose("decode_attention", shapes, {"compiled": compiled, "eager": eager}) == "compiled"
