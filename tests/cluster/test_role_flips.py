@@ -16,12 +16,14 @@ from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster_helpers import cluster_config, prompts_and_params
 
 
-async def _generate_all(address, prompts, params, prefix):
+async def _generate_all(address, prompts, params, prefix, together: int = 1):
+    """Every prompt's reply; the first `together` arrive at once (in flight together, they are placed on
+    different actors however fast the host serves them), the rest as a stream, 50 ms apart."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
 
         async def one(i, p, prm):
-            await asyncio.sleep(0.05 * i)          # a stream of arrivals, not one burst
+            await asyncio.sleep(0.05 * max(i - together + 1, 0))     # a stream of arrivals, not one burst
             sampling = pb.SamplingParams(max_tokens=prm.max_tokens, temperature=prm.temperature,
                                          ignore_eos=prm.ignore_eos)
             req = pb.GenerateRequest(request_id=f"{prefix}{i}", token_ids=pb.TokenIds(ids=p), sampling=sampling)
@@ -74,7 +76,7 @@ def test_flips_under_load_lose_no_request_and_leak_no_block(ray_local, tiny_mode
         pools = backend.pools
         try:
             await cluster.server.wait_ready(60)
-            load = asyncio.ensure_future(_generate_all(cluster.address, prompts, params, "a"))
+            load = asyncio.ensure_future(_generate_all(cluster.address, prompts, params, "a", together=4))
             # each flip while the actor holds work of its old role
             await _wait_for(lambda: _view(pools.decode, "decode-1").running > 0)
             flips = [await manager.flip("decode-1", "prefill")]          # its decode requests finish first
