@@ -418,7 +418,8 @@ class Engine:
             return []
         if not self.kv_format.quantized:      # (quantized blocks take their scales from the rows written)
             zero_prompt_tails(batch, self.runner.zero_tail, self.block_size)
-        decode_only = all(s.request.num_computed_tokens == s.request.num_tokens - 1 for s in batch)
+        decode_only = self.speculator is not None and all(
+            s.request.num_computed_tokens == s.request.num_tokens - 1 for s in batch)
         run = self.runner.run(batch)
         self.last_run_done = time.monotonic()
         if self.prompt_kv_roundtrip is not None:
@@ -466,7 +467,7 @@ class Engine:
                         self._finish(s)
             elif req.status.finished:
                 self._finish(req)
-        if self.speculator is not None and decode_only:    # the step's whole time: propose .. tokens out
+        if decode_only:    # the step's whole time: propose .. tokens out
             self.speculator.turn_down.observe_step(sum(len(out.new_token_ids) for out in outputs),
                                                    time.monotonic() - started)
         return outputs

@@ -133,6 +133,9 @@ class EventGate:
         return events
 
 
+COUNTS_CANCELS = hasattr(asyncio.Task, "uncancel")     # Python >= 3.11 counts cancel requests; 3.10 does not
+
+
 class IdleLimit:
     """Bounds each read of one stream at `idle_s`, as ``asyncio.timeout(idle_s)`` around it would, with one
     timer per idle period instead of one per read (a read a step is the per-token path): the timer is armed
@@ -155,7 +158,7 @@ class IdleLimit:
         if self._timer is None:
             self._timer = self._loop.call_at(self._since + self.idle_s, self._check)
         self._reading, self._expired = task, False
-        counted = hasattr(task, "uncancel")           # Python >= 3.11 counts cancel requests; 3.10 does not
+        counted = COUNTS_CANCELS
         cancelling = task.cancelling() if counted else 0
         try:
             return await read()
@@ -405,8 +408,9 @@ def chunk_of(ev: wpb.DecodeEvent, timing: Timing, usage: Usage, last: bool) -> G
         timing.decode_queue_s = ev.decode_queue_s
     token_ids = list(ev.token_ids)
     usage.completion_tokens += len(token_ids)
-    chunk = GenerationChunk(token_ids, ev.text, None, index=ev.index, logprobs=list(ev.logprobs) or None,
-                            prompt_logprobs=list(ev.prompt_logprobs) or None)
+    chunk = GenerationChunk(token_ids, ev.text, None, index=ev.index,
+                            logprobs=list(ev.logprobs) if ev.logprobs else None,
+                            prompt_logprobs=list(ev.prompt_logprobs) if ev.prompt_logprobs else None)
     if ev.finish_reason:
         chunk.finish_reason = ev.finish_reason
         which = ev.WhichOneof("matched_stop")

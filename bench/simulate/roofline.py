@@ -112,9 +112,9 @@ class RooflineModel(StepTimeModel):
     def step_s(self, chunks: Sequence[Chunk]) -> float:
         """compute or memory time of one rank, whichever is longer, + overhead + all-reduces."""
         assert chunks, "a step has at least one chunk"
-        compute_s = self.step_flops(chunks) / self.tensor_parallel / self.flops_per_s
-        memory_s = self.rank_bytes(chunks) / self.bytes_per_s
-        num_tokens = sum(c.new_tokens for c in chunks)
+        num_tokens, pairs, kv_tokens, proposals = _step_terms(chunks)
+        compute_s = self._flops(num_tokens, pairs, len(chunks) + proposals) / self.tensor_parallel / self.flops_per_s
+        memory_s = self._rank_bytes(kv_tokens) / self.bytes_per_s
         seconds = max(compute_s, memory_s) + self.hardware.step_overhead_s + self.all_reduce_s(num_tokens)
         if self.speculation is not None:
             seconds += self.proposing_s(chunks)
@@ -123,16 +123,19 @@ class RooflineModel(StepTimeModel):
     def step_flops(self, chunks: Sequence[Chunk]) -> float:
         """FLOPs of the whole step over all ranks: matmuls, causal attention, the LM head's rows (one per
         chunk, 1 + k for a chunk verifying k proposals)."""
-        c = self.costs
-        num_tokens = sum(chunk.new_tokens for chunk in chunks)
-        pairs = sum(attended_pairs(chunk) for chunk in chunks)
-        rows = len(chunks) + sum(chunk.proposals for chunk in chunks)
-        return (2.0 * c.layer_params * num_tokens + 4.0 * c.num_layers * c.attn_dim * pairs
-                + 2.0 * c.head_params * rows)
+        num_tokens, pairs, _, proposals = _step_terms(chunks)
+        return self._flops(num_tokens, pairs, len(chunks) + proposals)
 
     def rank_bytes(self, chunks: Sequence[Chunk]) -> float:
         """HBM bytes one rank moves: its share of the weights, of the KV read and of the KV written."""
-        kv_tokens = sum(chunk.context + chunk.new_tokens for chunk in chunks)
+        return self._rank_bytes(_step_terms(chunks)[2])
+
+    def _flops(self, num_tokens: int, pairs: int, rows: int) -> float:
+        c = self.costs
+        return (2.0 * c.layer_params * num_tokens + 4.0 * c.num_layers * c.attn_dim * pairs
+                + 2.0 * c.head_params * rows)
+
+    def _rank_bytes(self, kv_tokens: int) -> float:
         return self.weight_bytes / self.tensor_parallel + kv_tokens * self.kv_bytes_per_token * self.kv_share
 
     def all_reduce_s(self, num_tokens: int) -> float:
@@ -181,6 +184,18 @@ def attended_pairs(chunk: Chunk) -> int:
     """
     n, c = chunk.new_tokens, chunk.context
     return n * c - n * (n - 1) // 2
+
+
+def _step_terms(chunks: Sequence[Chunk]) -> tuple[int, int, int, int]:
+    """One pass over a step's chunks (one per scheduled sequence): tokens computed, attended pairs,
+    KV tokens read and written, proposals verified."""
+    num_tokens = pairs = kv_tokens = proposals = 0
+    for n, c, k in chunks:
+        num_tokens += n
+        pairs += n * c - n * (n - 1) // 2           # attended_pairs
+        kv_tokens += c + n
+        proposals += k
+    return num_tokens, pairs, kv_tokens, proposals
 
 
 def _check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:

@@ -23,16 +23,17 @@ import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.args import EngineArgs
 from engine.performance import Speculation
 
 
-@dataclass(frozen=True, slots=True)
-class Chunk:
+class Chunk(NamedTuple):
     """One sequence's share of a step: `new_tokens` computed, attending over `context` tokens
     (those computed before plus the new ones). A decode row is Chunk(1, its length); a decode row
-    verifying k proposals is Chunk(1 + k, its length + k, k): every one of its rows is scored."""
+    verifying k proposals is Chunk(1 + k, its length + k, k): every one of its rows is scored.
+    (A tuple: one is made per scheduled sequence per simulated step.)"""
 
     new_tokens: int
     context: int

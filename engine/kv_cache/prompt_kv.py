@@ -39,9 +39,12 @@ def zero_prompt_tails(batch, zero_tail: Callable[[int, int], None], block_size: 
 
     `zero_tail(block, first_slot)` zeroes them in the cache (the runner's, on every tensor-parallel rank)."""
     for s in batch:
-        req, start = s.request, s.request.num_computed_tokens
-        end, used = req.num_prompt_tokens, req.num_prompt_tokens % block_size
-        if used and start < end <= start + s.num_new_tokens and encodes_prompt_kv(req):
+        req = s.request
+        if not encodes_prompt_kv(req):
+            continue
+        start, end = req.num_computed_tokens, req.num_prompt_tokens
+        used = end % block_size
+        if used and start < end <= start + s.num_new_tokens:
             zero_tail(req.block_table[end // block_size], used)
 
 

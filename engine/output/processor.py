@@ -34,39 +34,45 @@ class OutputProcessor:
     def process(self, req: Request, token: int, logprob: pb.TokenLogprob | None = None) -> RequestOutput:
         """Append one sampled token (and its logprob, when computed); returns the step's output for the sequence."""
         p = req.params
-        req.output_token_ids.append(token)
+        output = req.output_token_ids
+        output.append(token)
+        num_output = len(output)
         if logprob is not None:
             req.cumulative_logprob += logprob.logprob
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        may_stop = len(req.output_token_ids) >= p.min_tokens
+        may_stop = num_output >= p.min_tokens
         is_stop_id = may_stop and token in p.stop_token_ids
         is_eos = may_stop and not is_stop_id and token in self.eos and not p.ignore_eos
+        detokenizer = req.detokenizer
         if is_eos or is_stop_id:
             req.status = RequestStatus.FINISHED_STOPPED
             req.matched_stop = token
             keep_text = is_stop_id or p.include_stop_str_in_output
-            delta = (req.detokenizer.push(token) if keep_text else "") + req.detokenizer.flush()
+            delta = (detokenizer.push(token) if keep_text else "") + detokenizer.flush()
         else:
-            delta = req.detokenizer.push(token)
-        if len(req.output_token_ids) >= p.max_tokens and not req.status.finished:
+            delta = detokenizer.push(token)
+        finished = req.status.finished
+        if num_output >= p.max_tokens and not finished:
             req.status = RequestStatus.FINISHED_LENGTH
-            delta += req.detokenizer.flush()
-        req.text += delta
-        if p.stop and delta and may_stop:
-            self._check_stop(req, len(delta))
+            finished = True
+            delta += detokenizer.flush()
+        if delta:
+            req.text += delta
+            if p.stop and may_stop:
+                self._check_stop(req, len(delta))
+                finished = req.status.finished
         # Hold back a possible stop-string prefix until the request finishes.
-        hold = 0 if req.status.finished or not p.stop else max(map(len, p.stop)) - 1
+        hold = max(map(len, p.stop)) - 1 if p.stop and not finished else 0
         end = max(len(req.text) - hold, req.num_emitted_chars)
         text_delta = req.text[req.num_emitted_chars:end]
         req.num_emitted_chars = end
-        finish = req.status.value if req.status.finished else None
+        finish = req.status.value if finished else None
         return RequestOutput(req.request_id, [token], text_delta, finish, req.num_prompt_tokens,
-                             req.num_cached_tokens, len(req.output_token_ids),
-                             first_scheduled_time=req.first_scheduled_time, index=req.index,
-                             logprobs=None if logprob is None else [logprob],
-                             matched_stop=req.matched_stop if finish == "stop" else None,
-                             num_spec_proposed=req.num_spec_proposed, num_spec_accepted=req.num_spec_accepted)
+                             req.num_cached_tokens, num_output, False, [], req.first_scheduled_time, req.index,
+                             None if logprob is None else [logprob],
+                             None, req.matched_stop if finish == "stop" else None,
+                             req.num_spec_proposed, req.num_spec_accepted)
 
     @staticmethod
     def _check_stop(req: Request, delta_len: int) -> None:

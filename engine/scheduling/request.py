@@ -23,10 +23,9 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+    def __init__(self, value: str) -> None:
+        # A plain attribute, not a property: it is read for every sequence of every step.
+        self.finished: bool = value in ("stop", "length", "abort")
 
 
 @dataclass(slots=True, eq=False)
