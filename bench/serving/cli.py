@@ -23,6 +23,8 @@ import math
 import sys
 import tempfile
 
+from bench.serving.arg_types import (non_negative_int, output_file, positive_float, positive_int,
+                                      request_rate)
 from bench.serving.cluster import bench_config
 from bench.serving.runs import measure, run_variants, workload_kwargs
 from bench.serving.slo_scale import slo_line, slo_record
@@ -50,40 +52,41 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", help="preset (tiny, small) or model directory for the embedded cluster")
     t.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    t.add_argument("--autoscale-interval", type=float, default=2.0, metavar="S",
+    t.add_argument("--autoscale-interval", type=positive_float, default=2.0, metavar="S",
                    help="autoscaler period of embedded clusters (pools with count auto, routing.role_flips=auto); "
                    "its window is 10 periods")
-    t.add_argument("--colocated-chunk-tokens", type=int, metavar="N",
+    t.add_argument("--colocated-chunk-tokens", type=positive_int, metavar="N",
                    help="chunk size of the colocated-chunked variant (default: pools.prefill.chunk_tokens)")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="mixed", help="chat | rag | mixed | shared-prefix | multi-turn | phases "
                    "(chat → rag → chat, with actors per role over time) | structured (TPOT with vs without a "
                    "JSON-schema mask, per --batch-sizes) | FILE.jsonl")
-    w.add_argument("--num-requests", type=int, default=64, help="requests (multi-turn: conversations)")
-    w.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    w.add_argument("--num-requests", type=positive_int, default=64, help="requests (multi-turn: conversations)")
+    w.add_argument("--num-turns", type=positive_int, default=4, help="multi-turn: turns per conversation")
     w.add_argument("--interleave", action="store_true", help="multi-turn: turn k of every conversation before "
                    "turn k + 1 of any (more conversations than the caches hold: their prefixes get evicted)")
     w.add_argument("--tiers", help="multi-turn, embedded: KV tier variants side by side, each on a fresh cluster: "
                    "none, host, disk (e.g. none,host,disk)")
-    w.add_argument("--tier-gib", type=float, default=1.0, help="--tiers: each tier's capacity per actor, GiB")
+    w.add_argument("--tier-gib", type=positive_float, default=1.0, help="--tiers: each tier's capacity per actor, GiB")
     w.add_argument("--tier-dir", help="--tiers disk: the directory (default: a new temporary one)")
     w.add_argument("--batch-sizes", default="1,32", help="structured: the concurrencies to compare at (each runs "
                    "max(--num-requests, size) requests, free and constrained)")
-    w.add_argument("--num-warmup", type=int, default=2)
-    w.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length")
-    w.add_argument("--prompt-len", type=int, help="fix every prompt's length")
-    w.add_argument("--output-len", type=int, help="fix every output's length")
-    w.add_argument("--request-rate", type=float, default=math.inf, help="mean arrivals per second (inf: all at once)")
-    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
-    w.add_argument("--concurrency", type=int, help="most requests in flight")
+    w.add_argument("--num-warmup", type=non_negative_int, default=2)
+    w.add_argument("--scale", type=positive_float, default=1.0, help="multiply every prompt and output length")
+    w.add_argument("--prompt-len", type=positive_int, help="fix every prompt's length")
+    w.add_argument("--output-len", type=positive_int, help="fix every output's length")
+    w.add_argument("--request-rate", type=request_rate, default=math.inf,
+                   help="mean arrivals per second (inf: all at once)")
+    w.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
+    w.add_argument("--concurrency", type=positive_int, help="most requests in flight")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--cache", default="cold", help="cold, warm or cold,warm (prefix cache state)")
-    w.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
+    w.add_argument("--timeout", type=positive_float, default=600.0, help="per-request deadline (s)")
     s = p.add_argument_group("SLOs and output")
-    s.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    s.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    s.add_argument("--slo-scale", type=float, metavar="S", help="per request class, SLOs = S x its TTFT and TPOT "
-                   "alone on this machine, measured first (replaces --slo-ttft-ms/--slo-tpot-ms)")
+    s.add_argument("--slo-ttft-ms", type=positive_float, default=1000.0)
+    s.add_argument("--slo-tpot-ms", type=positive_float, default=100.0)
+    s.add_argument("--slo-scale", type=positive_float, metavar="S", help="per request class, SLOs = S x its TTFT and "
+                   "TPOT alone on this machine, measured first (replaces --slo-ttft-ms/--slo-tpot-ms)")
     s.add_argument("--slo-from", metavar="JSON", help="take --slo-scale's per-class SLOs from an earlier run's "
                    "JSON (so variants run in separate invocations are held to the same SLOs)")
     s.add_argument("--sweep", choices=["output-len", "prompt-len", "concurrency", "rate"])
@@ -91,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "fractions of the capacity measured on the first variant)")
     s.add_argument("--plot-dir", default=".", help="where sweep PNGs go")
     s.add_argument("--hf-baseline", action="store_true", help="also time HF transformers generate (static batching)")
-    s.add_argument("--hf-batch-size", type=int, default=8)
-    s.add_argument("--json", help="write every figure and per-request record here")
+    s.add_argument("--hf-batch-size", type=positive_int, default=8)
+    s.add_argument("--json", type=output_file, help="write every figure and per-request record here")
     s.add_argument("--timeline", action="store_true", help="draw one request's path to its first token, "
                    "stage by stage (the median-TTFT request of each run)")
     s.add_argument("--no-progress", action="store_true")

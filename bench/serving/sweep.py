@@ -16,6 +16,7 @@ import math
 import os
 import sys
 
+from bench.serving.arg_types import float_list
 from bench.serving.cluster import Target
 from bench.serving.plots import plot_latency_sweep, plot_slo_attainment
 from bench.serving.runs import measure, open_client, run_variants
@@ -53,7 +54,7 @@ def point_specs(args: argparse.Namespace, value: float, index: int) -> tuple[lis
 
 async def run_sweep(args: argparse.Namespace) -> dict:
     raw = args.sweep_values or ("" if args.sweep == "rate" else DEFAULT_VALUES[args.sweep])
-    values = [float(v) for v in raw.split(",") if v.strip()]
+    values = float_list("--sweep-values", raw)
     capacity: dict[str, object] = {}
     args.cache = args.cache.split(",")[0]
     points: dict[str, list[dict]] = {}

@@ -18,6 +18,7 @@ so one definition serves a GPU and a 2-core laptop.
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 from dataclasses import dataclass
@@ -106,6 +107,13 @@ def make_workload(name: str, num_requests: int, seed: int = 0, scale: float = 1.
         scale: multiplies every prompt and output length.
         prompt_len, output_len: fix every request's prompt / output length (sweeps).
     """
+    if num_requests < 1:
+        raise ValueError(f"--num-requests must be at least 1, got {num_requests}")
+    if not 0 < scale < math.inf:
+        raise ValueError(f"--scale must be a finite number above 0, got {scale}")
+    for flag, length in (("--prompt-len", prompt_len), ("--output-len", output_len)):
+        if length is not None and length < 1:
+            raise ValueError(f"{flag} must be at least 1, got {length}")
     rng = random.Random(f"{name}-{seed}")
     if name.endswith(".jsonl"):
         specs = read_jsonl(name, rng)
@@ -169,24 +177,28 @@ def make_conversations(num_conversations: int, num_turns: int, seed: int = 0, sc
 
 
 def read_jsonl(path: str, rng: random.Random) -> list[RequestSpec]:
-    """Requests from a JSONL file; raises ValueError naming the bad line."""
+    """Requests from a JSONL file; raises ValueError naming the file, and the bad line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"workload {path}: cannot read it ({e})") from None
     specs = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                output_len = int(row["output_len"])
-                if "prompt" in row:
-                    spec = RequestSpec(None, output_len, prompt=str(row["prompt"]), kind="file")
-                else:
-                    spec = RequestSpec(_tokens(rng, int(row["prompt_len"])), output_len, kind="file")
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: need prompt or prompt_len, and output_len ({e})") from None
-            if output_len < 1 or spec.prompt_len < 1:
-                raise ValueError(f"{path}:{lineno}: lengths must be >= 1")
-            specs.append(spec)
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            output_len = int(row["output_len"])
+            if "prompt" in row:
+                spec = RequestSpec(None, output_len, prompt=str(row["prompt"]), kind="file")
+            else:
+                spec = RequestSpec(_tokens(rng, int(row["prompt_len"])), output_len, kind="file")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{lineno}: need prompt or prompt_len, and output_len ({e})") from None
+        if output_len < 1 or spec.prompt_len < 1:
+            raise ValueError(f"{path}:{lineno}: lengths must be >= 1")
+        specs.append(spec)
     if not specs:
         raise ValueError(f"{path}: no requests")
     return specs

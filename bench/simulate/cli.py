@@ -33,6 +33,8 @@ import math
 import os
 import sys
 
+from bench.serving.arg_types import (float_list, non_negative_float, non_negative_int, output_file, positive_float,
+                                      positive_int, request_rate)
 from bench.serving.runs import autoscale_settings
 from bench.serving.slo_scale import ATTAINMENT, max_rate_rps, rates_around
 from bench.serving.sweep import print_points
@@ -65,14 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     c.add_argument("--mode", choices=list(VARIANT_MODES), default="disaggregated")
     c.add_argument("--compare", help="variants side by side, e.g. colocated,disaggregated,auto")
-    c.add_argument("--devices", type=int, help="--sweep split: devices (GPUs) to split between the pools")
+    c.add_argument("--devices", type=positive_int,
+                   help="--sweep split: devices (GPUs) to split between the pools (default 4)")
     c.add_argument("--tp", default="1", metavar="D,D,…", help="--sweep split: tensor-parallel degrees to try per "
                    "pool (those the model's heads and the GPU's memory allow)")
-    c.add_argument("--top", type=int, default=8, metavar="K", help="--sweep split: simulate the K candidates the "
-                   "planner ranks highest (0: all; colocated at each degree always runs)")
-    c.add_argument("--autoscale-interval", type=float, default=2.0, metavar="S",
+    c.add_argument("--top", type=non_negative_int, default=8, metavar="K", help="--sweep split: simulate the K "
+                   "candidates the planner ranks highest (0: all; colocated at each degree always runs)")
+    c.add_argument("--autoscale-interval", type=positive_float, default=2.0, metavar="S",
                    help="autoscaler period (pools with count auto, routing.role_flips auto); its window is 10 periods")
-    c.add_argument("--actor-start-s", type=float, default=ACTOR_START_S, metavar="S",
+    c.add_argument("--actor-start-s", type=non_negative_float, default=ACTOR_START_S, metavar="S",
                    help="simulated seconds a new actor takes to come up (autoscaler growth)")
     t = p.add_argument_group("time model")
     t.add_argument("--profile", help="a `pdserve profile` file (default: the config's cached profile)")
@@ -80,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", help="with --hardware: the simulated model (a directory with config.json, or "
                    "llama-3-8b, llama-3-70b, llama-2-7b, llama-2-13b, opt-13b, opt-66b; default: the config's)")
     t.add_argument("--dtype", default="bf16", help="with --hardware: weights' and KV's dtype (bf16, fp16, fp8)")
-    t.add_argument("--tensor-parallel", type=int, metavar="N", help="every pool at N GPUs per actor (sets "
+    t.add_argument("--tensor-parallel", type=positive_int, metavar="N", help="every pool at N GPUs per actor (sets "
                    "pools.<pool>.tensor_parallel; an error beside --set of either); per pool: --set "
                    "pools.decode.tensor_parallel=N")
     t.add_argument("--intra-node", action="store_true", help="with --hardware: KV moves over the node's "
@@ -91,22 +94,22 @@ def build_parser() -> argparse.ArgumentParser:
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="mixed", help="chat | rag | mixed | shared-prefix | multi-turn | phases "
                    "(chat → rag → chat) | FILE.jsonl")
-    w.add_argument("--num-requests", type=int, default=200, help="requests (multi-turn: conversations)")
-    w.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
-    w.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length")
-    w.add_argument("--prompt-len", type=int, help="fix every prompt's length")
-    w.add_argument("--output-len", type=int, help="fix every output's length")
-    w.add_argument("--rate", type=float, default=math.inf, help="mean arrivals per second (inf: all at once)")
-    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
+    w.add_argument("--num-requests", type=positive_int, default=200, help="requests (multi-turn: conversations)")
+    w.add_argument("--num-turns", type=positive_int, default=4, help="multi-turn: turns per conversation")
+    w.add_argument("--scale", type=positive_float, default=1.0, help="multiply every prompt and output length")
+    w.add_argument("--prompt-len", type=positive_int, help="fix every prompt's length")
+    w.add_argument("--output-len", type=positive_int, help="fix every output's length")
+    w.add_argument("--rate", type=request_rate, default=math.inf, help="mean arrivals per second (inf: all at once)")
+    w.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
     w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (simulated s)")
+    w.add_argument("--timeout", type=positive_float, default=600.0, help="per-request deadline (simulated s)")
     s = p.add_argument_group("SLOs, sweeps and output")
-    s.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    s.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    s.add_argument("--slo-ttft-ms", type=positive_float, default=1000.0)
+    s.add_argument("--slo-tpot-ms", type=positive_float, default=100.0)
     s.add_argument("--sweep", choices=["rate", "split", "ratio"])
     s.add_argument("--sweep-values", help="rates (comma-separated; --sweep split: offered to all "
                    "--devices, in proportion to a candidate on fewer), or P:O length pairs for --sweep ratio")
-    s.add_argument("--json", metavar="FILE", help="write every figure here")
+    s.add_argument("--json", metavar="FILE", type=output_file, help="write every figure here")
     s.add_argument("--plot", metavar="DIR", help="write the sweep's plot here")
     s.add_argument("--progress", action="store_true", help="a progress line per run")
     return p
@@ -246,7 +249,7 @@ def print_bursts(found: list[dict], num_requests: int) -> None:
 
 
 def sweep_rates(args, variants: list[str], specs: list) -> dict:
-    values = [float(v) for v in (args.sweep_values or "").split(",") if v.strip()]
+    values = float_list("--sweep-values", args.sweep_values or "")
     if not values:
         values = rates_around(capacity(args, variants[0], specs))
     points = {v: rate_points(args, v, specs, values) for v in variants}
@@ -320,7 +323,7 @@ def sweep_split(args, specs: list) -> dict:
         return [f"pools.prefill.tensor_parallel={c['prefill_degree']}",
                 f"pools.decode.tensor_parallel={c['decode_degree']}"]
 
-    per_device = [float(v) / n for v in (args.sweep_values or "").split(",") if v.strip()]
+    per_device = [v / n for v in float_list("--sweep-values", args.sweep_values or "")]
     if not per_device:       # up to 1.5x the most per device that colocated completes or the planner predicts
         most = max([capacity(args, "colocated-chunked", specs, {"prefill": 0, "decode": c["n_decode"]}, settings(c))
                     / c["devices"] for c in candidates.values() if c["kind"] == "colocated"]

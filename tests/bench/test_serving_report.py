@@ -1,6 +1,8 @@
 """Sweep plots, side-by-side tables and the benchmarks page render from fixed results (no cluster)."""
 from __future__ import annotations
 
+import pytest
+
 from bench.report.markdown import render_markdown
 from bench.serving.load import RequestRecord
 from bench.serving.metrics import summarize
@@ -69,3 +71,27 @@ def test_the_suite_report_keeps_the_chaos_section(tmp_path):
     assert kept_sections(str(page)) == ""
     page.write_text("# Benchmarks\n\n## Serving\nold figures\n\n## Chaos run\n\nchaos figures\n")
     assert kept_sections(str(page)) == "\n## Chaos run\n\nchaos figures\n"
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--request-rate", "nan"], "--request-rate"), (["--num-requests", "0"], "--num-requests"),
+    (["--scale", "-1"], "--scale"), (["--concurrency", "0"], "--concurrency"),
+    (["--json", "/no/such/dir/out.json"], "--json")])
+def test_bench_serve_refuses_a_bad_flag_naming_it(flags, named, capsys):
+    from bench.serving import cli
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["--embedded", *flags])
+    assert refused.value.code == 2
+    assert f"argument {named}" in capsys.readouterr().err
+
+
+def test_make_workload_refuses_what_no_run_could_serve(tmp_path):
+    from bench.serving.workloads import make_workload
+    with pytest.raises(ValueError, match="--num-requests"):
+        make_workload("chat", 0)
+    with pytest.raises(ValueError, match="--scale"):
+        make_workload("chat", 2, scale=float("nan"))
+    with pytest.raises(ValueError, match="--output-len"):
+        make_workload("chat", 2, output_len=0)
+    with pytest.raises(ValueError, match="cannot read it"):
+        make_workload(str(tmp_path / "none.jsonl"), 2)

@@ -353,6 +353,28 @@ def test_cli_reports_and_refuses_bad_input(tmp_path, capsys):
     assert "bogus" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--num-requests", "0"], "--num-requests"), (["--rate", "nan"], "--rate"), (["--rate", "-1"], "--rate"),
+    (["--scale", "0"], "--scale"), (["--prompt-len", "0"], "--prompt-len"), (["--timeout", "-1"], "--timeout"),
+    (["--slo-ttft-ms", "-5"], "--slo-ttft-ms"), (["--burstiness", "0"], "--burstiness"),
+    (["--devices", "0", "--sweep", "split"], "--devices"), (["--json", "/no/such/dir/out.json"], "--json"),
+    (["--actor-start-s", "-1"], "--actor-start-s"), (["--top", "-1"], "--top")])
+def test_a_bad_flag_is_refused_before_anything_runs_naming_it(flags, named, capsys):
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["--hardware", "H100-SXM", "--model", "llama-3-8b", *flags])
+    assert refused.value.code == 2
+    assert f"argument {named}" in capsys.readouterr().err
+
+
+def test_a_bad_workload_file_or_sweep_value_is_an_error_naming_it(tmp_path, capsys):
+    base = ["--hardware", "H100-SXM", "--model", "llama-3-8b", "--num-requests", "2"]
+    missing = tmp_path / "missing.jsonl"
+    assert cli.main([*base, "--workload", str(missing)]) == 2
+    assert f"workload {missing}: cannot read it" in capsys.readouterr().err
+    assert cli.main([*base, "--sweep", "rate", "--sweep-values", "2,fast"]) == 2
+    assert "--sweep-values: 'fast' is not a number" in capsys.readouterr().err
+
+
 def test_split_sweep_names_a_best_split_and_the_plan(capsys):
     assert cli.main(["--hardware", "A100-80GB", "--model", "llama-2-7b", "--workload", "rag", "--num-requests",
                      "30", "--sweep", "split", "--devices", "3", "--sweep-values", "2,8"]) == 0
