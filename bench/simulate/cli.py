@@ -180,8 +180,13 @@ def workload(args: argparse.Namespace, prompt_len: int | None = None, output_len
     if args.workload == MULTI_TURN:
         return make_conversations(args.num_requests, args.num_turns, args.seed, args.scale,
                                   output_len or args.output_len)
-    return make_workload(args.workload, args.num_requests, args.seed, args.scale,
-                         prompt_len or args.prompt_len, output_len or args.output_len)
+    specs = make_workload(args.workload, args.num_requests, args.seed, args.scale,
+                          prompt_len or args.prompt_len, output_len or args.output_len)
+    texts = sum(s.prompt_token_ids is None for s in specs)
+    if texts:
+        raise ValueError(f"--workload {args.workload}: {texts} of {len(specs)} requests give a prompt's text; the "
+                         "simulator needs its length in tokens: give \"prompt_len\" instead of \"prompt\"")
+    return specs
 
 
 def lengths_of(specs: list) -> dict:

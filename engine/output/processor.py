@@ -68,6 +68,7 @@ class OutputProcessor:
         text_delta = req.text[req.num_emitted_chars:end]
         req.num_emitted_chars = end
         finish = req.status.value if finished else None
+        # (positional, in RequestOutput's field order: one is built per sequence per step)
         return RequestOutput(req.request_id, [token], text_delta, finish, req.num_prompt_tokens,
                              req.num_cached_tokens, num_output, False, [], req.first_scheduled_time, req.index,
                              None if logprob is None else [logprob],

@@ -428,3 +428,39 @@ def test_kv_tiers_are_refused_naming_the_key(capsys):
                    "--set", "kv_cache.tiers=[{kind: host, capacity_gib: 1}]"])
     assert rc == 2
     assert "kv_cache.tiers: the simulator does not model KV tiers" in capsys.readouterr().err
+
+
+def test_a_workload_file_runs_as_its_rows_and_a_text_prompt_is_refused(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt_len": 40, "output_len": 3}\n{"prompt_len": 90, "output_len": 5}\n')
+    out = tmp_path / "out.json"
+    assert cli.main(["--hardware", "H100-SXM", "--model", "llama-3-8b", "--workload", str(rows),
+                     "--num-requests", "5", "--rate", "20", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["runs"]["disaggregated"]["completed"] == 5
+    assert result["lengths"]["input_len"]["min"] == 40 and result["lengths"]["input_len"]["max"] == 90
+    assert result["lengths"]["output_len"]["max"] == 5
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"prompt": "hello there", "output_len": 3}\n')
+    assert cli.main(["--hardware", "H100-SXM", "--model", "llama-3-8b", "--workload", str(text)]) == 2
+    assert 'give "prompt_len" instead of "prompt"' in capsys.readouterr().err
+
+
+def test_multi_turn_conversations_run_in_order_and_reuse_their_prefix(tmp_path):
+    out = tmp_path / "out.json"
+    assert cli.main(["--hardware", "H100-SXM", "--model", "llama-3-8b", "--workload", "multi-turn",
+                     "--num-requests", "4", "--num-turns", "3", "--rate", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["lengths"] == {"conversations": 4, "turns": 12}
+    run = result["runs"]["disaggregated"]
+    assert run["completed"] == 12 and run["failed"] == 0
+    assert run["prefix_hit_rate"] > 0.3           # each later turn's prompt is the last prompt + answer + more
+
+
+def test_a_rate_sweep_writes_its_plot(tmp_path):
+    plots = tmp_path / "plots"
+    out = tmp_path / "out.json"
+    assert cli.main(["--hardware", "H100-SXM", "--model", "llama-3-8b", "--workload", "chat", "--num-requests",
+                     "20", "--sweep", "rate", "--sweep-values", "2,8", "--plot", str(plots), "--json", str(out)]) == 0
+    path = json.loads(out.read_text())["plot"]
+    assert path.startswith(str(plots)) and open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
