@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -319,6 +320,42 @@ def load_profile(path: str) -> dict:
     if not isinstance(profile, dict) or profile.get("version") != PROFILE_VERSION:
         raise ValueError(f"{path}: not a pdserve profile (version {PROFILE_VERSION})")
     for pool in ("prefill", "decode"):
-        if not profile.get(pool, {}).get("points"):
+        section = profile.get(pool)
+        if not isinstance(section, dict) or not section.get("points"):
             raise ValueError(f"{path}: no {pool} measurements")
+        if not isinstance(section.get("engine"), dict) or not isinstance(section["engine"].get("costs"), dict):
+            raise ValueError(f"{path}: {pool}.engine.costs is missing (the model's shape the points were measured on)")
+        _check_points(path, pool, section["points"], POINT_FIELDS[pool])
+    calibration = profile.get("calibration", {})
+    if not isinstance(calibration, dict):
+        raise ValueError(f"{path}: calibration must be a mapping")
+    for key, value in calibration.items():
+        least = 0.0 if key.endswith("_s") else None          # fixed costs may be 0; time factors must be > 0
+        _check_number(path, f"calibration.{key}", value, least)
+    if not isinstance(profile.get("transfer", {}), dict):
+        raise ValueError(f"{path}: transfer must be a mapping")
     return profile
+
+
+POINT_FIELDS = {"prefill": ("prompt_len", "seconds"), "decode": ("batch", "context", "seconds")}
+"""Each point's required numbers (a prefill point without "batch" is one prompt)."""
+
+
+def _check_points(path: str, pool: str, points: object, fields: tuple[str, ...]) -> None:
+    if not isinstance(points, list):
+        raise ValueError(f"{path}: {pool}.points must be a list")
+    for i, point in enumerate(points):
+        if not isinstance(point, dict):
+            raise ValueError(f"{path}: {pool}.points[{i}] must be a mapping")
+        for field in fields:
+            _check_number(path, f"{pool}.points[{i}].{field}", point.get(field), 0.0 if field == "context" else None)
+        if "batch" in point and "batch" not in fields:
+            _check_number(path, f"{pool}.points[{i}].batch", point["batch"], None)
+
+
+def _check_number(path: str, key: str, value: object, least: float | None) -> None:
+    """A finite number above 0 (at least `least` when given); ValueError naming `key` otherwise."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value < least if least is not None else value <= 0):
+        bound = f"at least {least:g}" if least is not None else "above 0"
+        raise ValueError(f"{path}: {key} must be a finite number {bound}, got {value!r}")

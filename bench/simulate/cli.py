@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             if "input_len" in lengths:
                 print(lengths_line(lengths))
             result["lengths"] = lengths
-    except (ValueError, ConfigError) as e:
+    except (ValueError, ConfigError, OSError) as e:      # OSError: a file named on the command line
         print(f"error: {e}", file=sys.stderr)
         return 2
     result.update(time_model=model.name, workload=args.workload, rate=args.rate, seed=args.seed,

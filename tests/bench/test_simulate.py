@@ -373,6 +373,8 @@ def test_a_bad_workload_file_or_sweep_value_is_an_error_naming_it(tmp_path, caps
     assert f"workload {missing}: cannot read it" in capsys.readouterr().err
     assert cli.main([*base, "--sweep", "rate", "--sweep-values", "2,fast"]) == 2
     assert "--sweep-values: 'fast' is not a number" in capsys.readouterr().err
+    assert cli.main(["--hardware", "H100-SXM", "--model", str(tmp_path), "--num-requests", "2"]) == 2
+    assert "model directory has no config.json" in capsys.readouterr().err
 
 
 def test_split_sweep_names_a_best_split_and_the_plan(capsys):

@@ -108,3 +108,36 @@ def test_profile_local_writes_the_speculative_steps_and_acceptance_the_model_rea
     plain, verify = data["decode"]["points"][1]["seconds"], spec["points"][1]["seconds"]
     assert model.spec_step_seconds(2, 32, 2) == pytest.approx(max(verify, plain))
     assert model.token_seconds(2, 32) == pytest.approx(max(verify, plain) / 2.0)       # 1 + 2 · 0.5 tokens
+
+
+def test_a_malformed_profile_is_refused_naming_the_key(tmp_path):
+    import copy
+    import json
+
+    from deploy.profiler import load_profile
+    good = {"version": 1, "prefill": {"engine": {"costs": {}}, "points": [{"prompt_len": 128, "batch": 1,
+                                                                          "seconds": 0.09}]},
+            "decode": {"engine": {"costs": {}}, "points": [{"batch": 1, "context": 128, "seconds": 0.013}]},
+            "calibration": {"prefill": 1.02, "handoff_s": 0.0}}
+    path = tmp_path / "p.json"
+
+    def load(mend) -> str:
+        profile = copy.deepcopy(good)
+        mend(profile)
+        path.write_text(json.dumps(profile))
+        with pytest.raises(ValueError) as refused:
+            load_profile(str(path))
+        return str(refused.value)
+
+    path.write_text(json.dumps(good))
+    assert load_profile(str(path)) == good
+    assert "no prefill measurements" in load(lambda p: p.update(prefill=5))
+    assert "decode.engine.costs is missing" in load(lambda p: p["decode"].pop("engine"))
+    assert "prefill.points[0].seconds must be a finite number above 0, got -1" in load(
+        lambda p: p["prefill"]["points"][0].update(seconds=-1))
+    assert "decode.points[0].batch" in load(lambda p: p["decode"]["points"][0].pop("batch"))
+    assert "calibration.decode must be a finite number above 0, got 'x'" in load(
+        lambda p: p["calibration"].update(decode="x"))
+    assert "calibration.handoff_s must be a finite number at least 0, got -5" in load(
+        lambda p: p["calibration"].update(handoff_s=-5))
+    assert "transfer must be a mapping" in load(lambda p: p.update(transfer=[1]))
