@@ -69,13 +69,14 @@ def output_file(text: str) -> str:
 
 
 def float_list(flag: str, text: str) -> list[float]:
-    """Comma-separated numbers above 0 (sweep rates); ValueError naming `flag`."""
+    """Comma-separated finite numbers above 0 (a sweep's rates, lengths or concurrencies); ValueError naming
+    `flag`."""
     values = []
     for part in text.split(","):
         if not part.strip():
             continue
         try:
-            values.append(request_rate(part.strip()))
+            values.append(positive_float(part.strip()))
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"{flag}: {e}") from None
     return values

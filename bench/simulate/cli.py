@@ -55,6 +55,7 @@ VARIANT_MODES = {"disaggregated": ("disaggregated", True), "disaggregated-no-reu
                  "colocated": ("colocated", False), "colocated-chunked": ("colocated", True),
                  "auto": ("disaggregated", True), "disaggregated-spec": ("disaggregated", True),
                  "colocated-spec": ("colocated", True)}
+MAX_SPLIT_DEVICES = 1024     # --sweep split at 1024: 523,776 splits at degree 1, about a minute here (--top 1)
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "tpot_p99_s", "goodput_rps",
            "slo_attainment", "request_throughput_rps")
 
@@ -290,8 +291,9 @@ def sweep_split(args, specs: list) -> dict:
     The planner's search on the same time model (`search_with_model`) ranks the split candidates; those whose
     degrees it says cannot meet the SLOs, and those past the top --top, are listed but not simulated."""
     n = args.devices or 4
-    if n < 2:
-        raise ValueError("--devices must be at least 2 for --sweep split")
+    if not 2 <= n <= MAX_SPLIT_DEVICES:
+        raise ValueError(f"--devices {n}: --sweep split takes 2 to {MAX_SPLIT_DEVICES} devices (it lists every split, "
+                         "about devices² / 2 of them, and runs devices ÷ degree colocated engines)")
     cfg = variant_config(args, "disaggregated")
     model, shape = time_model(args, cfg)
     degrees, refused = usable_degrees(model, degrees_of(args.tp), cfg.pool_kv_cache("decode").block_size)
@@ -452,10 +454,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = variant_config(args, args.mode)
         model, _ = time_model(args, cfg)
-        variants = [v.strip() for v in (args.compare or args.mode).split(",") if v.strip()]
+        variants = list(dict.fromkeys(v.strip() for v in (args.compare or args.mode).split(",") if v.strip()))
         unknown = [v for v in variants if v not in VARIANT_MODES]
-        if unknown:
-            raise ValueError(f"--compare: unknown variant {unknown[0]!r}; use {', '.join(VARIANT_MODES)}")
+        if unknown or not variants:
+            raise ValueError(f"--compare: {f'unknown variant {unknown[0]!r}' if unknown else 'no variant'}; "
+                             f"use {', '.join(VARIANT_MODES)}")
         pools = PoolModels.of(model, tensor_parallel_degrees(cfg, VARIANT_MODES[variants[0]][0]),
                               VARIANT_MODES[variants[0]][0] == "colocated")
         print(f"time model: {model.name}" + ("" if args.sweep == "split" or set(pools.degrees.values()) == {1} else

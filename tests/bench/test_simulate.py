@@ -375,6 +375,12 @@ def test_a_bad_workload_file_or_sweep_value_is_an_error_naming_it(tmp_path, caps
     assert "--sweep-values: 'fast' is not a number" in capsys.readouterr().err
     assert cli.main(["--hardware", "H100-SXM", "--model", str(tmp_path), "--num-requests", "2"]) == 2
     assert "model directory has no config.json" in capsys.readouterr().err
+    assert cli.main([*base, "--sweep", "rate", "--sweep-values", "inf"]) == 2
+    assert "--sweep-values: must be a finite number above 0" in capsys.readouterr().err
+    assert cli.main([*base, "--sweep", "split", "--devices", str(cli.MAX_SPLIT_DEVICES + 1)]) == 2
+    assert "--sweep split takes 2 to" in capsys.readouterr().err
+    assert cli.main([*base, "--compare", " , "]) == 2
+    assert "--compare: no variant" in capsys.readouterr().err
 
 
 def test_split_sweep_names_a_best_split_and_the_plan(capsys):
