@@ -190,9 +190,10 @@ def _step_terms(chunks: Sequence[Chunk]) -> tuple[int, int, int, int]:
     """One pass over a step's chunks (one per scheduled sequence): tokens computed, attended pairs,
     KV tokens read and written, proposals verified."""
     num_tokens = pairs = kv_tokens = proposals = 0
-    for n, c, k in chunks:
+    for chunk in chunks:
+        n, c, k = chunk
         num_tokens += n
-        pairs += n * c - n * (n - 1) // 2           # attended_pairs
+        pairs += attended_pairs(chunk)
         kv_tokens += c + n
         proposals += k
     return num_tokens, pairs, kv_tokens, proposals

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 
+from bench.serving.arg_types import positive_int
 from bench.serving.slo_scale import max_rate_rps
 from bench.simulate import cli
 
@@ -110,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--rates", help="workload=r1:r2:r3,... (default: 0.4/0.7/1.0 of the simulated capacity)")
-    p.add_argument("--repeats", type=int, default=1, metavar="N", help="measure each point N times: the tables "
-                   "take each figure's median and count the simulated figures inside the N runs' range")
+    p.add_argument("--repeats", type=positive_int, default=1, metavar="N", help="measure each point N times: the "
+                   "tables take each figure's median and count the simulated figures inside the N runs' range")
     p.add_argument("--measured", metavar="JSON", help="take the rates and measured figures of an earlier run's "
                    "--json and simulate only (e.g. again with a calibrated profile)")
     p.add_argument("--json")

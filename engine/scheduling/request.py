@@ -24,8 +24,8 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
 
     def __init__(self, value: str) -> None:
-        # A plain attribute, not a property: it is read for every sequence of every step.
-        self.finished: bool = value in ("stop", "length", "abort")
+        # The FINISHED_ statuses; a plain attribute, not a property: it is read for every sequence of every step.
+        self.finished: bool = self._name_.startswith("FINISHED_")
 
 
 @dataclass(slots=True, eq=False)
