@@ -34,11 +34,19 @@ def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> 
 
 
 def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
-    """Chained hashes of every full block of `token_ids` (what the router computes too)."""
+    """Chained hashes of every full block of `token_ids` (what the router computes too): `hash_block`'s,
+    with the prompt packed once and each block's hash over its slice of those bytes."""
+    num_blocks = len(token_ids) // block_size
+    if num_blocks == 0:
+        return []
+    packed = struct.pack(f"<{num_blocks * block_size}I", *token_ids[:num_blocks * block_size])
+    step = 4 * block_size
     hashes: list[bytes] = []
-    parent = None
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+    parent = b""
+    for start in range(0, len(packed), step):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(packed[start:start + step])
+        parent = h.digest()
         hashes.append(parent)
     return hashes
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from engine import Engine, EngineArgs, SamplingParams
-from engine.kv_cache.block_manager import BlockManager, prompt_block_hashes
+import random
+
+from engine.kv_cache.block_manager import BlockManager, hash_block, prompt_block_hashes
 
 
 def test_allocate_free_exact_ids_and_lru_eviction():
@@ -23,6 +25,18 @@ def test_chained_hashes_distinguish_same_block_after_different_prefix():
     h1 = prompt_block_hashes([1, 2, 3, 4, 9, 9, 9, 9], 4)
     h2 = prompt_block_hashes([5, 6, 7, 8, 9, 9, 9, 9], 4)
     assert h1[1] != h2[1]
+
+
+def test_prompt_hashes_are_the_chain_the_scheduler_registers_block_by_block():
+    # the router and an admitted prompt use prompt_block_hashes; computed blocks are registered with hash_block
+    rng = random.Random(0)
+    for length, block_size in ((0, 4), (3, 4), (4, 4), (37, 4), (1000, 16), (129, 64), (5, 1)):
+        ids = [rng.randrange(2**32) for _ in range(length)]
+        chain, parent = [], None
+        for b in range(length // block_size):
+            parent = hash_block(parent, ids[b * block_size:(b + 1) * block_size])
+            chain.append(parent)
+        assert prompt_block_hashes(ids, block_size) == chain
 
 
 def test_shared_prefix_hits_and_identical_output(tiny_model_dir):
