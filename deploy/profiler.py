@@ -25,7 +25,8 @@ A profile is a JSON file:
                                  num_proposed}],                               (num_tokens: 1 and k)
                      "acceptance": {ratio, num_tokens, proposed, accepted, prompts, temperature} | null},
      "degrees": {"2": {"prefill": {"engine", "points"}, "decode": {...}}, ...}   (optional, --tp)
-     "calibration": {"prefill": factor, "decode": factor}}      (optional, bench.serving.plan_check)
+     "calibration": {"prefill": factor, "decode": factor,         (optional, bench.serving.plan_check)
+                     "step_s", "handoff_s", "handoff_s_per_mb": fixed costs ≥ 0}
 
 A profile without "speculative" (made with speculation off, or before it was measured) still serves a
 config with speculation on: `engine.performance` then models the speculative step from the plain ones.
@@ -330,7 +331,7 @@ def load_profile(path: str) -> dict:
     if not isinstance(calibration, dict):
         raise ValueError(f"{path}: calibration must be a mapping")
     for key, value in calibration.items():
-        least = 0.0 if key.endswith("_s") else None          # fixed costs may be 0; time factors must be > 0
+        least = 0.0 if key.endswith(("_s", "_per_mb")) else None     # fixed costs may be 0; factors must be > 0
         _check_number(path, f"calibration.{key}", value, least)
     if not isinstance(profile.get("transfer", {}), dict):
         raise ValueError(f"{path}: transfer must be a mapping")

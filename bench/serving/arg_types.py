@@ -80,3 +80,11 @@ def float_list(flag: str, text: str) -> list[float]:
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"{flag}: {e}") from None
     return values
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """Comma-separated integers ≥ 1 (prompt lengths), at least one."""
+    values = tuple(positive_int(part.strip()) for part in text.split(",") if part.strip())
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one integer")
+    return values

@@ -16,7 +16,8 @@ batch) and saturates each stage at the workload's lengths:
            decode actor holds B full-length sequences. Measured over the window where all B
            decode (last first token → first finish). Predicted: B / step(B, context).
 
-  light    R requests one after another (nothing else running), the mean input length each,
+  light    R requests one after another (nothing else running) at each of a few prompt lengths
+           (the mean input length, 4× and 10× it, within the context; or --light-lengths),
            generating K tokens: the time per output token and the time to first token through the
            prefill actor and the KV handoff. Predicted: the decode step at batch 1 and that context;
            the prompt's prefill plus its KV over the profiled link.
@@ -25,9 +26,10 @@ Both figures are printed side by side with the error; the target is within 25%.
 `--calibrate` stores predicted/measured as time factors in the profile ("calibration"), which
 the planner applies from then on (serving overheads the engine-level profile cannot see:
 router, token streaming, KV shipping, the other actors on the host); with the light phase it also
-stores what is left at light load as fixed costs: `step_s` added to every decode step and
-`handoff_s` to every KV handoff (`engine.performance.MeasuredPerformance`). Measure the light
-phase after the factors (the default order), on a quiet host; run again to validate.
+stores what is left at light load as fixed costs: `step_s` added to every decode step, and to
+every KV handoff `handoff_s` plus `handoff_s_per_mb` per MB it ships (the TTFT gap fitted as a line
+in the wire bytes over the lengths measured; `engine.performance.MeasuredPerformance`). Measure the
+light phase after the factors (the default order), on a quiet host; run again to validate.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ import json
 import random
 import sys
 import time
+
+from bench.serving.arg_types import int_list
 
 TAIL_TOKENS = 16
 LIGHT_REQUESTS = 6
@@ -51,7 +55,7 @@ async def _stream(stub, pb, rid: str, ids: list[int], max_tokens: int, sink: lis
 
 
 async def measure(cfg, plan, prefill_requests: int, decode_tokens: int, seed: int = 0,
-                  phases: tuple[str, ...] = ("prefill", "decode")) -> dict:
+                  phases: tuple[str, ...] = ("prefill", "decode"), light_lengths: tuple[int, ...] = ()) -> dict:
     import grpc
 
     from deploy.launcher import load_tokenizer
@@ -79,7 +83,8 @@ async def measure(cfg, plan, prefill_requests: int, decode_tokens: int, seed: in
             if "decode" in phases:
                 out["decode"] = await _decode_phase(stub, pb, tokens, plan.decode["batch"], s_in, s_out, decode_tokens)
             if "light" in phases:
-                out["light"] = await _light_phase(stub, pb, tokens, s_in, LIGHT_REQUESTS, LIGHT_TOKENS)
+                out["light"] = [await _light_phase(stub, pb, tokens, n, LIGHT_REQUESTS, LIGHT_TOKENS)
+                                for n in light_lengths]
     finally:
         await cluster.stop()
     return out
@@ -120,18 +125,36 @@ def light_predictions(model, s_in: int, k: int, wire_ratio: float) -> dict:
     link = MeasuredModel(model)
     kv_bytes = s_in * model.costs.kv_bytes_per_token
     step = model.decode_step(1, s_in + k / 2)
-    return {"tpot_s": step.token_s, "tokens_per_step": step.tokens_per_step,
+    return {"tpot_s": step.token_s, "tokens_per_step": step.tokens_per_step, "wire_bytes": kv_bytes * wire_ratio,
             "ttft_s": model.prefill_seconds(s_in) + link.link_s(kv_bytes * wire_ratio)}
 
 
-def fixed_costs(calibration: dict, predicted: dict, measured: dict) -> dict:
-    """The calibration with its fixed costs moved by what the light phase measured beyond the prediction
-    (never below zero): `step_s` by the TPOT gap (per step: times the tokens a step yields, with speculative
-    decoding more than one), `handoff_s` by the TTFT gap."""
+def light_lengths(s_in: int, longest: int) -> tuple[int, ...]:
+    """The light phase's prompt lengths: the mean input, 4× and 10× it, none past `longest`."""
+    return tuple(sorted({max(min(n, longest), 1) for n in (s_in, 4 * s_in, 10 * s_in)}))
+
+
+def fixed_costs(calibration: dict, light: list[tuple[dict, dict]]) -> dict:
+    """The calibration with its fixed costs moved by what the light phase measured beyond the prediction,
+    `light` holding (predicted, measured) at each prompt length: `step_s` by the mean TPOT gap (per step:
+    times the tokens a step yields, with speculative decoding more than one); the TTFT gaps fitted as a
+    line in the wire MB shipped (least squares; one length: a constant), its slope moving
+    `handoff_s_per_mb` and its intercept `handoff_s`. No cost goes below zero (a slope that would is
+    dropped, and the gaps' mean moves `handoff_s`)."""
     out = dict(calibration)
-    per_step = predicted.get("tokens_per_step", 1.0)
-    out["step_s"] = max(out.get("step_s", 0.0) + (measured["tpot_s"] - predicted["tpot_s"]) * per_step, 0.0)
-    out["handoff_s"] = max(out.get("handoff_s", 0.0) + measured["ttft_s"] - predicted["ttft_s"], 0.0)
+    step_gaps = [(m["tpot_s"] - p["tpot_s"]) * p.get("tokens_per_step", 1.0) for p, m in light]
+    out["step_s"] = max(out.get("step_s", 0.0) + sum(step_gaps) / len(step_gaps), 0.0)
+    mb = [p["wire_bytes"] / 1e6 for p, _ in light]
+    gaps = [m["ttft_s"] - p["ttft_s"] for p, m in light]
+    mean_mb, mean_gap = sum(mb) / len(mb), sum(gaps) / len(gaps)
+    spread = sum((x - mean_mb) ** 2 for x in mb)
+    slope = sum((x - mean_mb) * (g - mean_gap) for x, g in zip(mb, gaps)) / spread if spread > 0 else 0.0
+    per_mb = out.get("handoff_s_per_mb", 0.0)
+    if per_mb + slope < 0:
+        slope = 0.0
+    if slope or "handoff_s_per_mb" in out:
+        out["handoff_s_per_mb"] = per_mb + slope
+    out["handoff_s"] = max(out.get("handoff_s", 0.0) + mean_gap - slope * mean_mb, 0.0)
     return out
 
 
@@ -166,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-requests", type=int, help="default: two saturated prefill steps' worth")
     p.add_argument("--decode-tokens", type=int, default=100, help="tokens each decode-phase request generates")
     p.add_argument("--phases", default="prefill,decode,light", help="which stages to measure")
+    p.add_argument("--light-lengths", type=int_list, metavar="N,N,…", help="the light phase's prompt lengths "
+                   "(default: the workload's mean input length, 4× and 10× it, within the context)")
     p.add_argument("--calibrate", action="store_true",
                    help="store measured/predicted time factors in the profile (the planner then applies them)")
     p.add_argument("--json", help="write the numbers here")
@@ -175,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_for(cfg, profile)
     print(format_plan(plan, cfg.model.name, source), flush=True)
     from deploy.launcher import engine_args
+    from engine.model.config import ModelConfig
     from engine.model.presets import resolve_model
     pargs = engine_args(cfg, "prefill", resolve_model(cfg.model.name))
     s_in = round(plan.workload["input_tokens"])
@@ -184,7 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     bench_cfg = load_config(args.config, {"pools.prefill.count": 1, "pools.decode.count": 1,
                                           "pools.decode.max_batch_size": plan.decode["batch"]})
     phases = tuple(args.phases.split(","))
-    measured = asyncio.run(measure(bench_cfg, plan, n, args.decode_tokens, phases=phases))
+    shape = ModelConfig.from_dir(resolve_model(cfg.model.name))
+    longest = min(cfg.model.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
+    lengths = args.light_lengths or light_lengths(s_in, longest - LIGHT_TOKENS)
+    if max(lengths) + LIGHT_TOKENS > longest:
+        p.error(f"--light-lengths: {max(lengths)} + {LIGHT_TOKENS} generated tokens exceed the context ({longest})")
+    measured = asyncio.run(measure(bench_cfg, plan, n, args.decode_tokens, phases=phases, light_lengths=lengths))
     rows = []
     if "prefill" in measured:
         rows.append(("prefill tokens/s per actor (saturated)", plan.prefill["capacity_tokens_per_s"],
@@ -193,19 +224,18 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"decode tokens/s per actor (batch {plan.decode['batch']})",
                      plan.decode["tokens_per_s_per_actor"], measured["decode"]["tokens_per_s"]))
     if "light" in measured:
-        from engine.model.config import ModelConfig
         from engine.performance import MeasuredPerformance
         from kv_transfer import wire_bytes_per_kv_byte
         from deploy.performance import speculation_of
         model = MeasuredPerformance(profile, speculation_of(cfg, resolve_model(cfg.model.name), profile))
         ratio = wire_bytes_per_kv_byte(cfg.transfer_codec(), model.costs.dtype_bytes, cfg.kv_cache.block_size,
-                                       ModelConfig.from_dir(resolve_model(cfg.model.name)).head_dim)
-        predicted = light_predictions(model, s_in, LIGHT_TOKENS, ratio)
-        measured["light"]["predicted"] = predicted
-        rows.append(("one request: time per output token (ms)", 1e3 * predicted["tpot_s"],
-                     1e3 * measured["light"]["tpot_s"]))
-        rows.append(("one request: time to first token (ms)", 1e3 * predicted["ttft_s"],
-                     1e3 * measured["light"]["ttft_s"]))
+                                       shape.head_dim)
+        for light in measured["light"]:
+            light["predicted"] = predicted = light_predictions(model, light["prompt_tokens"], LIGHT_TOKENS, ratio)
+            rows.append((f"one {light['prompt_tokens']}-token request: TPOT (ms)", 1e3 * predicted["tpot_s"],
+                         1e3 * light["tpot_s"]))
+            rows.append((f"one {light['prompt_tokens']}-token request: TTFT (ms)", 1e3 * predicted["ttft_s"],
+                         1e3 * light["ttft_s"]))
     print(f"\nplan check — {args.config}, 1 prefill + 1 decode actor")
     print(f"{'':<42} {'predicted':>10} {'measured':>10} {'error':>8}")
     for name, pred, meas in rows:
@@ -218,11 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         for key, (_, pred, meas) in zip([k for k in ("prefill", "decode") if k in measured], rows):
             cal[key] = cal.get(key, 1.0) * pred / meas
         if "light" in measured:
-            cal = fixed_costs(cal, measured["light"]["predicted"], measured["light"])
+            cal = fixed_costs(cal, [(light["predicted"], light) for light in measured["light"]])
         profile["calibration"] = cal
         save_profile(profile, source)
         print(f"calibration saved to {source}: " + ", ".join(
-            f"{k} {1e3 * v:.2f} ms" if k.endswith("_s") else f"{k} ×{v:.2f}" for k, v in cal.items()))
+            f"{k} {1e3 * v:.2f} ms" if k.endswith("_s") else f"{k} {1e3 * v:.2f} ms/MB" if k.endswith("_per_mb")
+            else f"{k} ×{v:.2f}" for k, v in cal.items()))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"config": args.config, "profile": source, "plan": plan.to_dict(), "measured": measured,

@@ -17,7 +17,7 @@ the draft's forwards — exactly what the planner predicts from the same profile
 (the profile's answers include its serving-path calibration, `bench.serving.plan_check --calibrate`:
 time factors and the fixed costs of a step and of a handoff). The link moves wire bytes at the
 measured wire bytes per second (through the configured transport and codec, encode and decode
-included), plus the calibrated fixed cost of a handoff.
+included), plus the calibrated cost of a handoff: fixed, and per wire MB.
 
 A pool at tensor-parallel degree N > 1 is priced from the points `pdserve profile --tp N` measured
 for that pool at N (`MeasuredPerformance.at_degree`); a profile without them refuses the degree
@@ -83,4 +83,5 @@ class MeasuredModel(StepTimeModel):
         return seconds
 
     def link_s(self, wire_bytes: float) -> float:
-        return self.profile.handoff_s + wire_bytes / self.link_bytes_per_s
+        profile = self.profile
+        return profile.handoff_s + wire_bytes * profile.handoff_s_per_byte + wire_bytes / self.link_bytes_per_s

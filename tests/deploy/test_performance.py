@@ -62,7 +62,7 @@ def test_the_light_phase_predicts_and_calibrates_the_speculative_token_time():
     assert before["tokens_per_step"] == pytest.approx(3.0)              # 1 + 4 · 0.5
     assert before["tpot_s"] == pytest.approx(MeasuredPerformance(data, spec).token_seconds(1, 528))
     measured = {"tpot_s": before["tpot_s"] + 0.002, "ttft_s": before["ttft_s"]}
-    data["calibration"] = fixed_costs({}, before, measured)
+    data["calibration"] = fixed_costs({}, [(before, measured)])
     assert data["calibration"]["step_s"] == pytest.approx(0.006)       # 2 ms a token, 3 tokens a step
     after = light_predictions(MeasuredPerformance(data, spec), 512, 32, 0.5)
     assert after["tpot_s"] == pytest.approx(measured["tpot_s"])
@@ -80,11 +80,11 @@ def test_fixed_costs_from_a_light_load_close_the_gap_they_measured():
     plain = MeasuredPerformance(data)
     before = light_predictions(plain, 512, 32, 0.5)
     measured = {"tpot_s": before["tpot_s"] + 0.004, "ttft_s": before["ttft_s"] + 0.030}
-    data["calibration"] = fixed_costs(data["calibration"], before, measured)
+    data["calibration"] = fixed_costs(data["calibration"], [(before, measured)])
     assert data["calibration"] == pytest.approx({"decode": 1.2, "step_s": 0.004, "handoff_s": 0.03})
     calibrated = MeasuredPerformance(data)
     after = light_predictions(calibrated, 512, 32, 0.5)
-    assert after == pytest.approx({**measured, "tokens_per_step": 1.0})
+    assert after == pytest.approx({**measured, "tokens_per_step": 1.0, "wire_bytes": before["wire_bytes"]})
     assert calibrated.decode_step_seconds(8, 900) == pytest.approx(plain.decode_step_seconds(8, 900) + 0.004)
     sim, sim_plain = MeasuredModel(calibrated), MeasuredModel(plain)
     assert sim.link_s(1e6) == pytest.approx(sim_plain.link_s(1e6) + 0.03)
@@ -92,9 +92,38 @@ def test_fixed_costs_from_a_light_load_close_the_gap_they_measured():
     assert sim.step_s(prefill_only) == pytest.approx(sim_plain.step_s(prefill_only) + 0.004)
     mixed = [Chunk(1, 700), Chunk(64, 300)]
     assert sim.step_s(mixed) == pytest.approx(sim_plain.step_s(mixed) + 0.004)     # once a step
-    faster = {"tpot_s": after["tpot_s"] - 0.010, "ttft_s": after["ttft_s"] - 0.010, "tokens_per_step": 1.0}
-    assert fixed_costs(data["calibration"], after, faster) == pytest.approx({"decode": 1.2, "step_s": 0.0,
+    faster = {"tpot_s": after["tpot_s"] - 0.010, "ttft_s": after["ttft_s"] - 0.010}
+    assert fixed_costs(data["calibration"], [(after, faster)]) == pytest.approx({"decode": 1.2, "step_s": 0.0,
                                                                              "handoff_s": 0.02})
+
+
+def test_a_handoff_gap_growing_with_the_prompt_is_fitted_per_wire_mb():
+    """Light phases at several prompt lengths: a TTFT gap that grows with the KV shipped becomes `handoff_s`
+    plus `handoff_s_per_mb`; the calibrated profile then predicts each length's TTFT, and the simulator's
+    handoff grows by the same per MB. A gap that shrinks with the prompt never makes a cost negative."""
+    from bench.serving.plan_check import fixed_costs, light_lengths, light_predictions
+    from bench.simulate.measured import MeasuredModel
+    data = synthetic()
+    plain = MeasuredPerformance(data)
+    points = []
+    for n in (48, 512, 1024):
+        before = light_predictions(plain, n, 32, 0.25)
+        gap = 0.020 + 0.030 * before["wire_bytes"] / 1e6               # 20 ms + 30 ms a wire MB
+        points.append((before, {"tpot_s": before["tpot_s"], "ttft_s": before["ttft_s"] + gap, "prompt_tokens": n}))
+    data["calibration"] = fixed_costs({}, points)
+    assert data["calibration"] == pytest.approx({"step_s": 0.0, "handoff_s": 0.020, "handoff_s_per_mb": 0.030})
+    calibrated = MeasuredPerformance(data)
+    for _, measured in points:
+        after = light_predictions(calibrated, measured["prompt_tokens"], 32, 0.25)
+        assert after["ttft_s"] == pytest.approx(measured["ttft_s"])
+    sim, sim_plain = MeasuredModel(calibrated), MeasuredModel(plain)
+    assert sim.link_s(2e6) - sim_plain.link_s(2e6) == pytest.approx(0.020 + 2 * 0.030)
+    shrinking = [(p, {**m, "ttft_s": m["ttft_s"] - 0.5 * (m["ttft_s"] - p["ttft_s"]) * i}) for i, (p, m) in
+                 enumerate(points)]
+    refit = fixed_costs({"handoff_s": 0.01}, shrinking)
+    assert "handoff_s_per_mb" not in refit and refit["handoff_s"] >= 0.0
+    assert light_lengths(48, 2016) == (48, 192, 480)
+    assert light_lengths(384, 2016) == (384, 1536, 2016)             # none past the context
 
 
 def test_the_autoscaler_and_placement_ask_the_same_live_model():
