@@ -28,10 +28,12 @@ profile's measurement; bench/simulate/sim_spec.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import sys
+from typing import NamedTuple
 
 from bench.serving.arg_types import (float_list, non_negative_float, non_negative_int, output_file, positive_float,
                                       positive_int, request_rate)
@@ -41,6 +43,7 @@ from bench.serving.sweep import print_points
 from bench.serving.tables import lengths_line, table
 from bench.serving.workloads import MULTI_TURN, describe, make_conversations, make_workload
 from bench.simulate.measured import MeasuredModel
+from bench.simulate.parallel import WorkerLost, available_cores, jobs, map_runs
 from bench.simulate.plan_profile import search_with_model, usable_degrees
 from bench.simulate.run import SimRun, simulate
 from bench.simulate.sim_control import ACTOR_START_S
@@ -113,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", metavar="FILE", type=output_file, help="write every figure here")
     s.add_argument("--plot", metavar="DIR", help="write the sweep's plot here")
     s.add_argument("--progress", action="store_true", help="a progress line per run")
+    s.add_argument("--jobs", type=positive_int, default=available_cores(), metavar="N",
+                   help="simulations run side by side in worker processes (a sweep's points, --compare's "
+                   "variants); default: the cores available")
     return p
 
 
@@ -198,6 +204,28 @@ def lengths_of(specs: list) -> dict:
 
 # ---------------------------------------------------------------- runs
 
+class Ask(NamedTuple):
+    """One run of a sweep: `variant` over `specs` at `rate`, with `counts` actors per pool and `extra` settings."""
+
+    variant: str
+    specs: list
+    rate: float
+    counts: dict | None = None
+    label: str = ""
+    extra: tuple[str, ...] = ()
+
+
+def run_all(args, asks: list[Ask]) -> list[SimRun]:
+    """`run_one` for each ask, --jobs at a time (bench/simulate/parallel.py), in the order asked."""
+    if len(asks) > 1 and args.jobs > 1 and args.progress:
+        args = argparse.Namespace(**{**vars(args), "progress": False})    # (runs side by side: their lines only)
+    return map_runs(functools.partial(_run_ask, args), asks)
+
+
+def _run_ask(args, ask: Ask) -> SimRun:
+    return run_one(args, ask.variant, ask.specs, ask.rate, ask.counts, ask.label, ask.extra)
+
+
 def run_one(args, variant: str, specs: list, rate: float, counts: dict | None = None, label: str = "",
             extra: list[str] = ()) -> SimRun:
     cfg = variant_config(args, variant, extra)
@@ -218,16 +246,32 @@ def run_one(args, variant: str, specs: list, rate: float, counts: dict | None = 
 
 def capacity(args, variant: str, specs: list, counts: dict | None = None, extra: list[str] = ()) -> float:
     """Requests/s the variant completes with every request sent at once."""
-    run = run_one(args, variant, specs, math.inf, counts, label=f"{variant} capacity", extra=extra)
-    return run.summary["completed"] / run.duration_s if run.duration_s > 0 else 0.0
+    return capacities(args, [Ask(variant, specs, math.inf, counts, f"{variant} capacity", tuple(extra))])[0]
 
 
-def rate_points(args, variant: str, specs: list, rates: list[float], counts: dict | None = None,
-                label: str = "", extra: list[str] = ()) -> list[dict]:
-    points = []
-    for rate in rates:
-        s = run_one(args, variant, specs, rate, counts, label=label or variant, extra=extra).summary
-        points.append({"x": rate, **{k: s[k] for k in FIGURES}})
+def capacities(args, asks: list[Ask]) -> list[float]:
+    """`capacity` of each ask (its rate is not read: every request is sent at once), --jobs at a time."""
+    runs = run_all(args, [a._replace(rate=math.inf, label=a.label or f"{a.variant} capacity") for a in asks])
+    return [r.summary["completed"] / r.duration_s if r.duration_s > 0 else 0.0 for r in runs]
+
+
+class Series(NamedTuple):
+    """A variant run at several rates (one line of a sweep)."""
+
+    variant: str
+    specs: list
+    rates: list[float]
+    counts: dict | None = None
+    extra: tuple[str, ...] = ()
+
+
+def rate_points(args, series: dict[str, Series]) -> dict[str, list[dict]]:
+    """Each series (by label) at each of its rates: the figures per rate. Every run of every series goes
+    out at once, --jobs at a time."""
+    asks = [Ask(s.variant, s.specs, rate, s.counts, label, s.extra) for label, s in series.items() for rate in s.rates]
+    points: dict[str, list[dict]] = {label: [] for label in series}
+    for ask, run in zip(asks, run_all(args, asks)):
+        points[ask.label].append({"x": ask.rate, **{k: run.summary[k] for k in FIGURES}})
     return points
 
 
@@ -258,7 +302,7 @@ def sweep_rates(args, variants: list[str], specs: list) -> dict:
     values = float_list("--sweep-values", args.sweep_values or "")
     if not values:
         values = rates_around(capacity(args, variants[0], specs))
-    points = {v: rate_points(args, v, specs, values) for v in variants}
+    points = rate_points(args, {v: Series(v, specs, values) for v in variants})
     print_points("rate", points)
     held = {v: max_rate_rps(rows) for v, rows in points.items()}
     for v, m in held.items():
@@ -326,26 +370,26 @@ def sweep_split(args, specs: list) -> dict:
                                                   "decode_degree": d, "n_decode": n // d, "devices": n // d * d,
                                                   "planned_per_device": None}
 
-    def settings(c: dict) -> list[str]:
-        return [f"pools.prefill.tensor_parallel={c['prefill_degree']}",
-                f"pools.decode.tensor_parallel={c['decode_degree']}"]
+    def settings(c: dict) -> tuple[str, ...]:
+        return (f"pools.prefill.tensor_parallel={c['prefill_degree']}",
+                f"pools.decode.tensor_parallel={c['decode_degree']}")
 
     per_device = [v / n for v in float_list("--sweep-values", args.sweep_values or "")]
     if not per_device:       # up to 1.5x the most per device that colocated completes or the planner predicts
-        most = max([capacity(args, "colocated-chunked", specs, {"prefill": 0, "decode": c["n_decode"]}, settings(c))
-                    / c["devices"] for c in candidates.values() if c["kind"] == "colocated"]
+        colocated = [c for c in candidates.values() if c["kind"] == "colocated"]
+        completed = capacities(args, [Ask("colocated-chunked", specs, math.inf, {"prefill": 0, "decode": c["n_decode"]},
+                                          extra=settings(c)) for c in colocated])
+        most = max([rps / c["devices"] for rps, c in zip(completed, colocated)]
                    + [c.goodput_per_device for c in planned[:1]])
         per_device = rates_around(most * 1.5)
     print(f"{len(every)} splits within {n} devices at degrees {', '.join(map(str, degrees))}; simulating "
           f"{len(chosen)}" + (f" (the planner's top {len(chosen)} of {len(predicted)} that it says meet the SLOs; "
                               f"{len(every) - len(predicted)} it says cannot)" if flat and len(chosen) < len(every)
                               else "") + " and colocated at each degree", file=sys.stderr)
-    points = {}
-    for label, c in candidates.items():
-        rates = [round(v * c["devices"], 4) for v in per_device]
-        counts = {"prefill": c["n_prefill"], "decode": c["n_decode"]}
-        variant = "colocated-chunked" if c["kind"] == "colocated" else "disaggregated"
-        points[label] = rate_points(args, variant, specs, rates, counts, label, settings(c))
+    points = rate_points(args, {label: Series("colocated-chunked" if c["kind"] == "colocated" else "disaggregated",
+                                              specs, [round(v * c["devices"], 4) for v in per_device],
+                                              {"prefill": c["n_prefill"], "decode": c["n_decode"]}, settings(c))
+                                for label, c in candidates.items()})
     held = {k: max_rate_rps(v) for k, v in points.items()}
     for k, c in candidates.items():
         lowest = min(points[k], key=lambda p: p["x"])
@@ -420,12 +464,15 @@ def sweep_ratio(args) -> dict:
             print(f"skipping {value}: more than the model's context of {context} tokens", file=sys.stderr)
             continue
         pairs.append((prompt_len, output_len))
+    variants = ("colocated-chunked", "disaggregated")
+    workloads = [make_workload("chat", args.num_requests, args.seed, 1.0, *pair) for pair in pairs]
+    caps = capacities(args, [Ask(v, specs, math.inf) for specs in workloads for v in variants])
+    series = {(pair, v): Series(v, specs, rates_around(max(caps[2 * i:2 * i + 2]) * 1.5))
+              for i, (pair, specs) in enumerate(zip(pairs, workloads)) for v in variants}
+    points = rate_points(args, {f"{p}:{o} {v}": s for ((p, o), v), s in series.items()})
     rows = []
     for prompt_len, output_len in pairs:
-        specs = make_workload("chat", args.num_requests, args.seed, 1.0, prompt_len, output_len)
-        caps = [capacity(args, v, specs) for v in ("colocated-chunked", "disaggregated")]
-        values = rates_around(max(caps) * 1.5)
-        held = {v: max_rate_rps(rate_points(args, v, specs, values)) for v in ("colocated-chunked", "disaggregated")}
+        held = {v: max_rate_rps(points[f"{prompt_len}:{output_len} {v}"]) for v in variants}
         rate = {v: m["max_rate_rps"] for v, m in held.items()}
         gain = rate["disaggregated"] / rate["colocated-chunked"] if rate["colocated-chunked"] else math.inf
         rows.append({"prompt_len": prompt_len, "output_len": output_len, **rate, "gain": gain,
@@ -452,39 +499,9 @@ def plot(result: dict, out_dir: str, title: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = variant_config(args, args.mode)
-        model, _ = time_model(args, cfg)
-        variants = list(dict.fromkeys(v.strip() for v in (args.compare or args.mode).split(",") if v.strip()))
-        unknown = [v for v in variants if v not in VARIANT_MODES]
-        if unknown or not variants:
-            raise ValueError(f"--compare: {f'unknown variant {unknown[0]!r}' if unknown else 'no variant'}; "
-                             f"use {', '.join(VARIANT_MODES)}")
-        pools = PoolModels.of(model, tensor_parallel_degrees(cfg, VARIANT_MODES[variants[0]][0]),
-                              VARIANT_MODES[variants[0]][0] == "colocated")
-        print(f"time model: {model.name}" + ("" if args.sweep == "split" or set(pools.degrees.values()) == {1} else
-                                             f"; {pools.describe()}"), file=sys.stderr)
-        speculation = speculation_of_variants(args, variants, model)
-        if args.sweep == "ratio":
-            result = sweep_ratio(args)
-        else:
-            specs = workload(args)
-            if args.sweep == "split":
-                result = sweep_split(args, specs)
-            elif args.sweep == "rate":
-                result = sweep_rates(args, variants, specs)
-            else:
-                runs = {v: run_one(args, v, specs, args.rate) for v in variants}
-                summaries = {v: r.summary for v, r in runs.items()}
-                print(table(summaries, ratio_of="disaggregated" if "disaggregated" in summaries else None))
-                result = {"runs": summaries, "actors": {v: r.actors for v, r in runs.items()},
-                          "wall_s": {v: r.wall_s for v, r in runs.items()},
-                          "roles_over_time": {v: r.roles for v, r in runs.items()},
-                          "flips": {v: r.flips for v, r in runs.items()}}
-            lengths = lengths_of(specs)
-            if "input_len" in lengths:
-                print(lengths_line(lengths))
-            result["lengths"] = lengths
-    except (ValueError, ConfigError, OSError) as e:      # OSError: a file named on the command line
+        with jobs(args.jobs):
+            result, model, speculation = _simulate(args)
+    except (ValueError, ConfigError, OSError, WorkerLost) as e:      # OSError: a file named on the command line
         print(f"error: {e}", file=sys.stderr)
         return 2
     result.update(time_model=model.name, workload=args.workload, rate=args.rate, seed=args.seed,
@@ -499,6 +516,43 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f, indent=1, default=str)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
+
+
+def _simulate(args) -> tuple[dict, StepTimeModel, dict | None]:
+    """What the command line asks for: (the result to print and write, the time model, the speculation)."""
+    cfg = variant_config(args, args.mode)
+    model, _ = time_model(args, cfg)
+    variants = list(dict.fromkeys(v.strip() for v in (args.compare or args.mode).split(",") if v.strip()))
+    unknown = [v for v in variants if v not in VARIANT_MODES]
+    if unknown or not variants:
+        raise ValueError(f"--compare: {f'unknown variant {unknown[0]!r}' if unknown else 'no variant'}; "
+                         f"use {', '.join(VARIANT_MODES)}")
+    pools = PoolModels.of(model, tensor_parallel_degrees(cfg, VARIANT_MODES[variants[0]][0]),
+                          VARIANT_MODES[variants[0]][0] == "colocated")
+    print(f"time model: {model.name}" + ("" if args.sweep == "split" or set(pools.degrees.values()) == {1} else
+                                         f"; {pools.describe()}"), file=sys.stderr)
+    speculation = speculation_of_variants(args, variants, model)
+    if args.sweep == "ratio":
+        result = sweep_ratio(args)
+    else:
+        specs = workload(args)
+        if args.sweep == "split":
+            result = sweep_split(args, specs)
+        elif args.sweep == "rate":
+            result = sweep_rates(args, variants, specs)
+        else:
+            runs = dict(zip(variants, run_all(args, [Ask(v, specs, args.rate) for v in variants])))
+            summaries = {v: r.summary for v, r in runs.items()}
+            print(table(summaries, ratio_of="disaggregated" if "disaggregated" in summaries else None))
+            result = {"runs": summaries, "actors": {v: r.actors for v, r in runs.items()},
+                      "wall_s": {v: r.wall_s for v, r in runs.items()},
+                      "roles_over_time": {v: r.roles for v, r in runs.items()},
+                      "flips": {v: r.flips for v, r in runs.items()}}
+        lengths = lengths_of(specs)
+        if "input_len" in lengths:
+            print(lengths_line(lengths))
+        result["lengths"] = lengths
+    return result, model, speculation
 
 
 if __name__ == "__main__":
