@@ -126,7 +126,8 @@ def light_predictions(model, s_in: int, k: int, wire_ratio: float) -> dict:
     kv_bytes = s_in * model.costs.kv_bytes_per_token
     step = model.decode_step(1, s_in + k / 2)
     return {"tpot_s": step.token_s, "tokens_per_step": step.tokens_per_step, "wire_bytes": kv_bytes * wire_ratio,
-            "ttft_s": model.prefill_seconds(s_in) + link.link_s(kv_bytes * wire_ratio)}
+            "ttft_s": model.prefill_seconds(s_in) + link.send_busy_s(kv_bytes * wire_ratio) +
+            link.link_s(kv_bytes * wire_ratio)}
 
 
 def light_lengths(s_in: int, longest: int) -> tuple[int, ...]:

@@ -130,6 +130,19 @@ class SimActor:
             self.busy_until, self.step_s = loop.time() + step_s, step_s
             loop.clock.ahead = step_s
 
+    def lengthen(self, seconds: float) -> None:
+        """The step in progress takes `seconds` more: a KV send's work on this actor's cores (the prefill worker
+        sends from its step)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self.busy_until <= now:
+            self.busy_until, self.step_s = now, 0.0
+        self.busy_until += seconds
+        self.step_s += seconds
+        self.engine.runner.last_step_s += seconds
+        if self._stepping:
+            loop.clock.ahead += seconds
+
     def bridge(self, fn: Callable) -> Callable:
         """The worker → router path: held while a step runs, delivered when its time has passed."""
         def deliver(value) -> None:

@@ -1,9 +1,10 @@
 """The KV handoff on the virtual clock: a `KVSender` / `KVReceiver` pair that moves no bytes, only time.
 
 The prefill worker calls `send` while its engine step runs; the simulated actor finishes that step
-`step_s` later (`SimActor.busy_until`). The transfer then takes `model.link_s(wire bytes)` (the
-cache's bytes times the codec's ratio). With layer-wise streaming the first layers leave while the
-later ones compute, so only the tail is added after the step:
+`step_s` later (`SimActor.busy_until`), lengthened by `model.send_busy_s(wire bytes)` where the send's
+own work shares the actor's cores (a measured CPU profile; none on a GPU). The transfer then takes
+`model.link_s(wire bytes)` (the cache's bytes times the codec's ratio). With layer-wise streaming the
+first layers leave while the later ones compute, so only the tail is added after the step:
 
     whole prompt:   first chunk at step end;               done at step end + link
     layer-wise:     first chunk after the first layer;     done at step end + max(link − step·(L−1)/L, link/L)
@@ -178,6 +179,9 @@ class SimSender(KVSender):
         first, last = piece.blocks or (0, len(piece.block_ids))
         num_blocks = len(piece.block_ids)
         wire = round((last - first) * self.kv_bytes_per_block * self.ratio)
+        busy = self.model.send_busy_s(wire)
+        if busy > 0:
+            self.actor.lengthen(busy)        # the send's own work, on the prefill actor's cores
         loop = asyncio.get_running_loop()
         now = loop.time()                   # the step's start: its length is still ahead (clock.py)
         step_end = max(self.actor.busy_until, now)

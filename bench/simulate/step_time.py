@@ -85,6 +85,12 @@ class StepTimeModel(ABC):
     def link_s(self, wire_bytes: float) -> float:
         """Moving `wire_bytes` of KV from a prefill actor to a decode actor (latency included)."""
 
+    def send_busy_s(self, wire_bytes: float) -> float:
+        """The prefill actor's own work to ship `wire_bytes` (encode, copies, socket), on the cores its forward
+        pass runs on: it lengthens the step that sends, before the link's time. None here: a GPU's copy
+        engines and NIC move KV beside the compute."""
+        return 0.0
+
     def at_degree(self, pool: str, degree: int) -> StepTimeModel:
         """The model of an actor of `pool` at tensor-parallel `degree` (`pools.<pool>.tensor_parallel`).
         This one serves degree 1; a model that knows no other degree refuses it, naming the key."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -177,6 +178,35 @@ def test_the_timeline_books_the_prefill_step_as_compute(tiny):
         assert r.timeline["prefill_compute_s"] == pytest.approx(prefill_s, abs=1e-6)
         assert r.timeline["kv_encode_s"] < 1e-6
         assert sum(r.timeline[name] for name in STAGE_NAMES) == pytest.approx(r.ttft_s, abs=1e-6)
+
+
+def test_a_send_that_shares_the_prefill_cores_lengthens_its_step(tiny):
+    """With a send cost on the prefill actor (`send_busy_s`: a CPU host's encode and socket work), the step
+    that ships a prompt's KV lasts that much longer: the timeline books it as the KV encode after the
+    prefill's compute, the first token comes that much later, and the prefill actor is busy for it (the
+    next prompt waits)."""
+    cfg, shape = tiny
+
+    class Sharing(LinearModel):
+        def send_busy_s(self, wire_bytes):
+            return wire_bytes * 1e-7              # 0.1 s a wire MB
+
+    specs = make_workload("chat", 4, seed=3, scale=1.0, prompt_len=200, output_len=4)
+    plain = _run(cfg, shape, specs, "disaggregated", rate=0.5)
+    model = Sharing(shape.kv_bytes_per_token(4))
+    shared = simulate(cfg, model, shape, specs, rate=0.5, mode="disaggregated", slo_ttft_s=1.0, slo_tpot_s=0.05)
+    busy = model.send_busy_s(-(-200 // 16) * 16 * model.kv_bytes_per_token * 0.25)     # fp8 on float32: ~1/4
+    prefill_s = model.step_s([Chunk(200, 200)])
+    for a, b in zip(plain.records, shared.records):
+        assert a.timeline["prefill_compute_s"] == pytest.approx(prefill_s) == b.timeline["prefill_compute_s"]
+        assert b.timeline["kv_encode_s"] - a.timeline["kv_encode_s"] == pytest.approx(busy, rel=0.02)
+        assert b.ttft_s - a.ttft_s == pytest.approx(busy, rel=0.02)
+    busy_s = {a["actor_id"]: a["busy"] * shared.duration_s - p["busy"] * plain.duration_s
+              for a, p in zip(shared.actors, plain.actors)}
+    assert busy_s["prefill-0"] == pytest.approx(4 * busy, rel=0.02) and busy_s["decode-0"] == pytest.approx(0, abs=1e-3)
+    burst = simulate(cfg, model, shape, specs, rate=math.inf, mode="disaggregated", slo_ttft_s=1.0, slo_tpot_s=0.05)
+    last = max(r.ttft_s for r in burst.records)        # all at once: the prompts queue behind each other's sends
+    assert last >= max(r.ttft_s for r in _run(cfg, shape, specs, "disaggregated", rate=math.inf).records) + busy
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])

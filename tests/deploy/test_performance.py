@@ -117,7 +117,8 @@ def test_a_handoff_gap_growing_with_the_prompt_is_fitted_per_wire_mb():
         after = light_predictions(calibrated, measured["prompt_tokens"], 32, 0.25)
         assert after["ttft_s"] == pytest.approx(measured["ttft_s"])
     sim, sim_plain = MeasuredModel(calibrated), MeasuredModel(plain)
-    assert sim.link_s(2e6) - sim_plain.link_s(2e6) == pytest.approx(0.020 + 2 * 0.030)
+    assert sim.link_s(2e6) - sim_plain.link_s(2e6) == pytest.approx(0.020)
+    assert (sim.send_busy_s(2e6), sim_plain.send_busy_s(2e6)) == pytest.approx((2 * 0.030, 0.0))
     shrinking = [(p, {**m, "ttft_s": m["ttft_s"] - 0.5 * (m["ttft_s"] - p["ttft_s"]) * i}) for i, (p, m) in
                  enumerate(points)]
     refit = fixed_costs({"handoff_s": 0.01}, shrinking)
