@@ -26,7 +26,7 @@ A profile is a JSON file:
                      "acceptance": {ratio, num_tokens, proposed, accepted, prompts, temperature} | null},
      "degrees": {"2": {"prefill": {"engine", "points"}, "decode": {...}}, ...}   (optional, --tp)
      "calibration": {"prefill": factor, "decode": factor,         (optional, bench.serving.plan_check)
-                     "step_s", "handoff_s", "handoff_s_per_mb": fixed costs ≥ 0}
+                     "step_s", "handoff_s", "send_s", "send_s_per_mb": fixed costs ≥ 0}
 
 A profile without "speculative" (made with speculation off, or before it was measured) still serves a
 config with speculation on: `engine.performance` then models the speculative step from the plain ones.

@@ -219,9 +219,9 @@ class MeasuredPerformance(PerformanceModel):
     at saturation) and adds its fixed costs (measured one request at a time): `step_s` to every decode
     step (the worker's output processing and the token's message to the router, which the profile of the
     bare engine step does not see) and `handoff_s` to every KV handoff (the router's call to the prefill
-    actor, the send, the adopt), plus `handoff_s_per_mb` for every MB (10^6 bytes) it ships on the wire
-    (what the send costs beyond the idle link's measured rate, e.g. where it shares the prefill actor's
-    cores), so whoever asks gets serving's time, not the bare engine's.
+    actor, the transit, the adopt), and to every send on the prefill actor `send_s` plus `send_s_per_mb`
+    for every MB (10^6 bytes) it ships on the wire (the sender's own work beyond the idle link's measured
+    rate, where it shares the prefill's cores), so whoever asks gets serving's time, not the bare engine's.
 
     Speculative steps: where the profile measured them (`"speculative"`: the decode steps again with k
     proposals per sequence, at one k or a few, for the method `speculation` names), a step with j proposals
@@ -255,7 +255,8 @@ class MeasuredPerformance(PerformanceModel):
         self.calibration = {k: float(v) for k, v in calibration.items() if k in ("prefill", "decode")}
         self.step_overhead_s = float(calibration.get("step_s", 0.0))      # added to every decode step
         self.handoff_s = float(calibration.get("handoff_s", 0.0))         # added to every KV handoff
-        self.handoff_s_per_byte = float(calibration.get("handoff_s_per_mb", 0.0)) / 1e6   # ... per wire byte
+        self.send_s = float(calibration.get("send_s", 0.0))               # a send's time on the prefill actor
+        self.send_s_per_byte = float(calibration.get("send_s_per_mb", 0.0)) / 1e6    # ... and per wire byte
         link = self.transfer
         self._kv_bytes_per_s = float(link.get("kv_bytes_per_s") or DEFAULT_KV_BYTES_PER_S)
 

@@ -26,10 +26,12 @@ Both figures are printed side by side with the error; the target is within 25%.
 `--calibrate` stores predicted/measured as time factors in the profile ("calibration"), which
 the planner applies from then on (serving overheads the engine-level profile cannot see:
 router, token streaming, KV shipping, the other actors on the host); with the light phase it also
-stores what is left at light load as fixed costs: `step_s` added to every decode step, and to
-every KV handoff `handoff_s` plus `handoff_s_per_mb` per MB it ships (the TTFT gap fitted as a line
-in the wire bytes over the lengths measured; `engine.performance.MeasuredPerformance`). Measure the
-light phase after the factors (the default order), on a quiet host; run again to validate.
+stores what is left at light load as fixed costs, each where the requests' timelines put it:
+`step_s` added to every decode step; `send_s` plus `send_s_per_mb` per MB shipped, the prefill
+actor's own time to send a prompt's KV (its stages beyond the profile's prefill, fitted as a line in
+the wire bytes over the lengths measured); and `handoff_s`, the rest of each handoff (the router's
+calls, the transit, the adopt; `engine.performance.MeasuredPerformance`). Measure the light phase
+after the factors (the default order), on a quiet host; run again to validate.
 """
 from __future__ import annotations
 
@@ -47,11 +49,14 @@ LIGHT_REQUESTS = 6
 LIGHT_TOKENS = 32
 
 
-async def _stream(stub, pb, rid: str, ids: list[int], max_tokens: int, sink: list) -> None:
+async def _stream(stub, pb, rid: str, ids: list[int], max_tokens: int, sink: list, timelines: list | None = None
+                  ) -> None:
     req = pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     async for msg in stub.Generate(req, timeout=1800):
         sink.append((time.monotonic(), len(msg.token_ids)))
+        if timelines is not None and msg.HasField("timing"):
+            timelines.append(msg.timing.timeline)
 
 
 async def measure(cfg, plan, prefill_requests: int, decode_tokens: int, seed: int = 0,
@@ -102,19 +107,28 @@ async def _prefill_phase(stub, pb, tokens, s_in: int, prefill_requests: int) -> 
     return {"requests": prefill_requests, "prompt_tokens": s_in, "seconds": prefill_s, "tokens_per_s": prefill_tps}
 
 
+PREFILL_ACTOR_STAGES = ("prefill_compute_s", "sampling_s", "kv_encode_s", "kv_send_s")   # the sender's own time
+
+
 async def _light_phase(stub, pb, tokens, s_in: int, requests: int, k: int) -> dict:
-    """One request at a time: mean time to first token and per output token after it."""
-    ttft, tpot = [], []
+    """One request at a time: mean time to first token and per output token after it, and the mean of each
+    stage of the requests' timelines (`prefill_actor_s`: the prefill actor's stages up to the send)."""
+    ttft, tpot, timelines = [], [], []
     for i in range(requests):
         sink: list = []
         sent = time.monotonic()
-        await _stream(stub, pb, f"l{i}", tokens(s_in), k, sink)
+        await _stream(stub, pb, f"l{i}", tokens(s_in), k, sink, timelines)
         ttft.append(sink[0][0] - sent)
         later = sum(n for _, n in sink[1:])
         if later:
             tpot.append((sink[-1][0] - sink[0][0]) / later)
-    return {"requests": requests, "prompt_tokens": s_in, "output_tokens": k,
-            "ttft_s": sum(ttft) / len(ttft), "tpot_s": sum(tpot) / len(tpot)}
+    out = {"requests": requests, "prompt_tokens": s_in, "output_tokens": k,
+           "ttft_s": sum(ttft) / len(ttft), "tpot_s": sum(tpot) / len(tpot)}
+    if timelines:
+        names = [f.name for f in timelines[0].DESCRIPTOR.fields if f.name.endswith("_s") and f.name != "kv_chunk_s"]
+        out["stages"] = {name: sum(getattr(t, name) for t in timelines) / len(timelines) for name in names}
+        out["prefill_actor_s"] = sum(out["stages"][name] for name in PREFILL_ACTOR_STAGES)
+    return out
 
 
 def light_predictions(model, s_in: int, k: int, wire_ratio: float) -> dict:
@@ -123,11 +137,11 @@ def light_predictions(model, s_in: int, k: int, wire_ratio: float) -> dict:
     prefill + its KV over the link (both with the profile's fixed costs, if it has any)."""
     from bench.simulate.measured import MeasuredModel
     link = MeasuredModel(model)
-    kv_bytes = s_in * model.costs.kv_bytes_per_token
+    wire = s_in * model.costs.kv_bytes_per_token * wire_ratio
     step = model.decode_step(1, s_in + k / 2)
-    return {"tpot_s": step.token_s, "tokens_per_step": step.tokens_per_step, "wire_bytes": kv_bytes * wire_ratio,
-            "ttft_s": model.prefill_seconds(s_in) + link.send_busy_s(kv_bytes * wire_ratio) +
-            link.link_s(kv_bytes * wire_ratio)}
+    prefill_actor = model.prefill_seconds(s_in) + link.send_busy_s(wire)
+    return {"tpot_s": step.token_s, "tokens_per_step": step.tokens_per_step, "wire_bytes": wire,
+            "prefill_actor_s": prefill_actor, "ttft_s": prefill_actor + link.link_s(wire)}
 
 
 def light_lengths(s_in: int, longest: int) -> tuple[int, ...]:
@@ -137,25 +151,40 @@ def light_lengths(s_in: int, longest: int) -> tuple[int, ...]:
 
 def fixed_costs(calibration: dict, light: list[tuple[dict, dict]]) -> dict:
     """The calibration with its fixed costs moved by what the light phase measured beyond the prediction,
-    `light` holding (predicted, measured) at each prompt length: `step_s` by the mean TPOT gap (per step:
-    times the tokens a step yields, with speculative decoding more than one); the TTFT gaps fitted as a
-    line in the wire MB shipped (least squares; one length: a constant), its slope moving
-    `handoff_s_per_mb` and its intercept `handoff_s`. No cost goes below zero (a slope that would is
-    dropped, and the gaps' mean moves `handoff_s`)."""
+    `light` holding (predicted, measured) at each prompt length:
+
+    - `step_s` by the mean TPOT gap (per step: times the tokens a step yields, with speculative decoding
+      more than one);
+    - the prefill actor's own gap (its timeline stages up to the send, `prefill_actor_s`, beyond the
+      profile's prefill and the send costs already stored), fitted as a line in the wire MB shipped (least
+      squares; one length: a constant): its intercept moves `send_s` and its slope `send_s_per_mb`, the
+      time a send takes on the prefill actor (the simulator lengthens the sending step by it);
+    - `handoff_s` by the mean of the rest of the TTFT gap (the router's calls, the transit, the adopt).
+
+    A measurement without stages puts the whole TTFT gap on the prefill actor's line. No cost goes below
+    zero: a slope that would is flattened, a line that would cross below zero is fitted through zero."""
     out = dict(calibration)
     step_gaps = [(m["tpot_s"] - p["tpot_s"]) * p.get("tokens_per_step", 1.0) for p, m in light]
     out["step_s"] = max(out.get("step_s", 0.0) + sum(step_gaps) / len(step_gaps), 0.0)
     mb = [p["wire_bytes"] / 1e6 for p, _ in light]
-    gaps = [m["ttft_s"] - p["ttft_s"] for p, m in light]
-    mean_mb, mean_gap = sum(mb) / len(mb), sum(gaps) / len(gaps)
+    ttft_gaps = [m["ttft_s"] - p["ttft_s"] for p, m in light]
+    actor_gaps = [m["prefill_actor_s"] - p["prefill_actor_s"] if "prefill_actor_s" in m else g
+                  for (p, m), g in zip(light, ttft_gaps)]
+    mean_mb, mean_gap = sum(mb) / len(mb), sum(actor_gaps) / len(actor_gaps)
     spread = sum((x - mean_mb) ** 2 for x in mb)
-    slope = sum((x - mean_mb) * (g - mean_gap) for x, g in zip(mb, gaps)) / spread if spread > 0 else 0.0
-    per_mb = out.get("handoff_s_per_mb", 0.0)
+    slope = sum((x - mean_mb) * (g - mean_gap) for x, g in zip(mb, actor_gaps)) / spread if spread > 0 else 0.0
+    per_mb, send_s = out.get("send_s_per_mb", 0.0), out.get("send_s", 0.0)
     if per_mb + slope < 0:
-        slope = 0.0
-    if slope or "handoff_s_per_mb" in out:
-        out["handoff_s_per_mb"] = per_mb + slope
-    out["handoff_s"] = max(out.get("handoff_s", 0.0) + mean_gap - slope * mean_mb, 0.0)
+        slope = -per_mb if spread > 0 else 0.0
+    intercept = send_s + mean_gap - slope * mean_mb
+    if intercept < 0 and any(mb):             # a line crossing below zero: fitted through zero instead
+        slope = max((sum(x * g for x, g in zip(mb, actor_gaps)) + send_s * sum(mb)) / sum(x * x for x in mb),
+                    -per_mb)
+        intercept = 0.0
+    out["send_s_per_mb"] = per_mb + slope
+    out["send_s"] = max(intercept, 0.0)
+    rest = [t - a for t, a in zip(ttft_gaps, actor_gaps)]
+    out["handoff_s"] = max(out.get("handoff_s", 0.0) + sum(rest) / len(rest), 0.0)
     return out
 
 

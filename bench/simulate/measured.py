@@ -17,9 +17,9 @@ the draft's forwards — exactly what the planner predicts from the same profile
 (the profile's answers include its serving-path calibration, `bench.serving.plan_check --calibrate`:
 time factors and the fixed costs of a step and of a handoff). The link moves wire bytes at the
 measured wire bytes per second (through the configured transport and codec, encode and decode
-included), plus the calibrated fixed cost of a handoff; the calibrated cost per wire MB is the
-prefill actor's own time (`send_busy_s`): it lengthens the step that sends, as the send's work does
-on the CPU cores the prefill computes on.
+included), plus the calibrated fixed cost of a handoff; the calibrated cost of a send (fixed and
+per wire MB) is the prefill actor's own time (`send_busy_s`): it lengthens the step that sends, as
+the send's work does on the CPU cores the prefill computes on.
 
 A pool at tensor-parallel degree N > 1 is priced from the points `pdserve profile --tp N` measured
 for that pool at N (`MeasuredPerformance.at_degree`); a profile without them refuses the degree
@@ -88,6 +88,6 @@ class MeasuredModel(StepTimeModel):
         return self.profile.handoff_s + wire_bytes / self.link_bytes_per_s
 
     def send_busy_s(self, wire_bytes: float) -> float:
-        """The calibrated handoff cost per wire byte (`handoff_s_per_mb`), spent on the prefill actor: on the
-        CPU host a profile measures, the send's encode and socket work share the cores of the forward pass."""
-        return wire_bytes * self.profile.handoff_s_per_byte
+        """The calibrated time of a send on the prefill actor (`send_s` + `send_s_per_mb`): on the CPU host a
+        profile measures, the send's encode and socket work share the cores of the forward pass."""
+        return self.profile.send_s + wire_bytes * self.profile.send_s_per_byte

@@ -69,9 +69,10 @@ def test_the_light_phase_predicts_and_calibrates_the_speculative_token_time():
 
 
 def test_fixed_costs_from_a_light_load_close_the_gap_they_measured():
-    """plan_check's light phase: what one lone request measured beyond the profile becomes `step_s` and
-    `handoff_s`; the calibrated profile then predicts exactly what was measured (the simulator's step and
-    link prices include them), and a measurement below the prediction never makes a cost negative."""
+    """plan_check's light phase: what one lone request measured beyond the profile becomes `step_s` and, with
+    no timeline stages to split it, `send_s`; the calibrated profile then predicts exactly what was measured
+    (the simulator's step and send prices include them), and a measurement below the prediction never makes
+    a cost negative."""
     from bench.serving.plan_check import fixed_costs, light_predictions
     from bench.simulate.measured import MeasuredModel
     from bench.simulate.step_time import Chunk
@@ -81,48 +82,59 @@ def test_fixed_costs_from_a_light_load_close_the_gap_they_measured():
     before = light_predictions(plain, 512, 32, 0.5)
     measured = {"tpot_s": before["tpot_s"] + 0.004, "ttft_s": before["ttft_s"] + 0.030}
     data["calibration"] = fixed_costs(data["calibration"], [(before, measured)])
-    assert data["calibration"] == pytest.approx({"decode": 1.2, "step_s": 0.004, "handoff_s": 0.03})
+    assert data["calibration"] == pytest.approx({"decode": 1.2, "step_s": 0.004, "send_s": 0.03, "send_s_per_mb": 0.0,
+                                                 "handoff_s": 0.0})        # (no stages: on the prefill actor)
     calibrated = MeasuredPerformance(data)
     after = light_predictions(calibrated, 512, 32, 0.5)
-    assert after == pytest.approx({**measured, "tokens_per_step": 1.0, "wire_bytes": before["wire_bytes"]})
+    assert after["tpot_s"] == pytest.approx(measured["tpot_s"]) and after["ttft_s"] == pytest.approx(measured["ttft_s"])
     assert calibrated.decode_step_seconds(8, 900) == pytest.approx(plain.decode_step_seconds(8, 900) + 0.004)
     sim, sim_plain = MeasuredModel(calibrated), MeasuredModel(plain)
-    assert sim.link_s(1e6) == pytest.approx(sim_plain.link_s(1e6) + 0.03)
+    assert sim.send_busy_s(1e6) == pytest.approx(sim_plain.send_busy_s(1e6) + 0.03)
     prefill_only = [Chunk(256, 256)]
     assert sim.step_s(prefill_only) == pytest.approx(sim_plain.step_s(prefill_only) + 0.004)
     mixed = [Chunk(1, 700), Chunk(64, 300)]
     assert sim.step_s(mixed) == pytest.approx(sim_plain.step_s(mixed) + 0.004)     # once a step
     faster = {"tpot_s": after["tpot_s"] - 0.010, "ttft_s": after["ttft_s"] - 0.010}
-    assert fixed_costs(data["calibration"], [(after, faster)]) == pytest.approx({"decode": 1.2, "step_s": 0.0,
-                                                                             "handoff_s": 0.02})
+    assert fixed_costs(data["calibration"], [(after, faster)]) == pytest.approx(
+        {"decode": 1.2, "step_s": 0.0, "send_s": 0.02, "send_s_per_mb": 0.0, "handoff_s": 0.0})
 
 
-def test_a_handoff_gap_growing_with_the_prompt_is_fitted_per_wire_mb():
-    """Light phases at several prompt lengths: a TTFT gap that grows with the KV shipped becomes `handoff_s`
-    plus `handoff_s_per_mb`; the calibrated profile then predicts each length's TTFT, and the simulator's
-    handoff grows by the same per MB. A gap that shrinks with the prompt never makes a cost negative."""
+def test_the_light_phase_books_each_gap_where_the_timeline_puts_it():
+    """Light phases at several prompt lengths: the prefill actor's stages beyond the profile, growing with the
+    KV shipped, become `send_s` plus `send_s_per_mb` (the simulator lengthens the sending step by them); the
+    rest of the TTFT gap becomes `handoff_s` (the link). The calibrated profile then predicts each length's
+    TTFT and prefill-actor time. A gap shrinking with the prompt, or a line crossing below zero, never makes
+    a cost negative."""
     from bench.serving.plan_check import fixed_costs, light_lengths, light_predictions
     from bench.simulate.measured import MeasuredModel
     data = synthetic()
     plain = MeasuredPerformance(data)
-    points = []
-    for n in (48, 512, 1024):
-        before = light_predictions(plain, n, 32, 0.25)
-        gap = 0.020 + 0.030 * before["wire_bytes"] / 1e6               # 20 ms + 30 ms a wire MB
-        points.append((before, {"tpot_s": before["tpot_s"], "ttft_s": before["ttft_s"] + gap, "prompt_tokens": n}))
+
+    def light(actor_gap, rest=0.004):
+        points = []
+        for n in (48, 512, 1024):
+            p = light_predictions(plain, n, 32, 0.25)
+            gap = actor_gap(p["wire_bytes"] / 1e6)
+            points.append((p, {"tpot_s": p["tpot_s"], "prompt_tokens": n, "prefill_actor_s": p["prefill_actor_s"] + gap,
+                               "ttft_s": p["ttft_s"] + gap + rest}))
+        return points
+
+    points = light(lambda mb: 0.020 + 0.030 * mb)                      # 20 ms + 30 ms a wire MB, 4 ms on the link
     data["calibration"] = fixed_costs({}, points)
-    assert data["calibration"] == pytest.approx({"step_s": 0.0, "handoff_s": 0.020, "handoff_s_per_mb": 0.030})
+    assert data["calibration"] == pytest.approx({"step_s": 0.0, "send_s": 0.020, "send_s_per_mb": 0.030,
+                                                 "handoff_s": 0.004})
     calibrated = MeasuredPerformance(data)
     for _, measured in points:
         after = light_predictions(calibrated, measured["prompt_tokens"], 32, 0.25)
         assert after["ttft_s"] == pytest.approx(measured["ttft_s"])
+        assert after["prefill_actor_s"] == pytest.approx(measured["prefill_actor_s"])
     sim, sim_plain = MeasuredModel(calibrated), MeasuredModel(plain)
-    assert sim.link_s(2e6) - sim_plain.link_s(2e6) == pytest.approx(0.020)
-    assert (sim.send_busy_s(2e6), sim_plain.send_busy_s(2e6)) == pytest.approx((2 * 0.030, 0.0))
-    shrinking = [(p, {**m, "ttft_s": m["ttft_s"] - 0.5 * (m["ttft_s"] - p["ttft_s"]) * i}) for i, (p, m) in
-                 enumerate(points)]
-    refit = fixed_costs({"handoff_s": 0.01}, shrinking)
-    assert "handoff_s_per_mb" not in refit and refit["handoff_s"] >= 0.0
+    assert sim.link_s(2e6) - sim_plain.link_s(2e6) == pytest.approx(0.004)
+    assert (sim.send_busy_s(2e6), sim_plain.send_busy_s(2e6)) == pytest.approx((0.020 + 2 * 0.030, 0.0))
+    shrinking = fixed_costs({}, light(lambda mb: 0.050 - 0.010 * mb))
+    assert shrinking["send_s_per_mb"] == 0.0 and shrinking["send_s"] > 0.0
+    crossing = fixed_costs({}, light(lambda mb: -0.010 + 0.030 * mb))   # fitted through zero instead
+    assert crossing["send_s"] == 0.0 and 0.0 < crossing["send_s_per_mb"] < 0.030
     assert light_lengths(48, 2016) == (48, 192, 480)
     assert light_lengths(384, 2016) == (384, 1536, 2016)             # none past the context
 

@@ -118,7 +118,7 @@ def test_a_malformed_profile_is_refused_naming_the_key(tmp_path):
     good = {"version": 1, "prefill": {"engine": {"costs": {}}, "points": [{"prompt_len": 128, "batch": 1,
                                                                           "seconds": 0.09}]},
             "decode": {"engine": {"costs": {}}, "points": [{"batch": 1, "context": 128, "seconds": 0.013}]},
-            "calibration": {"prefill": 1.02, "handoff_s": 0.0, "handoff_s_per_mb": 0.0}}
+            "calibration": {"prefill": 1.02, "handoff_s": 0.0, "send_s_per_mb": 0.0}}
     path = tmp_path / "p.json"
 
     def load(mend) -> str:
@@ -140,6 +140,6 @@ def test_a_malformed_profile_is_refused_naming_the_key(tmp_path):
         lambda p: p["calibration"].update(decode="x"))
     assert "calibration.handoff_s must be a finite number at least 0, got -5" in load(
         lambda p: p["calibration"].update(handoff_s=-5))
-    assert "calibration.handoff_s_per_mb must be a finite number at least 0" in load(
-        lambda p: p["calibration"].update(handoff_s_per_mb=-0.1))
+    assert "calibration.send_s_per_mb must be a finite number at least 0" in load(
+        lambda p: p["calibration"].update(send_s_per_mb=-0.1))
     assert "transfer must be a mapping" in load(lambda p: p.update(transfer=[1]))
