@@ -28,10 +28,13 @@ import tempfile
 
 from bench.serving.arg_types import positive_int
 from bench.serving.slo_scale import max_rate_rps
+from bench.serving.timeline_view import ROWS
 from bench.simulate import cli
 
 VARIANTS = ("colocated", "disaggregated", "auto")
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")
+STAGES = tuple(f"timeline_{name}_mean" for name, _, _ in ROWS)   # the mean TTFT timeline, stage by stage
+KEPT = (*FIGURES, "slo_attainment", "goodput_rps", *STAGES)
 FRACTIONS = (0.4, 0.7, 1.0)
 
 
@@ -60,7 +63,7 @@ def measured(args, workload: str, rate: float) -> dict:
             runs = json.load(f)["runs"]
     finally:
         os.unlink(path)
-    return {v: {k: runs[v].get(k) for k in (*FIGURES, "slo_attainment", "goodput_rps")} for v in VARIANTS}
+    return {v: {k: runs[v].get(k) for k in KEPT} for v in VARIANTS}
 
 
 def measured_repeats(args, workload: str, rate: float) -> dict:
@@ -71,7 +74,7 @@ def measured_repeats(args, workload: str, rate: float) -> dict:
         return runs[0]
 
     def values(v: str, k: str) -> list[float]:
-        return [run[v][k] for run in runs if run[v][k] is not None]
+        return [run[v][k] for run in runs if run[v].get(k) is not None and not math.isnan(run[v][k])]
 
     out = {v: {k: statistics.median(values(v, k)) if values(v, k) else None for k in runs[0][v]} for v in VARIANTS}
     out["range"] = {v: {k: [min(values(v, k)), max(values(v, k))] if values(v, k) else [None, None] for k in FIGURES}
@@ -86,7 +89,7 @@ def simulated(args, workload: str, rate: float) -> dict:
     out = {}
     for v in VARIANTS:
         s = cli.run_one(a, v, specs, rate).summary
-        out[v] = {k: s[k] for k in (*FIGURES, "slo_attainment", "goodput_rps")}
+        out[v] = {k: s.get(k) for k in KEPT}
     return out
 
 
@@ -142,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                                         for pt in points]) for v in VARIANTS} for side in ("measured", "simulated")}
         result["workloads"][workload] = {"rates": rates, "points": points, "max_rate": held}
         print_workload(workload, points, held)
+        print_stages(points)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -149,8 +153,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def print_stages(points: list[dict], variant: str = "disaggregated") -> None:
+    """Where each side's TTFT goes: the mean timeline of `variant`, stage by stage, measured beside simulated
+    at each rate (stages under 0.5 ms on both sides left out; runs measured before stages were kept: none)."""
+    rows = []
+    for name, (stage, where, _) in zip(STAGES, ROWS):
+        cells = [(pt["measured"][variant].get(name), pt["simulated"][variant].get(name)) for pt in points]
+        if any(m is not None and s is not None and max(m, s) >= 5e-4 for m, s in cells):
+            rows.append(f"| {stage[:-2].replace('_', ' ')} ({where}) | " + " | ".join(
+                f"{_ms(m)} / {_ms(s)}" for m, s in cells) + " |")
+    if not rows:
+        return
+    print(f"\n{variant}: mean TTFT timeline per stage, measured / simulated (ms)\n")
+    print("| stage | " + " | ".join(f"{pt['rate']:g} req/s" for pt in points) + " |")
+    print("|---|" + "---|" * len(points))
+    print("\n".join(rows))
+
+
 def _ms(x: float | None) -> str:
-    return "–" if x is None else f"{x * 1e3:.0f}" if x >= 0.1 else f"{x * 1e3:.1f}"
+    if x is None or math.isnan(x):
+        return "–"
+    return f"{x * 1e3:.0f}" if x >= 0.1 else f"{x * 1e3:.1f}"
 
 
 def print_workload(workload: str, points: list[dict], held: dict) -> None:

@@ -54,3 +54,20 @@ def test_a_figure_missing_from_a_run_is_left_out_of_its_median(monkeypatch):
     v = validate.VARIANTS[0]
     assert out[v]["ttft_p90_s"] == (figures(1.0)[v]["ttft_p90_s"] + figures(3.0)[v]["ttft_p90_s"]) / 2
     assert out["range"][v]["ttft_p90_s"] == [figures(1.0)[v]["ttft_p90_s"], figures(3.0)[v]["ttft_p90_s"]]
+
+
+def test_the_stage_table_sets_each_sides_timeline_side_by_side(capsys):
+    def side(compute_ms: float, transit_ms: float) -> dict:
+        stages = dict.fromkeys(validate.STAGES, 0.0)
+        stages.update(timeline_prefill_compute_s_mean=compute_ms / 1e3, timeline_transit_s_mean=transit_ms / 1e3)
+        return {v: {**figures(1.0)[v], **stages} for v in validate.VARIANTS}
+    points = [{"rate": 1.5, "measured": side(74.0, 3.6), "simulated": side(30.0, 17.7)},
+              {"rate": 3.0, "measured": side(80.0, 0.2), "simulated": side(31.0, 0.1)}]
+    validate.print_stages(points)
+    out = capsys.readouterr().out
+    assert "| stage | 1.5 req/s | 3 req/s |" in out
+    assert "| prefill compute (prefill) | 74.0 / 30.0 | 80.0 / 31.0 |" in out
+    assert "| transit (router) | 3.6 / 17.7 | 0.2 / 0.1 |" in out
+    assert "adopt" not in out and "intake" not in out                 # under 0.5 ms on both sides: left out
+    validate.print_stages([{"rate": 1.5, "measured": figures(1.0), "simulated": side(30.0, 17.7)}])
+    assert capsys.readouterr().out == ""                                # measured before stages were kept
