@@ -13,9 +13,11 @@ actors at the decode pool's degree), the KV handoff by the model of the lower of
 A worker's engine loop is a thread in a real actor; here `SimEngineLoop` makes it a task on the
 virtual clock: the actor drains the worker's inbox and runs one step (`EngineLoop.run_once`, the same
 call the thread makes), then sleeps the step's simulated time. What the worker sends back to the
-router during a step (tokens, prefill results) is held until the step's time has passed, so the
-router sees it when a real actor would have sent it; commands the router posts meanwhile wait in the
-inbox for the next step, as they do for a real engine thread.
+router once the step's forward pass is priced (tokens, prefill results) is held until the step's
+time has passed, so the router sees it when a real actor would have sent it; what it sends before
+(a first token adopted with its KV, an error) goes at once, as a real worker sends it before its
+forward pass. Commands the router posts meanwhile wait in the inbox for the next step, as they do
+for a real engine thread.
 """
 from __future__ import annotations
 
@@ -84,7 +86,8 @@ class SimActor:
         self.num_steps = 0
         self.busy_s = 0.0            # virtual seconds spent in steps
         self._held: list[tuple[Callable, object]] = []
-        self._stepping = False
+        self._stepping = False       # in the worker's run_once ...
+        self._computing = False      # ... past the pricing of its forward pass: sends wait for the step's end
         self._poked = False
         self._wake: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
@@ -129,6 +132,7 @@ class SimActor:
             loop = asyncio.get_running_loop()
             self.busy_until, self.step_s = loop.time() + step_s, step_s
             loop.clock.ahead = step_s
+            self._computing = self._stepping
 
     def lengthen(self, seconds: float) -> None:
         """The step in progress takes `seconds` more: a KV send's work on this actor's cores (the prefill worker
@@ -144,9 +148,10 @@ class SimActor:
             loop.clock.ahead += seconds
 
     def bridge(self, fn: Callable) -> Callable:
-        """The worker → router path: held while a step runs, delivered when its time has passed."""
+        """The worker → router path: held while a step computes, delivered when its time has passed; at once
+        before the step's forward pass (and between steps)."""
         def deliver(value) -> None:
-            if self._stepping:
+            if self._computing:
                 self._held.append((fn, value))
             else:
                 fn(value)
@@ -183,7 +188,7 @@ class SimActor:
                 self.num_steps += 1
                 self.busy_s += step_s
                 await asyncio.sleep(step_s)
-            self._stepping = False
+            self._stepping = self._computing = False
             held, self._held = self._held, []
             for fn, value in held:
                 fn(value)
