@@ -125,8 +125,8 @@ async def _light_phase(stub, pb, tokens, s_in: int, requests: int, k: int) -> di
     out = {"requests": requests, "prompt_tokens": s_in, "output_tokens": k,
            "ttft_s": sum(ttft) / len(ttft), "tpot_s": sum(tpot) / len(tpot)}
     if timelines:
-        names = [f.name for f in timelines[0].DESCRIPTOR.fields if f.name.endswith("_s") and f.name != "kv_chunk_s"]
-        out["stages"] = {name: sum(getattr(t, name) for t in timelines) / len(timelines) for name in names}
+        from router.timing import STAGE_NAMES
+        out["stages"] = {name: sum(getattr(t, name) for t in timelines) / len(timelines) for name in STAGE_NAMES}
         out["prefill_actor_s"] = sum(out["stages"][name] for name in PREFILL_ACTOR_STAGES)
     return out
 
@@ -175,7 +175,7 @@ def fixed_costs(calibration: dict, light: list[tuple[dict, dict]]) -> dict:
     slope = sum((x - mean_mb) * (g - mean_gap) for x, g in zip(mb, actor_gaps)) / spread if spread > 0 else 0.0
     per_mb, send_s = out.get("send_s_per_mb", 0.0), out.get("send_s", 0.0)
     if per_mb + slope < 0:
-        slope = -per_mb if spread > 0 else 0.0
+        slope = -per_mb
     intercept = send_s + mean_gap - slope * mean_mb
     if intercept < 0 and any(mb):             # a line crossing below zero: fitted through zero instead
         slope = max((sum(x * g for x, g in zip(mb, actor_gaps)) + send_s * sum(mb)) / sum(x * x for x in mb),

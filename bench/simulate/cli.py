@@ -467,7 +467,8 @@ def sweep_ratio(args) -> dict:
     variants = ("colocated-chunked", "disaggregated")
     workloads = [make_workload("chat", args.num_requests, args.seed, 1.0, *pair) for pair in pairs]
     caps = capacities(args, [Ask(v, specs, math.inf) for specs in workloads for v in variants])
-    series = {(pair, v): Series(v, specs, rates_around(max(caps[2 * i:2 * i + 2]) * 1.5))
+    n = len(variants)
+    series = {(pair, v): Series(v, specs, rates_around(max(caps[i * n:(i + 1) * n]) * 1.5))
               for i, (pair, specs) in enumerate(zip(pairs, workloads)) for v in variants}
     points = rate_points(args, {f"{p}:{o} {v}": s for ((p, o), v), s in series.items()})
     rows = []
