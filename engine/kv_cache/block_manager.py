@@ -27,10 +27,19 @@ class Block:
     block_hash: bytes | None = None
 
 
-def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
+def _pack(token_ids: list[int] | tuple[int, ...]) -> bytes:
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def _chain(parent: bytes | None, packed: bytes) -> bytes:
+    """One block's hash: its packed token ids after its parent's hash."""
     h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    h.update(packed)
     return h.digest()
+
+
+def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    return _chain(parent, _pack(token_ids))
 
 
 def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
@@ -39,14 +48,12 @@ def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
     num_blocks = len(token_ids) // block_size
     if num_blocks == 0:
         return []
-    packed = struct.pack(f"<{num_blocks * block_size}I", *token_ids[:num_blocks * block_size])
+    packed = _pack(token_ids[:num_blocks * block_size])
     step = 4 * block_size
     hashes: list[bytes] = []
-    parent = b""
+    parent = None
     for start in range(0, len(packed), step):
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(packed[start:start + step])
-        parent = h.digest()
+        parent = _chain(parent, packed[start:start + step])
         hashes.append(parent)
     return hashes
 
