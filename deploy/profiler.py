@@ -26,7 +26,9 @@ A profile is a JSON file:
                      "acceptance": {ratio, num_tokens, proposed, accepted, prompts, temperature} | null},
      "degrees": {"2": {"prefill": {"engine", "points"}, "decode": {...}}, ...}   (optional, --tp)
      "calibration": {"prefill": factor, "decode": factor,         (optional, bench.serving.plan_check)
-                     "step_s", "handoff_s", "send_s", "send_s_per_mb": fixed costs ≥ 0}
+                     "step_s", "handoff_s", "send_s", "send_s_per_mb": fixed costs ≥ 0,
+                     "send_curve": [[wire MB, seconds ≥ 0], ...] (MB increasing),
+                     "shared_prefill", "shared_decode": factors on a host the actors share}
 
 A profile without "speculative" (made with speculation off, or before it was measured) still serves a
 config with speculation on: `engine.performance` then models the speculative step from the plain ones.
@@ -331,6 +333,9 @@ def load_profile(path: str) -> dict:
     if not isinstance(calibration, dict):
         raise ValueError(f"{path}: calibration must be a mapping")
     for key, value in calibration.items():
+        if key == "send_curve":
+            _check_curve(path, f"calibration.{key}", value)
+            continue
         least = 0.0 if key.endswith(("_s", "_per_mb")) else None     # fixed costs may be 0; factors must be > 0
         _check_number(path, f"calibration.{key}", value, least)
     if not isinstance(profile.get("transfer", {}), dict):
@@ -340,6 +345,17 @@ def load_profile(path: str) -> dict:
 
 POINT_FIELDS = {"prefill": ("prompt_len", "seconds"), "decode": ("batch", "context", "seconds")}
 """Each point's required numbers (a prefill point without "batch" is one prompt)."""
+
+
+def _check_curve(path: str, key: str, curve: object) -> None:
+    """[[wire MB, seconds], ...]: both >= 0, the MB strictly increasing."""
+    if not isinstance(curve, list) or not all(isinstance(p, list) and len(p) == 2 for p in curve):
+        raise ValueError(f"{path}: {key} must be a list of [wire MB, seconds] pairs")
+    for i, (mb, seconds) in enumerate(curve):
+        _check_number(path, f"{key}[{i}][0]", mb, 0.0)
+        _check_number(path, f"{key}[{i}][1]", seconds, 0.0)
+        if i and mb <= curve[i - 1][0]:
+            raise ValueError(f"{path}: {key}: the wire MB must increase ({curve[i - 1][0]} then {mb})")
 
 
 def _check_points(path: str, pool: str, points: object, fields: tuple[str, ...]) -> None:

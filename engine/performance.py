@@ -219,9 +219,12 @@ class MeasuredPerformance(PerformanceModel):
     at saturation) and adds its fixed costs (measured one request at a time): `step_s` to every decode
     step (the worker's output processing and the token's message to the router, which the profile of the
     bare engine step does not see) and `handoff_s` to every KV handoff (the router's call to the prefill
-    actor, the transit, the adopt), and to every send on the prefill actor `send_s` plus `send_s_per_mb`
-    for every MB (10^6 bytes) it ships on the wire (the sender's own work beyond the idle link's measured
-    rate, where it shares the prefill's cores), so whoever asks gets serving's time, not the bare engine's.
+    actor, the transit, the adopt), and to every send on the prefill actor its time by the MB (10^6 bytes)
+    it ships on the wire (the sender's own work beyond the idle link's measured rate, where it shares the
+    prefill's cores: `send_curve`, [wire MB, seconds] points measured at a few prompt lengths, plus `send_s`
+    and `send_s_per_mb` from older calibrations; `send_seconds`), so whoever asks gets serving's time, not
+    the bare engine's. On a host the actors share, `shared_prefill` and `shared_decode` are how much longer
+    a prefill or decode step takes while another actor on the host is in a step (`shared_factor`).
 
     Speculative steps: where the profile measured them (`"speculative"`: the decode steps again with k
     proposals per sequence, at one k or a few, for the method `speculation` names), a step with j proposals
@@ -252,11 +255,14 @@ class MeasuredPerformance(PerformanceModel):
         self._spec_method = spec.get("method")                                    # the method they were run with
         # serving-path factors measured on the running cluster: time in serving / time in the profile
         calibration = data.get("calibration", {})
-        self.calibration = {k: float(v) for k, v in calibration.items() if k in ("prefill", "decode")}
+        self.calibration = {k: float(v) for k, v in calibration.items()
+                            if k in ("prefill", "decode", "shared_prefill", "shared_decode")}
         self.step_overhead_s = float(calibration.get("step_s", 0.0))      # added to every decode step
         self.handoff_s = float(calibration.get("handoff_s", 0.0))         # added to every KV handoff
         self.send_s = float(calibration.get("send_s", 0.0))               # a send's time on the prefill actor
         self.send_s_per_byte = float(calibration.get("send_s_per_mb", 0.0)) / 1e6    # ... and per wire byte
+        curve = sorted((float(mb) * 1e6, float(s)) for mb, s in calibration.get("send_curve", []))
+        self._send_bytes, self._send_s = [b for b, _ in curve], _monotone([s for _, s in curve])
         link = self.transfer
         self._kv_bytes_per_s = float(link.get("kv_bytes_per_s") or DEFAULT_KV_BYTES_PER_S)
 
@@ -339,6 +345,30 @@ class MeasuredPerformance(PerformanceModel):
     def _serving(self, seconds: float) -> float:
         """A profiled decode step's time in serving (the calibration's factor and fixed cost)."""
         return self.calibration.get("decode", 1.0) * seconds + self.step_overhead_s
+
+    def send_seconds(self, wire_bytes: float) -> float:
+        """A KV send's time on the prefill actor beyond the link's: `send_s` + `send_s_per_mb`, plus
+        `send_curve` piecewise-linear in the wire bytes (its first point's time below it, its last
+        segment's slope beyond it, never less with more bytes)."""
+        seconds = self.send_s + wire_bytes * self.send_s_per_byte
+        xs, ys = self._send_bytes, self._send_s
+        if not xs:
+            return seconds
+        if wire_bytes <= xs[0] or len(xs) == 1:
+            return seconds + ys[0]
+        if wire_bytes >= xs[-1]:
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if xs[-1] > xs[-2] else 0.0
+            return seconds + ys[-1] + slope * (wire_bytes - xs[-1])
+        return seconds + _interp(xs, ys, wire_bytes)
+
+    def shared_factor(self, prefill: bool) -> float:
+        """How much longer a step takes on a shared host while one other actor there is in a step (the
+        calibration's `shared_prefill` for a step with a prompt chunk, else `shared_decode`; 1 uncalibrated)."""
+        return self.calibration.get("shared_prefill" if prefill else "shared_decode", 1.0)
+
+    @property
+    def shares_calibrated(self) -> bool:
+        return "shared_prefill" in self.calibration or "shared_decode" in self.calibration
 
 
 class LinearPerformance(PerformanceModel):

@@ -22,16 +22,25 @@ batch) and saturates each stage at the workload's lengths:
            prefill actor and the KV handoff. Predicted: the decode step at batch 1 and that context;
            the prompt's prefill plus its KV over the profiled link.
 
+  shared   the light phase's prompts again (max_tokens 2), one after another, while the decode actor
+           decodes SHARED_BACKGROUND long requests: how much longer the prefill actor's stages take
+           with the other actor busy than alone (`shared_prefill`), and how much longer the
+           background's decode steps take while the prefill actor computes (`shared_decode`, from
+           their time per token before and during the prompts and the share of that time the
+           prefill actor was busy). Needs the light phase in the same run. What the simulator's
+           `--shared-host` prices: on one host the actors' steps slow each other down.
+
 Both figures are printed side by side with the error; the target is within 25%.
 `--calibrate` stores predicted/measured as time factors in the profile ("calibration"), which
 the planner applies from then on (serving overheads the engine-level profile cannot see:
 router, token streaming, KV shipping, the other actors on the host); with the light phase it also
 stores what is left at light load as fixed costs, each where the requests' timelines put it:
-`step_s` added to every decode step; `send_s` plus `send_s_per_mb` per MB shipped, the prefill
-actor's own time to send a prompt's KV (its stages beyond the profile's prefill, fitted as a line in
-the wire bytes over the lengths measured); and `handoff_s`, the rest of each handoff (the router's
-calls, the transit, the adopt; `engine.performance.MeasuredPerformance`). Measure the light phase
-after the factors (the default order), on a quiet host; run again to validate.
+`step_s` added to every decode step; `send_curve`, the prefill actor's own time to send a prompt's
+KV by the wire MB shipped (its stages beyond the profile's prefill, one point per length measured,
+piecewise-linear between); and `handoff_s`, the rest of each handoff (the router's calls, the
+transit, the adopt; `engine.performance.MeasuredPerformance`). Measure the light phase after the
+factors (the default order), on a quiet host; run again to validate. With the shared phase it
+also stores `shared_prefill` and `shared_decode`.
 """
 from __future__ import annotations
 
@@ -47,6 +56,8 @@ from bench.serving.arg_types import int_list
 TAIL_TOKENS = 16
 LIGHT_REQUESTS = 6
 LIGHT_TOKENS = 32
+SHARED_BACKGROUND = 4       # the shared phase's long requests, decoding while its prompts arrive
+SHARED_WINDOW_S = 2.0       # ... measured alone first for this long
 
 
 async def _stream(stub, pb, rid: str, ids: list[int], max_tokens: int, sink: list, timelines: list | None = None
@@ -60,7 +71,8 @@ async def _stream(stub, pb, rid: str, ids: list[int], max_tokens: int, sink: lis
 
 
 async def measure(cfg, plan, prefill_requests: int, decode_tokens: int, seed: int = 0,
-                  phases: tuple[str, ...] = ("prefill", "decode"), light_lengths: tuple[int, ...] = ()) -> dict:
+                  phases: tuple[str, ...] = ("prefill", "decode"), light_lengths: tuple[int, ...] = (),
+                  context: int = 2048) -> dict:
     import grpc
 
     from deploy.launcher import load_tokenizer
@@ -90,6 +102,9 @@ async def measure(cfg, plan, prefill_requests: int, decode_tokens: int, seed: in
             if "light" in phases:
                 out["light"] = [await _light_phase(stub, pb, tokens, n, LIGHT_REQUESTS, LIGHT_TOKENS)
                                 for n in light_lengths]
+            if "shared" in phases:
+                out["shared"] = await _shared_phase(stub, pb, tokens, light_lengths, LIGHT_REQUESTS, out["light"],
+                                                    context)
     finally:
         await cluster.stop()
     return out
@@ -131,6 +146,66 @@ async def _light_phase(stub, pb, tokens, s_in: int, requests: int, k: int) -> di
     return out
 
 
+async def _shared_phase(stub, pb, tokens, lengths: tuple[int, ...], requests: int, light: list[dict],
+                        context: int) -> dict:
+    """The light phase's prompts again, each to its first two tokens, while SHARED_BACKGROUND requests decode:
+    the prefill actor's stages (`prefill_actor_s`) with the decode actor busy, ÷ the light phase's alone, by
+    length (`prefill_factors`; `shared_prefill` their mean); and the background's time per token alone
+    (SHARED_WINDOW_S) and during the prompts, whose increase over the share of that time the prefill actor
+    was busy is the decode step's slow-down while the other actor computes (`shared_decode`, at least 1).
+    ValueError where the background finished before the prompts did (fewer or shorter --light-lengths)."""
+    sinks: list[list] = [[] for _ in range(SHARED_BACKGROUND)]
+    prompt = TAIL_TOKENS
+    background = [asyncio.ensure_future(_stream(stub, pb, f"bg{i}", tokens(prompt), context - prompt, sinks[i]))
+                  for i in range(SHARED_BACKGROUND)]
+    try:
+        while not all(sinks) and not any(task.done() for task in background):
+            await asyncio.wait(background, timeout=0.05)            # until every one decodes
+        alone_from = time.monotonic()
+        await asyncio.sleep(SHARED_WINDOW_S)                         # a measuring window, not a wait for a state
+        probes, timelines, alone_to = [], [], time.monotonic()
+        for n in lengths:
+            before = len(timelines)
+            for i in range(requests):
+                await _stream(stub, pb, f"s{n}-{i}", tokens(n), 2, [], timelines)
+            probes.append((n, timelines[before:]))
+        shared_to = time.monotonic()
+        if any(task.done() for task in background):
+            raise ValueError(f"the shared phase's {SHARED_BACKGROUND} background requests finished before its "
+                             f"prompts did (a context of {context}): measure fewer or shorter --light-lengths")
+    finally:
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+
+    def per_token(start: float, end: float) -> float:
+        counted = sum(n for sink in sinks for t, n in sink if start < t <= end)
+        return SHARED_BACKGROUND * (end - start) / counted
+
+    loaded = {n: [sum(getattr(t, s) for s in PREFILL_ACTOR_STAGES) for t in ts] for n, ts in probes}
+    return {"background": SHARED_BACKGROUND,
+            **shared_factors(light, loaded, per_token(alone_from, alone_to), per_token(alone_to, shared_to),
+                             shared_to - alone_to)}
+
+
+def shared_factors(light: list[dict], loaded: dict[int, list[float]], tpot_alone: float, tpot_shared: float,
+                   window_s: float) -> dict:
+    """The shared phase's factors from what it measured: `loaded`, each length's prefill-actor times with the
+    decode actor busy (the light phase's `prefill_actor_s` is the same alone); the background's time per
+    token before (`tpot_alone`) and during the `window_s` the prompts took (`tpot_shared`). `shared_prefill`:
+    the mean over lengths of loaded ÷ alone; `shared_decode`: 1 + the relative rise in time per token over
+    the share of the window the prefill actor was busy (a step slows only while the other computes). Neither
+    below 1: on a shared host noise only adds time."""
+    alone = {m["prompt_tokens"]: m["prefill_actor_s"] for m in light}
+    means = {n: sum(times) / len(times) for n, times in loaded.items()}
+    factors = {n: means[n] / alone[n] for n in means}
+    busy = min(sum(sum(times) for times in loaded.values()) / window_s, 1.0)
+    return {"tpot_alone_s": tpot_alone, "tpot_shared_s": tpot_shared, "prefill_busy_share": busy,
+            "prefill_actor_s": means, "prefill_factors": factors,
+            "shared_prefill": max(sum(factors.values()) / len(factors), 1.0),
+            "shared_decode": max(1.0 + (tpot_shared / tpot_alone - 1.0) / busy, 1.0) if busy > 0 else 1.0}
+
+
 def light_predictions(model, s_in: int, k: int, wire_ratio: float) -> dict:
     """What the profile says one lone request takes: TPOT = the time per output token at batch 1 and the mean
     context (the decode step, or with speculative decoding the step over the tokens it yields), TTFT = its
@@ -139,8 +214,9 @@ def light_predictions(model, s_in: int, k: int, wire_ratio: float) -> dict:
     link = MeasuredModel(model)
     wire = s_in * model.costs.kv_bytes_per_token * wire_ratio
     step = model.decode_step(1, s_in + k / 2)
-    prefill_actor = model.prefill_seconds(s_in) + link.send_busy_s(wire)
-    return {"tpot_s": step.token_s, "tokens_per_step": step.tokens_per_step, "wire_bytes": wire,
+    send = link.send_busy_s(wire)
+    prefill_actor = model.prefill_seconds(s_in) + send
+    return {"tpot_s": step.token_s, "tokens_per_step": step.tokens_per_step, "wire_bytes": wire, "send_s": send,
             "prefill_actor_s": prefill_actor, "ttft_s": prefill_actor + link.link_s(wire)}
 
 
@@ -155,34 +231,23 @@ def fixed_costs(calibration: dict, light: list[tuple[dict, dict]]) -> dict:
 
     - `step_s` by the mean TPOT gap (per step: times the tokens a step yields, with speculative decoding
       more than one);
-    - the prefill actor's own gap (its timeline stages up to the send, `prefill_actor_s`, beyond the
-      profile's prefill and the send costs already stored), fitted as a line in the wire MB shipped (least
-      squares; one length: a constant): its intercept moves `send_s` and its slope `send_s_per_mb`, the
-      time a send takes on the prefill actor (the simulator lengthens the sending step by it);
+    - `send_curve`, the prefill actor's time to send a prompt's KV by the wire MB it ships (the simulator
+      lengthens the sending step by it): at each length the send time predicted so far plus the prefill
+      actor's own gap (its timeline stages up to the send, `prefill_actor_s`, beyond the prediction),
+      one point a length; the older `send_s` and `send_s_per_mb` are folded into it;
     - `handoff_s` by the mean of the rest of the TTFT gap (the router's calls, the transit, the adopt).
 
-    A measurement without stages puts the whole TTFT gap on the prefill actor's line. No cost goes below
-    zero: a slope that would is flattened, a line that would cross below zero is fitted through zero."""
-    out = dict(calibration)
+    A measurement without stages puts the whole TTFT gap on the prefill actor. No cost goes below zero."""
+    out = {k: v for k, v in calibration.items() if k not in ("send_s", "send_s_per_mb")}
     step_gaps = [(m["tpot_s"] - p["tpot_s"]) * p.get("tokens_per_step", 1.0) for p, m in light]
     out["step_s"] = max(out.get("step_s", 0.0) + sum(step_gaps) / len(step_gaps), 0.0)
-    mb = [p["wire_bytes"] / 1e6 for p, _ in light]
     ttft_gaps = [m["ttft_s"] - p["ttft_s"] for p, m in light]
     actor_gaps = [m["prefill_actor_s"] - p["prefill_actor_s"] if "prefill_actor_s" in m else g
                   for (p, m), g in zip(light, ttft_gaps)]
-    mean_mb, mean_gap = sum(mb) / len(mb), sum(actor_gaps) / len(actor_gaps)
-    spread = sum((x - mean_mb) ** 2 for x in mb)
-    slope = sum((x - mean_mb) * (g - mean_gap) for x, g in zip(mb, actor_gaps)) / spread if spread > 0 else 0.0
-    per_mb, send_s = out.get("send_s_per_mb", 0.0), out.get("send_s", 0.0)
-    if per_mb + slope < 0:
-        slope = -per_mb
-    intercept = send_s + mean_gap - slope * mean_mb
-    if intercept < 0 and any(mb):             # a line crossing below zero: fitted through zero instead
-        slope = max((sum(x * g for x, g in zip(mb, actor_gaps)) + send_s * sum(mb)) / sum(x * x for x in mb),
-                    -per_mb)
-        intercept = 0.0
-    out["send_s_per_mb"] = per_mb + slope
-    out["send_s"] = max(intercept, 0.0)
+    by_mb: dict[float, list[float]] = {}
+    for (p, _), gap in zip(light, actor_gaps):
+        by_mb.setdefault(round(p["wire_bytes"] / 1e6, 6), []).append(max(p["send_s"] + gap, 0.0))
+    out["send_curve"] = [[mb, sum(ys) / len(ys)] for mb, ys in sorted(by_mb.items())]
     rest = [t - a for t, a in zip(ttft_gaps, actor_gaps)]
     out["handoff_s"] = max(out.get("handoff_s", 0.0) + sum(rest) / len(rest), 0.0)
     return out
@@ -218,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local", action="store_true", help="profile in-process engines when there is no profile")
     p.add_argument("--prefill-requests", type=int, help="default: two saturated prefill steps' worth")
     p.add_argument("--decode-tokens", type=int, default=100, help="tokens each decode-phase request generates")
-    p.add_argument("--phases", default="prefill,decode,light", help="which stages to measure")
+    p.add_argument("--phases", default="prefill,decode,light", help="which stages to measure: prefill, decode, "
+                   "light, shared (with light)")
     p.add_argument("--light-lengths", type=int_list, metavar="N,N,…", help="the light phase's prompt lengths "
                    "(default: the workload's mean input length, 4× and 10× it, within the context)")
     p.add_argument("--calibrate", action="store_true",
@@ -240,12 +306,22 @@ def main(argv: list[str] | None = None) -> int:
     bench_cfg = load_config(args.config, {"pools.prefill.count": 1, "pools.decode.count": 1,
                                           "pools.decode.max_batch_size": plan.decode["batch"]})
     phases = tuple(args.phases.split(","))
+    unknown = [ph for ph in phases if ph not in ("prefill", "decode", "light", "shared")]
+    if unknown:
+        p.error(f"--phases: unknown phase {unknown[0]!r} (prefill, decode, light, shared)")
+    if "shared" in phases and "light" not in phases:
+        p.error("--phases: shared compares with the light phase of the same run: add light")
     shape = ModelConfig.from_dir(resolve_model(cfg.model.name))
     longest = min(cfg.model.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
     lengths = args.light_lengths or light_lengths(s_in, longest - LIGHT_TOKENS)
     if max(lengths) + LIGHT_TOKENS > longest:
         p.error(f"--light-lengths: {max(lengths)} + {LIGHT_TOKENS} generated tokens exceed the context ({longest})")
-    measured = asyncio.run(measure(bench_cfg, plan, n, args.decode_tokens, phases=phases, light_lengths=lengths))
+    try:
+        measured = asyncio.run(measure(bench_cfg, plan, n, args.decode_tokens, phases=phases, light_lengths=lengths,
+                                       context=longest))
+    except ValueError as e:
+        print(f"plan_check: {e}", file=sys.stderr)
+        return 1
     rows = []
     if "prefill" in measured:
         rows.append(("prefill tokens/s per actor (saturated)", plan.prefill["capacity_tokens_per_s"],
@@ -272,6 +348,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<42} {pred:>10.1f} {meas:>10.1f} {(meas - pred) / pred:>+8.0%}")
     ok = all(abs(meas - pred) / pred <= 0.25 for _, pred, meas in rows)
     print(f"within 25%: {'yes' if ok else 'no'}")
+    if "shared" in measured:
+        sh = measured["shared"]
+        by_length = ", ".join(f"{n} tokens {f:.2f}×" for n, f in sh["prefill_factors"].items())
+        print(f"shared host: the prefill actor's stages with {sh['background']} requests decoding beside it take "
+              f"{sh['shared_prefill']:.2f}× their time alone ({by_length}); the decode step while the prefill actor "
+              f"computes {sh['shared_decode']:.2f}× (time per token {1e3 * sh['tpot_alone_s']:.1f} ms → "
+              f"{1e3 * sh['tpot_shared_s']:.1f} ms, the prefill actor busy {sh['prefill_busy_share']:.0%} of it)")
     if args.calibrate:
         from deploy.profiler import save_profile
         cal = dict(profile.get("calibration", {}))
@@ -279,10 +362,14 @@ def main(argv: list[str] | None = None) -> int:
             cal[key] = cal.get(key, 1.0) * pred / meas
         if "light" in measured:
             cal = fixed_costs(cal, [(light["predicted"], light) for light in measured["light"]])
+        if "shared" in measured:
+            cal["shared_prefill"] = measured["shared"]["shared_prefill"]
+            cal["shared_decode"] = measured["shared"]["shared_decode"]
         profile["calibration"] = cal
         save_profile(profile, source)
         print(f"calibration saved to {source}: " + ", ".join(
             f"{k} {1e3 * v:.2f} ms" if k.endswith("_s") else f"{k} {1e3 * v:.2f} ms/MB" if k.endswith("_per_mb")
+            else f"{k} " + " ".join(f"{mb:.2f} MB: {1e3 * y:.1f} ms" for mb, y in v) if k == "send_curve"
             else f"{k} ×{v:.2f}" for k, v in cal.items()))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

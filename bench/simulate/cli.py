@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "pools.decode.tensor_parallel=N")
     t.add_argument("--intra-node", action="store_true", help="with --hardware: KV moves over the node's "
                    "GPU link (NVLink) instead of the network between nodes")
+    t.add_argument("--shared-host", action="store_true", help="every actor on the one host the profile measured "
+                   "(as `pdserve bench serve --embedded` runs them): a step overlapping others' is slowed by the "
+                   "profile's shared-host calibration (bench.serving.plan_check --phases light,shared --calibrate)")
     t.add_argument("--spec-acceptance", type=float, metavar="A", help="with speculative decoding (speculative."
                    "method, or a -spec variant: ngram): the proposals' acceptance rate, accepted / proposed tokens "
                    "at speculative.num_tokens per step, 0..1 (default: the profile's measurement)")
@@ -148,14 +151,16 @@ def time_model(args: argparse.Namespace, cfg) -> tuple[StepTimeModel, ModelConfi
         shape = model_config(args.model or cfg.model.name)
         model = RooflineModel(Hardware.load(args.hardware), shape, dtype=args.dtype, inter_node=not args.intra_node,
                               model_name=args.model or cfg.model.name)         # degree 1: at_degree gives the rest
-        return model, shape
+        return (model.with_shared_host() if args.shared_host else model), shape
     from deploy.profiler import default_profile_path
     from engine.model.presets import resolve_model
     path = args.profile or default_profile_path(cfg)
     if not os.path.isfile(path):
         raise ValueError(f"no measured profile at {path}: run `pdserve profile --local` for this config, pass "
                          "--profile FILE, or simulate a GPU with --hardware")
-    return MeasuredModel.from_file(path), ModelConfig.from_dir(resolve_model(cfg.model.name))
+    model = MeasuredModel.from_file(path)
+    shape = ModelConfig.from_dir(resolve_model(cfg.model.name))
+    return (model.with_shared_host() if args.shared_host else model), shape
 
 
 def speculation_of_variants(args: argparse.Namespace, variants: list[str], model: StepTimeModel) -> dict:

@@ -21,6 +21,12 @@ included), plus the calibrated fixed cost of a handoff; the calibrated cost of a
 per wire MB) is the prefill actor's own time (`send_busy_s`): it lengthens the step that sends, as
 the send's work does on the CPU cores the prefill computes on.
 
+With `--shared-host` (`with_shared_host`) every simulated actor is on the one host the profile was
+measured on, as `pdserve bench serve --embedded` runs them: a step that starts while k other actors
+are in a step takes 1 + k·(factor − 1) times as long, the factor the calibration's `shared_prefill`
+(a step with a prompt chunk, its send included) or `shared_decode`, measured with one other actor
+busy (`bench.serving.plan_check`'s shared phase).
+
 A pool at tensor-parallel degree N > 1 is priced from the points `pdserve profile --tp N` measured
 for that pool at N (`MeasuredPerformance.at_degree`); a profile without them refuses the degree
 (no prediction: measure it, or simulate the GPU with --hardware). The link is the measured one at
@@ -28,6 +34,7 @@ every degree.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 from bench.simulate.step_time import Chunk, StepTimeModel
@@ -57,7 +64,9 @@ class MeasuredModel(StepTimeModel):
             raise ValueError(f"pools.{pool}.tensor_parallel {degree}: the profile measured {pool} at tensor-parallel "
                              f"degree {measured} only; run `pdserve profile --tp 1,{degree}` for this config, or "
                              "simulate a GPU with --hardware")
-        return MeasuredModel(at, f"{self.name}, {pool} tp={degree}")
+        model = MeasuredModel(at, f"{self.name}, {pool} tp={degree}")
+        model.shared_host = self.shared_host
+        return model
 
     @classmethod
     def from_file(cls, path: str) -> MeasuredModel:
@@ -66,7 +75,7 @@ class MeasuredModel(StepTimeModel):
     def with_speculation(self, speculation: Speculation) -> MeasuredModel:
         """The profile's speculative steps (or its estimate of them) for `speculation`'s method."""
         model = MeasuredModel(MeasuredPerformance(self.profile.data, speculation), self.name)
-        model.speculation = speculation
+        model.speculation, model.shared_host = speculation, self.shared_host
         return model
 
     def step_s(self, chunks: Sequence[Chunk]) -> float:
@@ -87,7 +96,19 @@ class MeasuredModel(StepTimeModel):
     def link_s(self, wire_bytes: float) -> float:
         return self.profile.handoff_s + wire_bytes / self.link_bytes_per_s
 
+    def shared_factor(self, prefill: bool) -> float:
+        return self.profile.shared_factor(prefill) if self.shared_host else 1.0
+
+    def with_shared_host(self) -> MeasuredModel:
+        """The profile's shared-host factors (`shared_prefill`, `shared_decode`, measured by plan_check's shared
+        phase) in every step that overlaps another actor's; ValueError naming the calibration where it has none."""
+        if not self.profile.shares_calibrated:
+            return super().with_shared_host()
+        model = copy.copy(self)
+        model.shared_host, model.name = True, f"{self.name}, every actor on one shared host"
+        return model
+
     def send_busy_s(self, wire_bytes: float) -> float:
-        """The calibrated time of a send on the prefill actor (`send_s` + `send_s_per_mb`): on the CPU host a
-        profile measures, the send's encode and socket work share the cores of the forward pass."""
-        return self.profile.send_s + wire_bytes * self.profile.send_s_per_byte
+        """The calibrated time of a send on the prefill actor (`MeasuredPerformance.send_seconds`): on the CPU
+        host a profile measures, the send's encode and socket work share the cores of the forward pass."""
+        return self.profile.send_seconds(wire_bytes)

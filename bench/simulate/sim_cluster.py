@@ -88,6 +88,8 @@ class SimActor:
         self._held: list[tuple[Callable, object]] = []
         self._stepping = False       # in the worker's run_once ...
         self._computing = False      # ... past the pricing of its forward pass: sends wait for the step's end
+        self._stretch = 1.0          # the step's slow-down on a shared host (`_shared`) ...
+        self.step_prefill = False    # ... and whether the step holds a prompt chunk
         self._poked = False
         self._wake: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
@@ -126,21 +128,38 @@ class SimActor:
         return await change_role(self, role, timeout_s, self._make_worker)
 
     def _priced(self, step_s: float) -> None:
-        """The step the worker is taking lasts `step_s` from now: what a KV send of its output waits for.
-        Until the actor sleeps it, the engine's stamps read the step's end (`VirtualClock.ahead`)."""
+        """The step the worker is taking lasts `step_s` from now (on a shared host, longer while other actors
+        are in a step: `_shared`): what a KV send of its output waits for. Until the actor sleeps it, the
+        engine's stamps read the step's end (`VirtualClock.ahead`)."""
         if step_s > 0:
             loop = asyncio.get_running_loop()
+            if self.cluster.shared_host:
+                self._stretch = self._shared(loop.time())
+                step_s = self.engine.runner.last_step_s = step_s * self._stretch
             self.busy_until, self.step_s = loop.time() + step_s, step_s
             loop.clock.ahead = step_s
             self._computing = self._stepping
 
+    def _shared(self, now: float) -> float:
+        """How much longer a step starting `now` takes on the shared host: 1 + k·(factor − 1), the factor
+        `StepTimeModel.shared_factor` of a step with or without a prompt chunk, k the other actors in a step;
+        for a decode step only those in a step with a prompt chunk (decode steps side by side share the host
+        without slowing each other, each a memory-bound loop on a core of its own)."""
+        prefill = self.step_prefill = self.engine.runner.last_prefill
+        others = sum(1 for a in self.cluster.actors if a is not self and not a.retired and a.busy_until > now
+                      and (prefill or a.step_prefill))
+        return 1.0 + others * (self.cluster.model.shared_factor(prefill) - 1.0) if others else 1.0
+
     def lengthen(self, seconds: float) -> None:
         """The step in progress takes `seconds` more: a KV send's work on this actor's cores (the prefill worker
-        sends from its step)."""
+        sends from its step), on a shared host stretched as the step it is part of."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         if self.busy_until <= now:
             self.busy_until, self.step_s = now, 0.0
+            if self.cluster.shared_host:
+                self._stretch = self._shared(now)
+        seconds *= self._stretch
         self.busy_until += seconds
         self.step_s += seconds
         self.engine.runner.last_step_s += seconds
@@ -221,6 +240,7 @@ class SimCluster:
         profile = model.profile.data if isinstance(model, MeasuredModel) else None
         self.speculation = speculation_for(cfg, shape, profile, spec_acceptance)
         self.network = SimNetwork()
+        self.shared_host = model.shared_host         # every actor on one host: steps slow each other
         dtype_bytes = max(model.kv_bytes_per_token // max(shape.kv_bytes_per_token(1), 1), 1)
         self.wire_ratio = wire_bytes_per_kv_byte(cfg.transfer_codec(), dtype_bytes, cfg.kv_cache.block_size,
                                                  shape.head_dim)

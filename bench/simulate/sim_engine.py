@@ -85,6 +85,7 @@ class TimedRunner:
         self.model = model
         self.layer_hook = None             # the prefill worker sets it; a timed step has no layers to report
         self.last_step_s = 0.0             # the last step's time (read by the simulated actor, then reset)
+        self.last_prefill = False          # ... and whether it held a prompt chunk
         # Told each step's time as soon as it is priced, before the worker acts on the step's output
         # (a KV send then starts from the end of this step, not the previous one).
         self.on_step: Callable[[float], None] | None = None
@@ -103,6 +104,8 @@ class TimedRunner:
                 sampled.append(req)
                 rows += 1 + num_spec          # a verifying sequence's 1 + k rows
         self.last_step_s = self.model.step_s(chunks)
+        if self.model.shared_host:         # (what the host's sharing prices: a prompt chunk in the step)
+            self.last_prefill = any(c.new_tokens - c.proposals > 1 for c in chunks)
         if self.on_step is not None:
             self.on_step(self.last_step_s)
         if rows > len(self._rows):

@@ -54,6 +54,7 @@ class StepTimeModel(ABC):
     kv_bytes_per_token: int
     num_layers: int
     speculation: Speculation | None = None     # set by `with_speculation` on an actor that speculates
+    shared_host: bool = False                  # every actor on one host (`shared_factor`); `with_shared_host`
 
     @abstractmethod
     def step_s(self, chunks: Sequence[Chunk]) -> float:
@@ -90,6 +91,18 @@ class StepTimeModel(ABC):
         pass runs on: it lengthens the step that sends, before the link's time. None here: a GPU's copy
         engines and NIC move KV beside the compute."""
         return 0.0
+
+    def shared_factor(self, prefill: bool) -> float:
+        """With `shared_host`: how much longer a step (one with a prompt chunk if `prefill`) takes while one
+        other actor is in a step on the host; 1 here (every actor has a device of its own)."""
+        return 1.0
+
+    def with_shared_host(self) -> StepTimeModel:
+        """This model with every simulated actor on one host (as `pdserve bench serve --embedded` runs them);
+        ValueError where the model cannot say what sharing costs."""
+        raise ValueError(f"--shared-host: the time model {self.name!r} has no measure of actors sharing a host; "
+                         "it needs a measured profile calibrated with `python -m bench.serving.plan_check --phases "
+                         "light,shared --calibrate`")
 
     def at_degree(self, pool: str, degree: int) -> StepTimeModel:
         """The model of an actor of `pool` at tensor-parallel `degree` (`pools.<pool>.tensor_parallel`).

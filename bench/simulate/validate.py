@@ -13,7 +13,8 @@ Role flips are off on both sides. `--repeats N` measures each point N times (thi
 move between runs of the same command): the tables take the median, and count the simulated figures
 that fall inside the N runs' range. `--measured JSON` reuses an earlier run's rates and measured
 figures and simulates again, e.g. after `python -m bench.serving.plan_check --calibrate` stored the
-serving path's time factors in the profile (the measured model applies them).
+serving path's time factors in the profile (the measured model applies them). `--shared-host` simulates
+the actors on one host as the measured side runs them (`pdserve simulate --shared-host`).
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def sim_args(args, workload: str, rate: float = math.inf) -> argparse.Namespace:
              "--set", "routing.role_flips=off"]
     if args.profile:
         flags += ["--profile", args.profile]
+    if args.shared_host:
+        flags.append("--shared-host")
     return cli.build_parser().parse_args(flags)
 
 
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                    "tables take each figure's median and count the simulated figures inside the N runs' range")
     p.add_argument("--measured", metavar="JSON", help="take the rates and measured figures of an earlier run's "
                    "--json and simulate only (e.g. again with a calibrated profile)")
+    p.add_argument("--shared-host", action="store_true", help="simulate every actor on this one host, as the "
+                   "measured side runs them (`pdserve simulate --shared-host`: the profile's shared-host calibration)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     ensure_profile(args)
@@ -128,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             earlier = json.load(f)["workloads"]
     from deploy.profiler import load_profile
     result = {"profile": args.profile, "calibration": load_profile(args.profile).get("calibration", {}),
-              "model": args.model, "scale": args.scale, "measured_from": args.measured, "workloads": {}}
+              "shared_host": args.shared_host, "model": args.model, "scale": args.scale,
+              "measured_from": args.measured, "workloads": {}}
     for workload in args.workloads.split(","):
         if workload in earlier:
             rates = earlier[workload]["rates"]

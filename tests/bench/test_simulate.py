@@ -210,6 +210,88 @@ def test_a_send_that_shares_the_prefill_cores_lengthens_its_step(tiny):
     assert last >= max(r.ttft_s for r in _run(cfg, shape, specs, "disaggregated", rate=math.inf).records) + busy
 
 
+class SharedLinear(LinearModel):
+    """LinearModel with every actor on one host: a step with a prompt chunk takes 1.5× beside each actor in a
+    step, a decode step 1.25× beside each actor in a step with a prompt chunk."""
+
+    shared_host = True
+    factors = {True: 1.5, False: 1.25}
+
+    def shared_factor(self, prefill):
+        return self.factors[prefill]
+
+
+def test_a_shared_host_prices_a_step_by_what_the_other_actors_are_in(tiny):
+    """On a shared host a step with a prompt chunk is slowed by every other actor in a step, a decode step
+    only by those in a step with a prompt chunk (decode loops side by side do not slow each other), by
+    1 + k·(factor − 1) for k such actors; with none, not at all."""
+    cfg, shape = tiny
+
+    async def main():
+        cluster = build_cluster(cfg, SharedLinear(shape.kv_bytes_per_token(4)), shape, "disaggregated",
+                                counts={"prefill": 1, "decode": 2})
+        now = asyncio.get_running_loop().time()
+        prefill, first, second = cluster.actors
+        prefill.engine.runner.last_prefill = True
+        out = [prefill._shared(now)]                           # nobody else in a step
+        first.busy_until, first.step_prefill = now + 1.0, False
+        out.append(prefill._shared(now))                       # one decoding beside it
+        second.busy_until, second.step_prefill = now + 1.0, False
+        out.append(prefill._shared(now))                       # two
+        first.engine.runner.last_prefill = False
+        prefill.busy_until = now + 1.0
+        out.append(first._shared(now))                         # a decode step beside the prefill step ...
+        prefill.step_prefill = False
+        out.append(first._shared(now))                         # ... beside decode steps only
+        return out
+    assert run_virtual(main()) == pytest.approx([1.0, 1.5, 2.0, 1.25, 1.0])
+
+
+def test_on_a_shared_host_overlapping_steps_take_longer(tiny):
+    """The same trace with every actor on one host: where the prefill and decode steps overlap, both take
+    longer (TTFT and TPOT rise); with factors of 1 the run is the plain one, token for token."""
+    cfg, shape = tiny
+    specs = make_workload("chat", 12, seed=3, scale=1.0, prompt_len=200, output_len=24)
+    plain = _run(cfg, shape, specs, "disaggregated", rate=20.0)
+
+    class Unshared(SharedLinear):
+        factors = {True: 1.0, False: 1.0}
+
+    def run(model):
+        return simulate(cfg, model, shape, specs, rate=20.0, mode="disaggregated", slo_ttft_s=1.0, slo_tpot_s=0.05)
+    kv = shape.kv_bytes_per_token(4)
+    assert _timings(run(Unshared(kv))) == _timings(plain)
+    shared = run(SharedLinear(kv))
+    assert all(r.ok for r in shared.records)
+
+    def mean(run, figure):
+        return sum(figure(r) for r in run.records) / len(run.records)
+    assert mean(shared, lambda r: r.ttft_s) > mean(plain, lambda r: r.ttft_s)
+    assert mean(shared, lambda r: sum(r.itl_s)) > mean(plain, lambda r: sum(r.itl_s))
+    prefill_s = LinearModel(kv).step_s([Chunk(200, 200)])
+    computes = [r.timeline["prefill_compute_s"] for r in shared.records]
+    assert min(computes) >= prefill_s - 1e-9 and max(computes) > prefill_s * 1.4     # some beside a decode step
+
+
+def test_shared_host_needs_a_calibrated_measured_profile(tiny, tmp_path, capsys):
+    """`--shared-host` prices sharing from the profile's `shared_prefill` / `shared_decode`: a profile without
+    them, or a roofline GPU, is refused naming what to run."""
+    costs = {"num_layers": 2, "hidden_size": 64, "attn_dim": 64, "layer_params": 100_000, "head_params": 10_000,
+             "weight_bytes": 400_000, "kv_bytes_per_token": 512, "dtype_bytes": 4}
+    data = {"prefill": {"engine": {"costs": costs}, "points": [{"prompt_len": 128, "batch": 1, "seconds": 0.01}]},
+            "decode": {"engine": {"costs": costs}, "points": [
+                {"batch": 1, "context": 128, "seconds": 0.002, "bytes_per_s": 1e9}]}}
+    with pytest.raises(ValueError, match="plan_check --phases light,shared --calibrate"):
+        MeasuredModel(Profile(data)).with_shared_host()
+    calibrated = MeasuredModel(Profile({**data, "calibration": {"shared_prefill": 1.3, "shared_decode": 1.4}}))
+    assert (calibrated.shared_factor(True), calibrated.shared_factor(False)) == (1.0, 1.0)    # separate hosts
+    shared = calibrated.with_shared_host()
+    assert shared.shared_host and (shared.shared_factor(True), shared.shared_factor(False)) == (1.3, 1.4)
+    assert "shared host" in shared.name and not calibrated.shared_host
+    assert cli.main(["--hardware", "H100-SXM", "--model", "llama-3-8b", "--shared-host"]) == 2
+    assert "--shared-host" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_same_seed_same_run(tiny, mode):
     cfg, shape = tiny

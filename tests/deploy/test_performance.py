@@ -68,9 +68,18 @@ def test_the_light_phase_predicts_and_calibrates_the_speculative_token_time():
     assert after["tpot_s"] == pytest.approx(measured["tpot_s"])
 
 
+def flat(calibration: dict) -> dict:
+    """A calibration with its send curve's numbers under keys of their own (pytest.approx compares flat maps)."""
+    out = {k: v for k, v in calibration.items() if k != "send_curve"}
+    for i, (mb, seconds) in enumerate(calibration.get("send_curve", [])):
+        out[f"send_curve_{i}_mb"], out[f"send_curve_{i}_s"] = mb, seconds
+    return out
+
+
 def test_fixed_costs_from_a_light_load_close_the_gap_they_measured():
     """plan_check's light phase: what one lone request measured beyond the profile becomes `step_s` and, with
-    no timeline stages to split it, `send_s`; the calibrated profile then predicts exactly what was measured
+    no timeline stages to split it, the send's time on the prefill actor (`send_curve`, one point at this
+    length: a constant); the calibrated profile then predicts exactly what was measured
     (the simulator's step and send prices include them), and a measurement below the prediction never makes
     a cost negative."""
     from bench.serving.plan_check import fixed_costs, light_predictions
@@ -82,8 +91,9 @@ def test_fixed_costs_from_a_light_load_close_the_gap_they_measured():
     before = light_predictions(plain, 512, 32, 0.5)
     measured = {"tpot_s": before["tpot_s"] + 0.004, "ttft_s": before["ttft_s"] + 0.030}
     data["calibration"] = fixed_costs(data["calibration"], [(before, measured)])
-    assert data["calibration"] == pytest.approx({"decode": 1.2, "step_s": 0.004, "send_s": 0.03, "send_s_per_mb": 0.0,
-                                                 "handoff_s": 0.0})        # (no stages: on the prefill actor)
+    mb = round(before["wire_bytes"] / 1e6, 6)
+    assert flat(data["calibration"]) == pytest.approx(flat({"decode": 1.2, "step_s": 0.004, "send_curve": [[mb, 0.03]],
+                                                           "handoff_s": 0.0}))   # (no stages: on the prefill actor)
     calibrated = MeasuredPerformance(data)
     after = light_predictions(calibrated, 512, 32, 0.5)
     assert after["tpot_s"] == pytest.approx(measured["tpot_s"]) and after["ttft_s"] == pytest.approx(measured["ttft_s"])
@@ -95,16 +105,37 @@ def test_fixed_costs_from_a_light_load_close_the_gap_they_measured():
     mixed = [Chunk(1, 700), Chunk(64, 300)]
     assert sim.step_s(mixed) == pytest.approx(sim_plain.step_s(mixed) + 0.004)     # once a step
     faster = {"tpot_s": after["tpot_s"] - 0.010, "ttft_s": after["ttft_s"] - 0.010}
-    assert fixed_costs(data["calibration"], [(after, faster)]) == pytest.approx(
-        {"decode": 1.2, "step_s": 0.0, "send_s": 0.02, "send_s_per_mb": 0.0, "handoff_s": 0.0})
+    assert flat(fixed_costs(data["calibration"], [(after, faster)])) == pytest.approx(
+        flat({"decode": 1.2, "step_s": 0.0, "send_curve": [[mb, 0.02]], "handoff_s": 0.0}))
+    older = {"decode": 1.2, "send_s": 0.01, "send_s_per_mb": 0.02}      # a line from an older calibration
+    folded = fixed_costs(older, [(light_predictions(MeasuredPerformance({**data, "calibration": older}), 512, 32, 0.5),
+                                  measured)])
+    assert "send_s" not in folded and "send_s_per_mb" not in folded
+    assert flat(folded)["send_curve_0_s"] == pytest.approx(0.03)         # what was measured, the line folded in
+
+
+def test_the_shared_phase_measures_how_much_the_actors_slow_each_other():
+    """plan_check's shared phase: the prefill actor's stages with the decode actor busy ÷ the same alone, by
+    length, averaged; the background's time per token rises only while the prefill actor computes, so its
+    rise over that share of the window is the decode step's slow-down. Neither goes below 1."""
+    from bench.serving.plan_check import shared_factors
+    light = [{"prompt_tokens": 48, "prefill_actor_s": 0.050}, {"prompt_tokens": 512, "prefill_actor_s": 0.400}]
+    loaded = {48: [0.070, 0.070], 512: [0.520, 0.520]}                   # 1.4× and 1.3×
+    out = shared_factors(light, loaded, tpot_alone=0.016, tpot_shared=0.0196, window_s=2.7)   # busy 2/3 of it
+    assert out["prefill_factors"] == pytest.approx({48: 1.4, 512: 1.3})
+    assert out["prefill_busy_share"] == pytest.approx(2 * (0.070 + 0.520) / 2.7)
+    assert out["shared_prefill"] == pytest.approx(1.35)
+    assert out["shared_decode"] == pytest.approx(1.0 + 0.225 / out["prefill_busy_share"])
+    faster = shared_factors(light, {48: [0.040], 512: [0.390]}, tpot_alone=0.016, tpot_shared=0.015, window_s=1.0)
+    assert faster["shared_prefill"] == 1.0 and faster["shared_decode"] == 1.0
 
 
 def test_the_light_phase_books_each_gap_where_the_timeline_puts_it():
     """Light phases at several prompt lengths: the prefill actor's stages beyond the profile, growing with the
-    KV shipped, become `send_s` plus `send_s_per_mb` (the simulator lengthens the sending step by them); the
+    KV shipped, become `send_curve` (the simulator lengthens the sending step by it); the
     rest of the TTFT gap becomes `handoff_s` (the link). The calibrated profile then predicts each length's
-    TTFT and prefill-actor time. A gap shrinking with the prompt, or a line crossing below zero, never makes
-    a cost negative."""
+    TTFT and prefill-actor time. A gap shrinking with the prompt, or one below zero, never makes a send take
+    less time for more bytes or less than nothing."""
     from bench.serving.plan_check import fixed_costs, light_lengths, light_predictions
     from bench.simulate.measured import MeasuredModel
     data = synthetic()
@@ -121,8 +152,9 @@ def test_the_light_phase_books_each_gap_where_the_timeline_puts_it():
 
     points = light(lambda mb: 0.020 + 0.030 * mb)                      # 20 ms + 30 ms a wire MB, 4 ms on the link
     data["calibration"] = fixed_costs({}, points)
-    assert data["calibration"] == pytest.approx({"step_s": 0.0, "send_s": 0.020, "send_s_per_mb": 0.030,
-                                                 "handoff_s": 0.004})
+    mbs = [round(p["wire_bytes"] / 1e6, 6) for p, _ in points]
+    assert flat(data["calibration"]) == pytest.approx(flat({"step_s": 0.0, "handoff_s": 0.004,
+                                                           "send_curve": [[x, 0.020 + 0.030 * x] for x in mbs]}))
     calibrated = MeasuredPerformance(data)
     for _, measured in points:
         after = light_predictions(calibrated, measured["prompt_tokens"], 32, 0.25)
@@ -130,11 +162,15 @@ def test_the_light_phase_books_each_gap_where_the_timeline_puts_it():
         assert after["prefill_actor_s"] == pytest.approx(measured["prefill_actor_s"])
     sim, sim_plain = MeasuredModel(calibrated), MeasuredModel(plain)
     assert sim.link_s(2e6) - sim_plain.link_s(2e6) == pytest.approx(0.004)
-    assert (sim.send_busy_s(2e6), sim_plain.send_busy_s(2e6)) == pytest.approx((0.020 + 2 * 0.030, 0.0))
-    shrinking = fixed_costs({}, light(lambda mb: 0.050 - 0.010 * mb))
-    assert shrinking["send_s_per_mb"] == 0.0 and shrinking["send_s"] > 0.0
-    crossing = fixed_costs({}, light(lambda mb: -0.010 + 0.030 * mb))   # fitted through zero instead
-    assert crossing["send_s"] == 0.0 and 0.0 < crossing["send_s_per_mb"] < 0.030
+    between, beyond = (mbs[0] + mbs[1]) / 2, 2 * mbs[-1]               # piecewise-linear, the last slope beyond
+    for x in (between, beyond):
+        assert (sim.send_busy_s(x * 1e6), sim_plain.send_busy_s(x * 1e6)) == pytest.approx((0.020 + 0.030 * x, 0.0))
+    assert sim.send_busy_s(mbs[0] * 1e5) == pytest.approx(0.020 + 0.030 * mbs[0])     # below: the first point's
+    shrinking = MeasuredPerformance({**data, "calibration": fixed_costs({}, light(lambda mb: 0.050 - 0.010 * mb))})
+    sends = [shrinking.send_seconds(x * 1e6) for x in (0.0, *mbs, beyond)]
+    assert sends == sorted(sends) and min(sends) > 0.0                 # never less time for more bytes
+    crossing = fixed_costs({}, light(lambda mb: -0.010 + 0.030 * mb))
+    assert crossing["send_curve"][0][1] == 0.0 and all(y >= 0.0 for _, y in crossing["send_curve"])
     assert light_lengths(48, 2016) == (48, 192, 480)
     assert light_lengths(384, 2016) == (384, 1536, 2016)             # none past the context
 

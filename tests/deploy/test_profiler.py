@@ -118,7 +118,8 @@ def test_a_malformed_profile_is_refused_naming_the_key(tmp_path):
     good = {"version": 1, "prefill": {"engine": {"costs": {}}, "points": [{"prompt_len": 128, "batch": 1,
                                                                           "seconds": 0.09}]},
             "decode": {"engine": {"costs": {}}, "points": [{"batch": 1, "context": 128, "seconds": 0.013}]},
-            "calibration": {"prefill": 1.02, "handoff_s": 0.0, "send_s_per_mb": 0.0}}
+            "calibration": {"prefill": 1.02, "handoff_s": 0.0, "send_s_per_mb": 0.0,
+                            "send_curve": [[0.3, 0.015], [3.1, 0.09]], "shared_prefill": 1.4}}
     path = tmp_path / "p.json"
 
     def load(mend) -> str:
@@ -142,4 +143,12 @@ def test_a_malformed_profile_is_refused_naming_the_key(tmp_path):
         lambda p: p["calibration"].update(handoff_s=-5))
     assert "calibration.send_s_per_mb must be a finite number at least 0" in load(
         lambda p: p["calibration"].update(send_s_per_mb=-0.1))
+    assert "calibration.send_curve must be a list of [wire MB, seconds] pairs" in load(
+        lambda p: p["calibration"].update(send_curve=[0.3, 0.015]))
+    assert "calibration.send_curve[1][1] must be a finite number at least 0, got -1" in load(
+        lambda p: p["calibration"]["send_curve"][1].__setitem__(1, -1))
+    assert "send_curve: the wire MB must increase (3.1 then 0.3)" in load(
+        lambda p: p["calibration"].update(send_curve=[[3.1, 0.09], [0.3, 0.015]]))
+    assert "calibration.shared_prefill must be a finite number above 0, got 0" in load(
+        lambda p: p["calibration"].update(shared_prefill=0))
     assert "transfer must be a mapping" in load(lambda p: p.update(transfer=[1]))
