@@ -180,6 +180,8 @@ async def _shared_phase(stub, pb, tokens, lengths: tuple[int, ...], requests: in
 
     def per_token(start: float, end: float) -> float:
         counted = sum(n for sink in sinks for t, n in sink if start < t <= end)
+        if not counted:
+            raise ValueError(f"the shared phase's background requests made no token in {end - start:.1f} s")
         return SHARED_BACKGROUND * (end - start) / counted
 
     loaded = {n: [sum(getattr(t, s) for s in PREFILL_ACTOR_STAGES) for t in ts] for n, ts in probes}
@@ -369,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         save_profile(profile, source)
         print(f"calibration saved to {source}: " + ", ".join(
             f"{k} {1e3 * v:.2f} ms" if k.endswith("_s") else f"{k} {1e3 * v:.2f} ms/MB" if k.endswith("_per_mb")
-            else f"{k} " + " ".join(f"{mb:.2f} MB: {1e3 * y:.1f} ms" for mb, y in v) if k == "send_curve"
+            else f"{k} [" + "; ".join(f"{mb:.2f} MB {1e3 * y:.1f} ms" for mb, y in v) + "]" if k == "send_curve"
             else f"{k} ×{v:.2f}" for k, v in cal.items()))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

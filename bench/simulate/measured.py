@@ -22,10 +22,11 @@ per wire MB) is the prefill actor's own time (`send_busy_s`): it lengthens the s
 the send's work does on the CPU cores the prefill computes on.
 
 With `--shared-host` (`with_shared_host`) every simulated actor is on the one host the profile was
-measured on, as `pdserve bench serve --embedded` runs them: a step that starts while k other actors
-are in a step takes 1 + k·(factor − 1) times as long, the factor the calibration's `shared_prefill`
-(a step with a prompt chunk, its send included) or `shared_decode`, measured with one other actor
-busy (`bench.serving.plan_check`'s shared phase).
+measured on, as `pdserve bench serve --embedded` runs them: a step with a prompt chunk (its send
+included) that starts while k other actors are in a step takes 1 + k·(`shared_prefill` − 1) times as
+long; a decode step 1 + k·(`shared_decode` − 1), k counting only the actors in a step with a prompt
+chunk (`bench.simulate.sim_cluster.SimActor._shared`). Both factors are the calibration's, measured
+with one other actor busy (`bench.serving.plan_check`'s shared phase).
 
 A pool at tensor-parallel degree N > 1 is priced from the points `pdserve profile --tp N` measured
 for that pool at N (`MeasuredPerformance.at_degree`); a profile without them refuses the degree

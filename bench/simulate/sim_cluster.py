@@ -134,18 +134,18 @@ class SimActor:
         if step_s > 0:
             loop = asyncio.get_running_loop()
             if self.cluster.shared_host:
-                self._stretch = self._shared(loop.time())
+                self._stretch = self._shared(loop.time(), self.engine.runner.last_prefill)
                 step_s = self.engine.runner.last_step_s = step_s * self._stretch
             self.busy_until, self.step_s = loop.time() + step_s, step_s
             loop.clock.ahead = step_s
             self._computing = self._stepping
 
-    def _shared(self, now: float) -> float:
-        """How much longer a step starting `now` takes on the shared host: 1 + k·(factor − 1), the factor
-        `StepTimeModel.shared_factor` of a step with or without a prompt chunk, k the other actors in a step;
+    def _shared(self, now: float, prefill: bool) -> float:
+        """How much longer a step starting `now` (with a prompt chunk if `prefill`) takes on the shared host:
+        1 + k·(factor − 1), the factor `StepTimeModel.shared_factor` of its kind, k the other actors in a step;
         for a decode step only those in a step with a prompt chunk (decode steps side by side share the host
         without slowing each other, each a memory-bound loop on a core of its own)."""
-        prefill = self.step_prefill = self.engine.runner.last_prefill
+        self.step_prefill = prefill
         others = sum(1 for a in self.cluster.actors if a is not self and not a.retired and a.busy_until > now
                       and (prefill or a.step_prefill))
         return 1.0 + others * (self.cluster.model.shared_factor(prefill) - 1.0) if others else 1.0
@@ -158,7 +158,7 @@ class SimActor:
         if self.busy_until <= now:
             self.busy_until, self.step_s = now, 0.0
             if self.cluster.shared_host:
-                self._stretch = self._shared(now)
+                self._stretch = self._shared(now, True)          # (a send is the prefill's work)
         seconds *= self._stretch
         self.busy_until += seconds
         self.step_s += seconds

@@ -232,17 +232,15 @@ def test_a_shared_host_prices_a_step_by_what_the_other_actors_are_in(tiny):
                                 counts={"prefill": 1, "decode": 2})
         now = asyncio.get_running_loop().time()
         prefill, first, second = cluster.actors
-        prefill.engine.runner.last_prefill = True
-        out = [prefill._shared(now)]                           # nobody else in a step
+        out = [prefill._shared(now, True)]                     # nobody else in a step
         first.busy_until, first.step_prefill = now + 1.0, False
-        out.append(prefill._shared(now))                       # one decoding beside it
+        out.append(prefill._shared(now, True))                 # one decoding beside it
         second.busy_until, second.step_prefill = now + 1.0, False
-        out.append(prefill._shared(now))                       # two
-        first.engine.runner.last_prefill = False
+        out.append(prefill._shared(now, True))                 # two
         prefill.busy_until = now + 1.0
-        out.append(first._shared(now))                         # a decode step beside the prefill step ...
+        out.append(first._shared(now, False))                  # a decode step beside the prefill step ...
         prefill.step_prefill = False
-        out.append(first._shared(now))                         # ... beside decode steps only
+        out.append(first._shared(now, False))                  # ... beside decode steps only
         return out
     assert run_virtual(main()) == pytest.approx([1.0, 1.5, 2.0, 1.25, 1.0])
 
