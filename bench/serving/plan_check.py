@@ -22,13 +22,14 @@ batch) and saturates each stage at the workload's lengths:
            prefill actor and the KV handoff. Predicted: the decode step at batch 1 and that context;
            the prompt's prefill plus its KV over the profiled link.
 
-  shared   the light phase's prompts again (max_tokens 2), one after another, while the decode actor
-           decodes SHARED_BACKGROUND long requests: how much longer the prefill actor's stages take
-           with the other actor busy than alone (`shared_prefill`), and how much longer the
-           background's decode steps take while the prefill actor computes (`shared_decode`, from
-           their time per token before and during the prompts and the share of that time the
-           prefill actor was busy). Needs the light phase in the same run. What the simulator's
-           `--shared-host` prices: on one host the actors' steps slow each other down.
+  shared   the light phase's prompt lengths again (SHARED_REQUESTS each, max_tokens 2), one after
+           another, while the decode actor decodes SHARED_BACKGROUND long requests: how much
+           longer the prefill actor's stages take with the other actor busy than alone
+           (`shared_prefill`), and how much longer the background's decode steps take while the
+           prefill actor computes (`shared_decode`, from their time per token before and during
+           the prompts and the share of that time the prefill actor was busy). Needs the light
+           phase in the same run. What the simulator's `--shared-host` prices: on one host the
+           actors' steps slow each other down.
 
 Both figures are printed side by side with the error; the target is within 25%.
 `--calibrate` stores predicted/measured as time factors in the profile ("calibration"), which
@@ -57,6 +58,7 @@ TAIL_TOKENS = 16
 LIGHT_REQUESTS = 6
 LIGHT_TOKENS = 32
 SHARED_BACKGROUND = 4       # the shared phase's long requests, decoding while its prompts arrive
+SHARED_REQUESTS = 12        # ... and its prompts of each length, one after another
 SHARED_WINDOW_S = 2.0       # ... measured alone first for this long
 
 
@@ -103,7 +105,7 @@ async def measure(cfg, plan, prefill_requests: int, decode_tokens: int, seed: in
                 out["light"] = [await _light_phase(stub, pb, tokens, n, LIGHT_REQUESTS, LIGHT_TOKENS)
                                 for n in light_lengths]
             if "shared" in phases:
-                out["shared"] = await _shared_phase(stub, pb, tokens, light_lengths, LIGHT_REQUESTS, out["light"],
+                out["shared"] = await _shared_phase(stub, pb, tokens, light_lengths, SHARED_REQUESTS, out["light"],
                                                     context)
     finally:
         await cluster.stop()
