@@ -56,7 +56,7 @@ from deploy.launcher import engine_args
 from engine.model.presets import cache_root, resolve_model
 
 PROFILE_VERSION = 1
-PREFILL_LENS = (128, 512)
+PREFILL_LENS = (16, 128, 512)      # 16: a short prompt's forward is bound by reading the weights, not its FLOPs
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
