@@ -51,6 +51,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 
 from bench.serving.arg_types import int_list
 
@@ -257,6 +258,21 @@ def fixed_costs(calibration: dict, light: list[tuple[dict, dict]]) -> dict:
     return out
 
 
+def calibrate(profile: dict, factors: dict[str, float], light: list[dict],
+              predict: Callable[[dict, int], dict] | None) -> dict:
+    """The profile's calibration after a run: each time factor multiplied by `factors` (predicted ÷ measured
+    at saturation), then the light phase's fixed costs (`fixed_costs`) against what the profile predicts
+    with those factors (`predict(profile data, prompt tokens)`, `light_predictions`), so that time the new
+    factors already account for is not added again as a fixed cost."""
+    cal = dict(profile.get("calibration", {}))
+    for key, factor in factors.items():
+        cal[key] = cal.get(key, 1.0) * factor
+    if light:
+        data = {**profile, "calibration": cal}
+        cal = fixed_costs(cal, [(predict(data, m["prompt_tokens"]), m) for m in light])
+    return cal
+
+
 async def _decode_phase(stub, pb, tokens, batch: int, s_in: int, s_out: int, decode_tokens: int) -> dict:
     """B sequences at the mean context; prompts share all but their last block."""
     k = min(decode_tokens, s_out)
@@ -340,8 +356,12 @@ def main(argv: list[str] | None = None) -> int:
         model = MeasuredPerformance(profile, speculation_of(cfg, resolve_model(cfg.model.name), profile))
         ratio = wire_bytes_per_kv_byte(cfg.transfer_codec(), model.costs.dtype_bytes, cfg.kv_cache.block_size,
                                        shape.head_dim)
+
+        def predict(data: dict, prompt_tokens: int) -> dict:
+            spec = speculation_of(cfg, resolve_model(cfg.model.name), data)
+            return light_predictions(MeasuredPerformance(data, spec), prompt_tokens, LIGHT_TOKENS, ratio)
         for light in measured["light"]:
-            light["predicted"] = predicted = light_predictions(model, light["prompt_tokens"], LIGHT_TOKENS, ratio)
+            light["predicted"] = predicted = predict(profile, light["prompt_tokens"])
             rows.append((f"one {light['prompt_tokens']}-token request: TPOT (ms)", 1e3 * predicted["tpot_s"],
                          1e3 * light["tpot_s"]))
             rows.append((f"one {light['prompt_tokens']}-token request: TTFT (ms)", 1e3 * predicted["ttft_s"],
@@ -361,11 +381,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{1e3 * sh['tpot_shared_s']:.1f} ms, the prefill actor busy {sh['prefill_busy_share']:.0%} of it)")
     if args.calibrate:
         from deploy.profiler import save_profile
-        cal = dict(profile.get("calibration", {}))
-        for key, (_, pred, meas) in zip([k for k in ("prefill", "decode") if k in measured], rows):
-            cal[key] = cal.get(key, 1.0) * pred / meas
-        if "light" in measured:
-            cal = fixed_costs(cal, [(light["predicted"], light) for light in measured["light"]])
+        factors = {key: pred / meas for key, (_, pred, meas) in zip([k for k in ("prefill", "decode") if k in measured],
+                                                                     rows)}
+        cal = calibrate(profile, factors, measured.get("light", []), predict if "light" in measured else None)
         if "shared" in measured:
             cal["shared_prefill"] = measured["shared"]["shared_prefill"]
             cal["shared_decode"] = measured["shared"]["shared_decode"]

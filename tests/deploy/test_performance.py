@@ -114,6 +114,25 @@ def test_fixed_costs_from_a_light_load_close_the_gap_they_measured():
     assert flat(folded)["send_curve_0_s"] == pytest.approx(0.03)         # what was measured, the line folded in
 
 
+def test_a_run_that_moves_the_factors_prices_its_fixed_costs_with_them():
+    """Saturation and light phases in one run: the light phase's gaps are taken against the profile with the
+    new time factors, so the calibrated profile predicts the lone request as measured (not the decode factor's
+    share twice)."""
+    from bench.serving.plan_check import calibrate, light_predictions
+    data = synthetic()
+
+    def predict(profile, n):
+        return light_predictions(MeasuredPerformance(profile), n, 32, 0.5)
+    plain = predict(data, 512)
+    measured = {"prompt_tokens": 512, "tpot_s": 1.4 * plain["tpot_s"], "ttft_s": plain["ttft_s"]}
+    cal = calibrate(data, {"decode": 1.3}, [measured], predict)
+    assert cal["decode"] == pytest.approx(1.3)
+    assert cal["step_s"] == pytest.approx(0.1 * plain["tpot_s"])       # what the factor leaves, not 0.4×
+    after = predict({**data, "calibration": cal}, 512)
+    assert after["tpot_s"] == pytest.approx(measured["tpot_s"]) and after["ttft_s"] == pytest.approx(plain["ttft_s"])
+    assert calibrate(data, {"prefill": 2.0}, [], None) == {"prefill": 2.0}
+
+
 def test_the_shared_phase_measures_how_much_the_actors_slow_each_other():
     """plan_check's shared phase: the prefill actor's stages with the decode actor busy ÷ the same alone, by
     length, averaged; the background's time per token rises only while the prefill actor computes, so its
