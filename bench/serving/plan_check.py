@@ -28,8 +28,9 @@ batch) and saturates each stage at the workload's lengths:
            (`shared_prefill`), and how much longer the background's decode steps take while the
            prefill actor computes (`shared_decode`, from their time per token before and during
            the prompts and the share of that time the prefill actor was busy). Needs the light
-           phase in the same run. What the simulator's `--shared-host` prices: on one host the
-           actors' steps slow each other down.
+           phase in the same run. Run --shared-rounds times over (the factors move between
+           rounds); the calibration keeps each factor's median. What the simulator's
+           `--shared-host` prices: on one host the actors' steps slow each other down.
 
 Both figures are printed side by side with the error; the target is within 25%.
 `--calibrate` stores predicted/measured as time factors in the profile ("calibration"), which
@@ -49,17 +50,19 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
 
-from bench.serving.arg_types import int_list
+from bench.serving.arg_types import int_list, positive_int
 
 TAIL_TOKENS = 16
 LIGHT_REQUESTS = 6
 LIGHT_TOKENS = 32
 SHARED_BACKGROUND = 4       # the shared phase's long requests, decoding while its prompts arrive
 SHARED_REQUESTS = 12        # ... and its prompts of each length, one after another
+SHARED_ROUNDS = 3           # ... measured this many times over: the factors are the rounds' medians
 SHARED_WINDOW_S = 2.0       # ... measured alone first for this long
 
 
@@ -75,7 +78,7 @@ async def _stream(stub, pb, rid: str, ids: list[int], max_tokens: int, sink: lis
 
 async def measure(cfg, plan, prefill_requests: int, decode_tokens: int, seed: int = 0,
                   phases: tuple[str, ...] = ("prefill", "decode"), light_lengths: tuple[int, ...] = (),
-                  context: int = 2048) -> dict:
+                  context: int = 2048, shared_rounds: int = SHARED_ROUNDS) -> dict:
     import grpc
 
     from deploy.launcher import load_tokenizer
@@ -106,8 +109,9 @@ async def measure(cfg, plan, prefill_requests: int, decode_tokens: int, seed: in
                 out["light"] = [await _light_phase(stub, pb, tokens, n, LIGHT_REQUESTS, LIGHT_TOKENS)
                                 for n in light_lengths]
             if "shared" in phases:
-                out["shared"] = await _shared_phase(stub, pb, tokens, light_lengths, SHARED_REQUESTS, out["light"],
-                                                    context)
+                out["shared"] = shared_median([
+                    await _shared_phase(stub, pb, tokens, light_lengths, SHARED_REQUESTS, out["light"], context)
+                    for _ in range(shared_rounds)])
     finally:
         await cluster.stop()
     return out
@@ -191,6 +195,12 @@ async def _shared_phase(stub, pb, tokens, lengths: tuple[int, ...], requests: in
     return {"background": SHARED_BACKGROUND,
             **shared_factors(light, loaded, per_token(alone_from, alone_to), per_token(alone_to, shared_to),
                              shared_to - alone_to)}
+
+
+def shared_median(rounds: list[dict]) -> dict:
+    """Several rounds of the shared phase: each round as measured, and each factor's median over them."""
+    return {"rounds": rounds, "shared_prefill": statistics.median(r["shared_prefill"] for r in rounds),
+            "shared_decode": statistics.median(r["shared_decode"] for r in rounds)}
 
 
 def shared_factors(light: list[dict], loaded: dict[int, list[float]], tpot_alone: float, tpot_shared: float,
@@ -307,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                    "light, shared (with light)")
     p.add_argument("--light-lengths", type=int_list, metavar="N,N,…", help="the light phase's prompt lengths "
                    "(default: the workload's mean input length, 4× and 10× it, within the context)")
+    p.add_argument("--shared-rounds", type=positive_int, default=SHARED_ROUNDS, metavar="N",
+                   help="how many times the shared phase measures (the calibration keeps the medians)")
     p.add_argument("--calibrate", action="store_true",
                    help="store measured/predicted time factors in the profile (the planner then applies them)")
     p.add_argument("--json", help="write the numbers here")
@@ -338,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--light-lengths: {max(lengths)} + {LIGHT_TOKENS} generated tokens exceed the context ({longest})")
     try:
         measured = asyncio.run(measure(bench_cfg, plan, n, args.decode_tokens, phases=phases, light_lengths=lengths,
-                                       context=longest))
+                                       context=longest, shared_rounds=args.shared_rounds))
     except ValueError as e:
         print(f"plan_check: {e}", file=sys.stderr)
         return 1
@@ -373,12 +385,15 @@ def main(argv: list[str] | None = None) -> int:
     ok = all(abs(meas - pred) / pred <= 0.25 for _, pred, meas in rows)
     print(f"within 25%: {'yes' if ok else 'no'}")
     if "shared" in measured:
-        sh = measured["shared"]
-        by_length = ", ".join(f"{n} tokens {f:.2f}×" for n, f in sh["prefill_factors"].items())
-        print(f"shared host: the prefill actor's stages with {sh['background']} requests decoding beside it take "
-              f"{sh['shared_prefill']:.2f}× their time alone ({by_length}); the decode step while the prefill actor "
-              f"computes {sh['shared_decode']:.2f}× (time per token {1e3 * sh['tpot_alone_s']:.1f} ms → "
-              f"{1e3 * sh['tpot_shared_s']:.1f} ms, the prefill actor busy {sh['prefill_busy_share']:.0%} of it)")
+        for i, sh in enumerate(measured["shared"]["rounds"], 1):
+            by_length = ", ".join(f"{n} tokens {f:.2f}×" for n, f in sh["prefill_factors"].items())
+            print(f"shared host, round {i}: the prefill actor's stages with {sh['background']} requests decoding "
+                  f"beside it take {sh['shared_prefill']:.2f}× their time alone ({by_length}); the decode step while "
+                  f"the prefill actor computes {sh['shared_decode']:.2f}× (time per token "
+                  f"{1e3 * sh['tpot_alone_s']:.1f} ms → {1e3 * sh['tpot_shared_s']:.1f} ms, the prefill actor busy "
+                  f"{sh['prefill_busy_share']:.0%} of it)")
+        print(f"shared host, the rounds' medians: prefill ×{measured['shared']['shared_prefill']:.2f}, "
+              f"decode ×{measured['shared']['shared_decode']:.2f}")
     if args.calibrate:
         from deploy.profiler import save_profile
         factors = {key: pred / meas for key, (_, pred, meas) in zip([k for k in ("prefill", "decode") if k in measured],

@@ -136,8 +136,9 @@ def test_a_run_that_moves_the_factors_prices_its_fixed_costs_with_them():
 def test_the_shared_phase_measures_how_much_the_actors_slow_each_other():
     """plan_check's shared phase: the prefill actor's stages with the decode actor busy ÷ the same alone, by
     length, averaged; the background's time per token rises only while the prefill actor computes, so its
-    rise over that share of the window is the decode step's slow-down. Neither goes below 1."""
-    from bench.serving.plan_check import shared_factors
+    rise over that share of the window is the decode step's slow-down. Neither goes below 1. Over several
+    rounds the calibration keeps each factor's median."""
+    from bench.serving.plan_check import shared_factors, shared_median
     light = [{"prompt_tokens": 48, "prefill_actor_s": 0.050}, {"prompt_tokens": 512, "prefill_actor_s": 0.400}]
     loaded = {48: [0.070, 0.070], 512: [0.520, 0.520]}                   # 1.4× and 1.3×
     out = shared_factors(light, loaded, tpot_alone=0.016, tpot_shared=0.0196, window_s=2.7)   # busy 2/3 of it
@@ -147,6 +148,9 @@ def test_the_shared_phase_measures_how_much_the_actors_slow_each_other():
     assert out["shared_decode"] == pytest.approx(1.0 + 0.225 / out["prefill_busy_share"])
     faster = shared_factors(light, {48: [0.040], 512: [0.390]}, tpot_alone=0.016, tpot_shared=0.015, window_s=1.0)
     assert faster["shared_prefill"] == 1.0 and faster["shared_decode"] == 1.0
+    rounds = [{"shared_prefill": p, "shared_decode": d} for p, d in ((1.31, 1.45), (1.21, 1.55), (1.20, 1.50))]
+    median = shared_median(rounds)
+    assert (median["shared_prefill"], median["shared_decode"], median["rounds"]) == (1.21, 1.50, rounds)
 
 
 def test_the_light_phase_books_each_gap_where_the_timeline_puts_it():
