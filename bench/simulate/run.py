@@ -18,9 +18,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from prometheus_client import generate_latest
+
 from bench.serving.clients import FINISH_NAMES, Piece
 from bench.serving.load import RequestRecord, arrival_gaps, one_request, run_load
-from bench.serving.metrics import summarize
+from bench.serving.metrics import parse_counters, summarize
 from bench.serving.workloads import Conversation, RequestSpec
 from bench.simulate.clock import run_virtual
 from bench.serving.runs import sample_roles
@@ -182,6 +184,7 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
         quiet.setLevel(level)
     wall = time.perf_counter() - wall
     summary = summarize(records, duration, slo_ttft_s, slo_tpot_s)
+    summary.update(parse_counters(generate_latest(cluster.metrics.registry).decode()))  # as bench serve's /metrics
     actors = [{"actor_id": a.actor_id, "role": a.role, "steps": a.num_steps,
                "busy": a.busy_s / duration if duration > 0 else 0.0} for a in cluster.actors]
     scaler = cluster.autoscaler

@@ -44,6 +44,7 @@ from engine.scheduling.loop import EngineLoop
 from prefill_worker.worker import PrefillWorker
 from kv_transfer import wire_bytes_per_kv_byte
 from router.dispatcher import Dispatcher
+from router.metrics import Metrics
 from router.pools import DecodeView, Pools, PrefillView
 
 log = logging.getLogger(f"pdserve.{__name__}")
@@ -247,6 +248,7 @@ class SimCluster:
         self.actors: list[SimActor] = []
         self.dispatcher: Dispatcher | None = None
         self.autoscaler = None                       # deploy.autoscaler.Autoscaler, when the run has one
+        self.metrics = Metrics()                     # the dispatcher's per-request counters, as a router's
         self._next_index: dict[str, int] = {}
 
     def flippable(self, pool: str) -> bool:
@@ -327,5 +329,6 @@ def build_cluster(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig
     live = live_model(cfg, performance_of(model, sim_cfg, cfg, cluster.speculation))
     max_len = min(cfg.model.max_model_len or sim_cfg.max_position_embeddings, sim_cfg.max_position_embeddings)
     cluster.dispatcher = Dispatcher(pools, SimTokenizer(sim_cfg.vocab_size), max_len, cfg.kv_cache.block_size,
-                                    routing_settings(cfg), codec=cfg.kv_transfer.compression, live=live)
+                                    routing_settings(cfg), codec=cfg.kv_transfer.compression, live=live,
+                                    metrics=cluster.metrics)
     return cluster

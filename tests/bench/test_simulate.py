@@ -168,6 +168,20 @@ def test_the_first_token_waits_for_the_prefill_step_that_makes_it(tiny, mode):
     assert [r.ttft_s for r in run.records] == pytest.approx([expected] * 6, rel=1e-4)
 
 
+def test_the_report_counts_the_kv_moved_as_a_routers_metrics_do(tiny):
+    """The dispatcher's per-request counters (the router's /metrics that `pdserve bench serve` reads) are in
+    the simulated report: every prompt's KV blocks shipped once, at the codec's wire ratio; none colocated."""
+    cfg, shape = tiny
+    specs = make_workload("chat", 6, seed=3, scale=1.0, prompt_len=200, output_len=4)
+    kv_per_prompt = -(-200 // 16) * 16 * LinearModel(shape.kv_bytes_per_token(4)).kv_bytes_per_token
+    run = _run(cfg, shape, specs, "disaggregated", rate=0.5).summary
+    assert run["kv_bytes"] == 6 * kv_per_prompt
+    assert run["kv_wire_bytes"] == pytest.approx(0.25 * run["kv_bytes"], rel=0.05)      # fp8 on float32
+    assert run["local_prefills"] == run["transfer_failures"] == 0
+    colocated = _run(cfg, shape, specs, "colocated", rate=0.5).summary
+    assert colocated["kv_bytes"] == colocated["kv_wire_bytes"] == 0
+
+
 def test_the_timeline_books_the_prefill_step_as_compute(tiny):
     """A simulated step's time passes after it runs; the engine's stamps still read its end, so each
     request's timeline puts the prefill step under prefill_compute, not under the KV send after it."""
