@@ -60,10 +60,10 @@ from bench.serving.arg_types import int_list, positive_int
 TAIL_TOKENS = 16
 LIGHT_REQUESTS = 6
 LIGHT_TOKENS = 32
-SHARED_BACKGROUND = 4       # the shared phase's long requests, decoding while its prompts arrive
-SHARED_REQUESTS = 12        # ... and its prompts of each length, one after another
-SHARED_ROUNDS = 3           # ... measured this many times over: the factors are the rounds' medians
+SHARED_BACKGROUND = 4       # the shared phase's long requests, decoding while its prompts arrive ...
 SHARED_WINDOW_S = 2.0       # ... measured alone first for this long
+SHARED_REQUESTS = 12        # the shared phase's prompts of each length, one after another
+SHARED_ROUNDS = 3           # the shared phase measured this many times over: the factors are the rounds' medians
 
 
 async def _stream(stub, pb, rid: str, ids: list[int], max_tokens: int, sink: list, timelines: list | None = None

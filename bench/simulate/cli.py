@@ -143,7 +143,7 @@ def variant_config(args: argparse.Namespace, variant: str, extra: list[str] = ()
 
 def time_model(args: argparse.Namespace, cfg) -> tuple[StepTimeModel, ModelConfig]:
     """The step-time model the flags ask for (at degree 1; each pool's actors use `at_degree` of the pool's
-    `tensor_parallel`), and the simulated model's shape."""
+    `tensor_parallel`; with --shared-host, every actor on one host), and the simulated model's shape."""
     if args.hardware:
         from bench.simulate.hardware import Hardware
         from bench.simulate.models import model_config
@@ -151,15 +151,15 @@ def time_model(args: argparse.Namespace, cfg) -> tuple[StepTimeModel, ModelConfi
         shape = model_config(args.model or cfg.model.name)
         model = RooflineModel(Hardware.load(args.hardware), shape, dtype=args.dtype, inter_node=not args.intra_node,
                               model_name=args.model or cfg.model.name)         # degree 1: at_degree gives the rest
-        return (model.with_shared_host() if args.shared_host else model), shape
-    from deploy.profiler import default_profile_path
-    from engine.model.presets import resolve_model
-    path = args.profile or default_profile_path(cfg)
-    if not os.path.isfile(path):
-        raise ValueError(f"no measured profile at {path}: run `pdserve profile --local` for this config, pass "
-                         "--profile FILE, or simulate a GPU with --hardware")
-    model = MeasuredModel.from_file(path)
-    shape = ModelConfig.from_dir(resolve_model(cfg.model.name))
+    else:
+        from deploy.profiler import default_profile_path
+        from engine.model.presets import resolve_model
+        path = args.profile or default_profile_path(cfg)
+        if not os.path.isfile(path):
+            raise ValueError(f"no measured profile at {path}: run `pdserve profile --local` for this config, pass "
+                             "--profile FILE, or simulate a GPU with --hardware")
+        model = MeasuredModel.from_file(path)
+        shape = ModelConfig.from_dir(resolve_model(cfg.model.name))
     return (model.with_shared_host() if args.shared_host else model), shape
 
 
