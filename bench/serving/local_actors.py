@@ -85,9 +85,13 @@ class LocalDecodeStream:
                 self._waiter = None
         events, self._arrived = self._arrived, []
         for ev in events:
-            self.open_sequences -= bool(ev.finish_reason)
-            aborted = ev.finish_reason == generation_pb2.FINISH_REASON_ABORT
-            self.ended = self.ended or bool(ev.error.code) or aborted or self.open_sequences <= 0
+            reason = ev.finish_reason
+            if reason:
+                self.open_sequences -= 1
+                if reason == generation_pb2.FINISH_REASON_ABORT or self.open_sequences <= 0:
+                    self.ended = True
+            elif ev.error.code:
+                self.ended = True
         return events
 
     def cancel(self) -> None:

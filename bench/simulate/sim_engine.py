@@ -89,7 +89,7 @@ class TimedRunner:
         # Told each step's time as soon as it is priced, before the worker acts on the step's output
         # (a KV send then starts from the end of this step, not the previous one).
         self.on_step: Callable[[float], None] | None = None
-        self._rows = torch.zeros(64, 1)    # the logits rows `draw` ignores
+        self._rows: dict[int, torch.Tensor] = {}    # the logits rows `draw` ignores, by count (a slice each step costs)
 
     def zero_tail(self, block: int, first_slot: int) -> None:
         """A stand-in cache holds no KV: nothing to zero."""
@@ -108,9 +108,10 @@ class TimedRunner:
             self.last_prefill = any(c.new_tokens - c.proposals > 1 for c in chunks)
         if self.on_step is not None:
             self.on_step(self.last_step_s)
-        if rows > len(self._rows):
-            self._rows = torch.zeros(2 * rows, 1)
-        return ModelOutput(sampled, self._rows[:rows])
+        logits = self._rows.get(rows)
+        if logits is None:
+            logits = self._rows[rows] = torch.zeros(rows, 1)
+        return ModelOutput(sampled, logits)
 
     def take_step_s(self) -> float:
         step_s, self.last_step_s = self.last_step_s, 0.0

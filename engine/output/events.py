@@ -16,7 +16,11 @@ FINISH_REASON = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation
 
 def output_event(out: RequestOutput) -> wpb.DecodeEvent:
     """The event of one step of one sequence: tokens, text delta, logprobs and how it finished."""
-    event = wpb.DecodeEvent(token_ids=out.new_token_ids, text=out.text_delta, index=out.index)
+    event = wpb.DecodeEvent(token_ids=out.new_token_ids)     # (a streamed token's event: each field set costs)
+    if out.text_delta:
+        event.text = out.text_delta
+    if out.index:
+        event.index = out.index
     if out.logprobs:
         event.logprobs.extend(out.logprobs)
     if out.prompt_logprobs:
