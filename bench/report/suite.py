@@ -23,7 +23,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from bench.report.markdown import render_markdown
-from bench.serving.cli import build_parser, clean_json
+from bench.serving.cli import build_parser
+from bench.serving.strict_json import clean_json
 from bench.serving.cluster import bench_config, embedded
 from bench.serving.plots import plot_latency_sweep, plot_slo_attainment
 from bench.serving.runs import measure

@@ -28,6 +28,7 @@ from bench.serving.arg_types import (non_negative_int, output_file, positive_flo
 from bench.serving.cluster import bench_config
 from bench.serving.runs import measure, run_variants, workload_kwargs
 from bench.serving.slo_scale import slo_line, slo_record
+from bench.serving.strict_json import write_json
 from bench.serving.sweep import run_sweep
 from bench.serving.tables import lengths_line, table
 from bench.serving.timeline_view import median_request, render
@@ -219,20 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(clean_json(result), f, indent=1, default=str)
+        write_json(args.json, result)
         print(f"wrote {args.json}", file=sys.stderr)
     failed = sum(r.get("failed", 0) for r in result.get("runs", {}).values())
     return 1 if failed else 0
-
-
-def clean_json(value: object) -> object:
-    """nan and inf become null, so the file is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: clean_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [clean_json(v) for v in value]
-    return value
 

@@ -1,6 +1,6 @@
 """`pdserve simulate`: the real control plane on a simulated clock — should I disaggregate, with what split?
 
-    pdserve simulate --workload mixed --rate 2 --compare colocated,disaggregated,auto
+    pdserve simulate --workload chat --scale 0.5 --rate 2 --compare colocated,disaggregated,auto
     pdserve simulate --hardware H100-SXM --model llama-3-8b --workload rag --sweep rate
     pdserve simulate --hardware A100-80GB --model opt-13b --sweep split --devices 8 --workload chat
     pdserve simulate --hardware H100-SXM --model llama-3-70b --sweep split --devices 8 --tp 1,2,4
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import sys
@@ -39,12 +38,14 @@ from bench.serving.arg_types import (float_list, non_negative_float, non_negativ
                                       positive_int, request_rate)
 from bench.serving.runs import autoscale_settings
 from bench.serving.slo_scale import ATTAINMENT, max_rate_rps, rates_around
+from bench.serving.strict_json import write_json
 from bench.serving.sweep import print_points
 from bench.serving.tables import lengths_line, table
 from bench.serving.workloads import MULTI_TURN, describe, make_conversations, make_workload
 from bench.simulate.measured import MeasuredModel
 from bench.simulate.parallel import WorkerLost, available_cores, jobs, map_runs
 from bench.simulate.plan_profile import search_with_model, usable_degrees
+from bench.simulate.roofline import DTYPE_BYTES
 from bench.simulate.run import SimRun, simulate
 from bench.simulate.sim_control import ACTOR_START_S
 from bench.simulate.sim_spec import describe_speculation, speculation_for
@@ -59,6 +60,10 @@ VARIANT_MODES = {"disaggregated": ("disaggregated", True), "disaggregated-no-reu
                  "auto": ("disaggregated", True), "disaggregated-spec": ("disaggregated", True),
                  "colocated-spec": ("colocated", True)}
 MAX_SPLIT_DEVICES = 1024     # --sweep split at 1024: 523,776 splits at degree 1, about a minute here (--top 1)
+MAX_SPAN_S = 86_400.0       # the arrivals of one run may span a simulated day; the control plane's periodic work
+#                             (KV event polls every 0.2 s per actor, role samples) costs wall time per simulated second
+MAX_REQUESTS = 10_000_000  # requests (or conversations) a run may simulate
+MIN_AUTOSCALE_INTERVAL_S = 0.05   # an autoscaler tick below this is no period a cluster runs (and each tick costs)
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "tpot_p99_s", "goodput_rps",
            "slo_attainment", "request_throughput_rps")
 
@@ -73,10 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compare", help="variants side by side, e.g. colocated,disaggregated,auto")
     c.add_argument("--devices", type=positive_int,
                    help="--sweep split: devices (GPUs) to split between the pools (default 4)")
-    c.add_argument("--tp", default="1", metavar="D,D,…", help="--sweep split: tensor-parallel degrees to try per "
+    c.add_argument("--tp", metavar="D,D,…", help="--sweep split: tensor-parallel degrees to try per "
                    "pool (those the model's heads and the GPU's memory allow)")
-    c.add_argument("--top", type=non_negative_int, default=8, metavar="K", help="--sweep split: simulate the K "
-                   "candidates the planner ranks highest (0: all; colocated at each degree always runs)")
+    c.add_argument("--top", type=non_negative_int, metavar="K", help="--sweep split: simulate the K "
+                   "candidates the planner ranks highest (default 8; 0: all; colocated at each degree always runs)")
     c.add_argument("--autoscale-interval", type=positive_float, default=2.0, metavar="S",
                    help="autoscaler period (pools with count auto, routing.role_flips auto); its window is 10 periods")
     c.add_argument("--actor-start-s", type=non_negative_float, default=ACTOR_START_S, metavar="S",
@@ -86,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--hardware", help="roofline of a GPU: A100-80GB, H100-SXM, H200, L40S or a YAML file")
     t.add_argument("--model", help="with --hardware: the simulated model (a directory with config.json, or "
                    "llama-3-8b, llama-3-70b, llama-2-7b, llama-2-13b, opt-13b, opt-66b; default: the config's)")
-    t.add_argument("--dtype", default="bf16", help="with --hardware: weights' and KV's dtype (bf16, fp16, fp8)")
+    t.add_argument("--dtype", choices=list(DTYPE_BYTES), help="with --hardware: weights' and KV's dtype "
+                   "(default bf16)")
     t.add_argument("--tensor-parallel", type=positive_int, metavar="N", help="every pool at N GPUs per actor (sets "
                    "pools.<pool>.tensor_parallel; an error beside --set of either); per pool: --set "
                    "pools.decode.tensor_parallel=N")
@@ -117,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sweep-values", help="rates (comma-separated; --sweep split: offered to all "
                    "--devices, in proportion to a candidate on fewer), or P:O length pairs for --sweep ratio")
     s.add_argument("--json", metavar="FILE", type=output_file, help="write every figure here")
-    s.add_argument("--plot", metavar="DIR", help="write the sweep's plot here")
+    s.add_argument("--plot", metavar="DIR", help="with --sweep rate or split: write the sweep's plot here")
     s.add_argument("--progress", action="store_true", help="a progress line per run")
     s.add_argument("--jobs", type=positive_int, default=available_cores(), metavar="N",
                    help="simulations run side by side in worker processes (a sweep's points, --compare's "
@@ -126,6 +132,61 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- inputs
+
+def check_flags(args: argparse.Namespace) -> None:
+    """ValueError for flags that contradict each other or that the run would ignore."""
+    if args.hardware is not None and not args.hardware.strip():
+        raise ValueError("--hardware: give a GPU name or a YAML file")
+    if args.hardware and args.profile:
+        raise ValueError("--profile times a measured host and --hardware a GPU's roofline: use either")
+    if not args.hardware:
+        given = [flag for flag, value in (("--model", args.model), ("--dtype", args.dtype),
+                                          ("--intra-node", args.intra_node)) if value]
+        if given:
+            raise ValueError(f"{given[0]} applies with --hardware (a roofline); a measured profile times the model "
+                             "and dtype it measured (set the config's model.name to profile another)")
+    split_only = [flag for flag, value in (("--devices", args.devices), ("--tp", args.tp), ("--top", args.top))
+                  if value is not None]
+    if split_only and args.sweep != "split":
+        raise ValueError(f"{split_only[0]} applies with --sweep split")
+    if args.sweep_values and not args.sweep:
+        raise ValueError("--sweep-values applies with --sweep rate, split or ratio")
+    if args.plot and args.sweep not in ("rate", "split"):
+        raise ValueError("--plot applies with --sweep rate or split (the only runs it draws)")
+    if args.autoscale_interval < MIN_AUTOSCALE_INTERVAL_S:
+        raise ValueError(f"--autoscale-interval {args.autoscale_interval:g}: at least {MIN_AUTOSCALE_INTERVAL_S:g} s")
+    if args.num_requests > MAX_REQUESTS:
+        raise ValueError(f"--num-requests {args.num_requests:,}: at most {MAX_REQUESTS:,} (a simulation runs a few "
+                         "hundred requests per second of wall time)")
+    span = args.num_requests / args.rate
+    if not args.sweep and span > MAX_SPAN_S:
+        raise ValueError(f"--rate {args.rate:g} with --num-requests {args.num_requests} spreads the arrivals over "
+                         f"about {span:.3g} simulated seconds (at most {MAX_SPAN_S:,.0f}: the control plane's "
+                         "periodic work costs wall time for every simulated second): raise --rate or lower "
+                         "--num-requests")
+    check_writable(args)
+
+
+def check_writable(args: argparse.Namespace) -> None:
+    """ValueError now, not after the runs, when --json or --plot cannot be written."""
+    if args.json:
+        existed = os.path.exists(args.json)
+        try:
+            open(args.json, "a", encoding="utf-8").close()
+        except OSError as e:
+            raise ValueError(f"--json {args.json}: cannot write it ({e.strerror})") from None
+        if not existed:
+            os.remove(args.json)
+    if args.plot:
+        if os.path.exists(args.plot) and not os.path.isdir(args.plot):
+            raise ValueError(f"--plot {args.plot}: not a directory")
+        try:
+            os.makedirs(args.plot, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--plot {args.plot}: cannot make the directory ({e.strerror})") from None
+        if not os.access(args.plot, os.W_OK):
+            raise ValueError(f"--plot {args.plot}: the directory is not writable")
+
 
 def variant_config(args: argparse.Namespace, variant: str, extra: list[str] = ()):
     """The config of `variant`: the file, --tensor-parallel, --set, then `extra` (a sweep's own settings)."""
@@ -149,7 +210,8 @@ def time_model(args: argparse.Namespace, cfg) -> tuple[StepTimeModel, ModelConfi
         from bench.simulate.models import model_config
         from bench.simulate.roofline import RooflineModel
         shape = model_config(args.model or cfg.model.name)
-        model = RooflineModel(Hardware.load(args.hardware), shape, dtype=args.dtype, inter_node=not args.intra_node,
+        model = RooflineModel(Hardware.load(args.hardware), shape, dtype=args.dtype or "bf16",
+                              inter_node=not args.intra_node,
                               model_name=args.model or cfg.model.name)         # degree 1: at_degree gives the rest
     else:
         from deploy.profiler import default_profile_path
@@ -201,6 +263,30 @@ def workload(args: argparse.Namespace, prompt_len: int | None = None, output_len
     return specs
 
 
+def context_of(cfg, shape: ModelConfig) -> int:
+    """The tokens a request may span (prompt + output) on the simulated model, as its actors' engines take it."""
+    return min(cfg.model.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
+
+
+def tokens_needed(item) -> int:
+    """Prompt + output tokens of a request, or of a conversation's last turn (its whole history)."""
+    if hasattr(item, "output_lens"):
+        return len(item.first_prompt) + sum(map(len, item.user_messages)) + sum(item.output_lens)
+    return item.prompt_len + item.output_len
+
+
+def check_context(args: argparse.Namespace, specs: list, context: int) -> None:
+    """ValueError when requests of the workload need more tokens than the model's context: the real router
+    would refuse each of them (INVALID_ARGUMENT), and a run of refusals answers nothing."""
+    over = [n for n in map(tokens_needed, specs) if n > context]
+    if over:
+        what = "conversations (their last turn)" if hasattr(specs[0], "output_lens") else "requests"
+        raise ValueError(f"--workload {args.workload}: {len(over)} of {len(specs)} {what} need more tokens "
+                         f"(prompt + output, up to {max(over):,}) than the model's context of {context:,}, and the "
+                         "router would refuse them: lower --scale, set --prompt-len / --output-len, or simulate a "
+                         "model with a longer context (--model with --hardware, model.max_model_len)")
+
+
 def lengths_of(specs: list) -> dict:
     if specs and hasattr(specs[0], "output_lens"):
         return {"conversations": len(specs), "turns": sum(c.num_turns for c in specs)}
@@ -242,8 +328,10 @@ def run_one(args, variant: str, specs: list, rate: float, counts: dict | None = 
                    autoscale=autoscale_settings(args), actor_start_s=args.actor_start_s,
                    spec_acceptance=args.spec_acceptance)
     s = run.summary
-    print(f"{run.label} @ {rate:g} req/s: TTFT p50 {s['ttft_p50_s'] * 1e3:.1f} ms, TPOT p50 "
-          f"{s['tpot_p50_s'] * 1e3:.2f} ms, SLO attainment {s['slo_attainment'] * 100:.0f}% "
+    def ms(seconds: float, digits: int) -> str:          # (nan: no request completed)
+        return f"{seconds * 1e3:.{digits}f} ms" if math.isfinite(seconds) else "–"
+    print(f"{run.label} @ {rate:g} req/s: TTFT p50 {ms(s['ttft_p50_s'], 1)}, TPOT p50 "
+          f"{ms(s['tpot_p50_s'], 2)}, SLO attainment {s['slo_attainment'] * 100:.0f}% "
           f"({len(run.records)} requests in {run.wall_s:.1f} s wall, {run.requests_per_wall_s:.0f} req/s)"
           + (f"; {len(run.flips)} role flips" if run.flips else ""), file=sys.stderr)
     return run
@@ -345,7 +433,7 @@ def sweep_split(args, specs: list) -> dict:
                          "about devices² / 2 of them, and runs devices ÷ degree colocated engines)")
     cfg = variant_config(args, "disaggregated")
     model, shape = time_model(args, cfg)
-    degrees, refused = usable_degrees(model, degrees_of(args.tp), cfg.pool_kv_cache("decode").block_size)
+    degrees, refused = usable_degrees(model, degrees_of(args.tp or "1"), cfg.pool_kv_cache("decode").block_size)
     for d, why in refused.items():
         print(f"--tp: leaving out degree {d}: {why}", file=sys.stderr)
     for d in [d for d in degrees if d > n]:
@@ -364,7 +452,8 @@ def sweep_split(args, specs: list) -> dict:
              for n_d in range(1, (n - n_p * a) // b + 1)]
     if flat:
         ranked = sorted((c for c in every if c in predicted), key=lambda c: -predicted[c])
-        chosen = ranked if args.top <= 0 else ranked[:args.top]
+        top = 8 if args.top is None else args.top
+        chosen = ranked if top <= 0 else ranked[:top]
     else:                    # (conversations: the planner has no mean lengths; every candidate runs)
         chosen = every
     candidates = {split_label(*c): {"kind": "split", "prefill_degree": c[0], "n_prefill": c[1],
@@ -420,7 +509,8 @@ def sweep_split(args, specs: list) -> dict:
     if left:
         print(f"  not simulated: {len(left)} splits" + (f", of which {sum(c not in predicted for c in left)} the "
                                                          "planner says cannot meet the SLOs" if flat else ""))
-    plan = planned_choice(planned, search)
+    plan = planned_choice(planned, search) if flat else "not run: the planner takes requests of fixed lengths, " \
+        "not conversations"
     if best is None:
         said = "best: none held 90% attainment at the lowest rate (lower --sweep-values)"
     else:
@@ -453,7 +543,7 @@ def sweep_ratio(args) -> dict:
     rates reach 1.5x the larger of the two capacities; a figure every rate held is a lower bound (≥)."""
     cfg = variant_config(args, "colocated")
     _, shape = time_model(args, cfg)
-    context = min(cfg.model.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
+    context = context_of(cfg, shape)
     pairs = []
     for value in (args.sweep_values or DEFAULT_RATIOS).split(","):
         try:
@@ -505,29 +595,32 @@ def plot(result: dict, out_dir: str, title: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_flags(args)
         with jobs(args.jobs):
             result, model, speculation = _simulate(args)
+        result.update(time_model=model.name, workload=args.workload, rate=args.rate, seed=args.seed,
+                      slo={"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, speculation=speculation)
+        if args.plot:
+            path = plot(result, args.plot, f"{args.workload}, {model.name}")
+            if path:
+                result["plot"] = path
+                print(f"wrote {path}", file=sys.stderr)
+        if args.json:       # strict JSON: nan and inf (a rate of "all at once") become null
+            write_json(args.json, result)
+            print(f"wrote {args.json}", file=sys.stderr)
     except (ValueError, ConfigError, OSError, WorkerLost) as e:      # OSError: a file named on the command line
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result.update(time_model=model.name, workload=args.workload, rate=args.rate, seed=args.seed,
-                  slo={"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, speculation=speculation)
-    if args.plot:
-        path = plot(result, args.plot, f"{args.workload}, {model.name}")
-        if path:
-            result["plot"] = path
-            print(f"wrote {path}", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, default=str)
-        print(f"wrote {args.json}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
 def _simulate(args) -> tuple[dict, StepTimeModel, dict | None]:
     """What the command line asks for: (the result to print and write, the time model, the speculation)."""
     cfg = variant_config(args, args.mode)
-    model, _ = time_model(args, cfg)
+    model, shape = time_model(args, cfg)
     variants = list(dict.fromkeys(v.strip() for v in (args.compare or args.mode).split(",") if v.strip()))
     unknown = [v for v in variants if v not in VARIANT_MODES]
     if unknown or not variants:
@@ -542,6 +635,7 @@ def _simulate(args) -> tuple[dict, StepTimeModel, dict | None]:
         result = sweep_ratio(args)
     else:
         specs = workload(args)
+        check_context(args, specs, context_of(cfg, shape))
         if args.sweep == "split":
             result = sweep_split(args, specs)
         elif args.sweep == "rate":

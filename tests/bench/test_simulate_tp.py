@@ -155,7 +155,7 @@ def test_the_split_sweep_leaves_out_a_degree_a_measured_profile_lacks(tmp_path, 
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
     out = tmp_path / "split.json"
-    assert cli.main(["--profile", str(path), "--workload", "chat", "--num-requests", "8",
+    assert cli.main(["--profile", str(path), "--workload", "chat", "--scale", "0.5", "--num-requests", "8",
                      "--sweep", "split", "--devices", "2", "--tp", "1,2", "--sweep-values", "2",
                      "--json", str(out)]) == 0
     assert json.loads(out.read_text())["degrees"] == [1]

@@ -1,0 +1,78 @@
+"""`pdserve simulate`'s command line: flags that contradict each other, runs that could not answer, and
+outputs that could not be written are refused before any run, naming the flag; results are strict JSON."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from bench.simulate import cli
+
+GPU = ["--hardware", "H100-SXM", "--model", "llama-3-8b"]
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--hardware", "H100-SXM", "--profile", "p.json"], "--profile times a measured host and --hardware"),
+    (["--hardware", " "], "--hardware: give a GPU name or a YAML file"),
+    (["--model", "llama-3-70b"], "--model applies with --hardware"),
+    (["--dtype", "fp8"], "--dtype applies with --hardware"),
+    (["--intra-node"], "--intra-node applies with --hardware"),
+    ([*GPU, "--devices", "4"], "--devices applies with --sweep split"),
+    ([*GPU, "--tp", "1,2", "--sweep", "rate"], "--tp applies with --sweep split"),
+    ([*GPU, "--top", "3"], "--top applies with --sweep split"),
+    ([*GPU, "--sweep-values", "1,2"], "--sweep-values applies with --sweep"),
+    ([*GPU, "--plot", "plots"], "--plot applies with --sweep rate or split"),
+    ([*GPU, "--sweep", "ratio", "--plot", "plots"], "--plot applies with --sweep rate or split"),
+    ([*GPU, "--autoscale-interval", "0.001"], "--autoscale-interval 0.001: at least 0.05 s"),
+    ([*GPU, "--rate", "1e-300", "--num-requests", "20"], "--rate 1e-300 with --num-requests 20 spreads the arrivals"),
+    ([*GPU, "--num-requests", "1000000000"], "--num-requests 1,000,000,000: at most 10,000,000"),
+    ([*GPU, "--rate", "0.001", "--num-requests", "100"], "about 1e+05 simulated seconds (at most 86,400"),
+])
+def test_a_flag_the_run_would_ignore_or_never_finish_is_refused(argv, said, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2
+    assert said in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "plots")
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    if os.path.isdir("/proc/self"):       # a directory that takes no new file, even from root
+        assert cli.main([*GPU, "--num-requests", "2", "--json", "/proc/pdserve-out.json"]) == 2
+        assert "--json /proc/pdserve-out.json: cannot write it" in capsys.readouterr().err
+    existing = tmp_path / "kept.json"
+    existing.write_text("{}")
+    assert cli.main([*GPU, "--num-requests", "2", "--json", str(existing), "--devices", "2"]) == 2
+    assert existing.read_text() == "{}"        # probed, not truncated, by a run that never started
+    capsys.readouterr()
+    assert cli.main([*GPU, "--num-requests", "2", "--sweep", "rate", "--plot", str(not_a_dir)]) == 2
+    assert f"--plot {not_a_dir}: not a directory" in capsys.readouterr().err
+    assert cli.main([*GPU, "--num-requests", "2", "--sweep", "rate", "--plot", str(not_a_dir / "sub")]) == 2
+    assert "cannot make the directory" in capsys.readouterr().err
+    out = tmp_path / "new.json"
+    assert cli.main([*GPU, "--set", "model.max_model_len=300", "--workload", "chat", "--json", str(out)]) == 2
+    assert sorted(os.listdir(tmp_path)) == ["file", "kept.json"]    # the probe of a new --json leaves nothing
+
+
+def test_a_workload_past_the_models_context_is_refused_with_its_count(capsys):
+    assert cli.main([*GPU, "--set", "model.max_model_len=300", "--workload", "chat", "--num-requests", "40"]) == 2
+    err = capsys.readouterr().err
+    assert "--workload chat:" in err and "of 40 requests need more tokens" in err
+    assert "than the model's context of 300" in err
+    assert cli.main([*GPU, "--set", "model.max_model_len=300", "--workload", "multi-turn", "--num-requests", "3"]) == 2
+    assert "3 of 3 conversations (their last turn)" in capsys.readouterr().err
+
+
+def test_the_result_file_is_strict_json_with_null_for_nan_and_inf(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    # every request at once (rate inf), with an SLO no request meets: nan-free figures, and rate null
+    assert cli.main([*GPU, "--workload", "chat", "--num-requests", "4", "--json", str(out)]) == 0
+    text = out.read_text()
+    assert "Infinity" not in text and "NaN" not in text
+
+    def refuse(constant):
+        raise AssertionError(f"non-strict JSON constant {constant}")
+    data = json.loads(text, parse_constant=refuse)
+    assert data["rate"] is None and data["runs"]["disaggregated"]["completed"] == 4
