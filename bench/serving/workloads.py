@@ -9,7 +9,8 @@
     phases         chat, then rag, then chat (a third each): the load shifts twice (role flips)
     structured     short prompts, every output held to a JSON schema (`STRUCTURED_SCHEMA`); run by
                    `bench.serving.structured_cost`: TPOT with and without the grammar mask, side by side
-    FILE.jsonl     one object a line: {"prompt": str} or {"prompt_len": int}, plus "output_len"
+    FILE.jsonl     a trace, one object a line: {"prompt": str} or {"prompt_len": int}, plus "output_len"
+                   (whole numbers, 1..MAX_TRACE_TOKENS); repeated or cut to the number of requests
 
 Prompts are token ids (exact lengths, any tokenizer) drawn from ids 2..999, which every
 preset's vocabulary holds; JSONL prompts may be text. `scale` multiplies every length,
@@ -19,14 +20,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import statistics
+import sys
 from dataclasses import dataclass
 
 from engine.sampling.structured import StructuredOutput
 
 WORKLOADS = ("chat", "rag", "mixed", "shared-prefix", "phases", "structured")
 TOKEN_ID_RANGE = (2, 1000)
+# The longest prompt or output a workload may ask for, in tokens: far above any model's context, low enough
+# that a typo (1e9) is refused with a message instead of building a token list that exhausts memory.
+MAX_TRACE_TOKENS = 10_000_000
+TRACE_SUFFIX = ".jsonl"     # matched case-insensitively
 
 # (prompt_min, prompt_max, output_min, output_max) before scaling
 SHAPES = {
@@ -71,7 +78,10 @@ class RequestSpec:
 
 
 def _scaled(lo: int, hi: int, scale: float) -> tuple[int, int]:
-    return max(1, round(lo * scale)), max(1, round(hi * scale))
+    lo, hi = max(1, round(lo * scale)), max(1, round(hi * scale))
+    if hi > MAX_TRACE_TOKENS:
+        raise ValueError(f"--scale {scale}: lengths up to {hi:,} tokens, above the limit of {MAX_TRACE_TOKENS:,}")
+    return lo, hi
 
 
 _TOKEN_IDS = list(range(*TOKEN_ID_RANGE))   # one int object per id, shared by every prompt (8 bytes a token, not 36)
@@ -102,7 +112,7 @@ def make_workload(name: str, num_requests: int, seed: int = 0, scale: float = 1.
     """Build ``num_requests`` requests of workload ``name`` (or read a JSONL file).
 
     Args:
-        name: one of `WORKLOADS`, or a path ending in ``.jsonl``.
+        name: one of `WORKLOADS`, or a path ending in ``.jsonl`` (any case).
         seed: the same seed gives the same prompts and lengths.
         scale: multiplies every prompt and output length.
         prompt_len, output_len: fix every request's prompt / output length (sweeps).
@@ -112,11 +122,15 @@ def make_workload(name: str, num_requests: int, seed: int = 0, scale: float = 1.
     if not 0 < scale < math.inf:
         raise ValueError(f"--scale must be a finite number above 0, got {scale}")
     for flag, length in (("--prompt-len", prompt_len), ("--output-len", output_len)):
-        if length is not None and length < 1:
-            raise ValueError(f"{flag} must be at least 1, got {length}")
+        _check_override(flag, length)
     rng = random.Random(f"{name}-{seed}")
-    if name.endswith(".jsonl"):
+    if is_trace_file(name):
         specs = read_jsonl(name, rng)
+        if len(specs) != num_requests:
+            n = f"{len(specs)} request{'s' if len(specs) > 1 else ''}"
+            how = (f"{n}, repeated to {num_requests}" if len(specs) < num_requests
+                   else f"first {num_requests} of {len(specs)} requests used")
+            print(f"workload {name}: {how}", file=sys.stderr)
         specs = [specs[i % len(specs)] for i in range(num_requests)]
     elif name in ("chat", "rag"):
         specs = [_shaped(rng, name, scale) for _ in range(num_requests)]
@@ -133,20 +147,43 @@ def make_workload(name: str, num_requests: int, seed: int = 0, scale: float = 1.
         shapes = ["chat"] * third + ["rag"] * third + ["chat"] * (num_requests - 2 * third)
         specs = [_shaped(rng, shape, scale) for shape in shapes]
     elif name == "shared-prefix":
-        prefix = _tokens(rng, max(1, round(SHARED_PREFIX_LEN * scale)))
+        prefix = _tokens(rng, _scaled(SHARED_PREFIX_LEN, SHARED_PREFIX_LEN, scale)[0])
         specs = []
         for _ in range(num_requests):
             spec = _shaped(rng, "shared-prefix", scale)
             spec.prompt_token_ids = prefix + spec.prompt_token_ids
             specs.append(spec)
     else:
-        raise ValueError(f"unknown workload {name!r}: use one of {', '.join(WORKLOADS)} or a FILE.jsonl")
+        raise ValueError(_unknown_workload(name))
     for spec in specs:
         if prompt_len is not None:
             spec.prompt_token_ids, spec.prompt = _tokens(rng, prompt_len), None
         if output_len is not None:
             spec.output_len = output_len
     return specs
+
+
+def is_trace_file(name: str) -> bool:
+    """Whether ``--workload name`` names a trace file (``.jsonl``, any case) rather than a built-in workload."""
+    return name.lower().endswith(TRACE_SUFFIX)
+
+
+def _unknown_workload(name: str) -> str:
+    """The message for a ``--workload`` that is neither a built-in workload nor a ``.jsonl`` file."""
+    if os.sep in name or "/" in name or (os.altsep and os.altsep in name) or os.path.splitext(name)[1]:
+        fmt = "trace files are JSON Lines (FILE.jsonl), one request per line"
+        if not os.path.exists(name):
+            return f"--workload {name}: no such file; {fmt}"
+        return f"--workload {name}: not a .jsonl file; {fmt}"
+    names = ", ".join((*WORKLOADS[:4], MULTI_TURN, *WORKLOADS[4:]))
+    return f"unknown workload {name!r}: use one of {names}, or a trace file FILE.jsonl"
+
+
+def _check_override(flag: str, length: int | None) -> None:
+    if length is not None and length < 1:
+        raise ValueError(f"{flag} must be at least 1, got {length}")
+    if length is not None and length > MAX_TRACE_TOKENS:
+        raise ValueError(f"{flag} must be at most {MAX_TRACE_TOKENS:,} tokens, got {length:,}")
 
 
 @dataclass(slots=True)
@@ -168,6 +205,7 @@ def make_conversations(num_conversations: int, num_turns: int, seed: int = 0, sc
     """``num_conversations`` conversations of ``num_turns`` turns (`CONVERSATION_SHAPE` × ``scale``)."""
     if num_turns < 1:
         raise ValueError(f"--num-turns must be at least 1, got {num_turns}")
+    _check_override("--output-len", output_len)
     rng = random.Random(f"{MULTI_TURN}-{seed}")
     first, user, answer = (_scaled(*shape, scale) for shape in CONVERSATION_SHAPE)
     return [Conversation(_tokens(rng, rng.randint(*first)),
@@ -181,27 +219,60 @@ def read_jsonl(path: str, rng: random.Random) -> list[RequestSpec]:
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.readlines()
+    except FileNotFoundError:
+        raise ValueError(f"--workload {path}: cannot read it: no such file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"workload {path}: cannot read it ({e})") from None
+        raise ValueError(f"--workload {path}: cannot read it ({e})") from None
     specs = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        where = f"{path}:{lineno}"
         try:
             row = json.loads(line)
-            output_len = int(row["output_len"])
-            if "prompt" in row:
-                spec = RequestSpec(None, output_len, prompt=str(row["prompt"]), kind="file")
-            else:
-                spec = RequestSpec(_tokens(rng, int(row["prompt_len"])), output_len, kind="file")
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{lineno}: need prompt or prompt_len, and output_len ({e})") from None
-        if output_len < 1 or spec.prompt_len < 1:
-            raise ValueError(f"{path}:{lineno}: lengths must be >= 1")
+        except ValueError as e:
+            raise ValueError(f"{where}: not valid JSON ({e}); trace files are JSON Lines, one request a line") \
+                from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: not a JSON object; each line is one request, e.g. "
+                             '{"prompt_len": 512, "output_len": 128}')
+        if "output_len" not in row or ("prompt" not in row and "prompt_len" not in row):
+            raise ValueError(f"{where}: need prompt or prompt_len, and output_len (got keys {sorted(row)})")
+        output_len = _trace_length(row, "output_len", where)
+        if "prompt" in row:
+            spec = RequestSpec(None, output_len, prompt=str(row["prompt"]), kind="file")
+            if not spec.prompt:
+                raise ValueError(f"{where}: prompt is empty")
+        else:
+            spec = RequestSpec(_tokens(rng, _trace_length(row, "prompt_len", where)), output_len, kind="file")
         specs.append(spec)
     if not specs:
         raise ValueError(f"{path}: no requests")
     return specs
+
+
+def _trace_length(row: dict, key: str, where: str) -> int:
+    """``row[key]`` as a token count: a whole number from 1 to `MAX_TRACE_TOKENS` (5.0 passes as 5; 2.7,
+    true, inf and NaN are refused), else ValueError naming ``where`` (file:line) and the key."""
+    value = row[key]
+    if isinstance(value, str):          # "5": a number written as a string
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError(f"{where}: {key} must be a whole number of tokens, got {row[key]!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: {key} must be a whole number of tokens, got {json.dumps(value)}")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {key} must be a finite whole number of tokens, got {value}")
+        if not value.is_integer():
+            raise ValueError(f"{where}: {key} must be a whole number of tokens, got {value}")
+        value = int(value)
+    if value < 1:
+        raise ValueError(f"{where}: {key} must be at least 1, got {value}")
+    if value > MAX_TRACE_TOKENS:
+        raise ValueError(f"{where}: {key} is {value:,} tokens, above the limit of {MAX_TRACE_TOKENS:,}")
+    return value
 
 
 def length_stats(values: list[int]) -> dict[str, float]:
