@@ -574,12 +574,14 @@ def sweep_ratio(args) -> dict:
         rows.append({"prompt_len": prompt_len, "output_len": output_len, **rate, "gain": gain,
                      "bounded": {v: m["bounded"] for v, m in held.items()}})
     print(f"\n{'prompt:output':>14} {'colocated':>11} {'disagg.':>11} {'disagg./coloc.':>15}   (req/s at >= 90% SLO; "
-          "≥: every rate held it)")
+          "≥: every rate held it, so the ratio is a bound too; ?: both held every rate)")
     for r in rows:
         def cell(v: str) -> str:
             return ("" if r["bounded"][v] else "≥") + f"{r[v]:.3g}"
+        ratio_mark = {(True, True): "", (True, False): "≥", (False, True): "≤", (False, False): "?"}[
+            (r["bounded"]["colocated-chunked"], r["bounded"]["disaggregated"])]
         print(f"{r['prompt_len']:>8}:{r['output_len']:<5} {cell('colocated-chunked'):>11} {cell('disaggregated'):>11} "
-              f"{r['gain']:>14.2f}×")
+              f"{ratio_mark + format(r['gain'], '.2f'):>14}×")
     return {"sweep": "ratio", "rows": rows}
 
 

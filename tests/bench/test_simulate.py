@@ -530,6 +530,11 @@ def test_ratio_sweep_rows_and_a_pair_past_the_context_is_refused(tmp_path, capsy
         assert set(r["bounded"]) == {"colocated-chunked", "disaggregated"}
     printed = capsys.readouterr().out
     assert "1500:20" in printed and "disagg./coloc." in printed
+    for r in rows:      # a ratio over a lower bound is an upper bound, and the other way round
+        coloc, disagg = r["bounded"]["colocated-chunked"], r["bounded"]["disaggregated"]
+        mark = "" if coloc and disagg else "?" if not (coloc or disagg) else "≤" if disagg else "≥"
+        line = next(x for x in printed.splitlines() if x.strip().startswith(f"{r['prompt_len']}:{r['output_len']}"))
+        assert line.rstrip().endswith(f" {mark}{r['gain']:.2f}×")
     assert cli.main(["--hardware", "H100-SXM", "--model", "llama-2-7b", "--sweep", "ratio",
                      "--sweep-values", "4000:200"]) == 2
     assert "4000:200 needs 4200 tokens, more than the model's context of 4096" in capsys.readouterr().err
