@@ -334,6 +334,9 @@ def run_one(args, variant: str, specs: list, rate: float, counts: dict | None = 
           f"{ms(s['tpot_p50_s'], 2)}, SLO attainment {s['slo_attainment'] * 100:.0f}% "
           f"({len(run.records)} requests in {run.wall_s:.1f} s wall, {run.requests_per_wall_s:.0f} req/s)"
           + (f"; {len(run.flips)} role flips" if run.flips else ""), file=sys.stderr)
+    if s["failed"]:              # (the router refused or failed them, as it would a client's: say why)
+        print(f"{run.label} @ {rate:g} req/s: {s['failed']} of {len(run.records)} requests failed, e.g. "
+              f"{s['errors'][0]}", file=sys.stderr)
     return run
 
 

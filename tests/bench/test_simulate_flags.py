@@ -76,3 +76,18 @@ def test_the_result_file_is_strict_json_with_null_for_nan_and_inf(tmp_path, caps
         raise AssertionError(f"non-strict JSON constant {constant}")
     data = json.loads(text, parse_constant=refuse)
     assert data["rate"] is None and data["runs"]["disaggregated"]["completed"] == 4
+
+
+def test_a_run_says_why_its_requests_failed(tmp_path, capsys):
+    """A GPU whose memory leaves a KV pool smaller than a chat request: the router refuses them, as it would
+    a client's, and the run's line says how many and why."""
+    import yaml
+    hardware = yaml.safe_load(open(os.path.join(os.path.dirname(cli.__file__), "hardware", "H100-SXM.yaml")))
+    hardware["memory_bytes"] = 19.0e9          # llama-3-8b's 16 GB of weights leave 18 blocks of 16 tokens
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(hardware))
+    assert cli.main(["--hardware", str(path), "--model", "llama-3-8b", "--workload", "chat", "--num-requests", "6",
+                     "--rate", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "disaggregated @ 5 req/s: 6 of 6 requests failed, e.g. RequestError: RESOURCE_EXHAUSTED: request needs" \
+        in err
