@@ -19,8 +19,10 @@ back to a default silently):
       - "https://...: BF16 1,979 TFLOPS with sparsity"
 
 Numbers may be written as strings too ("1e12"): PyYAML reads an exponent without a sign as text.
-Datasheet figures use decimal units (GB = 1e9 bytes, TB/s = 1e12 bytes/s). The shipped files are
-in `bench/simulate/hardware/`, one per GPU; `Hardware.load` takes their name or a path.
+Datasheet figures use decimal units (GB = 1e9 bytes, TB/s = 1e12 bytes/s). `memory_bytes` above
+`MAX_MEMORY_BYTES` is refused as a typo (80.0e+12 for 80.0e+9): the simulated engines size their block
+tables by it. The shipped files are in `bench/simulate/hardware/`, one per GPU; `Hardware.load` takes
+their name or a path.
 """
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ import yaml
 HARDWARE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware")
 DTYPES = ("bf16", "fp16", "fp8", "int8", "fp32")
 _FRACTIONS = ("compute_efficiency", "memory_efficiency")
+# A sanity bound on one GPU's memory: the largest today has under 300 GB. Above it a file is a typo (80.0e+12 for
+# 80.0e+9), and the simulated engines' block tables, sized by it, would take the host's memory.
+MAX_MEMORY_BYTES = 10e12
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,11 +91,16 @@ class Hardware:
 
     @classmethod
     def from_yaml(cls, path: str) -> "Hardware":
-        with open(path, encoding="utf-8") as f:
-            try:
-                raw = yaml.safe_load(f)
-            except yaml.YAMLError as e:
-                raise ValueError(f"{path}: not valid YAML ({e})") from None
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML ({e})") from None
         return cls.from_dict(raw, source=path)
 
     @classmethod
@@ -109,6 +119,10 @@ class Hardware:
         for k in _FRACTIONS:
             if values[k] > 1.0:
                 raise ValueError(f"{source}: key {k!r} is a fraction of peak, at most 1, got {values[k]}")
+        if values["memory_bytes"] > MAX_MEMORY_BYTES:
+            raise ValueError(f"{source}: key 'memory_bytes' is {values['memory_bytes']:.4g} bytes, above the sanity "
+                             f"bound of {MAX_MEMORY_BYTES:.0e} bytes ({MAX_MEMORY_BYTES / 1e12:.0f} TB; the largest "
+                             "GPU today has under 300 GB): a typo? (80 GB is 80.0e+9)")
         return cls(name=raw["name"], peak_flops=_peak_flops(raw["peak_flops"], source),
                    sources=_sources(raw.get("sources", []), source), **values)
 

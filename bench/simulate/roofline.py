@@ -163,7 +163,8 @@ class RooflineModel(StepTimeModel):
 
         The resident weights count the embedding table, which a step only gathers from.
 
-        Raises ValueError when a rank's share of the weights and the reserve exceed its usable memory.
+        Raises ValueError when a rank's share of the weights and the reserve exceed its usable memory, or leave
+        it less than one block: every request would fail, so a run is refused before it starts.
         """
         hw, tp = self.hardware, self.tensor_parallel
         usable = hw.memory_bytes * self.memory_fraction
@@ -174,7 +175,13 @@ class RooflineModel(StepTimeModel):
                              f"reserve ({self.activation_reserve_bytes / 1e9:.1f} GB) do not fit in "
                              f"{usable / 1e9:.1f} GB ({self.memory_fraction:.0%} of {hw.memory_bytes / 1e9:.0f} GB)")
         block_bytes = block_size * self.kv_bytes_per_token * self.kv_share
-        return max(0, math.floor(free / block_bytes))
+        blocks = math.floor(free / block_bytes)
+        if blocks < 1:
+            raise ValueError(f"{self.name}: memory_bytes {hw.memory_bytes:.0f} leaves no room for a KV block: of "
+                             f"{usable:.0f} bytes ({self.memory_fraction:.0%}), the weights ({rank_weights:.0f} bytes "
+                             f"per GPU) and the activation reserve ({self.activation_reserve_bytes:.0f} bytes) leave "
+                             f"{free:.0f}, and one KV block ({block_size} tokens) needs {block_bytes:.0f} bytes")
+        return blocks
 
 
 def attended_pairs(chunk: Chunk) -> int:

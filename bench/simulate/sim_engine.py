@@ -7,8 +7,12 @@ the `StepTimeModel` instead of computing it, and `draw` picks each sequence's ne
 seed and position instead of sampling logits. Everything else — `add_request`, `expect_kv`,
 `adopt`, forking of n sequences, stop checks, `release`, `abort`, the prefix cache's events — is
 `Engine`'s own code; only the detokenizer is silent (token-id workloads have no text to stream).
-The paged cache holds one byte per slot (block ids, copies and zeroed tails behave as in the real
-cache); `kv_bytes_per_block` reports the simulated model's size.
+The paged cache is a stand-in of the pool's shape [1, num_blocks, 2, 1, block_size, 1] that holds no
+memory per block (one block's bytes, repeated by a zero stride): nothing in a simulation reads or writes
+KV values (the runner zeroes no tails and copies no blocks, the simulated transport ships no bytes and
+its codec is `none`, so no prompt is round-tripped); the transfer's pieces only check block ids against
+its shape. Block ids, the block manager and the prefix cache behave as in the real engine;
+`kv_bytes_per_block` reports the simulated model's size.
 
 With `args.speculative` on, the engine speculates as a real one does (`Engine.step`'s verifying branch,
 the `Speculator` and its `TurnDown`, the scheduler's rollback), with `SimProposer`'s proposals at the
@@ -94,6 +98,9 @@ class TimedRunner:
     def zero_tail(self, block: int, first_slot: int) -> None:
         """A stand-in cache holds no KV: nothing to zero."""
 
+    def copy_block(self, source: int, destination: int) -> None:
+        """... nor to copy (a forked sequence's partial block: the block manager's ids are what count)."""
+
     def run(self, batch: list[ScheduledRequest]) -> ModelOutput:
         chunks, sampled, rows = [], [], 0
         for s in batch:
@@ -138,7 +145,9 @@ class SimEngine(Engine):
         self.block_size = block_size = args.block_size
         self.kv_budget = None
         num_blocks = args.num_blocks or 1
-        self.kv_cache = torch.zeros(1, num_blocks, 2, 1, block_size, 1, dtype=torch.uint8)
+        # (one block's bytes, expanded: a pool of any size costs no host memory for its cache)
+        self.kv_cache = torch.zeros(1, 1, 2, 1, block_size, 1, dtype=torch.uint8).expand(1, num_blocks, 2, 1,
+                                                                                         block_size, 1)
         self.kv_format = KVFormat("auto", 1, 1, block_size, 1, self.dtype)     # (the stand-in cache above)
         self._grammars = None
         self.block_manager = BlockManager(num_blocks, block_size, args.enable_prefix_cache)
