@@ -222,7 +222,25 @@ def time_model(args: argparse.Namespace, cfg) -> tuple[StepTimeModel, ModelConfi
                              "--profile FILE, or simulate a GPU with --hardware")
         model = MeasuredModel.from_file(path)
         shape = ModelConfig.from_dir(resolve_model(cfg.model.name))
+        check_profiled_shape(path, model, shape, cfg.model.name)
     return (model.with_shared_host() if args.shared_host else model), shape
+
+
+SHAPE_FIELDS = ("num_layers", "hidden_size", "attn_dim", "layer_params", "head_params")
+
+
+def check_profiled_shape(path: str, model: MeasuredModel, shape: ModelConfig, name: str) -> None:
+    """ValueError when the profile measured a model of another shape than the config's `model.name`: its
+    times would be taken for a model they do not time (the profile file names no model, only its shape)."""
+    from engine.cost_model import ModelCosts
+    measured = model.profile.data["decode"]["engine"]
+    costs = measured["costs"]
+    expected = ModelCosts.of(shape, costs.get("dtype_bytes", 2))
+    differ = [k for k in SHAPE_FIELDS if costs.get(k) != getattr(expected, k)]
+    if differ:
+        raise ValueError(f"{path} measured another model ({measured.get('model_dir', '?')}) than the config's "
+                         f"model.name {name}: {differ[0]} {costs.get(differ[0])} against {getattr(expected, differ[0])}"
+                         "; profile that model (`pdserve profile --local` with this config), or pass its profile")
 
 
 def speculation_of_variants(args: argparse.Namespace, variants: list[str], model: StepTimeModel) -> dict:

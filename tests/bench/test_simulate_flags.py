@@ -91,3 +91,23 @@ def test_a_run_says_why_its_requests_failed(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "disaggregated @ 5 req/s: 6 of 6 requests failed, e.g. RequestError: RESOURCE_EXHAUSTED: request needs" \
         in err
+
+
+def test_a_profile_of_another_model_is_refused(tmp_path, capsys):
+    """A profile file names no model, only the shape it measured: timing the config's model by another's
+    profile is refused, naming what differs."""
+    from bench.simulate.hardware import Hardware
+    from bench.simulate.plan_profile import profile_of
+    from bench.simulate.roofline import RooflineModel
+    from deploy.config import load_config
+    from engine.model.config import ModelConfig
+    from engine.model.presets import resolve_model
+    own = load_config(None).model.name
+    other = "small" if own != "small" else "tiny"
+    shape = ModelConfig.from_dir(resolve_model(other))
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_of(RooflineModel(Hardware.load("H100-SXM"), shape), shape, (128, 256), ())))
+    assert cli.main(["--profile", str(path), "--workload", "chat", "--scale", "0.5", "--num-requests", "4"]) == 2
+    assert f"measured another model (?) than the config's model.name {own}: num_layers" in capsys.readouterr().err
+    assert cli.main(["--profile", str(path), "--set", f"model.name={other}", "--workload", "chat", "--scale", "0.5",
+                     "--num-requests", "4"]) == 0

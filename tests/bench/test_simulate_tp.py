@@ -149,8 +149,8 @@ def test_tensor_parallel_flag_sets_every_pool_and_refuses_a_conflicting_set(caps
 
 def test_the_split_sweep_leaves_out_a_degree_a_measured_profile_lacks(tmp_path, capsys):
     """A profile with decode points at degree 2 but none for prefill: the sweep runs degree 1 only, and says why."""
-    tiny = ModelConfig.from_dir(resolve_model("tiny"))           # the config's model, which a profile times
-    profile = profile_of(RooflineModel(H100, tiny), tiny, (128, 256), (2,))
+    own = ModelConfig.from_dir(resolve_model(load_config(None).model.name))   # the config's model, which it times
+    profile = profile_of(RooflineModel(H100, own), own, (128, 256), (2,))
     del profile["degrees"]["2"]["prefill"]
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
