@@ -178,16 +178,20 @@ def _inner_k_tiles(in_features: int) -> int:
     return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
 
 
-def unpack_int4_cpu(packed: torch.Tensor, rows: int, k: int, out: torch.Tensor) -> torch.Tensor:
+def unpack_int4_cpu(packed: torch.Tensor, rows: int, k: int, out: torch.Tensor,
+                    block: int | None = None) -> torch.Tensor:
     """Codes as W.T [K, rows] (into `out`, any dtype) from `_convert_weight_to_int4pack_for_cpu`'s
-    layout: each block of 64 output channels is [K, 32] bytes, channel j in the low nibbles and j + 32
-    in the high; the last rows % 64 channels are [K, (rows % 64) / 2] bytes, channel 2j low and
-    2j + 1 high. (`cpu_int4_layout_known` checks this against the packer of the running torch.)"""
+    layout: each block of B output channels is [K, B / 2] bytes, channel j in the low nibbles and j + B / 2
+    in the high; the last rows % B channels are [K, (rows % B) / 2] bytes, channel 2j low and 2j + 1 high.
+    B is 64 where torch's kernel was built for AVX-512 and 32 for AVX2 (`block`, default: this torch's, as
+    `cpu_int4_block` finds it; `cpu_int4_layout_known` checks the layout against the running packer)."""
+    block = block or cpu_int4_block() or 64
+    half = block // 2
     flat = packed.reshape(-1)
-    full = rows // 64 * 64
+    full = rows // block * block
     if full:
-        v = flat[:full * k // 2].view(full // 64, k, 32).transpose(0, 1)          # [K, blocks, 32]
-        o = out[:, :full].view(k, full // 64, 2, 32)
+        v = flat[:full * k // 2].view(full // block, k, half).transpose(0, 1)      # [K, blocks, B / 2]
+        o = out[:, :full].view(k, full // block, 2, half)
         o[:, :, 0].copy_(v & 15)
         o[:, :, 1].copy_(v >> 4)
     rest = rows - full
@@ -199,14 +203,26 @@ def unpack_int4_cpu(packed: torch.Tensor, rows: int, k: int, out: torch.Tensor) 
     return out
 
 
-@functools.cache
-def _layout_known(tail: int) -> bool:
+def _round_trips(rows: int, block: int) -> bool:
+    """Does `unpack_int4_cpu` with `block` read back codes of `rows` channels as this torch packs them?"""
     gen = torch.Generator().manual_seed(0)
-    rows, k = 128 + tail, 64
+    k = 64
     codes = torch.randint(0, 16, (rows, k), generator=gen, dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    ok = packed.shape == (rows, k // 2) and torch.equal(
-        unpack_int4_cpu(packed, rows, k, torch.empty(k, rows, dtype=torch.int32)).t(), codes)
+    return packed.shape == (rows, k // 2) and torch.equal(
+        unpack_int4_cpu(packed, rows, k, torch.empty(k, rows, dtype=torch.int32), block).t(), codes)
+
+
+@functools.cache
+def cpu_int4_block() -> int | None:
+    """The channel block of this torch's CPU int4 packing (64: AVX-512 kernels, 32: AVX2), or None when it packs
+    in a layout `unpack_int4_cpu` does not know."""
+    return next((block for block in (64, 32) if _round_trips(2 * 64 + 48, block)), None)
+
+
+@functools.cache
+def _layout_known(tail: int) -> bool:
+    ok = cpu_int4_block() is not None and _round_trips(128 + tail, cpu_int4_block())
     if not ok:
         log.warning("torch %s packs int4 weights in a layout pdserve does not know; many-row products "
                     "dequantize through the kernel (slow)", torch.__version__)

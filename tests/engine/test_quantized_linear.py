@@ -90,3 +90,19 @@ def test_measured_plan_names_its_choices(tmp_path, monkeypatch):
     assert plan.max_kernel_rows in (0,) + kernel_choice.QUANT_ROWS
     monkeypatch.setattr(kernel_choice, "best_time", lambda fn, repeats=5: pytest.fail("measured again"))
     assert kernel_choice.quantized_plan(cfg, "int4", 64, torch.float32, torch.device("cpu"), prefill_tokens=32) == plan
+
+
+@pytest.mark.parametrize("block", [64, 32])
+def test_int4_unpack_reads_both_cpu_layouts(block):
+    """torch packs CPU int4 weights in blocks of 64 channels where its kernels are built for AVX-512 and of 32
+    for AVX2 (channel j low, j + block/2 high; the tail channel 2j low, 2j + 1 high): both read back exactly."""
+    from engine.model.quantized_linear import unpack_int4_cpu
+    rows, k = 2 * block + 16 + 6, 64
+    codes = torch.randint(0, 16, (rows, k), generator=torch.Generator().manual_seed(block), dtype=torch.int32)
+    wt, full, half = codes.t(), rows // block * block, block // 2               # [K, rows]
+    blocks = wt[:, :full].reshape(k, full // block, 2, half)
+    packed_full = (blocks[:, :, 0] | blocks[:, :, 1] << 4).transpose(0, 1).reshape(-1)        # [blocks, K, half]
+    tail = wt[:, full:].reshape(k, (rows - full) // 2, 2)
+    packed = torch.cat([packed_full, (tail[..., 0] | tail[..., 1] << 4).reshape(-1)]).to(torch.uint8)
+    out = unpack_int4_cpu(packed.view(rows, k // 2), rows, k, torch.empty(k, rows, dtype=torch.int32), block)
+    assert torch.equal(out.t(), codes)
