@@ -47,6 +47,7 @@ from bench.simulate.parallel import WorkerLost, available_cores, jobs, map_runs
 from bench.simulate.plan_profile import search_with_model, usable_degrees
 from bench.simulate.roofline import DTYPE_BYTES
 from bench.simulate.run import SimRun, simulate
+from bench.simulate.sim_cluster import context_of
 from bench.simulate.sim_control import ACTOR_START_S
 from bench.simulate.sim_spec import describe_speculation, speculation_for
 from bench.simulate.step_time import PoolModels, StepTimeModel
@@ -279,11 +280,6 @@ def workload(args: argparse.Namespace, prompt_len: int | None = None, output_len
         raise ValueError(f"--workload {args.workload}: {texts} of {len(specs)} requests give a prompt's text; the "
                          "simulator needs its length in tokens: give \"prompt_len\" instead of \"prompt\"")
     return specs
-
-
-def context_of(cfg, shape: ModelConfig) -> int:
-    """The tokens a request may span (prompt + output) on the simulated model, as its actors' engines take it."""
-    return min(cfg.model.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
 
 
 def tokens_needed(item) -> int:

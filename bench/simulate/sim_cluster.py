@@ -327,8 +327,14 @@ def build_cluster(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig
                 pools.get(pool).append(cluster.view_of(pool, cluster.new_actor(pool)))
     # (the router's live model rests on the degree-1 profile, as `deploy.running` gives the real router)
     live = live_model(cfg, performance_of(model, sim_cfg, cfg, cluster.speculation))
-    max_len = min(cfg.model.max_model_len or sim_cfg.max_position_embeddings, sim_cfg.max_position_embeddings)
-    cluster.dispatcher = Dispatcher(pools, SimTokenizer(sim_cfg.vocab_size), max_len, cfg.kv_cache.block_size,
+    cluster.dispatcher = Dispatcher(pools, SimTokenizer(sim_cfg.vocab_size), context_of(cfg, sim_cfg),
+                                    cfg.kv_cache.block_size,
                                     routing_settings(cfg), codec=cfg.kv_transfer.compression, live=live,
                                     metrics=cluster.metrics)
     return cluster
+
+
+def context_of(cfg: PDServeConfig, shape: ModelConfig) -> int:
+    """The tokens a request may span (prompt + output) in a simulated cluster of `cfg` over a model of `shape`:
+    the config's `model.max_model_len` within the model's positions, as the router and the engines take it."""
+    return min(cfg.model.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
