@@ -62,24 +62,32 @@ class RequestRecord:
 
 
 class Progress:
-    """A one-line progress bar on stderr (only when stderr is a terminal, else a line per 10%)."""
+    """A one-line progress bar on stderr (redrawn where stderr is a terminal, else a line per 10%). Its seconds
+    are wall time (`perf_counter`), also in a simulation, where `time.monotonic` reads the virtual clock."""
 
     def __init__(self, total: int, label: str, enabled: bool = True) -> None:
         self.total, self.label, self.done, self.failed = total, label, 0, 0
         self.enabled = enabled
         self.tty = sys.stderr.isatty()
-        self.start = time.monotonic()
+        self.start = time.perf_counter()
         self._last_decile = -1
+        self._drawn_at = -math.inf
+
+    REDRAW_S = 0.2          # a terminal's line is redrawn at most this often (and at the end)
 
     def update(self, ok: bool) -> None:
         self.done += 1
         self.failed += not ok
         if not self.enabled:
             return
+        now = time.perf_counter()
+        if self.tty and self.done < self.total and now - self._drawn_at < self.REDRAW_S:
+            return
+        self._drawn_at = now
         width, frac = 30, self.done / max(self.total, 1)
         bar = "#" * int(width * frac) + "." * (width - int(width * frac))
         text = (f"\r{self.label} [{bar}] {self.done}/{self.total} "
-                f"({self.failed} failed) {time.monotonic() - self.start:.0f}s")
+                f"({self.failed} failed) {now - self.start:.0f}s")
         if self.tty:
             print(text, end="" if self.done < self.total else "\n", file=sys.stderr, flush=True)
         elif int(frac * 10) != self._last_decile:

@@ -125,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "--devices, in proportion to a candidate on fewer), or P:O length pairs for --sweep ratio")
     s.add_argument("--json", metavar="FILE", type=output_file, help="write every figure here")
     s.add_argument("--plot", metavar="DIR", help="with --sweep rate or split: write the sweep's plot here")
-    s.add_argument("--progress", action="store_true", help="a progress line per run")
+    s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="each run's progress on stderr (requests done, wall seconds): by default one redrawn line "
+                   "where stderr is a terminal and none elsewhere; --progress also writes a line per tenth to a log")
     s.add_argument("--jobs", type=positive_int, default=available_cores(), metavar="N",
                    help="simulations run side by side in worker processes (a sweep's points, --compare's "
                    "variants); default: the cores available")
@@ -613,6 +615,8 @@ def plot(result: dict, out_dir: str, title: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.progress is None:
+        args.progress = sys.stderr.isatty()
     try:
         check_flags(args)
         with jobs(args.jobs):

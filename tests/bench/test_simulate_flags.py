@@ -111,3 +111,17 @@ def test_a_profile_of_another_model_is_refused(tmp_path, capsys):
     assert f"measured another model (?) than the config's model.name {own}: num_layers" in capsys.readouterr().err
     assert cli.main(["--profile", str(path), "--set", f"model.name={other}", "--workload", "chat", "--scale", "0.5",
                      "--num-requests", "4"]) == 0
+
+
+def test_progress_is_drawn_on_a_terminal_by_default_and_counts_wall_seconds(capsys, monkeypatch):
+    argv = [*GPU, "--num-requests", "20", "--rate", "1", "--jobs", "1"]
+    assert cli.main(argv) == 0                          # stderr not a terminal: no progress
+    assert "[####" not in capsys.readouterr().err
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert cli.main(argv) == 0                          # a terminal: one line, redrawn
+    err = capsys.readouterr().err
+    assert "\r" in err and "20/20 (0 failed)" in err
+    last = err.split("20/20 (0 failed) ")[1].split("s")[0]
+    assert int(last) < 15                               # wall seconds, not the ~20 simulated ones
+    assert cli.main([*argv, "--no-progress"]) == 0
+    assert "[####" not in capsys.readouterr().err
