@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from bench.serving.strict_json import write_json
 from engine import Engine, EngineArgs, SamplingParams
 from engine.model.presets import TRAINED
 from engine.spec.config import SpecConfig
@@ -189,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"bytes per token beside the target's {cost['target_kv_bytes_per_token']}.\n")
     print(table)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)       # strict JSON: a figure no run gave (nan) is null
     if args.markdown:
         with open(args.markdown, "w", encoding="utf-8") as f:
             f.write(table)

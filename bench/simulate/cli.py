@@ -4,8 +4,9 @@
     pdserve simulate --hardware H100-SXM --model llama-3-8b --workload rag --sweep rate
     pdserve simulate --hardware A100-80GB --model opt-13b --sweep split --devices 8 --workload chat
     pdserve simulate --hardware H100-SXM --model llama-3-70b --sweep split --devices 8 --tp 1,2,4
-    pdserve simulate --profile ~/.cache/pdserve/profiles/tiny-….json --workload chat --rate 1 --json out.json
-    pdserve simulate --hardware H100-SXM --model llama-3-8b --workload chat --rate 8 \
+    pdserve profile --local --model tiny         # then this host's measured profile of it times:
+    pdserve simulate --set model.name=tiny --workload chat --rate 1 --json out.json
+    pdserve simulate --hardware H100-SXM --model llama-3-8b --workload chat --rate 8 \\
         --compare colocated-chunked,colocated-spec --spec-acceptance 0.6
 
 Time comes from a measured profile of this machine (`--profile`, default: the config's cached one,
@@ -65,6 +66,13 @@ MAX_SPAN_S = 86_400.0       # the arrivals of one run may span a simulated day; 
 #                             (KV event polls every 0.2 s per actor, role samples) costs wall time per simulated second
 MAX_REQUESTS = 10_000_000  # requests (or conversations) a run may simulate
 MIN_AUTOSCALE_INTERVAL_S = 0.05   # an autoscaler tick below this is no period a cluster runs (and each tick costs)
+SWEEP_CHOOSES = {
+    "rate": "it runs each variant at rates around the first one's capacity (or --sweep-values)",
+    "split": "it runs every split at rates per device around the best capacity (or --sweep-values), disaggregated "
+             "and colocated",
+    "ratio": "it runs chat-shaped requests of each --sweep-values PROMPT:OUTPUT pair, disaggregated and colocated "
+             "(chunked), at rates around their capacities",
+}
 FIGURES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "tpot_p90_s", "tpot_p99_s", "goodput_rps",
            "slo_attainment", "request_throughput_rps")
 
@@ -75,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("cluster")
     c.add_argument("--config", help="pools.yaml (default: the embedded default)")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    c.add_argument("--mode", choices=list(VARIANT_MODES), default="disaggregated")
-    c.add_argument("--compare", help="variants side by side, e.g. colocated,disaggregated,auto")
+    c.add_argument("--mode", choices=list(VARIANT_MODES), help="the variant of a single run or a rate sweep "
+                   "(default disaggregated; colocated: no chunked prefill; auto: the router places each prompt)")
+    c.add_argument("--compare", help="variants side by side instead of --mode, e.g. colocated,disaggregated,auto")
     c.add_argument("--devices", type=positive_int,
                    help="--sweep split: devices (GPUs) to split between the pools (default 4)")
     c.add_argument("--tp", metavar="D,D,…", help="--sweep split: tensor-parallel degrees to try per "
@@ -106,21 +115,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "method, or a -spec variant: ngram): the proposals' acceptance rate, accepted / proposed tokens "
                    "at speculative.num_tokens per step, 0..1 (default: the profile's measurement)")
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", default="mixed", help="chat | rag | mixed | shared-prefix | multi-turn | phases "
-                   "(chat → rag → chat) | FILE.jsonl")
+    w.add_argument("--workload", help="chat | rag | mixed | shared-prefix | multi-turn | phases "
+                   "(chat → rag → chat) | FILE.jsonl (default mixed)")
     w.add_argument("--num-requests", type=positive_int, default=200, help="requests (multi-turn: conversations)")
     w.add_argument("--num-turns", type=positive_int, default=4, help="multi-turn: turns per conversation")
-    w.add_argument("--scale", type=positive_float, default=1.0, help="multiply every prompt and output length")
+    w.add_argument("--scale", type=positive_float, help="multiply every prompt and output length (default 1)")
     w.add_argument("--prompt-len", type=positive_int, help="fix every prompt's length")
     w.add_argument("--output-len", type=positive_int, help="fix every output's length")
-    w.add_argument("--rate", type=request_rate, default=math.inf, help="mean arrivals per second (inf: all at once)")
+    w.add_argument("--rate", type=request_rate, help="a single run's mean arrivals per second (default inf: all "
+                   "at once); a sweep chooses its own (--sweep-values)")
     w.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="the workload's and the arrivals' seed (default 0)")
     w.add_argument("--timeout", type=positive_float, default=600.0, help="per-request deadline (simulated s)")
     s = p.add_argument_group("SLOs, sweeps and output")
-    s.add_argument("--slo-ttft-ms", type=positive_float, default=1000.0)
-    s.add_argument("--slo-tpot-ms", type=positive_float, default=100.0)
-    s.add_argument("--sweep", choices=["rate", "split", "ratio"])
+    s.add_argument("--slo-ttft-ms", type=positive_float, default=1000.0, help="time to first token SLO (default 1000)")
+    s.add_argument("--slo-tpot-ms", type=positive_float, default=100.0, help="time per output token SLO (default 100)")
+    s.add_argument("--sweep", choices=["rate", "split", "ratio"], help="runs at many rates, splits or length "
+                   "ratios (below)")
     s.add_argument("--sweep-values", help="rates (comma-separated; --sweep split: offered to all "
                    "--devices, in proportion to a candidate on fewer), or P:O length pairs for --sweep ratio")
     s.add_argument("--json", metavar="FILE", type=output_file, help="write every figure here")
@@ -154,6 +165,11 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"{split_only[0]} applies with --sweep split")
     if args.sweep_values and not args.sweep:
         raise ValueError("--sweep-values applies with --sweep rate, split or ratio")
+    ignored = {"rate": ("--rate",), "split": ("--rate", "--mode", "--compare"),
+               "ratio": ("--rate", "--mode", "--compare", "--workload", "--scale", "--prompt-len", "--output-len")}
+    for flag in ignored.get(args.sweep, ()):
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise ValueError(f"{flag} does not apply to --sweep {args.sweep}: {SWEEP_CHOOSES[args.sweep]}")
     if args.plot and args.sweep not in ("rate", "split"):
         raise ValueError("--plot applies with --sweep rate or split (the only runs it draws)")
     if args.autoscale_interval < MIN_AUTOSCALE_INTERVAL_S:
@@ -161,13 +177,21 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.num_requests > MAX_REQUESTS:
         raise ValueError(f"--num-requests {args.num_requests:,}: at most {MAX_REQUESTS:,} (a simulation runs a few "
                          "hundred requests per second of wall time)")
-    span = args.num_requests / args.rate
+    span = args.num_requests / (args.rate or math.inf)
     if not args.sweep and span > MAX_SPAN_S:
         raise ValueError(f"--rate {args.rate:g} with --num-requests {args.num_requests} spreads the arrivals over "
                          f"about {span:.3g} simulated seconds (at most {MAX_SPAN_S:,.0f}: the control plane's "
                          "periodic work costs wall time for every simulated second): raise --rate or lower "
                          "--num-requests")
     check_writable(args)
+
+
+def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with the defaults of the flags `check_flags` needed to see unset: what each run uses (a ratio sweep:
+    the chat shape it runs)."""
+    defaults = {"rate": math.inf, "mode": "disaggregated", "workload": "chat" if args.sweep == "ratio" else "mixed",
+                "scale": 1.0}
+    return argparse.Namespace(**{**vars(args), **{k: v for k, v in defaults.items() if getattr(args, k) is None}})
 
 
 def check_writable(args: argparse.Namespace) -> None:
@@ -349,7 +373,7 @@ def run_one(args, variant: str, specs: list, rate: float, counts: dict | None = 
     print(f"{run.label} @ {rate:g} req/s: TTFT p50 {ms(s['ttft_p50_s'], 1)}, TPOT p50 "
           f"{ms(s['tpot_p50_s'], 2)}, SLO attainment {s['slo_attainment'] * 100:.0f}% "
           f"({len(run.records)} requests in {run.wall_s:.1f} s wall, {run.requests_per_wall_s:.0f} req/s)"
-          + (f"; {len(run.flips)} role flips" if run.flips else ""), file=sys.stderr)
+          + (f"; {len(run.flips)} role flip{'s' * (len(run.flips) > 1)}" if run.flips else ""), file=sys.stderr)
     if s["failed"]:              # (the router refused or failed them, as it would a client's: say why)
         print(f"{run.label} @ {rate:g} req/s: {s['failed']} of {len(run.records)} requests failed, e.g. "
               f"{s['errors'][0]}", file=sys.stderr)
@@ -488,7 +512,7 @@ def sweep_split(args, specs: list) -> dict:
                 f"pools.decode.tensor_parallel={c['decode_degree']}")
 
     per_device = [v / n for v in float_list("--sweep-values", args.sweep_values or "")]
-    if not per_device:       # up to 1.5x the most per device that colocated completes or the planner predicts
+    if not per_device:       # 0.375-1.875x the most per device that colocated completes or the planner predicts
         colocated = [c for c in candidates.values() if c["kind"] == "colocated"]
         completed = capacities(args, [Ask("colocated-chunked", specs, math.inf, {"prefill": 0, "decode": c["n_decode"]},
                                           extra=settings(c)) for c in colocated])
@@ -559,7 +583,8 @@ DEFAULT_RATIOS = "200:200,1000:200,2000:200,5000:500,10000:1000"
 
 def sweep_ratio(args) -> dict:
     """Disaggregated vs colocated (chunked) at each prompt:output ratio, at equal actors. Each variant's
-    rates reach 1.5x the larger of the two capacities; a figure every rate held is a lower bound (≥)."""
+    rates run from 0.375x to 1.875x the larger of the two capacities; a figure every rate held is a lower bound
+    (≥)."""
     cfg = variant_config(args, "colocated")
     _, shape = time_model(args, cfg)
     context = context_of(cfg, shape)
@@ -619,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         args.progress = sys.stderr.isatty()
     try:
         check_flags(args)
+        args = with_defaults(args)
         with jobs(args.jobs):
             result, model, speculation = _simulate(args)
         result.update(time_model=model.name, workload=args.workload, rate=args.rate, seed=args.seed,

@@ -76,6 +76,15 @@ class CoreClient:
             admitted.finish()
 
 
+PER_REQUEST_EVENTS = frozenset({"request_finished", "request_rejected", "client_disconnected"})
+
+
+def per_request_lines(record: logging.LogRecord) -> bool:
+    """The router's log filter during a run: its line per request is left out, also a failed request's warning
+    (the run's own line counts the failures and gives the first reason; `--json` has each one)."""
+    return getattr(record, "event", None) not in PER_REQUEST_EVENTS
+
+
 @dataclass
 class SimRun:
     """What one simulated run produced."""
@@ -175,6 +184,8 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
     thresholds = gc.get_threshold()
     quiet = logging.getLogger("pdserve")
     level, quiet.level = quiet.level, max(quiet.level, logging.WARNING)   # no line per request at scale
+    router_log = logging.getLogger("pdserve.router")
+    router_log.addFilter(per_request_lines)
     wall = time.perf_counter()
     try:
         records, duration, cluster = run_virtual(main())
@@ -182,6 +193,7 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
         gc.unfreeze()
         gc.set_threshold(*thresholds)
         quiet.setLevel(level)
+        router_log.removeFilter(per_request_lines)
     wall = time.perf_counter() - wall
     summary = summarize(records, duration, slo_ttft_s, slo_tpot_s)
     summary.update(parse_counters(generate_latest(cluster.metrics.registry).decode()))  # as bench serve's /metrics

@@ -48,7 +48,7 @@ def sim_args(args, workload: str, rate: float = math.inf) -> argparse.Namespace:
         flags += ["--profile", args.profile]
     if args.shared_host:
         flags.append("--shared-host")
-    return cli.build_parser().parse_args(flags)
+    return cli.with_defaults(cli.build_parser().parse_args(flags))
 
 
 def measured(args, workload: str, rate: float) -> dict:

@@ -28,6 +28,12 @@ GPU = ["--hardware", "H100-SXM", "--model", "llama-3-8b"]
     ([*GPU, "--rate", "1e-300", "--num-requests", "20"], "--rate 1e-300 with --num-requests 20 spreads the arrivals"),
     ([*GPU, "--num-requests", "1000000000"], "--num-requests 1,000,000,000: at most 10,000,000"),
     ([*GPU, "--rate", "0.001", "--num-requests", "100"], "about 1e+05 simulated seconds (at most 86,400"),
+    ([*GPU, "--sweep", "rate", "--rate", "3"], "--rate does not apply to --sweep rate: it runs each variant at rates"),
+    ([*GPU, "--sweep", "split", "--compare", "auto"], "--compare does not apply to --sweep split"),
+    ([*GPU, "--sweep", "split", "--mode", "auto"], "--mode does not apply to --sweep split"),
+    ([*GPU, "--sweep", "ratio", "--workload", "rag"], "--workload does not apply to --sweep ratio: it runs chat"),
+    ([*GPU, "--sweep", "ratio", "--scale", "0.5"], "--scale does not apply to --sweep ratio"),
+    ([*GPU, "--sweep", "ratio", "--prompt-len", "100"], "--prompt-len does not apply to --sweep ratio"),
 ])
 def test_a_flag_the_run_would_ignore_or_never_finish_is_refused(argv, said, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -78,9 +84,9 @@ def test_the_result_file_is_strict_json_with_null_for_nan_and_inf(tmp_path, caps
     assert data["rate"] is None and data["runs"]["disaggregated"]["completed"] == 4
 
 
-def test_a_run_says_why_its_requests_failed(tmp_path, capsys):
+def test_a_run_says_why_its_requests_failed(tmp_path, capsys, caplog):
     """A GPU whose memory leaves a KV pool smaller than a chat request: the router refuses them, as it would
-    a client's, and the run's line says how many and why."""
+    a client's, and the run's line says how many and why (the router's warning per failed request is left out)."""
     import yaml
     hardware = yaml.safe_load(open(os.path.join(os.path.dirname(cli.__file__), "hardware", "H100-SXM.yaml")))
     hardware["memory_bytes"] = 19.0e9          # llama-3-8b's 16 GB of weights leave 18 blocks of 16 tokens
@@ -91,6 +97,7 @@ def test_a_run_says_why_its_requests_failed(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "disaggregated @ 5 req/s: 6 of 6 requests failed, e.g. RequestError: RESOURCE_EXHAUSTED: request needs" \
         in err
+    assert not [r for r in caplog.records if r.name == "pdserve.router" and "request_" in r.getMessage()]
 
 
 def test_a_profile_of_another_model_is_refused(tmp_path, capsys):
