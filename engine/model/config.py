@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -44,43 +45,66 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        """The fields of a parsed config.json; ValueError naming `source` and the key where one is missing,
+        of the wrong type or out of range, or where the architecture is not supported."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: must be a JSON object of config fields (got {_shown(raw)})")
         model_type = raw.get("model_type")
         quantization = parse_quantization_config(raw, source)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"{source}: model_type {model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        for key in ("vocab_size", "hidden_size", "intermediate_size",
-                    "num_hidden_layers", "num_attention_heads"):
-            if not isinstance(raw.get(key), int) or raw[key] <= 0:
-                raise ValueError(f"{source}: field {key!r} is missing or not a positive integer")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            _integer(raw, key, source, _REQUIRED)
         num_heads = raw["num_attention_heads"]
-        num_kv_heads = raw.get("num_key_value_heads") or num_heads
+        num_kv_heads = _integer(raw, "num_key_value_heads", source, num_heads)     # absent: one KV head per query head
         if num_heads % num_kv_heads:
             raise ValueError(f"{source}: num_attention_heads ({num_heads}) must be a multiple "
                              f"of num_key_value_heads ({num_kv_heads})")
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        head_dim = _integer(raw, "head_dim", source, None)
+        if head_dim is None:
+            if raw["hidden_size"] % num_heads:
+                raise ValueError(f"{source}: hidden_size ({raw['hidden_size']}) must be a multiple of "
+                                 f"num_attention_heads ({num_heads}) when head_dim is absent")
+            head_dim = raw["hidden_size"] // num_heads
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if not all(_is_int(t) and t >= 0 for t in eos_ids):
+            raise ValueError(f"{source}: eos_token_id must be a token id or a list of them (got {_shown(eos)})")
         # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
-        rope_params = raw.get("rope_parameters") or {}
+        rope_params = _object(raw, "rope_parameters", source) or {}
         custom_rope = rope_params.get("rope_type", "default") != "default"
+        scaling_key = "rope_scaling" if _object(raw, "rope_scaling", source) else "rope_parameters"
         scaling = raw.get("rope_scaling") or (rope_params if custom_rope else None)
         if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("default", "linear", "llama3"):
-                raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported "
-                                 "(supported: linear, llama3; not longrope/su/yarn/dynamic)")
+            _check_rope_scaling(scaling, scaling_key, source)
         act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
         if act != "silu":
             raise ValueError(f"{source}: hidden_act {act!r} is not supported (supported: silu)")
         partial = 1.0
         if model_type == "phi3":
-            partial = float(raw.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0)))
+            key = "partial_rotary_factor"
+            partial = (_number(raw, key, source, None)
+                       or _number(rope_params, key, source, 1.0, f"rope_parameters.{key}"))
             if not 0.0 < partial <= 1.0:
                 raise ValueError(f"{source}: partial_rotary_factor must be in (0, 1], got {partial}")
+        rotary_dim = int(head_dim * partial)
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(f"{source}: head_dim ({head_dim}) must leave an even number of rotary dimensions "
+                             f"(RoPE rotates pairs; got {rotary_dim})")
+        for key in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+            if raw.get(key) is not None and not isinstance(raw[key], bool):
+                raise ValueError(f"{source}: {key} must be true or false (got {_shown(raw[key])})")
+        bos = raw.get("bos_token_id")
+        if bos is not None and not (_is_int(bos) and bos >= 0):
+            raise ValueError(f"{source}: bos_token_id must be a token id or null (got {_shown(bos)})")
+        dtype_key = "torch_dtype" if raw.get("torch_dtype") else "dtype"
+        if raw.get(dtype_key) is not None and not isinstance(raw[dtype_key], str):
+            raise ValueError(f"{source}: {dtype_key} must be a dtype name (got {_shown(raw[dtype_key])})")
         sliding = _sliding_window(raw, model_type, source)
         attention_bias = bool(raw.get("attention_bias", False)) and model_type in ("llama", "qwen3")
+        rope_theta = _number(raw, "rope_theta", source, None)
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -90,17 +114,17 @@ class ModelConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=raw.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
+            max_position_embeddings=_integer(raw, "max_position_embeddings", source, 2048),
+            rms_norm_eps=_number(raw, "rms_norm_eps", source, 1e-6),
+            rope_theta=rope_theta or _number(rope_params, "rope_theta", source, 10000.0, "rope_parameters.rope_theta"),
             rope_scaling=scaling,
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or attention_bias,
             o_proj_bias=attention_bias,
             mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             partial_rotary_factor=partial,
-            bos_token_id=raw.get("bos_token_id"),
+            bos_token_id=bos,
             eos_token_ids=eos_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
             sliding_window=sliding,
@@ -115,7 +139,7 @@ class ModelConfig:
         with open(path, encoding="utf-8") as f:
             try:
                 raw = json.load(f)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(raw, source=path)
 
@@ -151,11 +175,78 @@ def _sliding_window(raw: dict, model_type: str, source: str) -> int | None:
         raise ValueError(f"{source}: field 'sliding_window' must be a positive integer or null, got {window!r}")
     if model_type in ("qwen2", "qwen3"):
         n = raw["num_hidden_layers"]
-        types = raw.get("layer_types") or ["sliding_attention" if i >= raw.get("max_window_layers", n)
-                                           else "full_attention" for i in range(n)]
+        first = _integer(raw, "max_window_layers", source, n, least=0)
+        types = raw.get("layer_types")
+        if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+            raise ValueError(f"{source}: layer_types must be a list of attention kinds (got {_shown(types)})")
+        types = types or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
         if all(t == "full_attention" for t in types):
             return None
         if any(t != "sliding_attention" for t in types):
             raise ValueError(f"{source}: sliding_window on some layers only (layer_types / max_window_layers) "
                              "is not supported; the engine applies one window to every layer")
     return window
+
+
+_REQUIRED = object()       # `_integer`'s default for a key that must be present
+
+
+def _shown(value: object) -> str:
+    """`value` as config.json spells it, cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integer(raw: dict, key: str, source: str, default, least: int = 1):
+    """raw[key], an integer of at least `least`; `default` where it is absent or null (`_REQUIRED`: refused)."""
+    value = raw.get(key)
+    if value is None and default is not _REQUIRED:
+        return default
+    if not _is_int(value) or value < least:
+        got = f"got {_shown(value)}" if key in raw else "missing"
+        kind = "a positive integer" if least == 1 else f"an integer of at least {least}"
+        raise ValueError(f"{source}: {key} must be {kind} ({got})")
+    return value
+
+
+def _number(raw: dict, key: str, source: str, default: float | None, name: str | None = None) -> float | None:
+    """raw[key], a finite number above 0; `default` where it is absent or null. `name`: the key as shown."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{source}: {name or key} must be a positive number (got {_shown(value)})")
+    return float(value)
+
+
+def _object(raw: dict, key: str, source: str) -> dict | None:
+    value = raw.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{source}: {key} must be an object or null (got {_shown(value)})")
+    return value
+
+
+def _check_rope_scaling(scaling: dict, key: str, source: str) -> None:
+    """A RoPE scaling the engine applies (engine/model/rope.py), with the numbers it reads."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported "
+                         "(supported: linear, llama3; not longrope/su/yarn/dynamic)")
+    if kind == "default":
+        return
+    if scaling.get("factor") is None:
+        raise ValueError(f"{source}: {key}.factor must be a positive number (missing)")
+    _number(scaling, "factor", source, None, f"{key}.factor")
+    if kind == "llama3":
+        low = _number(scaling, "low_freq_factor", source, 1.0, f"{key}.low_freq_factor")
+        high = _number(scaling, "high_freq_factor", source, 4.0, f"{key}.high_freq_factor")
+        _number(scaling, "original_max_position_embeddings", source, None, f"{key}.original_max_position_embeddings")
+        if high <= low:
+            raise ValueError(f"{source}: {key}.high_freq_factor ({high:g}) must be above low_freq_factor ({low:g})")
