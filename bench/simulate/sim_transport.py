@@ -9,6 +9,13 @@ first layers leave while the later ones compute, so only the tail is added after
     whole prompt:   first chunk at step end;               done at step end + link
     layer-wise:     first chunk after the first layer;     done at step end + max(link − step·(L−1)/L, link/L)
 
+Each actor has one link of the model's bandwidth (a GPU's share of the network, or of NVLink with
+`--intra-node`), out of a prefill actor and into a decode actor: transfers through the same link take
+turns, first sent first, so a prefill actor shipping several prompts, or a decode actor receiving from
+several prefill actors, waits for the link as it would for a real NIC. A transfer's bytes hold the
+link for `link_s(bytes) − link_s(0)` (the latency does not); when the sender's or the receiver's link
+is still busy with earlier bytes, the whole transfer moves later by the wait.
+
 The receiver reserves the destination blocks in the decode engine's real block manager when the
 first chunk arrives (no room: the transfer fails on the receiver's side, as a real one does),
 reports DONE through `poll` and `on_complete` (which wakes the decode worker), and honours
@@ -67,6 +74,7 @@ class SimReceiver(KVReceiver):
         self._finished: dict[str, TransferResult] = {}
         self._ready: list[TransferResult] = []
         self._stats = ReceiverStats()
+        self.link_free_at = 0.0            # when this actor's incoming link has carried every byte sent to it
 
     @property
     def endpoint(self) -> str:
@@ -166,6 +174,7 @@ class SimSender(KVSender):
                  layerwise: bool = True):
         self.network, self.actor, self.model = network, actor, model
         self.kv_bytes_per_block, self.ratio, self.layerwise = kv_bytes_per_block, ratio, layerwise
+        self.link_free_at = 0.0            # when this actor's outgoing link has carried every byte it was given
 
     def handshake(self, dest: str) -> None:
         pass
@@ -193,11 +202,21 @@ class SimSender(KVSender):
             done_at = step_end + max(link - step_s * (layers - 1) / layers, link / layers)
         else:
             first_at, done_at = step_end, step_end + link
+        occupied = link - self.model.link_s(0.0)            # the bytes' time on each link (module docstring)
+        free_before = self.link_free_at, receiver.link_free_at
+        wait = max(free_before) - (done_at - occupied)
+        if wait > 0:
+            first_at, done_at = first_at + wait, done_at + wait
+        self.link_free_at = receiver.link_free_at = done_at
         t = _Transfer(piece.transfer_id, piece.request_id, num_blocks, now + piece.deadline_s)
 
         def begin() -> None:
             refused = receiver.begin(t)
-            if refused:
+            if refused:             # no bytes follow: the links are free again, unless a later transfer queued
+                if self.link_free_at == done_at:
+                    self.link_free_at = free_before[0]
+                if receiver.link_free_at == done_at:
+                    receiver.link_free_at = free_before[1]
                 handle._finish(TransferStatus.FAILED, refused, FailedSide.RECEIVER)
                 return
             loop.call_at(done_at, finish)
