@@ -141,6 +141,35 @@ def test_transfer_reserves_blocks_then_delivers_and_cancel_frees_them():
     run_virtual(main())
 
 
+def test_transfers_through_one_link_take_turns():
+    """A link carries one transfer's bytes at a time: two prompts sent at once from one prefill actor, or to
+    one decode actor, arrive one link time apart; two pairs of actors do not slow each other."""
+    class Actor:
+        busy_until, step_s = 0.0, 0.0
+
+    one = 1e-3 + 2 * (1 << 20) / 1e9                    # LinearModel: 1 ms + 2 MiB at 1 GB/s
+
+    async def ends(pairs: list[tuple[int, int]]) -> list[float]:
+        net, t0 = SimNetwork(), time.monotonic()
+        rxs = [SimReceiver(net, SimpleBlockPool(8), lambda _: None) for _ in range(2)]
+        txs = [SimSender(net, Actor(), LinearModel(), kv_bytes_per_block=1 << 20, ratio=1.0, layerwise=False)
+               for _ in range(2)]
+        handles = [txs[s].send(KVPiece(f"r{i}", None, [0, 1], transfer_id=f"t{i}"), rxs[r].endpoint)
+                   for i, (s, r) in enumerate(pairs)]
+        done = {}
+        for i, h in enumerate(handles):
+            h.add_done_callback(lambda _, i=i: done.setdefault(i, time.monotonic() - t0))
+        while len(done) < len(handles):
+            await asyncio.sleep(1e-4)
+        assert all(h.status is TransferStatus.DONE for h in handles)
+        return [done[i] for i in range(len(handles))]
+
+    bytes_s = one - 1e-3
+    assert run_virtual(ends([(0, 0), (0, 1)])) == pytest.approx([one, one + bytes_s], rel=1e-6)   # one sender
+    assert run_virtual(ends([(0, 0), (1, 0)])) == pytest.approx([one, one + bytes_s], rel=1e-6)   # one receiver
+    assert run_virtual(ends([(0, 0), (1, 1)])) == pytest.approx([one, one], rel=1e-6)             # two links
+
+
 def _run(cfg, shape, specs, mode="disaggregated", rate=20.0, seed=0):
     return simulate(cfg, LinearModel(shape.kv_bytes_per_token(4)), shape, specs, rate=rate, mode=mode, seed=seed,
                     slo_ttft_s=1.0, slo_tpot_s=0.05)
