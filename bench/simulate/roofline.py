@@ -32,7 +32,16 @@ pools of different degrees the KV is resharded by head: the prefill actor's tp_p
 decode actor's tp_d ranks receive, each over its own NIC, so the side with fewer NICs binds and the
 handoff is priced by the model at min(tp_p, tp_d) (`bench.simulate.sim_cluster.PoolModels`).
 
-`at_degree` gives the same GPU and model at another degree (a pool's `tensor_parallel`).
+`at_degree` gives the same GPU and model at another degree (a pool's `tensor_parallel`), `for_engine`
+an actor's own storage and KV budget from its engine settings:
+
+    weights  the decoder layers' projections at the quantization's bytes (int8: 1 a weight; int4: 0.5 plus
+             a 16-bit scale and zero per group; a GPTQ / AWQ checkpoint is int4 as stored), the LM head too
+             with quantize_lm_head; the embedding, norms and biases at the dtype's. Weight-only: the FLOPs
+             and their peak stay the dtype's.
+    KV       1 byte an element for an fp8 or int8 cache (its per-block scales left out), else the dtype's.
+    budget   kv_cache.memory_fraction of each GPU (default 0.9, as vLLM's gpu_memory_utilization), or
+             exactly kv_cache.num_blocks / memory_gib of blocks where they fit beside the weights.
 """
 from __future__ import annotations
 
@@ -46,6 +55,7 @@ from engine.model.config import ModelConfig
 from engine.parallel.shard import check_degree
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "fp32": 4}
+GIB = 1 << 30
 ALL_REDUCES_PER_LAYER = 2                 # attention output and MLP output (row-parallel o_proj, down_proj)
 
 
@@ -63,31 +73,53 @@ class RooflineModel(StepTimeModel):
         model_name: the model's name for `name`; default: its size and type.
         memory_fraction: share of each GPU's memory the engine may use (weights, reserve and KV).
         activation_reserve_bytes: memory per GPU kept for activations, logits and workspaces.
+        quantization: none, int8 or int4 (weight-only, the decoder layers' projections; module docstring).
+        group_size: int4's group of input channels per scale.
+        quantize_lm_head: the LM head is quantized too.
+        kv_num_blocks, kv_memory_bytes: an exact KV budget per actor (kv_cache.num_blocks / memory_gib) instead
+            of what memory_fraction leaves.
     """
 
     def __init__(self, hardware: Hardware, cfg: ModelConfig, dtype: str = "bf16", tensor_parallel: int = 1,
                  kv_dtype_bytes: int | None = None, weight_bytes_per_param: float | None = None,
                  inter_node: bool = True, *, model_name: str | None = None, memory_fraction: float = 0.9,
-                 activation_reserve_bytes: float = 1e9) -> None:
+                 activation_reserve_bytes: float = 1e9, quantization: str = "none", group_size: int = 128,
+                 quantize_lm_head: bool = False, kv_num_blocks: int | None = None,
+                 kv_memory_bytes: float | None = None) -> None:
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown dtype {dtype!r} (dtypes: {', '.join(DTYPE_BYTES)})")
-        _check_tensor_parallel(cfg, tensor_parallel)
+        if quantization not in QUANTIZED_BYTES:
+            raise ValueError(f"unknown quantization {quantization!r} (none, int8, int4)")
+        if cfg.quantization is not None:
+            quantization = "int4"                   # a 4-bit checkpoint, served as stored
+        _check_tensor_parallel(cfg, tensor_parallel, quantization)
         if not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         self.hardware, self.cfg, self.dtype, self.tensor_parallel = hardware, cfg, dtype, tensor_parallel
         self._settings = dict(kv_dtype_bytes=kv_dtype_bytes, weight_bytes_per_param=weight_bytes_per_param,
                               inter_node=inter_node, model_name=model_name, memory_fraction=memory_fraction,
-                              activation_reserve_bytes=activation_reserve_bytes)
+                              activation_reserve_bytes=activation_reserve_bytes, quantization=quantization,
+                              group_size=group_size, quantize_lm_head=quantize_lm_head, kv_num_blocks=kv_num_blocks,
+                              kv_memory_bytes=kv_memory_bytes)
         self._degrees: dict[int, RooflineModel] = {tensor_parallel: self}
         self.inter_node, self.memory_fraction = inter_node, memory_fraction
         self.activation_reserve_bytes = activation_reserve_bytes
+        self.quantization = quantization
+        self.kv_num_blocks, self.kv_memory_bytes = kv_num_blocks, kv_memory_bytes
         dtype_bytes = DTYPE_BYTES[dtype]
         self.costs = ModelCosts.of(cfg, dtype_bytes)
-        per_param = dtype_bytes if weight_bytes_per_param is None else weight_bytes_per_param
-        self.weight_bytes = decode_weight_params(cfg) * per_param       # what a step reads
-        # what the GPU holds: also the embedding table, unless the LM head is that same tensor
-        embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-        self.resident_weight_bytes = (decode_weight_params(cfg) + embedding) * per_param
+        # what a step reads; what the GPU holds adds the embedding table, unless the LM head is that tensor
+        embedding = (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size) * dtype_bytes
+        if weight_bytes_per_param is not None:
+            self.weight_bytes = decode_weight_params(cfg) * weight_bytes_per_param
+            embedding = embedding / dtype_bytes * weight_bytes_per_param
+        else:
+            quantized = QUANTIZED_BYTES[quantization](group_size) if quantization != "none" else dtype_bytes
+            head = self.costs.head_params
+            self.weight_bytes = (self.costs.layer_params * quantized + head * (quantized if quantize_lm_head
+                                                                                 else dtype_bytes)
+                                 + (decode_weight_params(cfg) - self.costs.layer_params - head) * dtype_bytes)
+        self.resident_weight_bytes = self.weight_bytes + embedding
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes)
         self.num_layers = cfg.num_hidden_layers
         # fp8 / int8 matmuls still pass 16-bit activations between layers (and through the all-reduce)
@@ -100,12 +132,26 @@ class RooflineModel(StepTimeModel):
 
     def at_degree(self, pool: str, degree: int) -> RooflineModel:
         """This GPU and model with `degree` GPUs per actor; a degree the engine cannot split the model over
-        (`engine.parallel.shard.check_degree`) is a ValueError naming `pools.<pool>.tensor_parallel`."""
+        (`engine.parallel.shard.check_degree`, quantized projections included) is a ValueError naming
+        `pools.<pool>.tensor_parallel`."""
         if degree not in self._degrees:
-            check_degree(self.cfg, degree, f"pools.{pool}.tensor_parallel")
+            check_degree(self.cfg, degree, f"pools.{pool}.tensor_parallel", self.quantization)
             self._degrees[degree] = RooflineModel(self.hardware, self.cfg, self.dtype, degree, **self._settings)
             self._degrees[degree]._degrees = self._degrees
         return self._degrees[degree]
+
+    def for_engine(self, args, kv) -> RooflineModel:
+        """This model for an actor built with engine settings `args` (`engine.EngineArgs`) and KV section `kv`
+        (`deploy.config.KVCacheSection`): its cache's dtype, its weights' quantization and its KV budget (module
+        docstring), at this model's degree."""
+        settings = dict(self._settings, kv_dtype_bytes=None if args.kv_cache_dtype == "auto" else 1,
+                        quantization=args.quantization, group_size=args.quantization_group_size,
+                        quantize_lm_head=args.quantize_lm_head, memory_fraction=kv.device_fraction() or 0.9,
+                        kv_num_blocks=kv.num_blocks,
+                        kv_memory_bytes=None if kv.memory_gib is None else kv.memory_gib * GIB)
+        if settings == self._settings:
+            return self
+        return RooflineModel(self.hardware, self.cfg, self.dtype, self.tensor_parallel, **settings)
 
     # -- the step ---------------------------------------------------------------------------------
 
@@ -167,6 +213,7 @@ class RooflineModel(StepTimeModel):
         it less than one block: every request would fail, so a run is refused before it starts.
         """
         hw, tp = self.hardware, self.tensor_parallel
+        block_bytes = block_size * self.kv_bytes_per_token * self.kv_share
         usable = hw.memory_bytes * self.memory_fraction
         rank_weights = self.resident_weight_bytes / tp
         free = usable - rank_weights - self.activation_reserve_bytes
@@ -174,14 +221,29 @@ class RooflineModel(StepTimeModel):
             raise ValueError(f"{self.name}: the weights ({rank_weights / 1e9:.1f} GB per GPU) and the activation "
                              f"reserve ({self.activation_reserve_bytes / 1e9:.1f} GB) do not fit in "
                              f"{usable / 1e9:.1f} GB ({self.memory_fraction:.0%} of {hw.memory_bytes / 1e9:.0f} GB)")
-        block_bytes = block_size * self.kv_bytes_per_token * self.kv_share
         blocks = math.floor(free / block_bytes)
+        asked = self.kv_num_blocks if self.kv_memory_bytes is None else math.floor(self.kv_memory_bytes / block_bytes)
+        if asked is not None:
+            key = "kv_cache.num_blocks" if self.kv_memory_bytes is None else "kv_cache.memory_gib"
+            if asked > blocks:
+                raise ValueError(f"{key}: {asked} KV blocks per actor do not fit: {self.name} has room for {blocks} "
+                                 f"beside the weights ({rank_weights / 1e9:.1f} GB per GPU)")
+            if asked < 1:
+                raise ValueError(f"{key}: less than one KV block ({block_bytes:.0f} bytes per GPU)")
+            return asked
         if blocks < 1:
             raise ValueError(f"{self.name}: memory_bytes {hw.memory_bytes:.0f} leaves no room for a KV block: of "
                              f"{usable:.0f} bytes ({self.memory_fraction:.0%}), the weights ({rank_weights:.0f} bytes "
                              f"per GPU) and the activation reserve ({self.activation_reserve_bytes:.0f} bytes) leave "
                              f"{free:.0f}, and one KV block ({block_size} tokens) needs {block_bytes:.0f} bytes")
         return blocks
+
+
+QUANTIZED_BYTES = {
+    "none": None,
+    "int8": lambda group_size: 1.0,                        # (one scale per output channel: left out)
+    "int4": lambda group_size: 0.5 + 4.0 / group_size,     # two nibbles a byte, a 16-bit scale and zero per group
+}
 
 
 def attended_pairs(chunk: Chunk) -> int:
@@ -206,7 +268,9 @@ def _step_terms(chunks: Sequence[Chunk]) -> tuple[int, int, int, int]:
     return num_tokens, pairs, kv_tokens, proposals
 
 
-def _check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+def _check_tensor_parallel(cfg: ModelConfig, tp: int, quantization: str = "none") -> None:
+    if tp > 1 and quantization != "none":
+        raise ValueError(f"tensor_parallel {tp}: quantized projections ({quantization}) are not sharded across ranks")
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     if tp < 1 or heads % tp:
         raise ValueError(f"tensor_parallel {tp} must be ≥ 1 and divide the {heads} attention heads")

@@ -270,7 +270,7 @@ class SimCluster:
             else:
                 args = engine_args(cfg, pool, name, self.shape)
         actor_id = f"{role if role == 'colocated' else pool}-{index}"
-        model = self.models.of_pool(pool)
+        model = self.models.of_pool(pool).for_engine(args, cfg.pool_kv_cache("decode" if role == "colocated" else pool))
         if args.speculative.enabled:       # (decode, colocated and role-flippable actors, as the launcher sets)
             model = model.with_speculation(self.speculation)
         actor = SimActor(actor_id, role, SimEngine(sim_args(args, model), self.shape, model), self, limits)

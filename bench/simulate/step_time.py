@@ -112,6 +112,11 @@ class StepTimeModel(ABC):
         raise ValueError(f"pools.{pool}.tensor_parallel {degree}: the time model {self.name!r} has no times at "
                          "tensor-parallel degrees above 1")
 
+    def for_engine(self, args, kv) -> StepTimeModel:
+        """This model for an actor built with engine settings `args` and KV section `kv` (its cache's dtype, its
+        weights' quantization, its KV budget). This one times what it measured, as it was configured: itself."""
+        return self
+
     def kv_blocks(self, block_size: int) -> int | None:
         """KV blocks one actor holds when its budget comes from the hardware (memory left after the
         weights), or None when the pool's configured budget applies."""

@@ -10,6 +10,7 @@ from bench.simulate.models import SHAPES, model_config
 from bench.simulate.roofline import RooflineModel, attended_pairs
 from bench.simulate.step_time import Chunk
 from engine.cost_model import decode_weight_params
+from engine.model.config import ModelConfig
 
 H100 = Hardware.load("H100-SXM")
 LLAMA_8B = model_config("llama-3-8b")
@@ -205,3 +206,47 @@ def test_kv_blocks_count_the_cache_dtype():
     assert roofline(kv_dtype_bytes=1).kv_bytes_per_token == 32 * 8 * 128 * 2
     opt = RooflineModel(H100, model_config("opt-13b"))                 # tied: the LM head is the embedding
     assert opt.resident_weight_bytes == opt.weight_bytes
+
+
+# -- an actor's own storage and KV budget (`for_engine`) ------------------------------------------
+
+def _engine(**overrides):
+    from deploy.config import load_config
+    from deploy.launcher import engine_args
+    cfg = load_config(None, {"model.name": "pydoc", **overrides})
+    return engine_args(cfg, "decode", cfg.model.name, LLAMA_8B), cfg.pool_kv_cache("decode")
+
+
+def test_an_actors_cache_dtype_quantization_and_budget_come_from_its_engine_settings():
+    base = roofline()
+    assert base.for_engine(*_engine()) is base                        # the defaults: the model as it is
+    fp8 = base.for_engine(*_engine(**{"kv_cache.dtype": "fp8"}))
+    assert fp8.kv_bytes_per_token == base.kv_bytes_per_token // 2 and fp8.weight_bytes == base.weight_bytes
+    assert fp8.kv_blocks(16) in (2 * base.kv_blocks(16), 2 * base.kv_blocks(16) + 1)
+    costs = base.costs
+    rest = base.weight_bytes - 2 * (costs.layer_params + costs.head_params)     # norms and the final norm, bf16
+    int8 = base.for_engine(*_engine(**{"model.quantization": "int8"}))
+    assert int8.weight_bytes == costs.layer_params * 1.0 + costs.head_params * 2 + rest
+    int4 = base.for_engine(*_engine(**{"model.quantization": "int4", "model.quantize_lm_head": True,
+                                       "model.quantization_group_size": 64}))
+    assert int4.weight_bytes == pytest.approx((costs.layer_params + costs.head_params) * (0.5 + 4 / 64) + rest)
+    decode = [Chunk(1, 512)] * 8
+    assert int4.step_s(decode) < int8.step_s(decode) < base.step_s(decode)      # decode reads fewer bytes
+    assert int4.step_flops(decode) == base.step_flops(decode)                   # weight-only: the same FLOPs
+    assert int4.kv_blocks(16) > base.kv_blocks(16)                              # and the memory goes to KV
+    assert base.for_engine(*_engine(**{"kv_cache.num_blocks": 50})).kv_blocks(16) == 50
+    gib = base.for_engine(*_engine(**{"kv_cache.memory_gib": 1.0}))
+    assert gib.kv_blocks(16) == (1 << 30) // (16 * base.kv_bytes_per_token)
+    half = base.for_engine(*_engine(**{"kv_cache.memory_fraction": 0.5})).kv_blocks(16)
+    assert half == int((80e9 * 0.5 - base.resident_weight_bytes - 1e9) // (16 * base.kv_bytes_per_token))
+    with pytest.raises(ValueError, match="kv_cache.num_blocks: 10000000 KV blocks per actor do not fit"):
+        base.for_engine(*_engine(**{"kv_cache.num_blocks": 10_000_000})).kv_blocks(16)
+
+
+def test_a_4bit_checkpoint_is_priced_as_int4_and_not_split():
+    gptq = ModelConfig.from_dict({**SHAPES["llama-3-8b"], "quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}})
+    model = RooflineModel(H100, gptq)
+    assert model.quantization == "int4" and model.weight_bytes < roofline().weight_bytes / 2.5
+    with pytest.raises(ValueError, match="pools.decode.tensor_parallel 2: quantized projections"):
+        model.at_degree("decode", 2)
