@@ -16,6 +16,9 @@ Variants at equal total actors (each with the decode pool's resources):
     disaggregated-spec  disaggregated with ``speculative.method: ngram`` on the decode actors
     colocated-spec      colocated-chunked with ``speculative.method: ngram``
                         (each beside its plain variant: speculation's peer; docs/speculative.md)
+
+The disaggregated variants set ``routing.mode: disaggregated`` and ``auto`` sets ``auto``, over the config
+file and ``--set``: a variant runs as its name says.
 """
 from __future__ import annotations
 
@@ -89,6 +92,8 @@ def variant_values(model: str | None, dtype: str | None, overrides: list[str], v
     values: dict[str, object] = {"model.name": model, "model.dtype": dtype}
     if variant == "colocated-chunked" and colocated_chunk_tokens:
         overrides = [*overrides, f"pools.prefill.chunk_tokens={colocated_chunk_tokens}"]
+    if variant in ("disaggregated", "disaggregated-no-reuse", "disaggregated-spec"):   # whatever the file says
+        overrides = [*overrides, "routing.mode=disaggregated"]
     if variant == "disaggregated-no-reuse":
         overrides = [*overrides, "routing.decode_prefix_reuse=false"]
     elif variant == "auto":         # placement per request, and the split follows the load (prefill pool down to 0)

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 from bench.serving.arg_types import (float_list, non_negative_float, non_negative_int, output_file, positive_float,
                                       positive_int, request_rate)
-from bench.serving.runs import autoscale_settings
+from bench.serving.runs import autoscale_settings, router_slo
 from bench.serving.slo_scale import ATTAINMENT, max_rate_rps, rates_around
 from bench.serving.strict_json import write_json
 from bench.serving.sweep import print_points
@@ -226,7 +226,9 @@ def variant_config(args: argparse.Namespace, variant: str, extra: list[str] = ()
             raise ValueError(f"--tensor-parallel {args.tensor_parallel} sets every pool's degree; --set {keys[0]} "
                              "sets one: use either")
         degree = [f"pools.{pool}.tensor_parallel={args.tensor_parallel}" for pool in ("prefill", "decode")]
-    return load_config(args.config, variant_values(None, None, [*degree, *args.set, *extra], variant))
+    # the SLO flags are the cluster's `slo` too (what auto placement and the autoscaler aim at), as in bench serve
+    return load_config(args.config, variant_values(None, None, [*degree, *args.set, *router_slo(args), *extra],
+                                                   variant))
 
 
 def time_model(args: argparse.Namespace, cfg) -> tuple[StepTimeModel, ModelConfig]:
@@ -237,9 +239,12 @@ def time_model(args: argparse.Namespace, cfg) -> tuple[StepTimeModel, ModelConfi
         from bench.simulate.models import model_config
         from bench.simulate.roofline import RooflineModel
         shape = model_config(args.model or cfg.model.name)
+        from deploy.launcher import engine_args
         model = RooflineModel(Hardware.load(args.hardware), shape, dtype=args.dtype or "bf16",
                               inter_node=not args.intra_node,
                               model_name=args.model or cfg.model.name)         # degree 1: at_degree gives the rest
+        # the decode pool's storage (quantization, KV dtype and budget) for the planner; each actor takes its own
+        model = model.for_engine(engine_args(cfg, "decode", cfg.model.name, shape), cfg.pool_kv_cache("decode"))
     else:
         from deploy.profiler import default_profile_path
         from engine.model.presets import resolve_model

@@ -132,3 +132,30 @@ def test_progress_is_drawn_on_a_terminal_by_default_and_counts_wall_seconds(caps
     assert int(last) < 15                               # wall seconds, not the ~20 simulated ones
     assert cli.main([*argv, "--no-progress"]) == 0
     assert "[####" not in capsys.readouterr().err
+
+
+def test_the_configs_cache_dtype_and_quantization_reach_the_simulated_gpus(tmp_path):
+    """An fp8 cache ships its own bytes (no more than bf16 blocks encoded to fp8, never twice) and int4 weights
+    make decode faster; both were once left out of a roofline run."""
+    def run(*settings: str) -> dict:
+        out = tmp_path / "run.json"
+        sets = [x for s in settings for x in ("--set", s)]
+        assert cli.main([*GPU, "--workload", "chat", "--num-requests", "6", "--rate", "5", "--jobs", "1", *sets,
+                         "--json", str(out)]) == 0
+        return json.loads(out.read_text())["runs"]["disaggregated"]
+    bf16, fp8, int4 = run(), run("kv_cache.dtype=fp8"), run("model.quantization=int4")
+    assert fp8["kv_bytes"] == pytest.approx(bf16["kv_bytes"] / 2)
+    assert fp8["kv_wire_bytes"] <= bf16["kv_wire_bytes"]
+    assert int4["tpot_p50_s"] < bf16["tpot_p50_s"] / 2
+
+
+def test_a_variant_runs_as_named_and_the_slo_flags_are_the_clusters(tmp_path):
+    """`disaggregated` ships KV whatever routing.mode the file sets, and auto placement and the autoscaler aim at
+    the SLOs the report judges by."""
+    conf = tmp_path / "colocated.yaml"
+    conf.write_text("routing:\n  mode: colocated\n")
+    args = cli.with_defaults(cli.build_parser().parse_args(["--config", str(conf), "--slo-ttft-ms", "40",
+                                                            "--slo-tpot-ms", "7"]))
+    cfg = cli.variant_config(args, "disaggregated")
+    assert cfg.routing.mode == "disaggregated" and (cfg.slo.ttft_p99_ms, cfg.slo.tpot_p99_ms) == (40, 7)
+    assert cli.variant_config(args, "auto").routing.mode == "auto"
