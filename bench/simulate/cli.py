@@ -42,7 +42,7 @@ from bench.serving.slo_scale import ATTAINMENT, max_rate_rps, rates_around
 from bench.serving.strict_json import write_json
 from bench.serving.sweep import print_points
 from bench.serving.tables import lengths_line, table
-from bench.serving.workloads import MULTI_TURN, describe, make_conversations, make_workload
+from bench.serving.workloads import MULTI_TURN, describe, is_trace_file, make_conversations, make_workload
 from bench.simulate.measured import MeasuredModel
 from bench.simulate.parallel import WorkerLost, available_cores, jobs, map_runs
 from bench.simulate.plan_profile import search_with_model, usable_degrees
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--workload", help="chat | rag | mixed | shared-prefix | multi-turn | phases "
                    "(chat → rag → chat) | FILE.jsonl (default mixed)")
     w.add_argument("--num-requests", type=positive_int, default=200, help="requests (multi-turn: conversations)")
-    w.add_argument("--num-turns", type=positive_int, default=4, help="multi-turn: turns per conversation")
+    w.add_argument("--num-turns", type=positive_int, help="multi-turn: turns per conversation (default 4)")
     w.add_argument("--scale", type=positive_float, help="multiply every prompt and output length (default 1)")
     w.add_argument("--prompt-len", type=positive_int, help="fix every prompt's length")
     w.add_argument("--output-len", type=positive_int, help="fix every output's length")
@@ -165,6 +165,24 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"{split_only[0]} applies with --sweep split")
     if args.sweep_values and not args.sweep:
         raise ValueError("--sweep-values applies with --sweep rate, split or ratio")
+    for flag, value in (("--json", args.json), ("--plot", args.plot)):
+        if value is not None and not value.strip():
+            raise ValueError(f"{flag}: give a {'file' if flag == '--json' else 'directory'} name")
+    workload = args.workload or ""
+    if args.num_turns is not None and workload != MULTI_TURN:
+        raise ValueError(f"--num-turns applies with --workload {MULTI_TURN}")
+    if args.prompt_len is not None and workload == MULTI_TURN:
+        raise ValueError(f"--prompt-len does not apply to --workload {MULTI_TURN}: each turn's prompt is the "
+                         "conversation so far (--scale and --output-len do)")
+    if args.scale is not None and is_trace_file(workload):
+        raise ValueError(f"--scale does not apply to a trace (--workload {workload}): its lengths are its own; "
+                         "--prompt-len / --output-len replace them")
+    if workload == "structured":
+        raise ValueError("--workload structured: the simulator does not model grammar-constrained decoding (its "
+                         "mask's cost per token); `pdserve bench serve --embedded --workload structured` "
+                         "measures it here")
+    if args.sweep == "split" and args.tensor_parallel is not None:
+        raise ValueError("--tensor-parallel does not apply to --sweep split: it tries each degree of --tp per pool")
     ignored = {"rate": ("--rate",), "split": ("--rate", "--mode", "--compare"),
                "ratio": ("--rate", "--mode", "--compare", "--workload", "--scale", "--prompt-len", "--output-len")}
     for flag in ignored.get(args.sweep, ()):
@@ -190,7 +208,7 @@ def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """`args` with the defaults of the flags `check_flags` needed to see unset: what each run uses (a ratio sweep:
     the chat shape it runs)."""
     defaults = {"rate": math.inf, "mode": "disaggregated", "workload": "chat" if args.sweep == "ratio" else "mixed",
-                "scale": 1.0}
+                "scale": 1.0, "num_turns": 4}
     return argparse.Namespace(**{**vars(args), **{k: v for k, v in defaults.items() if getattr(args, k) is None}})
 
 

@@ -98,9 +98,11 @@ class Hardware:
         except UnicodeDecodeError as e:
             raise ValueError(f"{path}: not UTF-8 text ({e})") from None
         try:
-            raw = yaml.safe_load(text)
+            raw = yaml.load(text, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML ({e})") from None
+            mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else path
+            raise ValueError(f"{where}: not valid YAML ({problem or str(e).splitlines()[0]})") from None
         return cls.from_dict(raw, source=path)
 
     @classmethod
@@ -116,6 +118,8 @@ class Hardware:
         if not isinstance(raw["name"], str) or not raw["name"]:
             raise ValueError(f"{source}: key 'name' must be a non-empty string")
         values = {k: _positive(raw[k], k, source) for k in known - {"name", "peak_flops", "sources"}}
+        for k, value in values.items():
+            _plausible(value, k, source)
         for k in _FRACTIONS:
             if values[k] > 1.0:
                 raise ValueError(f"{source}: key {k!r} is a fraction of peak, at most 1, got {values[k]}")
@@ -125,6 +129,20 @@ class Hardware:
                              "GPU today has under 300 GB): a typo? (80 GB is 80.0e+9)")
         return cls(name=raw["name"], peak_flops=_peak_flops(raw["peak_flops"], source),
                    sources=_sources(raw.get("sources", []), source), **values)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (the last would silently win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def shipped() -> dict[str, str]:
@@ -159,7 +177,34 @@ def _peak_flops(raw: object, source: str) -> PeakFlops:
     if not isinstance(raw, dict) or not raw:
         raise ValueError(f"{source}: key 'peak_flops' must map dtypes ({', '.join(DTYPES)}) to FLOP/s")
     _refuse_unknown(raw, set(DTYPES), source, "peak_flops.")
-    return PeakFlops(**{d: None if v is None else _positive(v, f"peak_flops.{d}", source) for d, v in raw.items()})
+    peaks = {d: None if v is None else _positive(v, f"peak_flops.{d}", source) for d, v in raw.items()}
+    for d, v in peaks.items():
+        if v is not None:
+            _plausible(v, f"peak_flops.{d}", source)
+    return PeakFlops(**peaks)
+
+
+PLAUSIBLE = {              # key: (least, most) a device's figure can be; outside it, a typo or a unit slip
+    "peak_flops": (1e9, 1e18),
+    "memory_bytes": (1e8, None),                 # (the upper bound: MAX_MEMORY_BYTES, with its own message)
+    "memory_bytes_per_s": (1e9, 1e15),
+    "intra_node_link_bytes_per_s": (1e6, 1e15),
+    "inter_node_link_bytes_per_s": (1e6, 1e15),
+    "link_latency_s": (None, 1.0),
+    "step_overhead_s": (None, 1.0),
+    "compute_efficiency": (0.01, None),
+    "memory_efficiency": (0.01, None),
+}
+
+
+def _plausible(value: float, key: str, source: str) -> None:
+    """ValueError naming `key` where `value` is outside what any device has (`PLAUSIBLE`): a step or a handoff
+    priced from it would take years, or nothing."""
+    least, most = PLAUSIBLE[key.split(".")[0]]
+    if least is not None and value < least:
+        raise ValueError(f"{source}: key {key!r} is {value:.4g}, below the least a device has ({least:g}): a typo?")
+    if most is not None and value > most:
+        raise ValueError(f"{source}: key {key!r} is {value:.4g}, above the most a device has ({most:g}): a typo?")
 
 
 def _sources(raw: object, source: str) -> tuple[str, ...]:

@@ -45,8 +45,8 @@ class RoutingSection(Section):
         "kv_aware", description="Admit where prompt + max_tokens fit; kv_aware: fewest prompt blocks to ship "
         "(cached prefix) + a weight per running request, then most free blocks; most_free_blocks: most free.")
     kv_events_interval_s: float = Field(
-        0.2, gt=0, le=60, description="How often the router pulls every actor's prefix-cache events (each "
-        "actor is also pulled when its prefill or request ends).")
+        0.2, ge=0.01, le=60, description="How often the router pulls every actor's prefix-cache events (each "
+        "actor is also pulled when its prefill or request ends); at least 0.01 s, each pull asks every actor.")
 
     @field_validator("role_flips", mode="before")
     @classmethod

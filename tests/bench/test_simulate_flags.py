@@ -34,12 +34,26 @@ GPU = ["--hardware", "H100-SXM", "--model", "llama-3-8b"]
     ([*GPU, "--sweep", "ratio", "--workload", "rag"], "--workload does not apply to --sweep ratio: it runs chat"),
     ([*GPU, "--sweep", "ratio", "--scale", "0.5"], "--scale does not apply to --sweep ratio"),
     ([*GPU, "--sweep", "ratio", "--prompt-len", "100"], "--prompt-len does not apply to --sweep ratio"),
+    ([*GPU, "--workload", "chat", "--num-turns", "3"], "--num-turns applies with --workload multi-turn"),
+    ([*GPU, "--workload", "multi-turn", "--prompt-len", "30"], "--prompt-len does not apply to --workload multi"),
+    ([*GPU, "--workload", "structured"], "--workload structured: the simulator does not model grammar-constrained"),
+    ([*GPU, "--sweep", "split", "--tensor-parallel", "2"], "--tensor-parallel does not apply to --sweep split"),
+    ([*GPU, "--json", ""], "--json: give a file name"),
+    ([*GPU, "--sweep", "rate", "--plot", " "], "--plot: give a directory name"),
+    ([*GPU, "--set", "routing.kv_events_interval_s=1e-5"], "routing.kv_events_interval_s: must be >= 0.01"),
 ])
 def test_a_flag_the_run_would_ignore_or_never_finish_is_refused(argv, said, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli.main(argv) == 2
     assert said in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "plots")
+
+
+def test_a_trace_takes_no_scale(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"prompt_len": 10, "output_len": 5}\n')
+    assert cli.main([*GPU, "--workload", str(trace), "--scale", "2"]) == 2
+    assert f"--scale does not apply to a trace (--workload {trace})" in capsys.readouterr().err
 
 
 def test_an_output_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):

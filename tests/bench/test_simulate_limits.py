@@ -51,6 +51,27 @@ def test_memory_bytes_above_the_bound_is_refused_naming_the_file_key_and_bound(t
     assert path in err and "memory_bytes" in err and "1e+13" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("line, said", [
+    ("memory_bytes_per_s: 1e-300", "key 'memory_bytes_per_s' is 1e-300, below the least a device has (1e+09)"),
+    ("inter_node_link_bytes_per_s: 1", "key 'inter_node_link_bytes_per_s' is 1, below the least"),
+    ("link_latency_s: 3600", "key 'link_latency_s' is 3600, above the most a device has (1)"),
+    ("compute_efficiency: 1e-9", "key 'compute_efficiency' is 1e-09, below the least"),
+    ("memory_bytes: 80.0e+9\nmemory_bytes: 1e9", ":10: not valid YAML (key 'memory_bytes' given twice)"),
+])
+def test_a_figure_no_device_has_or_a_key_given_twice_is_refused(tmp_path, capsys, line, said):
+    """Figures that would price a step at years (a run that never ends) or at nothing, and a repeated key whose
+    last value would silently win."""
+    key = line.split(":")[0]
+    text = "".join(line.replace("\\n", "\n") + "\n" if row.startswith(key + ":") else row
+                   for row in H100_TEXT.splitlines(keepends=True))
+    path = tmp_path / "gpu.yaml"
+    path.write_text(text)
+    code, err = _simulate(str(path), capsys)
+    assert code == 2 and said in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="peak_flops.bf16"):
+        Hardware.from_dict({**_fields(Hardware.load("H100-SXM")), "peak_flops": {"bf16": 1e-300}})
+
+
 def test_memory_bytes_up_to_the_bound_loads():
     fields = _fields(Hardware.load("H100-SXM"))
     assert Hardware.from_dict({**fields, "memory_bytes": MAX_MEMORY_BYTES}).memory_bytes == MAX_MEMORY_BYTES
