@@ -310,10 +310,12 @@ def build_cluster(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig
     spec_acceptance: with `speculative:` on, the acceptance rate its proposals meet (`SimCluster`).
     ValueError naming `kv_cache.tiers` where a pool has tiers: the simulated engines have none, and a run
     without them would be reported as the config's."""
-    for pool in ("prefill", "decode"):
+    for pool, section in cfg.pools.items():
         if cfg.pool_kv_cache(pool).tiers:
-            raise ValueError(f"kv_cache.tiers: the simulator does not model KV tiers (pool {pool} has "
-                             f"{len(cfg.pool_kv_cache(pool).tiers)}); remove them (--set kv_cache.tiers=[]) to "
+            key = f"pools.{pool}.kv_cache.tiers" if section.kv_cache is not None and section.kv_cache.tiers \
+                else "kv_cache.tiers"
+            raise ValueError(f"{key}: the simulator does not model KV tiers (pool {pool} has "
+                             f"{len(cfg.pool_kv_cache(pool).tiers)}); remove them (--set {key}=[]) to "
                              "simulate the rest of the config")
     cluster = SimCluster(cfg, model, sim_cfg, mode, chunked, spec_acceptance)
     size = pool_sizes(cfg, counts)

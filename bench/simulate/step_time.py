@@ -135,15 +135,15 @@ def sim_args(args: EngineArgs, model: StepTimeModel) -> EngineArgs:
 class PoolModels:
     """The time model of each pool's actors at the pool's degree, and of the KV handoff between them.
 
-    prefill, decode: `StepTimeModel.at_degree` of the pool's `tensor_parallel`. Colocated actors run at
-        one degree, the decode pool's (they take its engine settings, as `deploy.launcher` starts them).
+    pools: each pool's `StepTimeModel.at_degree` of its `tensor_parallel` (prefill, decode and, where the config
+        has one, long_context). Colocated actors run at one degree, the decode pool's (they take its engine
+        settings, as `deploy.launcher` starts them).
     link: the handoff's model. KV resharded by head leaves the prefill actor's ranks and reaches the decode
         actor's, each rank over its own NIC: the side with fewer ranks binds, so the model at the lower
-        degree prices it.
+        degree prices it (a long-context actor's handoff is priced as a decode actor's).
     """
 
-    prefill: StepTimeModel
-    decode: StepTimeModel
+    pools: dict[str, StepTimeModel]
     link: StepTimeModel
     degrees: dict[str, int]
 
@@ -151,12 +151,20 @@ class PoolModels:
     def of(cls, model: StepTimeModel, degrees: dict[str, int], colocated: bool = False) -> PoolModels:
         if colocated:
             degrees = {"prefill": degrees["decode"], "decode": degrees["decode"]}
-        prefill, decode = (model.at_degree(pool, degrees[pool]) for pool in ("prefill", "decode"))
-        link = prefill if degrees["prefill"] <= degrees["decode"] else decode
-        return cls(prefill, decode, link, degrees)
+        pools = {pool: model.at_degree(pool, degree) for pool, degree in degrees.items()}
+        link = pools["prefill"] if degrees["prefill"] <= degrees["decode"] else pools["decode"]
+        return cls(pools, link, degrees)
+
+    @property
+    def prefill(self) -> StepTimeModel:
+        return self.pools["prefill"]
+
+    @property
+    def decode(self) -> StepTimeModel:
+        return self.pools["decode"]
 
     def of_pool(self, pool: str) -> StepTimeModel:
-        return self.prefill if pool == "prefill" else self.decode
+        return self.pools.get(pool, self.pools["decode"])
 
     def describe(self) -> str:
         """"prefill tp=2, decode tp=1" for the report."""

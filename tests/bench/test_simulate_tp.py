@@ -52,6 +52,15 @@ def test_a_decode_actor_at_degree_2_takes_the_degree_2_step_time_and_holds_its_b
     assert cluster.models.link.link_s(1e9) == pytest.approx(one.link_s(1e9))
 
 
+def test_a_long_context_actor_runs_at_its_own_pools_degree():
+    cluster = cluster_of({"pools.long_context.count": 1, "pools.long_context.tensor_parallel": 4,
+                          "routing.long_request_tokens": 1000})
+    long_context = next(a for a in cluster.actors if a.actor_id.startswith("long_context"))
+    decode = next(a for a in cluster.actors if a.actor_id.startswith("decode"))
+    assert long_context.engine.runner.model.tensor_parallel == 4 and decode.engine.runner.model.tensor_parallel == 1
+    assert cluster.models.degrees == {"prefill": 1, "decode": 1, "long_context": 4}
+
+
 def test_colocated_actors_run_at_the_decode_pools_degree():
     cluster = cluster_of({"pools.prefill.tensor_parallel": 4, "pools.decode.tensor_parallel": 2}, "colocated")
     assert cluster.models.degrees == {"prefill": 2, "decode": 2}
