@@ -47,12 +47,14 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
 
 from deploy.config import PDServeConfig
 from deploy.launcher import engine_args
+from engine.cost_model import ModelCosts
 from engine.model.presets import cache_root, resolve_model
 
 PROFILE_VERSION = 1
@@ -314,21 +316,28 @@ def save_profile(profile: dict, path: str) -> str:
 
 
 def load_profile(path: str) -> dict:
-    """Read a profile file; ValueError with the path when it is not one."""
+    """Read a profile file; ValueError with the path and the key when it is not one (a section of the wrong
+    type, a number missing, negative or not finite, a decode or speculative step measured twice)."""
     try:
         with open(path, encoding="utf-8") as f:
             profile = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: cannot read profile ({e})") from None
     if not isinstance(profile, dict) or profile.get("version") != PROFILE_VERSION:
         raise ValueError(f"{path}: not a pdserve profile (version {PROFILE_VERSION})")
     for pool in ("prefill", "decode"):
-        section = profile.get(pool)
-        if not isinstance(section, dict) or not section.get("points"):
-            raise ValueError(f"{path}: no {pool} measurements")
-        if not isinstance(section.get("engine"), dict) or not isinstance(section["engine"].get("costs"), dict):
-            raise ValueError(f"{path}: {pool}.engine.costs is missing (the model's shape the points were measured on)")
-        _check_points(path, pool, section["points"], POINT_FIELDS[pool])
+        _check_pool(path, pool, pool, profile.get(pool))
+    degrees = profile.get("degrees") or {}
+    if not isinstance(degrees, dict):
+        raise ValueError(f"{path}: degrees must be a mapping of tensor-parallel degree to pools")
+    for degree, pools in degrees.items():
+        if not re.fullmatch(r"[1-9][0-9]*", degree) or degree == "1" or not isinstance(pools, dict):
+            raise ValueError(f"{path}: degrees.{degree} must be a tensor-parallel degree above 1 mapped to its pools")
+        for pool, section in pools.items():
+            if pool not in POINT_FIELDS:
+                raise ValueError(f"{path}: degrees.{degree}.{pool}: a pool is prefill or decode")
+            _check_pool(path, f"degrees.{degree}.{pool}", pool, section)
+    _check_speculative(path, profile.get("speculative"))
     calibration = profile.get("calibration", {})
     if not isinstance(calibration, dict):
         raise ValueError(f"{path}: calibration must be a mapping")
@@ -338,13 +347,85 @@ def load_profile(path: str) -> dict:
             continue
         least = 0.0 if key.endswith(("_s", "_per_mb")) else None     # fixed costs may be 0; factors must be > 0
         _check_number(path, f"calibration.{key}", value, least)
-    if not isinstance(profile.get("transfer", {}), dict):
+    transfer = profile.get("transfer", {})
+    if not isinstance(transfer, dict):
         raise ValueError(f"{path}: transfer must be a mapping")
+    for key in TRANSFER_FIELDS:
+        if transfer.get(key) is not None:       # wire_bytes 0: a transport that does not count them (kv_bytes then)
+            _check_number(path, f"transfer.{key}", transfer[key], 0.0 if key == "wire_bytes" else None)
     return profile
 
 
-POINT_FIELDS = {"prefill": ("prompt_len", "seconds"), "decode": ("batch", "context", "seconds")}
+POINT_FIELDS = {"prefill": ("prompt_len", "seconds"), "decode": ("batch", "context", "seconds", "bytes_per_s")}
 """Each point's required numbers (a prefill point without "batch" is one prompt)."""
+TRANSFER_FIELDS = ("kv_bytes", "wire_bytes", "seconds", "kv_bytes_per_s")
+"""The link measurement's numbers, where present (a failed measurement has none, and an error)."""
+
+
+def _check_pool(path: str, key: str, pool: str, section: object) -> None:
+    """One pool's measurements at one degree: {"engine": {"costs": ...}, "points": [...]}."""
+    if not isinstance(section, dict) or not section.get("points"):
+        raise ValueError(f"{path}: no {key} measurements")
+    if not isinstance(section.get("engine"), dict) or not isinstance(section["engine"].get("costs"), dict):
+        raise ValueError(f"{path}: {key}.engine.costs is missing (the model's shape the points were measured on)")
+    try:
+        ModelCosts.from_dict(section["engine"]["costs"], f"{key}.engine.costs")
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    points = section["points"]
+    _check_points(path, key, points, POINT_FIELDS[pool])
+    if pool == "decode":
+        _check_distinct(path, f"{key}.points", points, ("batch", "context"))
+        return
+    # One prompt's time by length rests on the batch-1 points (the saturated steps: batch > 1, or 1 where the
+    # token budget takes one prompt, a length measured twice: `MeasuredPerformance` keeps the faster).
+    if not any(p.get("batch", 1) == 1 for p in points):
+        raise ValueError(f"{path}: {key}.points: no single-prompt point (batch 1), which prefill times rest on")
+
+
+def _check_distinct(path: str, key: str, points: list[dict], fields: tuple[str, ...]) -> None:
+    """No two points at the same `fields` (one step measured twice says two different things)."""
+    seen: dict[tuple, int] = {}
+    for i, point in enumerate(points):
+        at = tuple(point[f] for f in fields)
+        if at in seen:
+            where = ", ".join(f"{f} {v:g}" for f, v in zip(fields, at))
+            raise ValueError(f"{path}: {key}[{i}]: {where} measured twice (also {key}[{seen[at]}])")
+        seen[at] = i
+
+
+def _check_speculative(path: str, spec: object) -> None:
+    """{"method", "num_tokens", "adaptive", "points": [...], "acceptance": {ratio, num_tokens, ...} | null}."""
+    if spec is None:
+        return
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path}: speculative must be a mapping")
+    if spec.get("method") is not None and not isinstance(spec["method"], str):
+        raise ValueError(f"{path}: speculative.method must be a method name, got {spec['method']!r}")
+    if spec.get("num_tokens") is not None:
+        _check_count(path, "speculative.num_tokens", spec["num_tokens"])
+    points = spec.get("points") or []
+    _check_points(path, "speculative", points, ("batch", "context", "seconds"))
+    for i, point in enumerate(points):
+        _check_count(path, f"speculative.points[{i}].num_tokens", point.get("num_tokens"))
+    _check_distinct(path, "speculative.points", points, ("num_tokens", "batch", "context"))
+    acceptance = spec.get("acceptance")
+    if acceptance is None:
+        return
+    if not isinstance(acceptance, dict):
+        raise ValueError(f"{path}: speculative.acceptance must be a mapping or null")
+    ratio = acceptance.get("ratio")
+    if ratio is not None:              # None: nothing was proposed on the held-out text
+        _check_number(path, "speculative.acceptance.ratio", ratio, 0.0)
+        if ratio > 1:
+            raise ValueError(f"{path}: speculative.acceptance.ratio must be at most 1 (accepted / proposed tokens), "
+                             f"got {ratio!r}")
+    _check_count(path, "speculative.acceptance.num_tokens", acceptance.get("num_tokens"))
+
+
+def _check_count(path: str, key: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{path}: {key} must be a positive integer, got {value!r}")
 
 
 def _check_curve(path: str, key: str, curve: object) -> None:
@@ -359,6 +440,7 @@ def _check_curve(path: str, key: str, curve: object) -> None:
 
 
 def _check_points(path: str, pool: str, points: object, fields: tuple[str, ...]) -> None:
+    """Each point a mapping with `fields` (and "batch" where present) finite numbers above 0 ("context": 0 too)."""
     if not isinstance(points, list):
         raise ValueError(f"{path}: {pool}.points must be a list")
     for i, point in enumerate(points):

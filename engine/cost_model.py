@@ -70,7 +70,16 @@ class ModelCosts:
                    dtype_bytes=dtype_bytes)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelCosts":
+    def from_dict(cls, d: dict, key: str = "costs") -> "ModelCosts":
+        """The counts `to_dict` saved; ValueError naming `key`.<count> where one is missing or not a positive
+        integer."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{key} must be a mapping of the model's counts, got {d!r}")
+        for name in cls.__slots__:
+            value = d.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{key}.{name} must be a positive integer, "
+                                 + (f"got {value!r}" if name in d else "missing"))
         return cls(**{k: d[k] for k in cls.__slots__})
 
     def to_dict(self) -> dict:

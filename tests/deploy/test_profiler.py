@@ -1,6 +1,8 @@
 """The profile as the planner reads it: interpolation between measured points, saturated prefill."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from profile_support import COSTS, synthetic
 
@@ -112,12 +114,12 @@ def test_profile_local_writes_the_speculative_steps_and_acceptance_the_model_rea
 
 def test_a_malformed_profile_is_refused_naming_the_key(tmp_path):
     import copy
-    import json
 
     from deploy.profiler import load_profile
-    good = {"version": 1, "prefill": {"engine": {"costs": {}}, "points": [{"prompt_len": 128, "batch": 1,
-                                                                          "seconds": 0.09}]},
-            "decode": {"engine": {"costs": {}}, "points": [{"batch": 1, "context": 128, "seconds": 0.013}]},
+    engine = {"costs": COSTS.to_dict()}
+    good = {"version": 1, "prefill": {"engine": engine, "points": [{"prompt_len": 128, "batch": 1, "seconds": 0.09}]},
+            "decode": {"engine": engine, "points": [{"batch": 1, "context": 128, "seconds": 0.013,
+                                                     "bytes_per_s": 7e8}]},
             "calibration": {"prefill": 1.02, "handoff_s": 0.0, "send_s_per_mb": 0.0,
                             "send_curve": [[0.3, 0.015], [3.1, 0.09]], "shared_prefill": 1.4}}
     path = tmp_path / "p.json"
@@ -152,3 +154,115 @@ def test_a_malformed_profile_is_refused_naming_the_key(tmp_path):
     assert "calibration.shared_prefill must be a finite number above 0, got 0" in load(
         lambda p: p["calibration"].update(shared_prefill=0))
     assert "transfer must be a mapping" in load(lambda p: p.update(transfer=[1]))
+
+
+def _valid_profile() -> dict:
+    """A profile as `pdserve profile` writes it: prefill and decode at degree 1 and 2, a speculative section
+    with its acceptance, a link measurement."""
+    from profile_support import with_degree, with_speculation
+    profile = with_speculation(with_degree(synthetic(), 2), lambda b, c: 0.02 + 0.001 * b, acceptance=0.6)
+    profile["transfer"] = {"transport": "tcp", "codec": "none", "kv_bytes": 1 << 20, "wire_bytes": 1 << 20,
+                           "seconds": 0.002, "kv_bytes_per_s": (1 << 20) / 0.002}
+    return json.loads(json.dumps(profile))          # as read from the file: no section shared with another
+
+
+def _single(points: list[dict]) -> list[dict]:
+    return [dict(points[0]), dict(points[0]), *points[1:]]
+
+
+@pytest.mark.parametrize("mend, said", [
+    (lambda p: p["prefill"]["engine"].update(costs={}), "prefill.engine.costs.num_layers must be a positive integer, "
+                                                          "missing"),
+    (lambda p: p["decode"]["engine"]["costs"].update(kv_bytes_per_token="2048"),
+     "decode.engine.costs.kv_bytes_per_token must be a positive integer, got '2048'"),
+    (lambda p: p["decode"]["engine"]["costs"].update(num_layers=4.0), "decode.engine.costs.num_layers must be a "
+                                                                        "positive integer, got 4.0"),
+    (lambda p: p["degrees"]["2"]["decode"]["engine"].update(costs={"num_layers": -1}),
+     "degrees.2.decode.engine.costs.num_layers must be a positive integer, got -1"),
+    (lambda p: p["prefill"].update(points=[{"prompt_len": 128, "batch": 8, "seconds": 0.1}]),
+     "prefill.points: no single-prompt point (batch 1)"),
+    (lambda p: p["degrees"]["2"]["prefill"]["points"][1].update(prompt_len=0),
+     "degrees.2.prefill.points[1].prompt_len must be a finite number above 0, got 0"),
+    (lambda p: p["decode"].update(points=_single(p["decode"]["points"])),
+     "decode.points[1]: batch 1, context 128 measured twice (also decode.points[0])"),
+    (lambda p: p["decode"]["points"][2].pop("bytes_per_s"), "decode.points[2].bytes_per_s must be a finite number"),
+    (lambda p: p["decode"]["points"][0].update(context=float("nan")), "decode.points[0].context must be a finite"),
+    (lambda p: p.update(degrees=[2]), "degrees must be a mapping of tensor-parallel degree to pools"),
+    (lambda p: p.update(degrees={"two": {}}), "degrees.two must be a tensor-parallel degree above 1"),
+    (lambda p: p.update(degrees={"02": {}}), "degrees.02 must be a tensor-parallel degree above 1"),
+    (lambda p: p.update(degrees={"1": {}}), "degrees.1 must be a tensor-parallel degree above 1"),
+    (lambda p: p["degrees"]["2"].update(router={}), "degrees.2.router: a pool is prefill or decode"),
+    (lambda p: p.update(transfer={"wire_bytes": "x", "seconds": "y"}),
+     "transfer.wire_bytes must be a finite number at least 0, got 'x'"),
+    (lambda p: p["transfer"].update(wire_bytes=-1), "transfer.wire_bytes must be a finite number at least 0, got -1"),
+    (lambda p: p["transfer"].update(seconds=0), "transfer.seconds must be a finite number above 0, got 0"),
+    (lambda p: p["transfer"].update(kv_bytes_per_s=float("inf")), "transfer.kv_bytes_per_s must be a finite number"),
+    (lambda p: p.update(speculative=[1]), "speculative must be a mapping"),
+    (lambda p: p["speculative"].update(points=5), "speculative.points must be a list"),
+    (lambda p: p["speculative"].update(method=1), "speculative.method must be a method name, got 1"),
+    (lambda p: p["speculative"].update(num_tokens="4"), "speculative.num_tokens must be a positive integer, got '4'"),
+    (lambda p: p["speculative"]["points"][1].update(num_tokens=0),
+     "speculative.points[1].num_tokens must be a positive integer, got 0"),
+    (lambda p: p["speculative"]["points"][1].update(seconds="x"), "speculative.points[1].seconds must be a finite"),
+    (lambda p: p["speculative"].update(points=_single(p["speculative"]["points"])),
+     "speculative.points[1]: num_tokens 4, batch 1, context 128 measured twice (also speculative.points[0])"),
+    (lambda p: p["speculative"].update(acceptance="x"), "speculative.acceptance must be a mapping or null"),
+    (lambda p: p["speculative"]["acceptance"].update(ratio="x"), "speculative.acceptance.ratio must be a finite"),
+    (lambda p: p["speculative"]["acceptance"].update(ratio=1.7),
+     "speculative.acceptance.ratio must be at most 1 (accepted / proposed tokens), got 1.7"),
+    (lambda p: p["speculative"]["acceptance"].update(ratio=1.7, num_tokens=2), "speculative.acceptance.ratio must be "
+                                                                              "at most 1"),
+    (lambda p: p["speculative"]["acceptance"].update(ratio=-0.1), "speculative.acceptance.ratio must be a finite "
+                                                                  "number at least 0, got -0.1"),
+    (lambda p: p["speculative"]["acceptance"].update(num_tokens=True),
+     "speculative.acceptance.num_tokens must be a positive integer, got True"),
+])
+def test_a_profile_section_of_the_wrong_type_sign_or_order_is_refused_naming_the_key(mend, said, tmp_path):
+    from deploy.profiler import load_profile
+    path = tmp_path / "profile.json"
+    profile = _valid_profile()
+    mend(profile)
+    path.write_text(json.dumps(profile))
+    with pytest.raises(ValueError) as refused:
+        load_profile(str(path))
+    assert str(refused.value).startswith(f"{path}: {said}")
+
+
+def test_a_valid_profile_loads_and_an_unmeasured_acceptance_or_link_is_kept(tmp_path):
+    from deploy.profiler import load_profile
+    path = tmp_path / "profile.json"
+    for mend in (lambda p: None, lambda p: p["speculative"]["acceptance"].update(ratio=None),
+                 lambda p: p.update(transfer={"transport": "nixl", "codec": "none", "error": "RuntimeError: no NIC"}),
+                 lambda p: p["transfer"].update(wire_bytes=0)):
+        profile = _valid_profile()
+        mend(profile)
+        path.write_text(json.dumps(profile))
+        assert load_profile(str(path)) == profile
+        Profile(profile).decode_step_seconds(8, 256)
+
+
+def test_a_prefill_length_measured_twice_keeps_the_faster_time(tmp_path):
+    """`pdserve profile` measures the saturated step at the workload's length, one prompt where the token budget
+    takes one: the same length twice. Two such points, first or last, load and interpolate."""
+    from deploy.profiler import load_profile
+    path = tmp_path / "profile.json"
+    for where in (0, -1):
+        profile = _valid_profile()
+        points = profile["prefill"]["points"]
+        twice = {**points[where], "seconds": points[where]["seconds"] * 1.5}
+        points.insert(len(points) if where else 0, twice)
+        path.write_text(json.dumps(profile))
+        model = Profile(load_profile(str(path)))
+        for length in (64, 128, 700, 2048, 4096):
+            assert model.prefill_seconds(length) == pytest.approx(COSTS.prefill_flops(length) / 1e10)
+
+
+def test_simulate_refuses_a_malformed_profile_with_exit_2(tmp_path, capsys):
+    from bench.simulate import cli
+    path = tmp_path / "profile.json"
+    profile = _valid_profile()
+    profile["prefill"]["engine"]["costs"] = {}
+    path.write_text(json.dumps(profile))
+    assert cli.main(["--jobs", "1", "--profile", str(path), "--workload", "chat", "--num-requests", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: {path}: prefill.engine.costs.num_layers must be a positive integer, missing"
