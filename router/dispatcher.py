@@ -210,6 +210,7 @@ class Dispatcher(Backend):
                     self._succeeded(d)
                     return
                 except RetryPrefill as e:
+                    self._check_deadline(d, e)
                     d.num_failures += 1
                     log.warning("request %s: prefill/transfer attempt %d failed: %s", inp.request_id,
                                 d.num_failures, e)
@@ -220,6 +221,7 @@ class Dispatcher(Backend):
                         else:
                             await self._try_other_decode(d)
                 except DecodeLost as e:
+                    self._check_deadline(d, e)
                     d.num_failures += 1
                     self._decode_failed(d.view)
                     if d.emitted and inp.params.num_sequences > 1:
@@ -264,6 +266,13 @@ class Dispatcher(Backend):
                                               **self.placer.decode_choice(d.hashes))
         if d.view is None:
             raise BackendError("UNAVAILABLE", f"{why}; no other decode actor can take the request")
+
+    @staticmethod
+    def _check_deadline(d: RequestState, e: Exception) -> None:
+        """DEADLINE_EXCEEDED when the client's deadline has passed: an attempt that failed on a timeout the deadline
+        set (the KV wait, the transfer's) is the client's, not the actors', so nothing is retried or blamed."""
+        if d.inp.deadline is not None and time.monotonic() >= d.inp.deadline:
+            raise BackendError("DEADLINE_EXCEEDED", f"the request's deadline passed ({e})") from None
 
     def _decode_failed(self, view: DecodeView) -> None:
         seconds = view.failed()

@@ -36,6 +36,7 @@ from engine.model.config import ModelConfig
 from engine.sampling.params import SamplingParams
 from router.backend import GenerationInput
 from router.request_core import RequestCore
+from router.validation import RequestError
 
 
 ROLE_SAMPLE_S = 1.0          # how often the actors per role are recorded (simulated seconds)
@@ -59,7 +60,9 @@ class CoreClient:
             return GenerationInput(request_id, list(spec.prompt_token_ids), params, deadline)
         admitted = await self.core.admit(validate, api=self.api)
         try:
-            async with contextlib.aclosing(admitted.chunks()) as chunks:
+            # the client's deadline ends the request, as a gRPC client's does (one timer a request, not a token)
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)), \
+                    contextlib.aclosing(admitted.chunks()) as chunks:
                 async for chunk in chunks:
                     if self.answers is not None:
                         self.answers.setdefault(request_id, []).extend(chunk.token_ids)
@@ -72,6 +75,8 @@ class CoreClient:
                     if chunk.timing is not None:
                         piece.timing = chunk.timing.to_proto()
                     yield piece
+        except TimeoutError:
+            raise RequestError("DEADLINE_EXCEEDED", f"the client's deadline of {timeout:g} s passed") from None
         finally:
             admitted.finish()
 

@@ -173,3 +173,12 @@ def test_a_variant_runs_as_named_and_the_slo_flags_are_the_clusters(tmp_path):
     cfg = cli.variant_config(args, "disaggregated")
     assert cfg.routing.mode == "disaggregated" and (cfg.slo.ttft_p99_ms, cfg.slo.tpot_p99_ms) == (40, 7)
     assert cli.variant_config(args, "auto").routing.mode == "auto"
+
+
+def test_the_clients_deadline_ends_a_request_as_a_grpc_clients_does(tmp_path):
+    """--timeout is each request's deadline: past it the request ends DEADLINE_EXCEEDED (it used to run on)."""
+    out = tmp_path / "run.json"
+    assert cli.main([*GPU, "--workload", "chat", "--num-requests", "20", "--timeout", "1.5", "--jobs", "1",
+                     "--json", str(out)]) == 0
+    run = json.loads(out.read_text())["runs"]["disaggregated"]
+    assert 0 < run["failed"] < 20 and run["e2e_p99_s"] <= 1.5

@@ -219,7 +219,9 @@ class FakeStream:
             return [wpb.DecodeEvent(finish_reason=generation_pb2.FINISH_REASON_ABORT)]
         if not self.actor.alive:
             raise ActorUnavailable(f"{self.actor.actor_id} died")
-        if self.fault == "kv_never" and self.job.transfer_id:
+        if self.fault in ("kv_never", "kv_late") and self.job.transfer_id:
+            if self.fault == "kv_late":          # the decode worker's wait for the KV to begin runs out
+                await asyncio.sleep(self.job.kv_timeout_s)
             self.done = True
             return [wpb.DecodeEvent(error=wpb.DecodeError(code=4, message="KV did not arrive", retryable=True))]
         if self.fault == "invalid":
@@ -259,8 +261,8 @@ class FakeStream:
 
 
 class FakeDecode(FakeActor):
-    """Faults: "kv_never" (a retryable error instead of the KV), "invalid" (a non-retryable
-    INVALID_ARGUMENT), "die_after:N" (the actor dies after streaming N tokens), "hang"."""
+    """Faults: "kv_never" (a retryable error instead of the KV; "kv_late": the same after the job's kv_timeout_s),
+    "invalid" (a non-retryable INVALID_ARGUMENT), "die_after:N" (the actor dies after streaming N tokens), "hang"."""
 
     def __init__(self, actor_id: str, hub: KVHub, kv_blocks: int = 64, block_size: int = 4):
         super().__init__(actor_id, "decode", kv_blocks, block_size)

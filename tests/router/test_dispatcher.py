@@ -248,6 +248,22 @@ def test_kv_that_never_arrives_is_prefilled_again():
     run(main())
 
 
+def test_kv_that_waits_past_the_clients_deadline_ends_the_request_and_blames_no_actor():
+    """The decode actor's KV wait is bounded by the client's deadline: when it runs out, the request ends
+    DEADLINE_EXCEEDED; it is neither retried nor counted against the actor (no quarantine from short deadlines)."""
+    async def main():
+        c = fake_cluster()
+        d = make(c)
+        c.decode[0].faults = c.decode[1].faults = ["kv_late"]
+        with pytest.raises(BackendError) as e:
+            await collect(d, request(deadline=time.monotonic() + 0.3))
+        assert e.value.code == "DEADLINE_EXCEEDED" and "deadline passed" in str(e.value)
+        assert sum(len(a.jobs) for a in c.prefill) == 1                  # not prefilled again
+        assert all(v.num_failures == 0 for v in c.pools.decode)
+        assert_nothing_held(c)
+    run(main())
+
+
 def test_decode_actor_lost_mid_stream_migrates_without_a_gap_or_a_repeat():
     async def main():
         c = fake_cluster()
