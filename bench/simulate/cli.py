@@ -393,7 +393,7 @@ def run_one(args, variant: str, specs: list, rate: float, counts: dict | None = 
     s = run.summary
     def ms(seconds: float, digits: int) -> str:          # (nan: no request completed)
         return f"{seconds * 1e3:.{digits}f} ms" if math.isfinite(seconds) else "–"
-    print(f"{run.label} @ {rate:g} req/s: TTFT p50 {ms(s['ttft_p50_s'], 1)}, TPOT p50 "
+    print(f"{run.label} @ {rate:g} {rate_unit(specs)}: TTFT p50 {ms(s['ttft_p50_s'], 1)}, TPOT p50 "
           f"{ms(s['tpot_p50_s'], 2)}, SLO attainment {s['slo_attainment'] * 100:.0f}% "
           f"({len(run.records)} requests in {run.wall_s:.1f} s wall, {run.requests_per_wall_s:.0f} req/s)"
           + (f"; {len(run.flips)} role flip{'s' * (len(run.flips) > 1)}" if run.flips else ""), file=sys.stderr)
@@ -403,15 +403,28 @@ def run_one(args, variant: str, specs: list, rate: float, counts: dict | None = 
     return run
 
 
+def per_arrival(specs: list) -> float:
+    """Requests an arrival brings: a conversation's turns (multi-turn, whose rate is conversations/s), else 1."""
+    if specs and hasattr(specs[0], "output_lens"):
+        return sum(len(c.output_lens) for c in specs) / len(specs)
+    return 1.0
+
+
+def rate_unit(specs: list) -> str:
+    return "conversations/s" if specs and hasattr(specs[0], "output_lens") else "req/s"
+
+
 def capacity(args, variant: str, specs: list, counts: dict | None = None, extra: list[str] = ()) -> float:
-    """Requests/s the variant completes with every request sent at once."""
+    """Arrivals/s the variant completes with every request sent at once (requests/s; multi-turn: conversations/s,
+    the unit of --rate)."""
     return capacities(args, [Ask(variant, specs, math.inf, counts, f"{variant} capacity", tuple(extra))])[0]
 
 
 def capacities(args, asks: list[Ask]) -> list[float]:
     """`capacity` of each ask (its rate is not read: every request is sent at once), --jobs at a time."""
     runs = run_all(args, [a._replace(rate=math.inf, label=a.label or f"{a.variant} capacity") for a in asks])
-    return [r.summary["completed"] / r.duration_s if r.duration_s > 0 else 0.0 for r in runs]
+    return [r.summary["completed"] / r.duration_s / per_arrival(a.specs) if r.duration_s > 0 else 0.0
+            for a, r in zip(asks, runs)]
 
 
 class Series(NamedTuple):
@@ -437,24 +450,25 @@ def rate_points(args, series: dict[str, Series]) -> dict[str, list[dict]]:
 BURST_SHARE = 0.5   # a held point whose run completed under this share of the offered rate measured a burst
 
 
-def bursts(points: dict[str, list[dict]]) -> list[dict]:
+def bursts(points: dict[str, list[dict]], per_arrival: float = 1.0) -> list[dict]:
     """The points that held the SLOs (>= 90 % attainment) while their run completed under half the rate
     offered: the requests came faster than the layout finished them, and the run ended draining the backlog
     (a request that waits for a decode slot after its first token spreads the wait over its TPOT). Their
-    attainment is a burst's, not a rate the layout sustains."""
-    return [{"label": label, "rate_rps": p["x"], "completed_rps": p["request_throughput_rps"]}
+    attainment is a burst's, not a rate the layout sustains. Rates are arrivals/s (`per_arrival` requests each)."""
+    return [{"label": label, "rate_rps": p["x"], "completed_rps": p["request_throughput_rps"] / per_arrival}
             for label, rows in points.items() for p in rows
-            if p["slo_attainment"] >= ATTAINMENT and p["request_throughput_rps"] < BURST_SHARE * p["x"]]
+            if p["slo_attainment"] >= ATTAINMENT and p["request_throughput_rps"] / per_arrival < BURST_SHARE * p["x"]]
 
 
-def print_bursts(found: list[dict], num_requests: int) -> None:
+def print_bursts(found: list[dict], specs: list) -> None:
     if not found:
         return
     worst = min(found, key=lambda b: b["completed_rps"] / b["rate_rps"])
+    unit = rate_unit(specs)
     print(f"note: {len(found)} point(s) held 90% attainment while completing under half the offered rate (e.g. "
-          f"{worst['label']} at {worst['rate_rps']:g} req/s completed {worst['completed_rps']:.3g}): with "
-          f"{num_requests} requests those runs measure a burst, not a sustained rate; raise --num-requests "
-          "(thousands) before reading max rates")
+          f"{worst['label']} at {worst['rate_rps']:g} {unit} completed {worst['completed_rps']:.3g}): with "
+          f"{len(specs)} {'conversations' if unit != 'req/s' else 'requests'} those runs measure a burst, not a "
+          "sustained rate; raise --num-requests (thousands) before reading max rates")
 
 
 def sweep_rates(args, variants: list[str], specs: list) -> dict:
@@ -465,10 +479,10 @@ def sweep_rates(args, variants: list[str], specs: list) -> dict:
     print_points("rate", points)
     held = {v: max_rate_rps(rows) for v, rows in points.items()}
     for v, m in held.items():
-        print(f"{v}: max rate at >= 90% SLO attainment {m['max_rate_rps']:.3g} req/s"
+        print(f"{v}: max rate at >= 90% SLO attainment {m['max_rate_rps']:.3g} {rate_unit(specs)}"
               f"{'' if m['bounded'] else ' (every rate held it: a lower bound)'}")
-    found = bursts(points)
-    print_bursts(found, len(specs))
+    found = bursts(points, per_arrival(specs))
+    print_bursts(found, specs)
     return {"sweep": "rate", "values": values, "points": points, "max_rate_rps": held, "bursts": found}
 
 
@@ -585,8 +599,8 @@ def sweep_split(args, specs: list) -> dict:
         said = f"best: {best} ({b['per_device']:.3g} req/s per device{'' if b['bounded'] else ', a lower bound'}" + \
             (f"; {ties} more hold as much: offer higher --sweep-values to part them)" if ties else ")")
     print(f"{said}; pdserve plan --devices {n} --tp {','.join(map(str, degrees))}: {plan}")
-    found = bursts(points)
-    print_bursts(found, len(specs))
+    found = bursts(points, per_arrival(specs))
+    print_bursts(found, specs)
     return {"sweep": "split", "devices": n, "degrees": degrees, "rates_per_device": per_device, "points": points,
             "max_rate_rps": held, "candidates": candidates, "not_simulated": [split_label(*c) for c in left],
             "best": best, "plan": plan, "bursts": found}
@@ -698,10 +712,17 @@ def _simulate(args) -> tuple[dict, StepTimeModel, dict | None]:
     if unknown or not variants:
         raise ValueError(f"--compare: {f'unknown variant {unknown[0]!r}' if unknown else 'no variant'}; "
                          f"use {', '.join(VARIANT_MODES)}")
-    pools = PoolModels.of(model, tensor_parallel_degrees(cfg, VARIANT_MODES[variants[0]][0]),
-                          VARIANT_MODES[variants[0]][0] == "colocated")
-    print(f"time model: {model.name}" + ("" if args.sweep == "split" or set(pools.degrees.values()) == {1} else
-                                         f"; {pools.describe()}"), file=sys.stderr)
+    layouts = {}            # every variant's pools, checked before any run (a TP degree with role flips, ...)
+    for v in variants:
+        mode = VARIANT_MODES[v][0]
+        layouts[v] = PoolModels.of(model, tensor_parallel_degrees(variant_config(args, v), mode), mode == "colocated")
+    described = {v: pools.describe() for v, pools in layouts.items()
+                 if set(pools.degrees.values()) != {1}} if args.sweep != "split" else {}
+    if len(set(described.values())) == 1 and len(described) == len(variants):
+        detail = f"; {next(iter(described.values()))}"
+    else:
+        detail = "".join(f"; {v}: {d}" for v, d in described.items())
+    print(f"time model: {model.name}{detail}", file=sys.stderr)
     speculation = speculation_of_variants(args, variants, model)
     if args.sweep == "ratio":
         result = sweep_ratio(args)

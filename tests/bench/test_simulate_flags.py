@@ -182,3 +182,32 @@ def test_the_clients_deadline_ends_a_request_as_a_grpc_clients_does(tmp_path):
                      "--json", str(out)]) == 0
     run = json.loads(out.read_text())["runs"]["disaggregated"]
     assert 0 < run["failed"] < 20 and run["e2e_p99_s"] <= 1.5
+
+
+def test_every_variant_is_checked_before_any_runs_and_the_header_names_each_ones_degrees(capsys):
+    assert cli.main([*GPU, "--num-requests", "4", "--rate", "5", "--compare", "colocated,auto",
+                     "--tensor-parallel", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "tensor-parallel actors do not change role" in err and "colocated @" not in err    # no run first
+    assert cli.main([*GPU, "--num-requests", "4", "--rate", "5", "--compare", "colocated,disaggregated", "--jobs", "1",
+                     "--set", "pools.prefill.tensor_parallel=4", "--set", "pools.decode.tensor_parallel=2"]) == 0
+    assert "; colocated: prefill tp=2, decode tp=2; disaggregated: prefill tp=4, decode tp=2" in capsys.readouterr().err
+
+
+def test_a_multi_turn_rate_sweep_counts_conversations_per_second_throughout(tmp_path, capsys):
+    """--rate is conversations a second for multi-turn: the sweep's capacity, its rates and its burst check are
+    too (the capacity was turns/s, three times the conversations here, then offered as conversations/s)."""
+    from bench.serving.workloads import make_conversations
+    conversations = make_conversations(8, 3, 0, 1.0, None)
+    assert cli.per_arrival(conversations) == 3 and cli.rate_unit(conversations) == "conversations/s"
+    out = tmp_path / "sweep.json"
+    assert cli.main([*GPU, "--workload", "multi-turn", "--num-requests", "8", "--num-turns", "3", "--jobs", "1",
+                     "--sweep", "rate", "--json", str(out)]) == 0
+    captured, result = capsys.readouterr(), json.loads(out.read_text())
+    assert "disaggregated capacity @ inf conversations/s" in captured.err
+    assert "disaggregated: max rate at >= 90% SLO attainment" in captured.out
+    assert captured.out.split("max rate at >= 90% SLO attainment")[1].split("\n")[0].split()[1] == "conversations/s"
+    # every point completes its conversations' 3 turns: turns/s never exceeds 3 x the conversations/s offered
+    # by more than the run's tail allows; offered in turns/s (the old unit) they would sit near 1 x
+    lowest = min(result["points"]["disaggregated"], key=lambda p: p["x"])
+    assert lowest["request_throughput_rps"] > 1.2 * lowest["x"]
