@@ -54,6 +54,7 @@ class Flip:
     seconds: float              # leaving the old pool → in the new one
     drain_s: float              # ... of which the router waited for the actor's in-flight requests
     handed_off: int = 0         # requests the actor gave up past the timeout (migrated or retried elsewhere)
+    ended_at: float = 0.0       # time.monotonic() when it was in the new pool
 
 
 class PoolManager:
@@ -111,7 +112,8 @@ class PoolManager:
             raise RuntimeError(f"{actor_id} did not flip to {role}: {e}") from None
         self.backend.forget_actor(actor_id)
         await self.backend.add_actors(new_pool, [fresh])
-        flip = Flip(actor_id, from_role, role, time.monotonic() - start, drain_s, info.get("handed_off", 0))
+        ended = time.monotonic()
+        flip = Flip(actor_id, from_role, role, ended - start, drain_s, info.get("handed_off", 0), ended)
         if self.metrics is not None:
             self.metrics.role_flipped(from_role, role)
         self.flips.append(flip)

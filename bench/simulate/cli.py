@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 from bench.serving.arg_types import (float_list, non_negative_float, non_negative_int, output_file, positive_float,
                                       positive_int, request_rate)
+from bench.serving.metrics import meets_slo
 from bench.serving.runs import autoscale_settings, router_slo
 from bench.serving.slo_scale import ATTAINMENT, max_rate_rps, rates_around
 from bench.serving.strict_json import write_json
@@ -666,6 +667,14 @@ def sweep_ratio(args) -> dict:
     return {"sweep": "ratio", "rows": rows}
 
 
+def request_records(records: list, args: argparse.Namespace) -> list[dict]:
+    """Each request's record as bench serve's --json keeps it, less its gaps between tokens (a token's worth of
+    floats a request: the summary's ITL percentiles hold them). A sweep's runs keep their figures only."""
+    slo = args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3
+    return [{**{k: v for k, v in rec.to_dict().items() if k != "itl_s"}, "meets_slo": meets_slo(rec, *slo)}
+            for rec in records]
+
+
 def plot(result: dict, out_dir: str, title: str) -> str | None:
     if result.get("sweep") not in ("rate", "split"):
         return None
@@ -740,7 +749,8 @@ def _simulate(args) -> tuple[dict, StepTimeModel, dict | None]:
             result = {"runs": summaries, "actors": {v: r.actors for v, r in runs.items()},
                       "wall_s": {v: r.wall_s for v, r in runs.items()},
                       "roles_over_time": {v: r.roles for v, r in runs.items()},
-                      "flips": {v: r.flips for v, r in runs.items()}}
+                      "flips": {v: r.flips for v, r in runs.items()},
+                      "records": {v: request_records(r.records, args) for v, r in runs.items()}}
         lengths = lengths_of(specs)
         if "input_len" in lengths:
             print(lengths_line(lengths))

@@ -152,6 +152,7 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
     proposed tokens; None: the measured profile's, `bench.simulate.sim_spec`)."""
     label = label or mode
     roles: list[dict] = []
+    started: list[float] = []        # the virtual time the load began (the zero of roles' and flips' times)
 
     async def main() -> tuple[list[RequestRecord], float, SimCluster]:
         cluster = build_cluster(cfg, model, sim_cfg, mode, chunked, counts, spec_acceptance)
@@ -171,6 +172,7 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
             cluster.autoscaler = start_autoscaler(cluster, autoscale or AutoscaleSettings(), actor_start_s)
             tasks.append(cluster.autoscaler.task)
         tasks.append(loop.create_task(sample_roles(d.pools, roles, cluster.autoscaler, ROLE_SAMPLE_S)))
+        started.append(time.monotonic())
         try:
             if specs and isinstance(specs[0], Conversation):
                 records, duration = await run_conversations(CoreClient(core, keep_answers=True), specs, rate=rate,
@@ -206,5 +208,6 @@ def simulate(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig,
                "busy": a.busy_s / duration if duration > 0 else 0.0} for a in cluster.actors]
     scaler = cluster.autoscaler
     flips = [] if scaler is None else [dict(actor_id=f.actor_id, from_role=f.from_role, to_role=f.to_role,
-                                            seconds=f.seconds) for f in scaler.manager.flips]
+                                            at_s=f.ended_at - started[0], seconds=f.seconds, drain_s=f.drain_s,
+                                            handed_off=f.handed_off) for f in scaler.manager.flips]
     return SimRun(label, records, duration, wall, summary, actors, roles, flips)

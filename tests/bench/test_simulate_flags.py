@@ -211,3 +211,18 @@ def test_a_multi_turn_rate_sweep_counts_conversations_per_second_throughout(tmp_
     # by more than the run's tail allows; offered in turns/s (the old unit) they would sit near 1 x
     lowest = min(result["points"]["disaggregated"], key=lambda p: p["x"])
     assert lowest["request_throughput_rps"] > 1.2 * lowest["x"]
+
+
+def test_json_keeps_each_requests_record_and_when_each_flip_happened(tmp_path):
+    out = tmp_path / "auto.json"
+    assert cli.main([*GPU, "--workload", "mixed", "--num-requests", "200", "--rate", "25", "--mode", "auto",
+                     "--jobs", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    records, summary = result["records"]["auto"], result["runs"]["auto"]
+    assert len(records) == 200 and sum(r["ok"] for r in records) == summary["completed"]
+    assert sum(r["meets_slo"] for r in records) / 200 == pytest.approx(summary["slo_attainment"])
+    assert sum(r["num_output_tokens"] for r in records if r["ok"]) == sum(r["output_len"] for r in records if r["ok"])
+    assert all("itl_s" not in r for r in records)
+    flips = result["flips"]["auto"]
+    assert flips and all({"at_s", "seconds", "drain_s", "handed_off"} <= set(f) for f in flips)
+    assert all(0 < f["at_s"] <= result["runs"]["auto"]["duration_s"] + 60 for f in flips)
