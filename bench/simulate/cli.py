@@ -184,6 +184,8 @@ def check_flags(args: argparse.Namespace) -> None:
                          "measures it here")
     if args.sweep == "split" and args.tensor_parallel is not None:
         raise ValueError("--tensor-parallel does not apply to --sweep split: it tries each degree of --tp per pool")
+    if args.mode is not None and args.compare is not None:
+        raise ValueError("--mode runs one variant and --compare several: use either")
     ignored = {"rate": ("--rate",), "split": ("--rate", "--mode", "--compare"),
                "ratio": ("--rate", "--mode", "--compare", "--workload", "--scale", "--prompt-len", "--output-len")}
     for flag in ignored.get(args.sweep, ()):
@@ -578,13 +580,15 @@ def sweep_split(args, specs: list) -> dict:
     print(f"\nmax rate at >= 90% SLO attainment within {n} devices (≥: every rate held it; <: not even the "
           "lowest did; rates per device: "
           f"{', '.join(f'{v:g}' for v in per_device)})")
-    print(f"  {'candidate':<22} {'devices':>7} {'req/s':>9} {'per device':>11} {'plan predicts':>14}")
+    unit = rate_unit(specs)
+    width = max(9, len(unit))
+    print(f"  {'candidate':<22} {'devices':>7} {unit:>{width}} {'per device':>11} {'plan predicts':>14}")
     for k, c in sorted(candidates.items(), key=lambda kv: -kv[1]["per_device"]):
         plan_cell = "–" if c["planned_per_device"] is None else f"{c['planned_per_device']:.3g}"
         mark = "<" if c["below_lowest"] else "" if c["bounded"] else "≥"
         rate, per = (min(p["x"] for p in points[k]), per_device[0]) if c["below_lowest"] else \
             (c["max_rate_rps"], c["per_device"])
-        print(f"  {k:<22} {c['devices']:>7} {mark + format(rate, '.3g'):>9} {mark + format(per, '.3g'):>11} "
+        print(f"  {k:<22} {c['devices']:>7} {mark + format(rate, '.3g'):>{width}} {mark + format(per, '.3g'):>11} "
               f"{plan_cell:>14}" + ("  ← best" if k == best else ""))
     left = [c for c in every if c not in chosen]
     if left:
@@ -597,7 +601,7 @@ def sweep_split(args, specs: list) -> dict:
     else:
         b = candidates[best]
         ties = sum(1 for k in held_some if k != best and candidates[k]["per_device"] >= b["per_device"] * (1 - 1e-9))
-        said = f"best: {best} ({b['per_device']:.3g} req/s per device{'' if b['bounded'] else ', a lower bound'}" + \
+        said = f"best: {best} ({b['per_device']:.3g} {unit} per device{'' if b['bounded'] else ', a lower bound'}" + \
             (f"; {ties} more hold as much: offer higher --sweep-values to part them)" if ties else ")")
     print(f"{said}; pdserve plan --devices {n} --tp {','.join(map(str, degrees))}: {plan}")
     found = bursts(points, per_arrival(specs))

@@ -137,8 +137,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":      # `<<`: merged keys may be overridden, as YAML says
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            try:
+                given_twice = key in seen
+            except TypeError:
+                raise yaml.constructor.ConstructorError(None, None, f"found an unhashable key ({type(key).__name__})",
+                                                        key_node.start_mark) from None
+            if given_twice:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice",
                                                         key_node.start_mark)
             seen.add(key)

@@ -222,7 +222,9 @@ class RooflineModel(StepTimeModel):
                              f"reserve ({self.activation_reserve_bytes / 1e9:.1f} GB) do not fit in "
                              f"{usable / 1e9:.1f} GB ({self.memory_fraction:.0%} of {hw.memory_bytes / 1e9:.0f} GB)")
         blocks = math.floor(free / block_bytes)
-        asked = self.kv_num_blocks if self.kv_memory_bytes is None else math.floor(self.kv_memory_bytes / block_bytes)
+        # (as the engine sizes it: memory_gib over a whole block of the model, per actor, whatever its degree)
+        asked = self.kv_num_blocks if self.kv_memory_bytes is None else \
+            math.floor(self.kv_memory_bytes / (block_size * self.kv_bytes_per_token))
         if asked is not None:
             key = "kv_cache.num_blocks" if self.kv_memory_bytes is None else "kv_cache.memory_gib"
             if asked > blocks:

@@ -39,6 +39,7 @@ GPU = ["--hardware", "H100-SXM", "--model", "llama-3-8b"]
     ([*GPU, "--workload", "structured"], "--workload structured: the simulator does not model grammar-constrained"),
     ([*GPU, "--sweep", "split", "--tensor-parallel", "2"], "--tensor-parallel does not apply to --sweep split"),
     ([*GPU, "--json", ""], "--json: give a file name"),
+    ([*GPU, "--mode", "colocated", "--compare", "disaggregated"], "--mode runs one variant and --compare several"),
     ([*GPU, "--sweep", "rate", "--plot", " "], "--plot: give a directory name"),
     ([*GPU, "--set", "routing.kv_events_interval_s=1e-5"], "routing.kv_events_interval_s: must be >= 0.01"),
 ])

@@ -72,6 +72,16 @@ def test_a_figure_no_device_has_or_a_key_given_twice_is_refused(tmp_path, capsys
         Hardware.from_dict({**_fields(Hardware.load("H100-SXM")), "peak_flops": {"bf16": 1e-300}})
 
 
+def test_yaml_merge_keys_load_and_an_unhashable_key_is_an_error(tmp_path, capsys):
+    merged = tmp_path / "merged.yaml"
+    merged.write_text(H100_TEXT.replace("peak_flops:\n", "peak_flops:\n  <<: {bf16: 1.0e+15}\n", 1))
+    assert Hardware.load(str(merged)).flops("bf16") == 989.4e12        # the explicit key overrides the merged one
+    odd = tmp_path / "odd.yaml"
+    odd.write_text(H100_TEXT + "? [a, b]\n: 1\n")
+    code, err = _simulate(str(odd), capsys)
+    assert code == 2 and "not valid YAML (found an unhashable key (list))" in err and "Traceback" not in err
+
+
 def test_memory_bytes_up_to_the_bound_loads():
     fields = _fields(Hardware.load("H100-SXM"))
     assert Hardware.from_dict({**fields, "memory_bytes": MAX_MEMORY_BYTES}).memory_bytes == MAX_MEMORY_BYTES

@@ -237,6 +237,8 @@ def test_an_actors_cache_dtype_quantization_and_budget_come_from_its_engine_sett
     assert base.for_engine(*_engine(**{"kv_cache.num_blocks": 50})).kv_blocks(16) == 50
     gib = base.for_engine(*_engine(**{"kv_cache.memory_gib": 1.0}))
     assert gib.kv_blocks(16) == (1 << 30) // (16 * base.kv_bytes_per_token)
+    # the engine sizes memory_gib per actor over a whole block of the model, whatever the degree
+    assert gib.at_degree("decode", 2).kv_blocks(16) == gib.kv_blocks(16)
     half = base.for_engine(*_engine(**{"kv_cache.memory_fraction": 0.5})).kv_blocks(16)
     assert half == int((80e9 * 0.5 - base.resident_weight_bytes - 1e9) // (16 * base.kv_bytes_per_token))
     with pytest.raises(ValueError, match="kv_cache.num_blocks: 10000000 KV blocks per actor do not fit"):
