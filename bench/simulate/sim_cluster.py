@@ -270,7 +270,8 @@ class SimCluster:
             else:
                 args = engine_args(cfg, pool, name, self.shape)
         actor_id = f"{role if role == 'colocated' else pool}-{index}"
-        model = self.models.of_pool(pool).for_engine(args, cfg.pool_kv_cache("decode" if role == "colocated" else pool))
+        kv_pool = "decode" if role == "colocated" or self.flippable(pool) else pool     # (as their engine args take)
+        model = self.models.of_pool(pool).for_engine(args, cfg.pool_kv_cache(kv_pool))
         if args.speculative.enabled:       # (decode, colocated and role-flippable actors, as the launcher sets)
             model = model.with_speculation(self.speculation)
         actor = SimActor(actor_id, role, SimEngine(sim_args(args, model), self.shape, model), self, limits)
