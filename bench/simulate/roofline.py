@@ -92,7 +92,7 @@ class RooflineModel(StepTimeModel):
             raise ValueError(f"unknown quantization {quantization!r} (none, int8, int4)")
         if cfg.quantization is not None:
             quantization = "int4"                   # a 4-bit checkpoint, served as stored
-        _check_tensor_parallel(cfg, tensor_parallel, quantization)
+        check_degree(cfg, tensor_parallel, "tensor_parallel", quantization)      # as the engine checks it
         if not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         self.hardware, self.cfg, self.dtype, self.tensor_parallel = hardware, cfg, dtype, tensor_parallel
@@ -268,13 +268,3 @@ def _step_terms(chunks: Sequence[Chunk]) -> tuple[int, int, int, int]:
         kv_tokens += c + n
         proposals += k
     return num_tokens, pairs, kv_tokens, proposals
-
-
-def _check_tensor_parallel(cfg: ModelConfig, tp: int, quantization: str = "none") -> None:
-    if tp > 1 and quantization != "none":
-        raise ValueError(f"tensor_parallel {tp}: quantized projections ({quantization}) are not sharded across ranks")
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    if tp < 1 or heads % tp:
-        raise ValueError(f"tensor_parallel {tp} must be ≥ 1 and divide the {heads} attention heads")
-    if kv_heads % tp and tp % kv_heads:
-        raise ValueError(f"tensor_parallel {tp} and the {kv_heads} KV heads must divide one another")
