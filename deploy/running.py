@@ -29,6 +29,7 @@ class RunningCluster:
     server: RouterServer
     factory: ActorFactory
     metrics: Metrics | None = None           # set when server.metrics_port is
+    metrics_port: int | None = None          # the port /metrics listens on (server.metrics_port, or the free one)
     metrics_task: asyncio.Task | None = None
     manager: PoolManager | None = None
     manager_task: asyncio.Task | None = None
@@ -39,6 +40,11 @@ class RunningCluster:
     @property
     def address(self) -> str:
         return f"{self.cfg.server.host}:{self.server.port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        """The Prometheus scrape URL (``…/metrics``), or None when metrics are off."""
+        return None if self.metrics_port is None else f"http://{self.cfg.server.host}:{self.metrics_port}/metrics"
 
     @property
     def http_url(self) -> str | None:
@@ -104,7 +110,7 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
     tokenizer, max_len = load_tokenizer(cfg)
     r = cfg.routing
     routing = routing_settings(cfg)
-    metrics = Metrics() if cfg.server.metrics_port else None
+    metrics = Metrics() if cfg.server.metrics_port is not None else None
     autoscaled = mode == "disaggregated" and (any(p.is_auto for _, p in cfg.pools.items()) or r.role_flips == "auto")
     profile = getattr(autoscale, "profile", None) or cached_profile(cfg)
     if profile is None and autoscaled and pools.prefill and pools.decode:     # the autoscaler plans from measurements
@@ -124,16 +130,17 @@ async def start_cluster(cfg: PDServeConfig, port: int | None = None, mode: str =
                                 model_dir=resolve_model(cfg.model.name),
                                 http_limits=HTTPLimits(**cfg.server.http_limits.model_dump()),
                                 tool_parser=cfg.model.tool_parser)
-    metrics_task = None
-    if metrics is not None:
-        metrics.serve(cfg.server.host, cfg.server.metrics_port, public_token)   # with a token, scrapes need it
+    metrics_task = metrics_port = None
+    if metrics is not None:   # port=0 puts /metrics on a free port too; with a token, scrapes need it
+        metrics_port = metrics.serve(cfg.server.host, 0 if port == 0 else cfg.server.metrics_port, public_token)
         metrics_task = asyncio.get_running_loop().create_task(poll_stats(backend, metrics))
-    log.info("pdserve ready on %s:%d (%s) — %d prefill + %d decode actors, model %s, KV %s/%s",
+    log.info("pdserve ready on %s:%d (%s) — %d prefill + %d decode actors, model %s, KV %s/%s%s",
              cfg.server.host, server.port, mode, len(pools.prefill), len(pools.decode), cfg.model.name,
-             cfg.kv_transfer.transport, cfg.transfer_codec())
+             cfg.kv_transfer.transport, cfg.transfer_codec(),
+             "" if metrics_port is None else f", /metrics on port {metrics_port}")
     manager = PoolManager(backend, factory, metrics=metrics)
     manager_task = asyncio.get_running_loop().create_task(manager.run())
-    cluster = RunningCluster(cfg, backend, server, factory, metrics, metrics_task, manager, manager_task)
+    cluster = RunningCluster(cfg, backend, server, factory, metrics, metrics_port, metrics_task, manager, manager_task)
     cluster.kv_poller_task = asyncio.get_running_loop().create_task(backend.poll_kv_events())
     if autoscaled:
         from deploy.autoscaler import start_autoscaler

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from dataclasses import dataclass
 
 VARIANTS = {  # label -> (start_cluster mode, chunked prefill)
@@ -53,12 +52,6 @@ class Target:
     autoscaler: object | None = None    # embedded, when one runs: its decisions (the split it calls for)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def variants_of(compare: str | None, mode: str) -> list[str]:
     """``--compare colocated,disaggregated`` → the three variants; without it, ``mode`` alone."""
     if not compare:
@@ -81,7 +74,7 @@ def bench_config(config_path: str | None, model: str | None, dtype: str | None, 
     For ``colocated-chunked``, ``colocated_chunk_tokens`` (when given) replaces the chunk size."""
     from deploy.config import load_config
     values = variant_values(model, dtype, overrides, variant, colocated_chunk_tokens)
-    values["server.metrics_port"] = free_port()
+    values["server.metrics_port"] = 0   # start_cluster(port=0) binds a free one
     return load_config(config_path, values)
 
 
@@ -127,8 +120,7 @@ async def embedded(cfg, variant: str, autoscale=None):
         if not await cluster.server.wait_ready(300):
             raise RuntimeError(f"{variant} cluster did not become ready")
         token = cfg.security.token.get_secret_value() if cfg.security.token else None
-        url = f"http://{cfg.server.host}:{cfg.server.metrics_port}/metrics"
-        yield Target(variant, cluster.address, url, token, n, cluster.http_url, pools=cluster.backend.pools,
-                     autoscaler=cluster.autoscaler)
+        yield Target(variant, cluster.address, cluster.metrics_url, token, n, cluster.http_url,
+                     pools=cluster.backend.pools, autoscaler=cluster.autoscaler)
     finally:
         await cluster.stop()

@@ -39,8 +39,8 @@ class ServerSection(Section):
                                      "null = no HTTP server; 0 = a free port.")
     http_limits: HTTPLimitsSection = Field(default_factory=HTTPLimitsSection, description="Bounds on each "
                                            "connection of the HTTP port.")
-    metrics_port: Optional[Int] = Field(None, ge=1, le=65535, description="Prometheus "
-                                        "/metrics port; unset = no metrics server.")
+    metrics_port: Optional[Int] = Field(None, ge=0, le=65535, description="Prometheus "
+                                        "/metrics port; unset = no metrics server; 0 = a free port (logged at start).")
     log_format: Literal["text", "json"] = Field("text", description="Log line format.")
 
     @field_validator("http_port", mode="before")
@@ -54,7 +54,7 @@ class ServerSection(Section):
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> "ServerSection":
-        if self.metrics_port == self.port:
+        if self.metrics_port and self.metrics_port == self.port:
             raise FieldProblem("metrics_port", f"must differ from server.port ({self.port})")
         if self.http_port and self.http_port == self.port:
             raise FieldProblem("http_port", f"must differ from server.port ({self.port})")

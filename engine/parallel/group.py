@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import time
 from datetime import timedelta
@@ -24,11 +25,40 @@ class RankGroupError(RuntimeError):
     """A collective of the group failed or timed out: a rank died or stalled; the actor is broken."""
 
 
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+SAFE_LOW = 20000       # below: Ray's worker ports (10002-19999 by default) and well-known services
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now (for rank 0's store)."""
+    """A TCP port nothing listens on now, for a server another process binds a little later (rank 0's store).
+
+    Drawn at random below the kernel's ephemeral range where the host has room there: outgoing connections and
+    port-0 binds take their ports from that range, so in the seconds before its owner binds it, a port drawn
+    here is not handed to another socket (one the kernel picks could be, and its owner's bind then fails with
+    "address already in use"). Falls back to a port the kernel picks when no such room is free.
+    """
+    low = _ephemeral_low()
+    draws = random.SystemRandom()
+    for _ in range(64 if low - SAFE_LOW >= 1024 else 0):
+        port = draws.randrange(SAFE_LOW, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux); 49152 (IANA's) where it cannot be read."""
+    try:
+        with open(EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 class RankGroup:

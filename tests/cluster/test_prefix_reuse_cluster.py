@@ -10,7 +10,6 @@ import grpc
 import pytest
 import torch
 
-from bench.serving.cluster import free_port
 from bench.serving.metrics import scrape
 from deploy.running import start_cluster
 from engine.model.config import ModelConfig
@@ -49,8 +48,7 @@ def test_multi_turn_conversation_ships_only_new_blocks(ray_local, tiny_model_dir
             pytest.skip(available())
     block_bytes = ModelConfig.from_dir(tiny_model_dir).kv_bytes_per_token(4) * BLOCK_SIZE   # float32
     cfg = cluster_config(tiny_model_dir, transport, "none")
-    cfg.server.metrics_port = free_port()
-    url = f"http://127.0.0.1:{cfg.server.metrics_port}/metrics"
+    cfg.server.metrics_port = 0
     g = torch.Generator().manual_seed(21)
     users = [torch.randint(2, 1000, (n,), generator=g).tolist() for n in (40, 13, 19, 7)]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -59,6 +57,7 @@ def test_multi_turn_conversation_ships_only_new_blocks(ray_local, tiny_model_dir
         cluster = await start_cluster(cfg, port=0)
         try:
             await cluster.server.wait_ready(60)
+            url = cluster.metrics_url
             async with grpc.aio.insecure_channel(cluster.address) as channel:
                 stub = pb_grpc.GenerationServiceStub(channel)
                 prompt, previous, shipped_total = users[0], None, 0.0

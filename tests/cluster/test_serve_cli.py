@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,13 +11,8 @@ import re
 
 import pytest
 
+from engine.parallel.group import free_port
 from router.client import generate
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tree(pid: int) -> set[int]:
@@ -53,7 +47,7 @@ def _listeners(pids: set[int]) -> list[tuple[int, str]]:
 
 @pytest.mark.timeout(180)
 def test_serve_listens_on_loopback_only_and_drains(tiny_model_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--model", tiny_model_dir,

@@ -14,7 +14,6 @@ import ray
 from engine import SamplingParams
 from router.client import generate
 from engine.kv_cache.block_manager import prompt_block_hashes
-from engine.parallel.group import free_port
 from kv_transfer.transports.nixl import agent as nixl_agent
 from proto.pdserve.v1 import worker_pb2 as wpb
 
@@ -58,7 +57,7 @@ def test_tokens_across_degrees_equal_one_rank(ray_local, tiny_model_dir, workloa
     cfg = cluster_config(tiny_model_dir, transport=transport, extra={
         "pools.prefill.tensor_parallel": prefill_tp, "pools.decode.tensor_parallel": decode_tp,
         "kv_cache.num_blocks": 256, "pools.prefill.resources.num_cpus": 0.25, "pools.decode.resources.num_cpus": 0.25,
-        "server.metrics_port": free_port(), "routing.local_prefill_tokens": 0})
+        "server.metrics_port": 0, "routing.local_prefill_tokens": 0})
     c = ClusterThread(cfg)
     try:
         groups = c.cluster.factory.rank_groups
@@ -104,7 +103,7 @@ def test_quantized_cache_and_nixl_across_degrees(ray_local, tiny_model_dir, work
     cfg = cluster_config(tiny_model_dir, transport=transport, extra={
         "pools.prefill.tensor_parallel": prefill_tp, "pools.decode.tensor_parallel": decode_tp,
         "kv_cache.num_blocks": 256, "kv_cache.dtype": cache_dtype, "pools.prefill.resources.num_cpus": 0.25,
-        "pools.decode.resources.num_cpus": 0.25, "server.metrics_port": free_port(), "routing.local_prefill_tokens": 0})
+        "pools.decode.resources.num_cpus": 0.25, "server.metrics_port": 0, "routing.local_prefill_tokens": 0})
     c = ClusterThread(cfg)
     try:
         metrics, shipped = c.cluster.backend.metrics, 0.0

@@ -6,6 +6,7 @@ import socket
 import pytest
 
 from deploy.cli import main
+from engine.parallel.group import free_port
 
 
 def _listening() -> socket.socket:
@@ -13,12 +14,6 @@ def _listening() -> socket.socket:
     sock.bind(("127.0.0.1", 0))
     sock.listen()
     return sock
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_version(capsys):
@@ -47,7 +42,7 @@ def test_busy_port_is_one_line_naming_port_and_flag(capsys, monkeypatch, flag, k
     monkeypatch.setattr(deploy.running, "start_cluster", never)
     with _listening() as taken:
         port = taken.getsockname()[1]
-        ports = {"--port": str(_free_port()), "--http-port": "none", "--metrics-port": str(_free_port())}
+        ports = {"--port": str(free_port()), "--http-port": "none", "--metrics-port": str(free_port())}
         ports[flag] = str(port)
         argv = ["serve", "--model", "tiny"] + [x for f, p in ports.items() for x in (f, p)]
         assert main(argv) == 2
@@ -69,7 +64,7 @@ def test_the_client_path_loads_neither_the_server_nor_torch():
 
 
 def test_generate_against_a_closed_port_fails_in_one_line(capsys):
-    port = _free_port()
+    port = free_port()
     assert main(["generate", "--address", f"127.0.0.1:{port}", "--timeout", "5", "hi"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: UNAVAILABLE"), err

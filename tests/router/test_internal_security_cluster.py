@@ -2,7 +2,6 @@
 KV and token-stream ports refuse plaintext and the public token, and /metrics wants the bearer token."""
 from __future__ import annotations
 
-import socket
 import urllib.error
 import urllib.request
 
@@ -21,12 +20,6 @@ from tls_support import make_certs
 TOKEN = "cluster-public-token"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     import ray
@@ -39,7 +32,7 @@ def cluster(tiny_model_dir, tmp_path_factory):
         "model.name": tiny_model_dir, "model.dtype": "float32", "kv_cache.num_blocks": 256,
         "pools.prefill.resources.num_cpus": 0.5, "pools.decode.resources.num_cpus": 0.5,
         "pools.prefill.resources.torch_threads": 1, "pools.decode.resources.torch_threads": 1,
-        "kv_transfer.transport": "grpc", "kv_transfer.compression": "none", "server.metrics_port": free_port(),
+        "kv_transfer.transport": "grpc", "kv_transfer.compression": "none", "server.metrics_port": 0,
         "security.token": TOKEN, "security.internal_tls_cert": str(certs / "node.pem"),
         "security.internal_tls_key": str(certs / "node.key"), "security.internal_tls_ca": str(certs / "ca.pem"),
     })
@@ -76,7 +69,7 @@ def test_serves_over_internal_tls_and_refuses_plaintext_and_the_public_token(clu
     kv = grpc.secure_channel(kv_endpoint, tls.channel_credentials(), options)
     assert _handshake_code(kv, internal_secret(TOKEN)) == grpc.StatusCode.FAILED_PRECONDITION
 
-    url = f"http://127.0.0.1:{running.cluster.cfg.server.metrics_port}/metrics"
+    url = running.cluster.metrics_url
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(url, timeout=5)
     assert refused.value.code == 401

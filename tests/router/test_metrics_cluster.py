@@ -1,7 +1,6 @@
 """Every metric in METRICS is exported over HTTP after one request through an embedded cluster."""
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 
@@ -19,12 +18,6 @@ METRICS = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
     import ray
@@ -36,7 +29,7 @@ def cluster(tiny_model_dir):
         "model.name": tiny_model_dir, "model.dtype": "float32", "kv_cache.num_blocks": 256,
         "pools.prefill.resources.num_cpus": 0.5, "pools.decode.resources.num_cpus": 0.5,
         "pools.prefill.resources.torch_threads": 1, "pools.decode.resources.torch_threads": 1,
-        "kv_transfer.compression": "fp8", "server.metrics_port": free_port(),
+        "kv_transfer.compression": "fp8", "server.metrics_port": 0,
     })
     running = ClusterThread(cfg)
     yield running
@@ -50,7 +43,7 @@ def scrape(port: int) -> str:
 
 
 def test_every_metric_exported_after_one_request(cluster):
-    port = cluster.cluster.cfg.server.metrics_port
+    port = cluster.cluster.metrics_port
     msgs = list(generate(cluster.address, token_ids=list(range(2, 70)), max_tokens=6, ignore_eos=True,
                          temperature=0.0, timeout=60))
     assert msgs[-1].usage.completion_tokens == 6
@@ -75,7 +68,7 @@ def test_internal_connections_a_decode_actor_refused_are_counted(cluster):
 
     from kv_transfer import KVLayout
     from tls_support import handshake_code
-    port = cluster.cluster.cfg.server.metrics_port
+    port = cluster.cluster.metrics_port
     view = cluster.cluster.backend.pools.decode[0]
     layout = KVLayout(num_layers=1, num_kv_heads=1, block_size=4, head_dim=8, dtype=torch.float32,
                       model_fingerprint="x")

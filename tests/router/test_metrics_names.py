@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 import urllib.request
 
@@ -93,10 +92,7 @@ def scraped() -> str:
     metrics.prefix_hit_tokens(16)
     metrics.observe_stats([ActorStats("decode-0", pb.ACTOR_ROLE_DECODE, 64, 7, 0, 1, {"bad_hello": 1},
                                      spec_proposed_tokens=40, spec_accepted_tokens=30)])
-    with socket.socket() as probe:                   # a free port
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    metrics.serve("127.0.0.1", port)
+    port = metrics.serve("127.0.0.1", 0)
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
             return reply.read().decode()
