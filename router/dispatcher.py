@@ -238,12 +238,18 @@ class Dispatcher(Backend):
                 self.kv_poller.poke(d.view)      # what the request left cached there
                 await self.admission.release(d.view, need)
 
-    async def _admit(self, d: RequestState) -> DecodeView:
-        """A decode reservation, FIFO; RESOURCE_EXHAUSTED at once when the queue is full, or when the
-        wait (client deadline, else routing.max_queue_wait_s) runs out."""
+    def _admission_wait_s(self, d: RequestState) -> float:
+        """How long the request may wait for decode room: until the client's deadline, at most
+        routing.max_queue_wait_s."""
         timeout = self.routing.max_queue_wait_s
         if d.inp.deadline is not None:
             timeout = min(timeout, max(d.inp.deadline - time.monotonic(), 0.0))
+        return timeout
+
+    async def _admit(self, d: RequestState) -> DecodeView:
+        """A decode reservation, FIFO; RESOURCE_EXHAUSTED at once when the queue is full, or when the
+        wait (client deadline, else routing.max_queue_wait_s) runs out."""
+        timeout = self._admission_wait_s(d)
         num_prompt_tokens = len(d.inp.prompt_token_ids)
         view = await self.admission.acquire(d.pool, d.need_blocks, timeout,
                                             ready=lambda: self.placer.prefill_has_room(d.hashes, num_prompt_tokens),
@@ -261,11 +267,14 @@ class Dispatcher(Backend):
         d.lost.add(old.actor_id)
         d.view = None                   # released here; nothing left to release if no one takes it
         await self.admission.release(old, d.need_blocks)
-        timeout = 0.0 if d.inp.deadline is None else max(d.inp.deadline - time.monotonic(), 0.0)
-        d.view = await self.admission.acquire(d.pool, d.need_blocks, timeout, exclude=d.lost, first=True,
-                                              **self.placer.decode_choice(d.hashes))
+        # another actor may be full now: wait for its room at the head of the queue, as long as a new request
+        # would wait; with no other actor to wait for, fail at once
+        others = any(v.healthy and not v.draining and v.actor_id not in d.lost for v in d.pool)
+        d.view = await self.admission.acquire(d.pool, d.need_blocks, self._admission_wait_s(d) if others else 0.0,
+                                              exclude=d.lost, first=True, **self.placer.decode_choice(d.hashes))
         if d.view is None:
-            raise BackendError("UNAVAILABLE", f"{why}; no other decode actor can take the request")
+            raise BackendError("UNAVAILABLE", f"{why}; no other decode actor can take the request" +
+                               ("" if not others else " (none had room in time)"))
 
     @staticmethod
     def _check_deadline(d: RequestState, e: Exception) -> None:
