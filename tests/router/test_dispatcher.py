@@ -303,16 +303,21 @@ def test_a_migration_recomputes_the_prompt_through_the_codec_its_stream_began_fr
     run(main())
 
 
+def _fill(view):
+    """(view, blocks held): another request's reservation takes every free block of `view`."""
+    held = view.free_blocks
+    view.reserved_blocks += held
+    view.running += 1
+    return view, held
+
+
 def test_a_migrating_request_waits_for_room_on_another_decode_actor():
     """decode-0 dies mid-stream while decode-1 is full: the request waits at the head of the queue for room
     there, as a new request would, instead of failing because nothing was free at that instant."""
     async def main():
         c = fake_cluster(num_decode=2)
         d = make(c)
-        full = c.pools.decode[1]
-        held = full.free_blocks                        # another request's reservation fills decode-1
-        full.reserved_blocks += held
-        full.running += 1
+        full, held = _fill(c.pools.decode[1])
         c.decode[0].faults = ["die_after:2"]
         streaming = asyncio.create_task(collect(d, request(max_tokens=8)))
         for _ in range(2000):                          # until the migrating request waits for room
@@ -332,10 +337,7 @@ def test_a_migrating_request_gives_up_when_no_room_comes_in_time():
     async def main():
         c = fake_cluster(num_decode=2)
         d = make(c, max_queue_wait_s=0.2)
-        full = c.pools.decode[1]
-        held = full.free_blocks
-        full.reserved_blocks += held
-        full.running += 1
+        full, held = _fill(c.pools.decode[1])
         c.decode[0].faults = ["die_after:2"]
         with pytest.raises(BackendError) as e:
             await collect(d, request(max_tokens=8))
