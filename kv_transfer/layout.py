@@ -131,15 +131,23 @@ class KVLayout:
 HANDSHAKE_KEYS = ("model_fingerprint", "block_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "cache_dtype",
                   "codec")
 CACHE_DTYPES = ("auto", "fp8", "int8")
+_INTEGER_KEYS = ("num_layers", "num_kv_heads", "block_size", "head_dim", "tensor_parallel", "kv_head_start")
 
 
 def check_compatible(sender: dict, receiver: dict) -> None:
     """Refuse a mismatch with an error naming both values.
 
     Raises:
-        HandshakeError: on the first key whose values differ; first of all when the two ends hold different
-            KV heads (the degrees may differ: the heads may not).
+        HandshakeError: when either description is not a map or holds a non-integer size; on the first key
+            whose values differ; first of all when the two ends hold different KV heads (the degrees may
+            differ: the heads may not).
     """
+    for side, description in (("sender", sender), ("receiver", receiver)):   # a peer's, as it came off the wire
+        if not isinstance(description, dict):
+            raise HandshakeError(f"KV handshake: the {side}'s layout is not a map (got {type(description).__name__})")
+        bad = next((key for key in _INTEGER_KEYS if key in description and type(description[key]) is not int), None)
+        if bad is not None:
+            raise HandshakeError(f"KV handshake: the {side}'s {bad} is {description[bad]!r:.80}, not an integer")
     heads = [(d.get("kv_head_start", 0), d.get("num_kv_heads")) for d in (sender, receiver)]
     if heads[0] != heads[1] and sender.get("model_fingerprint") == receiver.get("model_fingerprint"):
         (ps, pn), (ds, dn) = heads

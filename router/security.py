@@ -1,7 +1,8 @@
 """Bearer-token authentication, TLS credentials and the loopback-bind rule.
 
 - A configured token is required on every RPC except the standard health
-  check (load balancers and probes call it without credentials), and on every
+  check, ``Health/Check`` (load balancers and probes call it without credentials;
+  ``Health/Watch`` holds a stream open, so it takes the token like the rest), and on every
   HTTP request except ``GET /health`` (`check_http_bearer`):
   metadata ``authorization: Bearer <token>``, compared in constant time by the
   check every pdserve server shares (`proto.internal_auth`), before the
@@ -24,7 +25,7 @@ import grpc
 from proto.internal_auth import AsyncTokenInterceptor, TokenGate, token_matches
 from router.log import log_event
 
-HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"  # the one RPC open without a token
 _LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 
 
@@ -88,7 +89,7 @@ class BearerTokenInterceptor(AsyncTokenInterceptor):
             _log_rejected(method, reason)
             if on_reject is not None:
                 on_reject(reason)
-        super().__init__(TokenGate("authorization", f"Bearer {token}", exempt=(HEALTH_METHOD_PREFIX,),
+        super().__init__(TokenGate("authorization", f"Bearer {token}", exempt=(HEALTH_CHECK_METHOD,),
                                    message="{reason} bearer token: send metadata 'authorization: Bearer <token>'",
                                    on_reject=rejected, canonical=bearer_canonical))
 

@@ -42,7 +42,7 @@ from router.openai_api import ChatTemplate, HTTPServer, create_app
 from router.openai_api.http_limits import HTTPLimits
 from router.security import BearerTokenInterceptor, TLSConfig, check_bind, is_loopback
 from router.request_core import RequestCore
-from router.servicer import SERVICE_NAME, GenerationServicer, parse_generate_request
+from router.servicer import SERVICE_NAME, GenerationServicer, parse_generate_request, parse_stats_request
 
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -320,7 +320,7 @@ def _add_generation_service(server: grpc.aio.Server, servicer: GenerationService
         ),
         "GetStats": grpc.unary_unary_rpc_method_handler(
             servicer.GetStats,
-            request_deserializer=pb.GetStatsRequest.FromString,
+            request_deserializer=parse_stats_request,
             response_serializer=pb.GetStatsResponse.SerializeToString,
         ),
     }

@@ -35,8 +35,17 @@ class UnparsableRequest:
 
 def parse_generate_request(data: bytes) -> pb.GenerateRequest | UnparsableRequest:
     """Deserializer that turns a parse failure into INVALID_ARGUMENT, not INTERNAL."""
+    return _parse(pb.GenerateRequest, data)
+
+
+def parse_stats_request(data: bytes) -> pb.GetStatsRequest | UnparsableRequest:
+    """Deserializer that turns a parse failure into INVALID_ARGUMENT, not UNKNOWN and a logged traceback."""
+    return _parse(pb.GetStatsRequest, data)
+
+
+def _parse(message_type, data: bytes):
     try:
-        return pb.GenerateRequest.FromString(data)
+        return message_type.FromString(data)
     except Exception as e:  # noqa: BLE001 — DecodeError and friends
         return UnparsableRequest(str(e) or type(e).__name__)
 
@@ -81,8 +90,11 @@ class GenerationServicer:
         if error is not None:
             await context.abort(grpc.StatusCode[error.code], error.message)
 
-    async def GetStats(self, request: pb.GetStatsRequest,  # noqa: N802
+    async def GetStats(self, request: pb.GetStatsRequest | UnparsableRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
+        if isinstance(request, UnparsableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid GetStatsRequest ({request.error})")
         try:
             actors = await self._actor_stats()
         except BackendError as e:

@@ -9,8 +9,10 @@ proto/pdserve/v1/kv_transfer.proto) with raw-bytes handlers — a protobuf
 The internal secret travels in metadata ``x-pdserve-token`` (``TOKEN_KEY``); an interceptor
 checks it before a message is read (``proto.internal_auth``), a wrong one is answered
 UNAUTHENTICATED and counted. Bounds: a Handshake body of ``MAX_HANDSHAKE_BYTES``, a PushKV
-frame of ``MAX_MESSAGE_BYTES`` (the wire's largest frame), ``max_calls`` calls at once (more get
-RESOURCE_EXHAUSTED; ``max_streams`` of them run, the rest wait unread). With ``tls`` (an
+frame of the receiver's ``max_payload`` and a header (at most ``MAX_MESSAGE_BYTES``, the wire's largest
+frame), ``max_calls`` calls at once (more get
+RESOURCE_EXHAUSTED; ``max_streams`` of them run, the rest wait unread), each call at most
+``CALL_DEADLINES`` times the longest transfer deadline (then it is cancelled). With ``tls`` (an
 ``InternalTLS``) the service and the senders speak mutual TLS only. HTTP/2 flow control paces
 the stream, the call's timeout is the transfer deadline.
 """
@@ -53,6 +55,7 @@ MAX_DECODES_PER_STREAM = 2  # chunks of one stream queued for decode (bounds mem
 MAX_MESSAGE_BYTES = MAX_PAYLOAD_BYTES + MAX_HEADER_BYTES + 16
 MAX_HANDSHAKE_BYTES = 4096  # a layout description is ~200 bytes
 MAX_CALLS = 64  # concurrent calls per receiver (a transfer uses up to num_streams of them)
+CALL_DEADLINES = 2  # a PushKV call lasts at most this many times the receiver's max_deadline_s
 _OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -79,8 +82,10 @@ class GrpcReceiver(BaseReceiver):
         self._decoders = futures.ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="kv-decode")
         gate = TokenGate(TOKEN_KEY, self.token, message="receiver rejected the cluster token ({reason})",
                          on_reject=self._count_auth_failure)
+        max_frame = MAX_MESSAGE_BYTES - MAX_PAYLOAD_BYTES + self.max_payload   # no frame it would refuse is read
+        options = [(key, max_frame if key == "grpc.max_receive_message_length" else value) for key, value in _OPTIONS]
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams, thread_name_prefix="kv-grpc"),
-                                   interceptors=[TokenInterceptor(gate)], options=_OPTIONS,
+                                   interceptors=[TokenInterceptor(gate)], options=options,
                                    maximum_concurrent_rpcs=max_calls)
         handlers = {
             "Handshake": grpc.unary_unary_rpc_method_handler(self._handshake),
@@ -108,6 +113,17 @@ class GrpcReceiver(BaseReceiver):
         return msgpack.packb(self.describe())
 
     def _push(self, frames: Iterator[bytes], context) -> bytes:
+        # A call carries one transfer, which ends within max_deadline_s of its first chunk: a call still open after
+        # CALL_DEADLINES of them (a silent peer that set no deadline of its own) is cancelled, freeing its thread.
+        watchdog = threading.Timer(CALL_DEADLINES * self.max_deadline_s, context.cancel)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            return self._receive(frames, context)
+        finally:
+            watchdog.cancel()
+
+    def _receive(self, frames: Iterator[bytes], context) -> bytes:
         transfer_id, nbytes = "", 0
         code, error = None, ""
         pending: deque[Future] = deque()

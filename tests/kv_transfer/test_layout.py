@@ -33,6 +33,20 @@ def test_ends_holding_other_heads_are_refused_naming_both(layout):
         check_compatible(rank1.describe("none"), rank0.describe("none"))
 
 
+@pytest.mark.parametrize("malformed, message", [
+    ("a layout", "sender's layout is not a map (got str)"),
+    ({"kv_head_start": "x", "num_kv_heads": 1}, "sender's kv_head_start is 'x', not an integer"),
+    ({"kv_head_start": None}, "sender's kv_head_start is None, not an integer"),
+    ({"num_layers": True}, "sender's num_layers is True, not an integer"),
+])
+def test_a_malformed_description_is_a_handshake_error_naming_the_field(layout, malformed, message):
+    """What a peer sends is checked before it is compared (it used to raise TypeError or AttributeError)."""
+    remote = malformed if isinstance(malformed, str) else {**layout.describe("none"), **malformed}
+    with pytest.raises(HandshakeError) as exc:
+        check_compatible(remote, layout.describe("none"))
+    assert message in str(exc.value)
+
+
 @pytest.mark.parametrize("kind", ["fake", "grpc", "tcp", "torch", "ray"])
 def test_every_transport_refuses_a_degree_it_cannot_map(make_pair, layout, kind):
     sender_layout = KVLayout(layout.num_layers, 1, layout.block_size, layout.head_dim, layout.dtype,

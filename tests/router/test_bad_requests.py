@@ -2,6 +2,7 @@
 nothing reaches the backend, and the server keeps serving."""
 from __future__ import annotations
 
+import logging
 import math
 import threading
 
@@ -83,7 +84,7 @@ def _assert_still_serving(address: str) -> None:
 
 
 def test_table_has_at_least_25_cases():
-    assert len(CASES) + len(RAW_CASES) + 2 >= 25  # + oversized message + duplicate request_id
+    assert len(CASES) + len(RAW_CASES) + 3 >= 25  # + stats, oversized message, duplicate request_id
 
 
 @pytest.mark.parametrize("request_msg,code,needles", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -106,6 +107,18 @@ def test_unparsable_request(server, channel, data, needles):
     for needle in needles:
         assert needle in e.value.details()
     _assert_still_serving(server.address)
+
+
+def test_unparsable_stats_request_is_invalid_argument(server, channel, caplog):
+    get_stats = channel.unary_unary("/pdserve.v1.GenerationService/GetStats", request_serializer=lambda b: b,
+                                    response_deserializer=pb.GetStatsResponse.FromString)
+    caplog.set_level(logging.ERROR)
+    with pytest.raises(grpc.RpcError) as e:
+        get_stats(RAW_CASES[2][1], timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()   # was UNKNOWN, and a traceback
+    assert "GetStatsRequest" in e.value.details()
+    assert not caplog.records
+    assert len(get_stats(b"", timeout=10).actors) == 2
 
 
 def test_oversized_message_is_resource_exhausted(serve):

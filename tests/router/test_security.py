@@ -42,6 +42,21 @@ def test_token_accepted_and_wrong_or_missing_rejected(serve):
     assert not running.backend.inputs or set(running.backend.inputs) == set(running.backend.finished)
 
 
+def test_health_watch_takes_the_token_only_check_is_open(serve):
+    """Watch holds a stream (and a task) open on the router for as long as the caller likes: open to anyone,
+    streams without end would have cost the router memory without bound."""
+    running = serve(token=TOKEN)
+    with grpc.insecure_channel(running.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=5)
+        assert _code(lambda: next(watch)) == grpc.StatusCode.UNAUTHENTICATED
+        watch = health.Watch(health_pb2.HealthCheckRequest(), metadata=(("authorization", f"Bearer {TOKEN}"),),
+                             timeout=5)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_grpc_bearer_scheme_is_case_insensitive(serve):
     running = serve(token=TOKEN)
     with grpc.insecure_channel(running.address) as ch:

@@ -146,7 +146,9 @@ class TcpReceiver(BaseReceiver):
         except (OSError, ConnectionError, WireError, ssl.SSLError) as exc:
             if not authenticated:  # counted and logged rarely, never a traceback (unless dropped before)
                 self._slots.drop(conn, f"{type(exc).__name__}: {exc}")
-            # else: the connection broke or spoke out of turn: _pieces failed what it carried
+            elif isinstance(exc, WireError):  # an authenticated peer spoke out of turn: _pieces failed what it carried
+                log.warning("tcp KV receiver: closed a connection that sent a bad frame (%s)", exc)
+            # else: the connection broke: _pieces failed what it carried
         except Exception:  # a bug: say so; _pieces failed what the connection carried
             log.exception("tcp KV connection failed")
         finally:
@@ -226,6 +228,7 @@ class TcpReceiver(BaseReceiver):
         piece.deadline = time.monotonic() + min(deadline_s, self.max_deadline_s)
         set_timeout(conn, _left(piece.deadline))
         try:
+            self.check_header(header)  # before a byte is reserved or staged (an unknown codec, another layout)
             if get_codec(header.codec).as_stored and self._rows is not None:
                 self._receive_into_rows(conn, piece, header)
             else:
@@ -237,7 +240,6 @@ class TcpReceiver(BaseReceiver):
     def _receive_into_rows(self, conn: socket.socket, piece: _Piece, header) -> None:
         """Scatter the payload into the reserved cells, then check its checksum there (a mismatch fails the
         transfer: its blocks are freed, never handed over)."""
-        self.check_header(header)
         transfer = self.begin_write(header)
         written = False
         try:

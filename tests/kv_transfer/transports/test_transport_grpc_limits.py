@@ -1,5 +1,6 @@
 """The KV service's bounds (kv_transfer/transports/grpc.py): the token is checked before a body is
-read, a Handshake is a few KiB, and at most ``max_calls`` calls run at once."""
+read, a Handshake is a few KiB and a malformed one a clear refusal, a frame the receiver's ``max_payload``,
+at most ``max_calls`` calls run at once, and none for ever."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import grpc
 import msgpack
 import pytest
 import torch
-from kv_helpers import TOKEN
+from kv_helpers import TOKEN, assert_no_leak, random_cache, wait_for
 
-from kv_transfer import SimpleBlockPool, make_receiver
+from kv_transfer import KVPiece, SimpleBlockPool, TransferStatus, make_receiver, make_sender
 from kv_transfer.transports.grpc import END_FRAME, MAX_MESSAGE_BYTES, SERVICE
 from kv_transfer.wire import TOKEN_KEY
 
@@ -53,6 +54,59 @@ def test_handshake_over_a_few_kib_is_refused(receiver, layout):
     assert _handshake_code(receiver.endpoint, msgpack.packb(layout.describe("none")), TOKEN) == grpc.StatusCode.OK
     assert _handshake_code(receiver.endpoint, bytes(8192), TOKEN) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert receiver.stats.auth_failures == 0
+
+
+def test_a_malformed_handshake_is_refused_naming_the_field(receiver, layout):
+    body = msgpack.packb({**layout.describe("none"), "kv_head_start": None})
+    with grpc.insecure_channel(receiver.endpoint) as channel:
+        with pytest.raises(grpc.RpcError) as exc:
+            channel.unary_unary(f"/{SERVICE}/Handshake")(body, metadata=((TOKEN_KEY, TOKEN),), timeout=10)
+    assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION       # was UNKNOWN, with a traceback
+    assert "kv_head_start is None, not an integer" in exc.value.details()
+    assert receiver.stats.handshake_failures == 1
+    assert _handshake_code(receiver.endpoint, msgpack.packb(layout.describe("none")), TOKEN) == grpc.StatusCode.OK
+
+
+def test_a_frame_over_the_receivers_max_payload_is_refused_unread(layout):
+    receiver = _receiver(layout, max_payload=64 << 10)
+    accepted = []
+    receiver.accept = lambda header, payload: accepted.append(header)
+    try:
+        with grpc.insecure_channel(receiver.endpoint, options=_UNLIMITED_SEND) as channel:
+            push = channel.stream_unary(f"/{SERVICE}/PushKV")
+            with pytest.raises(grpc.RpcError) as exc:       # a frame of 1 MiB: was read whole, then refused
+                push(iter([bytes(1 << 20), END_FRAME]), metadata=((TOKEN_KEY, TOKEN),), timeout=10)
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.value.details()
+            assert msgpack.unpackb(push(iter([END_FRAME]), metadata=((TOKEN_KEY, TOKEN),), timeout=10)) == \
+                {"nbytes": 0}
+        assert accepted == []
+    finally:
+        receiver.close()
+
+
+def test_a_silent_call_without_a_deadline_is_cancelled_and_frees_its_stream(layout):
+    pool = SimpleBlockPool(8)
+    receiver = make_receiver("grpc", layout, torch.zeros(layout.cache_shape(8)), pool, token=TOKEN, max_streams=1,
+                             default_timeout_s=0.5)
+    sender = make_sender("grpc", layout, token=TOKEN)
+    release = threading.Event()
+
+    def silent():                 # opens the stream, then sends nothing (and the call has no deadline)
+        release.wait(60)
+        yield END_FRAME
+
+    try:
+        with grpc.insecure_channel(receiver.endpoint) as channel:
+            call = channel.stream_unary(f"/{SERVICE}/PushKV").future(silent(), metadata=((TOKEN_KEY, TOKEN),))
+            assert wait_for(call.done, timeout=10)         # was: held the only stream thread for ever
+            assert call.code() == grpc.StatusCode.CANCELLED
+        handle = sender.send(KVPiece("r", random_cache(layout, 3), [0, 2]), receiver.endpoint)
+        assert handle.wait(30) == TransferStatus.DONE, handle
+        assert_no_leak(pool, receiver.wait(handle.transfer_id, 5).dst_block_ids)
+    finally:
+        release.set()
+        sender.close()
+        receiver.close()
 
 
 def _held_pair_and_a_refused_call(push, metadata) -> bool:

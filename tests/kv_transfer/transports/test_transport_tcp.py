@@ -18,8 +18,10 @@ from kv_transfer import make_sender
 from kv_transfer.codec import NoneCodec
 from proto.internal_auth import InternalTLS
 from kv_transfer.transports.tcp import receiver as tcp_receiver
-from kv_transfer.transports.tcp.protocol import client_context
+from kv_transfer.transports.tcp.protocol import (FRAME, KIND_CHUNK, KIND_END, NONCE_BYTES, client_context,
+                                                 hello_key, hello_proof, recv_ack, recv_exact, recv_small, send_small)
 from kv_transfer.transports.tcp.rows import cell_runs
+from kv_transfer.wire import ChunkHeader, pack_header
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +221,92 @@ def test_malformed_hellos_are_one_rate_limited_warning_and_counted(layout, caplo
     mine = [r for r in caplog.records if r.name.startswith("kv_transfer")]
     assert [r.levelno for r in mine] == [logging.WARNING] and not any(r.exc_info for r in mine)
     assert "before it authenticated" in mine[0].getMessage()
+
+
+def _hello(receiver, layout_description: object) -> tuple[socket.socket, dict]:
+    """A connection that answers the challenge with a good proof, and what the receiver replied."""
+    host, port = receiver.endpoint.rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=10)
+    nonce = recv_exact(conn, NONCE_BYTES)
+    send_small(conn, {"proof": hello_proof(hello_key(TOKEN), nonce), "layout": layout_description})
+    return conn, recv_small(conn)
+
+
+def test_a_malformed_layout_in_a_hello_is_refused_with_a_reply(layout, caplog):
+    _, receiver = _tcp_receiver(layout)
+    caplog.set_level(logging.WARNING)
+    try:
+        for malformed in ("a layout", {**layout.describe("none"), "kv_head_start": "x"}):
+            conn, reply = _hello(receiver, malformed)   # was: no reply, a closed connection, a logged traceback
+            conn.close()
+            assert reply["ok"] is False and "KV handshake" in reply["error"], reply
+        assert receiver.stats.handshake_failures == 2
+    finally:
+        receiver.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def _chunk_header(layout, **fields) -> ChunkHeader:
+    values = dict(request_id="r", transfer_id="t", model_fingerprint=layout.model_fingerprint,
+                  num_layers=layout.num_layers, layer_start=0, layer_end=1, num_blocks=1, block_start=0, block_end=1,
+                  block_size=layout.block_size, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                  dtype="float32", codec="none", scale_layout="", chunk_index=0, num_chunks=1, payload_len=256,
+                  checksum=0, deadline_ms=5000, num_tokens=layout.block_size)
+    return ChunkHeader(**{**values, **fields})
+
+
+@pytest.mark.parametrize("codec", ["none", "fp8"])   # received into the cache rows / staged for decode
+def test_a_chunk_of_another_codec_or_model_is_refused_in_its_ack_before_anything_is_staged(layout, codec, caplog,
+                                                                                           monkeypatch):
+    pool, receiver = _tcp_receiver(layout, codec=codec)
+    staged, acquire = [], tcp_receiver.payload_pool.acquire
+    monkeypatch.setattr(tcp_receiver.payload_pool, "acquire", lambda *args: staged.append(args) or acquire(*args))
+    caplog.set_level(logging.WARNING)
+    sender = make_sender("tcp", layout, codec=codec, token=TOKEN)
+    conn, reply = _hello(receiver, receiver.describe())
+    try:
+        assert reply["ok"], reply
+        refused = [("t1", {"codec": "bogus"}, "codec: sender='bogus'"),
+                   ("t2", {"codec": codec, "model_fingerprint": "other"}, "model_fingerprint")]
+        for transfer_id, fields, needle in refused:
+            header = pack_header(_chunk_header(layout, transfer_id=transfer_id, **fields))
+            conn.sendall(FRAME.pack(KIND_CHUNK, len(header), 256) + header + bytes(256))
+            conn.sendall(FRAME.pack(KIND_END, 0, 0))
+            assert needle in recv_ack(conn)     # the connection stays in step (an unknown codec used to drop it)
+            assert receiver.wait(transfer_id, 5).status == TransferStatus.FAILED
+        assert staged == [] and receiver.num_connections == 1
+        handle = sender.send(KVPiece("r", random_cache(layout, 3), [0, 2]), receiver.endpoint)
+        assert handle.wait(30) == TransferStatus.DONE, handle
+        assert_no_leak(pool, receiver.wait(handle.transfer_id, 5).dst_block_ids)
+    finally:
+        conn.close()
+        sender.close()
+        receiver.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("frame, message", [
+    (FRAME.pack(99, 0, 0), "bad tcp frame (kind 99"),
+    (FRAME.pack(KIND_CHUNK, 100, 1 << 40), "over the limits"),      # a TiB payload: refused before a read
+    (FRAME.pack(KIND_END, 1 << 30, 0), "bad tcp frame (kind 2"),
+], ids=["unknown_kind", "tib_payload", "gib_end_reason"])
+def test_a_bad_frame_after_the_hello_closes_the_connection_with_one_warning(layout, caplog, frame, message):
+    pool, receiver = _tcp_receiver(layout)
+    sender = make_sender("tcp", layout, token=TOKEN)
+    caplog.set_level(logging.WARNING)
+    conn, reply = _hello(receiver, receiver.describe())
+    try:
+        assert reply["ok"], reply
+        conn.sendall(frame)
+        assert conn.recv(64) == b""                     # closed
+        assert wait_for(lambda: receiver.num_connections == 0, timeout=10)
+        _transfers(sender, receiver, pool, layout)      # other senders are served
+    finally:
+        conn.close()
+        sender.close()
+        receiver.close()
+    mine = [r for r in caplog.records if r.name.startswith("kv_transfer")]
+    assert [r.levelno for r in mine] == [logging.WARNING] and message in mine[0].getMessage()   # was: no line
 
 
 def test_bfloat16_cache_round_trip_through_the_rows(make_pair):
