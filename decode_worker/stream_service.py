@@ -62,6 +62,8 @@ class DecodeStreamServer(worker_pb2_grpc.DecodeStreamServiceServicer):
         self.endpoint = ""
         self._gate = TokenGate(TOKEN_KEY, token, message="{reason} cluster token")
         self._server: grpc.aio.Server | None = None
+        self._owned: set[str] = set()       # request ids whose stream is open here (a duplicate's call owns none)
+        self.num_open = 0                   # calls in progress
 
     @property
     def auth_failures(self) -> int:
@@ -94,10 +96,15 @@ class DecodeStreamServer(worker_pb2_grpc.DecodeStreamServiceServicer):
         job = request.job
         queue: asyncio.Queue[tuple[float, wpb.DecodeEvent]] = asyncio.Queue()
         put = on_event_loop(asyncio.get_running_loop(), queue.put_nowait)
-        self.worker.submit(job, lambda ev: put((time.monotonic(), ev)))      # stamped as made (timeline)
+        # a second call for a running request id is answered ALREADY_EXISTS by the worker; going away early, it
+        # must not abort the request the first call streams
+        owner = job.request_id not in self._owned
+        self._owned.add(job.request_id)
+        self.num_open += 1
         finished = False
         open_sequences = job.params.best_of or job.params.n or 1     # the stream ends after each one's finish
         try:
+            self.worker.submit(job, lambda ev: put((time.monotonic(), ev)))      # stamped as made (timeline)
             while not finished:
                 response = wpb.DecodeResponse(events=[_stamped(await queue.get())])
                 while not queue.empty():
@@ -108,8 +115,11 @@ class DecodeStreamServer(worker_pb2_grpc.DecodeStreamServiceServicer):
                     finished = finished or bool(ended) or open_sequences <= 0
                 yield response
         finally:
-            if not finished:            # the router went away or cancelled: free the request here
-                self.worker.abort(job.request_id)
+            self.num_open -= 1
+            if owner:
+                self._owned.discard(job.request_id)
+                if not finished:        # the router went away or cancelled: free the request here
+                    self.worker.abort(job.request_id)
 
 
 def _stamped(item: tuple[float, wpb.DecodeEvent]) -> wpb.DecodeEvent:

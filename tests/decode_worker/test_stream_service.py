@@ -125,6 +125,35 @@ def test_calls_over_max_streams_are_refused():
     run(main())
 
 
+def test_a_duplicate_call_going_away_leaves_the_running_request_alone():
+    """A second call for a request id already streaming here (the worker answers it ALREADY_EXISTS), cancelled
+    before it reads that answer, must not abort the request the first call streams."""
+    async def main():
+        worker = FakeWorker(hold=True)
+        server = await _served(worker)
+        client = DecodeStreamClient(SECRET)
+        try:
+            first = client.open(server.endpoint, _job("r1").job)
+            while len(worker.jobs) < 1:
+                await asyncio.sleep(0.01)
+            duplicate = client.open(server.endpoint, _job("r1").job)
+            while len(worker.jobs) < 2:              # the duplicate reached the worker
+                await asyncio.sleep(0.01)
+            duplicate.cancel()
+            while server.num_open > 1:               # the duplicate's call has ended on the server
+                await asyncio.sleep(0.01)
+            assert worker.aborted == []
+            first.cancel()
+            while not worker.aborted:
+                await asyncio.sleep(0.01)
+            assert worker.aborted == ["r1"] and server.num_open == 0
+        finally:
+            await client.close()
+            await server.stop()
+
+    run(main())
+
+
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     return make_certs(tmp_path_factory.mktemp("certs"))
