@@ -111,6 +111,9 @@ def sampling_params_from_proto(sampling: pb.SamplingParams, defaults: dict | Non
         params.validate()
         if params.structured is not None:
             check_structured(params.structured)
+    except RecursionError:      # validate() parsed a JSON schema text nested deeper than json.loads goes
+        raise invalid(f"sampling.{_nested_too_deeply(params.structured)}",
+                      f"sampling.structured.{params.structured.kind}") from None
     except ValueError as e:
         name = str(e).split(" ", 1)[0].strip(":,.")   # validate() starts each message with the field's name
         raise invalid(f"sampling.{e}", f"sampling.{name}") from None
@@ -126,10 +129,17 @@ def check_structured(spec: StructuredOutput) -> None:
     Raises:
         ValueError: starting ``structured.<kind>``, naming the problem.
     """
-    spec.validate()
+    try:
+        spec.validate()
+    except RecursionError:      # a JSON schema text nested deeper than json.loads goes
+        raise ValueError(_nested_too_deeply(spec)) from None
     error = _grammar_error(spec)
     if error is not None:
         raise ValueError(error)
+
+
+def _nested_too_deeply(spec: StructuredOutput) -> str:
+    return f"structured.{spec.kind}: recursion limit exceeded: nested too deeply"
 
 
 @functools.lru_cache(maxsize=STRUCTURED_CACHE_SIZE)

@@ -52,7 +52,7 @@ from router.openai_api.tool_parsers import tool_format
 from router.openai_api.tools import tool_request
 from router.security import check_http_bearer
 from router.request_core import THREAD_TOKENIZE_CHARS, AdmittedRequest, RequestCore
-from router.validation import THREAD_TOKEN_IDS, RequestError, check_text_fits
+from router.validation import MAX_REQUEST_ID_CHARS, THREAD_TOKEN_IDS, RequestError, check_text_fits
 
 log = logging.getLogger("pdserve.router")
 PUBLIC_PATHS = ("/health",)
@@ -117,6 +117,11 @@ class OpenAIApp:
         bodies = [body.model_copy(update={"prompt": p, **({"stream_options": None} if batch else {})})
                   for p in prompts]
         header_id = request.headers.get("x-request-id", "")
+        room = MAX_REQUEST_ID_CHARS - len(f"-{len(prompts) - 1}")
+        if batch and len(header_id) > room:
+            raise APIError(400, f"X-Request-Id: a batch of {len(prompts)} prompts names prompt i "
+                                f"'<X-Request-Id>-<i>', so the header must be at most {room} characters, "
+                                f"got {len(header_id)}", "X-Request-Id")
         backend = self.backend
         admitted: list[AdmittedRequest] = []
         try:
@@ -139,7 +144,8 @@ class OpenAIApp:
                                          lambda: [view(a, sub) for a, sub in zip(admitted, bodies)])
 
     async def chat_completions(self, request: Request) -> Response:
-        body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await self._read_body(request))
+        raw = await self._read_body(request)
+        body: ChatCompletionRequest = parse_body(ChatCompletionRequest, raw)
         self._check_model(body.model)
         self._note_ignored(body)
         self._check_stream_options(body)
@@ -149,9 +155,10 @@ class OpenAIApp:
             tools = tool_request(body, self.tool_format)
         except RequestError as e:
             raise api_error(e, body) from None
-        chars = sum(len(m.content) if isinstance(m.content, str) else 0 for m in body.messages)
+        # the body's size bounds all the text the template renders (string or parts content, tools, calls)
+        long = len(raw) >= THREAD_TOKENIZE_CHARS
         backend = self.backend
-        admitted = await self._admit(request.headers.get("x-request-id", ""), body, chars >= THREAD_TOKENIZE_CHARS,
+        admitted = await self._admit(request.headers.get("x-request-id", ""), body, long,
                                      lambda rid, in_flight: chat_input(
             body, self.chat_template, backend.tokenizer, backend.max_model_len, backend.generation_defaults, rid,
             in_flight, tools))
@@ -282,6 +289,8 @@ class OpenAIApp:
         except BaseException:
             finish_all()
             raise
+        for view in views[1:]:          # one response: every prompt's objects carry the first one's id
+            view.id, view.created = views[0].id, views[0].created
         if not body.stream:
             async def collect(a: AdmittedRequest, view: CompletionView) -> dict:
                 async with contextlib.aclosing(a.chunks()) as chunks:

@@ -202,7 +202,7 @@ def _sampling(body, *, logprobs: int | None, max_tokens: int | None, best_of: in
         if value is None:
             continue
         if name in _UINT32_FIELDS and not 0 <= value <= UINT32_MAX:
-            raise invalid(f"sampling.{name} must be a non-negative integer, got {value}", f"sampling.{name}")
+            raise invalid(f"sampling.{name} must be in [0, {UINT32_MAX}], got {value}", f"sampling.{name}")
         if name == "seed" and not 0 <= value <= UINT64_MAX:
             raise invalid(f"sampling.seed must be in [0, {UINT64_MAX}], got {value}", "sampling.seed")
         setattr(msg, name, float(value) if name in _FLOAT_FIELDS else value)

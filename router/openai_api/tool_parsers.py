@@ -186,7 +186,7 @@ class ToolCallParser(ABC):
         """A complete call object in any key order (the fallback when the name does not come first)."""
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):        # not JSON, or nested deeper than the decoder goes
             return None
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
@@ -196,6 +196,15 @@ class ToolCallParser(ABC):
         call = ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
         self.calls.append(call)
         return call
+
+
+def _call_name(head: re.Match) -> str | None:
+    """The name in a call's head as JSON decodes it; None when it is no JSON string (a bad escape, a raw
+    control character): then the text is not a call."""
+    try:
+        return json.loads(f'"{head.group(1)}"')
+    except ValueError:
+        return None
 
 
 def _partial_suffix(text: str, token: str) -> int:
@@ -259,7 +268,7 @@ class HermesParser(ToolCallParser):
                 self._end_block(out, self._unstreamed(self.pending[:end], out))
                 self.pending = self.pending[end + len(self.CLOSE):]
                 return True
-            name = json.loads(f'"{head.group(1)}"')
+            name = _call_name(head)
             if name not in self.tool_names:
                 self.plain_block = True
             else:
@@ -352,7 +361,7 @@ class Llama3JsonParser(ToolCallParser):
                 head = _HEAD.match(self.pending)
                 if head is None:
                     break                           # name not first (or not yet): wait for the whole text
-                name = json.loads(f'"{head.group(1)}"')
+                name = _call_name(head)
                 if name not in self.tool_names:
                     return self._to_text(out, self.pending)
                 out.add(Parsed(calls=[self._start_call(name)]))
@@ -389,7 +398,7 @@ class Llama3JsonParser(ToolCallParser):
                     value, end = decoder.raw_decode(rest)
                     found.append(json.dumps(value))
                     rest = rest[end:]
-            except ValueError:
+            except (ValueError, RecursionError):
                 found = None
             calls = [self._whole_call(text) for text in found or ()]
             if found and all(calls):

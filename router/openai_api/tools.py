@@ -122,7 +122,7 @@ def template_tool_calls(message: ChatMessage, index: int) -> list[dict]:
     for call in message.tool_calls:
         try:
             arguments = json.loads(call.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):        # not JSON, or nested deeper than the decoder goes
             arguments = call.function.arguments
         if not isinstance(arguments, dict):
             arguments = call.function.arguments

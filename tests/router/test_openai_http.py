@@ -13,7 +13,7 @@ import threading
 import httpx
 import openai
 import pytest
-from openai_support import EOS, REPLIES, SEQ_LOGPROBS, ScriptedBackend
+from openai_support import EOS, REPLIES, SEQ_LOGPROBS, ScriptedBackend, SpecialByteTokenizer
 
 from router import BackendError
 from router.openai_api.chat_template import ChatTemplate
@@ -280,6 +280,8 @@ def test_chat_top_logprobs_needs_logprobs(api):
     ({"temperature": -1.0}, "temperature", "temperature must be"),
     ({"max_tokens": 1000}, "max_tokens", "max_model_len"),
     ({"max_tokens": -2}, "max_tokens", "max_tokens"),
+    ({"max_tokens": 2**32}, "max_tokens", "max_tokens must be in [0, 4294967295], got 4294967296"),
+    ({"extra_body": {"top_k": 10**10}}, "top_k", "top_k must be in [0, 4294967295]"),
     ({"n": 0}, "n", "n must be"),
     ({"logprobs": 25}, "logprobs", "logprobs must be"),
     ({"logit_bias": {"abc": 1.0}}, "logit_bias", "logit_bias"),
@@ -573,6 +575,27 @@ def test_batched_prompts_stream(api):
     assert (usage.prompt_tokens, usage.completion_tokens) == (6, 6)
 
 
+def test_a_batch_stream_is_one_response_with_one_id(api):
+    _, client = api
+    chunks = list(client.completions.create(model=MODEL, prompt=["Hi", "Yo", [72]], max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_headers={"X-Request-Id": "batch"}))
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1, 2}
+    assert {(c.id, c.created) for c in chunks} == {("cmpl-batch-0", chunks[0].created)}
+
+
+def test_a_batch_names_the_request_id_header_it_cannot_extend(api):
+    running, client = api
+    header = {"X-Request-Id": "r" * 255}                    # fits alone; "-0", "-1" make it 257 characters
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_headers=header).id == \
+        "cmpl-" + "r" * 255
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=["Hi", "Yo"], max_tokens=2, extra_headers=header)
+    assert e.value.body["param"] == "X-Request-Id"
+    assert "batch of 2 prompts" in e.value.message and "at most 254 characters, got 255" in e.value.message
+    assert running.server.core.num_in_flight == 0
+
+
 def test_batch_failure_fails_the_whole_request_and_frees_every_prompt(http, wait_until):
     backend = ScriptedBackend()
     running, client = http(backend)
@@ -787,3 +810,56 @@ def test_every_refusal_is_counted_by_door_status_and_reason(http, serve, wait_un
     assert count("http", "INVALID_ARGUMENT", "body_too_large") == 1
     assert count("grpc", "UNAUTHENTICATED", "missing_token") == 1
     assert count("grpc", "RESOURCE_EXHAUSTED", "capacity") == 1
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_a_schema_text_nested_too_deep_for_json_is_a_400(api, endpoint):
+    running, client = api
+    deep = '{"type": "array", "items": ' * 1100 + "{}" + "}" * 1100      # under the size limit, over json's depth
+    body = {"model": MODEL, "max_tokens": 2, "guided_json": deep,
+            **({"prompt": "Hi"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]})}
+    r = httpx.post(f"{running.server.http_url}/v1/{endpoint}", json=body, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "guided_json" and "nested too deeply" in r.json()["error"]["message"]
+    assert running.server.core.num_in_flight == 0
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text == REPLIES[0][:2]
+
+
+def test_a_schema_text_nested_too_deep_for_json_is_invalid_argument_over_grpc(api):
+    import grpc
+
+    from proto.pdserve.v1 import generation_pb2 as pb
+    from proto.pdserve.v1 import generation_pb2_grpc as pb_grpc
+    running, _ = api
+    deep = '{"type": "array", "items": ' * 1100 + "{}" + "}" * 1100
+    request = pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(
+        max_tokens=2, structured=pb.StructuredOutput(json_schema=deep)))
+    with grpc.insecure_channel(running.server.address) as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.GenerationServiceStub(channel).Generate(request))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nested too deeply" in e.value.details()
+
+
+class _ThreadRecordingTokenizer(SpecialByteTokenizer):
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.threads.append(threading.get_ident())
+        return super().encode(text, add_special_tokens)
+
+
+@pytest.mark.parametrize("content", [
+    "a" * 9000,
+    [{"type": "text", "text": "a" * 4500}, {"type": "text", "text": "b" * 4500}],     # parts count as well
+])
+def test_a_long_chat_prompt_is_tokenized_off_the_event_loop(http, content):
+    backend = ScriptedBackend(max_model_len=16384)
+    backend.tokenizer = _ThreadRecordingTokenizer()
+    running, client = http(backend)
+
+    async def loop_thread() -> int:
+        return threading.get_ident()
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=2)
+    assert out.choices[0].message.content == REPLIES[0][:2] and out.usage.prompt_tokens > 9000
+    assert backend.tokenizer.threads and running.loop.run(loop_thread()) not in backend.tokenizer.threads

@@ -130,6 +130,11 @@ def _streamed(parser, text: str, cuts: list[int]) -> tuple[str, list[tuple[str, 
     (Llama3JsonParser, '{"parameters": {"zone": 0}, "name": "get_time"}', None, [("get_time", '{"zone": 0}')]),
     (Llama3JsonParser, 'Sure: {"name": "get_time"}', 'Sure: {"name": "get_time"}', []),
     (Llama3JsonParser, '{"name": "rm_rf", "parameters": {}}', '{"name": "rm_rf", "parameters": {}}', []),
+    (HermesParser, '<tool_call>{"name": "get_\\q", "arguments": {}}</tool_call>',          # no JSON string
+     '<tool_call>{"name": "get_\\q", "arguments": {}}</tool_call>', []),
+    (HermesParser, '<tool_call>{"name": "get\ntime", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "get\ntime", "arguments": {}}</tool_call>', []),
+    (Llama3JsonParser, '{"name": "get_\\q", "parameters": {}}', '{"name": "get_\\q", "parameters": {}}', []),
 ])
 def test_parsers_find_the_same_calls_however_the_text_is_split(parser, text, content, calls):
     """Whole, one character at a time, and at random cuts: the same content and calls; the streamed deltas
@@ -293,6 +298,21 @@ def test_auto_parses_llama3_json_calls(scripted):
     assert plain.choices[0].message.content == text and plain.choices[0].message.tool_calls is None
 
 
+@pytest.mark.parametrize("reply", [
+    '<tool_call>\n{"name": "get_\\q", "arguments": {}}\n</tool_call>',    # a name that is no JSON string
+    '<tool_call>\n{"name": "get\ttime", "arguments": {}}\n</tool_call>',
+    "<tool_call>" + "[" * 1100 + "]" * 1100 + "</tool_call>",               # deeper than json.loads goes
+])
+def test_a_malformed_call_in_the_text_is_content_whole_and_streamed(scripted, reply):
+    client = scripted(reply)
+    whole = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=2500)
+    [choice] = whole.choices
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (reply, None, "stop")
+    raw = list(client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=2500, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in raw if c.choices) == reply
+    assert raw[-1].choices[0].finish_reason == "stop"
+
+
 def test_bad_tool_requests_are_400s_naming_the_problem(scripted):
     client = scripted("Hello")
     url = str(client.base_url)
@@ -319,6 +339,19 @@ def test_bad_tool_requests_are_400s_naming_the_problem(scripted):
         assert re.search(message, r.json()["error"]["message"]), r.json()
         assert r.json()["error"]["param"] == param
     assert client.chat.completions.create(model="m", messages=ASK, max_tokens=5).choices[0].message.content == "Hello"
+
+
+def test_call_arguments_too_deep_for_json_go_back_to_the_template_as_text(scripted):
+    client = scripted("Hello")
+    deep = "[" * 1100 + "]" * 1100
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": deep}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    out = client.chat.completions.create(model="m", messages=messages, max_tokens=5)
+    assert out.choices[0].message.content == "Hello"
+    r = httpx.post(str(client.base_url).removesuffix("v1/") + "tokenize", json={"messages": messages}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert json.dumps(deep) in bytes(t for t in r.json()["tokens"] if t < 256).decode()
 
 
 def test_a_server_without_a_tool_parser_refuses_tools_unless_choice_is_none(scripted):
