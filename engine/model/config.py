@@ -78,7 +78,7 @@ class ModelConfig:
         scaling_key = "rope_scaling" if _object(raw, "rope_scaling", source) else "rope_parameters"
         scaling = raw.get("rope_scaling") or (rope_params if custom_rope else None)
         if scaling is not None:
-            _check_rope_scaling(scaling, scaling_key, source)
+            scaling = _check_rope_scaling(scaling, scaling_key, raw, source)
         act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
         if act != "silu":
             raise ValueError(f"{source}: hidden_act {act!r} is not supported (supported: silu)")
@@ -233,20 +233,59 @@ def _object(raw: dict, key: str, source: str) -> dict | None:
     return value
 
 
-def _check_rope_scaling(scaling: dict, key: str, source: str) -> None:
-    """A RoPE scaling the engine applies (engine/model/rope.py), with the numbers it reads."""
+# Every key a `yarn` scaling may carry: what rope.py applies, plus `finetuned` (NousResearch's YaRN
+# checkpoints; it selects their dynamic variant only, so plain yarn is the same without it).
+_YARN_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings",
+              "attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow", "truncate", "finetuned"}
+
+
+def _check_rope_scaling(scaling: dict, key: str, raw: dict, source: str) -> dict:
+    """A RoPE scaling the engine applies (engine/model/rope.py), with the numbers it reads checked; returned
+    with config.json's top-level `original_max_position_embeddings` in it, which transformers puts first."""
     kind = scaling.get("rope_type", scaling.get("type"))
-    if kind not in ("default", "linear", "llama3"):
-        raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported "
-                         "(supported: linear, llama3; not longrope/su/yarn/dynamic)")
+    if kind not in ("default", "linear", "llama3", "yarn"):
+        raise ValueError(f"{source}: {key} type {kind!r} is not supported "
+                         "(supported: linear, llama3, yarn; not dynamic/longrope/su)")
     if kind == "default":
-        return
+        return scaling
+    if raw.get("model_type") == "phi3":       # transformers reads phi3's yarn as longrope and refuses the rest
+        raise ValueError(f"{source}: {key} type {kind!r} is not supported for phi3 (transformers reads phi3's "
+                         "yarn/su as longrope and refuses linear/llama3; the engine applies no phi3 scaling)")
     if scaling.get("factor") is None:
         raise ValueError(f"{source}: {key}.factor must be a positive number (missing)")
     _number(scaling, "factor", source, None, f"{key}.factor")
+    if kind == "linear":
+        return scaling
+    _number(scaling, "original_max_position_embeddings", source, None, f"{key}.original_max_position_embeddings")
+    if _number(raw, "original_max_position_embeddings", source, None) is not None:
+        scaling = {**scaling, "original_max_position_embeddings": raw["original_max_position_embeddings"]}
     if kind == "llama3":
         low = _number(scaling, "low_freq_factor", source, 1.0, f"{key}.low_freq_factor")
         high = _number(scaling, "high_freq_factor", source, 4.0, f"{key}.high_freq_factor")
-        _number(scaling, "original_max_position_embeddings", source, None, f"{key}.original_max_position_embeddings")
         if high <= low:
             raise ValueError(f"{source}: {key}.high_freq_factor ({high:g}) must be above low_freq_factor ({low:g})")
+    else:
+        _check_yarn(scaling, key, source)
+    return scaling
+
+
+def _check_yarn(scaling: dict, key: str, source: str) -> None:
+    """YaRN's optional numbers; a key rope.py would not apply is refused, not ignored."""
+    unknown = sorted(set(scaling) - _YARN_KEYS)
+    if unknown:
+        raise ValueError(f"{source}: {key}.{unknown[0]} is not a yarn parameter the engine applies "
+                         f"(it reads: {', '.join(sorted(_YARN_KEYS - {'type', 'finetuned'}))})")
+    given = {name: _number(scaling, name, source, None, f"{key}.{name}")
+             for name in ("attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow")}
+    if given["attention_factor"] is not None and (given["mscale"] or given["mscale_all_dim"]):
+        raise ValueError(f"{source}: {key}.attention_factor and mscale/mscale_all_dim are exclusive "
+                         "(transformers ignores mscale when attention_factor is set)")
+    if (given["mscale"] is None) != (given["mscale_all_dim"] is None):
+        one = "mscale" if given["mscale"] is not None else "mscale_all_dim"
+        raise ValueError(f"{source}: {key}.{one} needs both mscale and mscale_all_dim "
+                         "(transformers ignores either one alone)")
+    beta_fast, beta_slow = given["beta_fast"] or 32.0, given["beta_slow"] or 1.0
+    if beta_fast < beta_slow:
+        raise ValueError(f"{source}: {key}.beta_fast ({beta_fast:g}) must be at least beta_slow ({beta_slow:g})")
+    if "truncate" in scaling and not isinstance(scaling["truncate"], bool):
+        raise ValueError(f"{source}: {key}.truncate must be true or false (got {_shown(scaling['truncate'])})")
