@@ -23,6 +23,7 @@ log = logging.getLogger(f"pdserve.{__name__}")
 GIL_FREE_CHARS = 4096   # texts this long are encoded with the GIL released (`Tokenizer.encode`)
 # tokenizer_config.json classes transformers loads from tokenizer.json unchanged.
 GENERIC_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
+LFS_POINTER = b"version https://git-lfs"       # how a Git LFS pointer file starts
 
 
 class Tokenizer:
@@ -90,20 +91,32 @@ class Tokenizer:
 def _pipeline(model_dir: str, path: str, tokenizer_class: str | None) -> _HFTokenizer:
     """The `tokenizers` pipeline AutoTokenizer runs for this directory (see the module docstring)."""
     if tokenizer_class in GENERIC_CLASSES:
-        return _HFTokenizer.from_file(path)
+        return _from_file(path)
     try:
         from transformers import AutoTokenizer
     except ImportError:
         log.warning("%s: tokenizer_class %s may encode differently in transformers (not installed here); "
                     "using tokenizer.json as it stands", model_dir, tokenizer_class)
-        return _HFTokenizer.from_file(path)
+        return _from_file(path)
     try:
         backend = AutoTokenizer.from_pretrained(model_dir).backend_tokenizer
     except Exception as e:       # custom code, a slow-only class, a missing extra: fall back, loudly
         log.warning("%s: AutoTokenizer could not load tokenizer_class %s (%s); using tokenizer.json as it stands",
                     model_dir, tokenizer_class, e)
-        return _HFTokenizer.from_file(path)
+        return _from_file(path)
     return _HFTokenizer.from_str(backend.to_str())
+
+
+def _from_file(path: str) -> _HFTokenizer:
+    """tokenizer.json as a `tokenizers` pipeline; ValueError naming the file where it is not one (a Git LFS
+    pointer left by a clone without git-lfs, a cut download, a format newer than the installed tokenizers)."""
+    try:
+        return _HFTokenizer.from_file(path)
+    except Exception as e:          # tokenizers raises a bare Exception ("expected value at line 1 column 1")
+        with open(path, "rb") as f:
+            lfs = f.read(len(LFS_POINTER)) == LFS_POINTER
+        hint = "a Git LFS pointer, not the file: fetch it (git lfs pull)" if lfs else str(e)
+        raise ValueError(f"{path}: not a readable tokenizer.json ({hint})") from None
 
 
 class IncrementalDetokenizer:

@@ -3,14 +3,17 @@
 Weights must be bf16/fp16/fp32 safetensors, one file or sharded with
 `model.safetensors.index.json`, or a 4-bit GPTQ / AWQ / compressed-tensors checkpoint whose
 config.json declares it (engine/model/quantized_checkpoint.py). Anything else (pickled `.bin`
-checkpoints, quantized tensors in an undeclared or refused format, a missing shard) is refused with
-an error naming the file and what was found. `quantization` int8 / int4 quantizes a float
-checkpoint's decoder projections at load (engine/model/quantization.py).
+checkpoints, quantized tensors in an undeclared or refused format, a missing shard, a file that is
+not safetensors such as a Git LFS pointer) is refused with an error naming the file and what was found.
+`quantization` int8 / int4 quantizes a float checkpoint's decoder projections at load
+(engine/model/quantization.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 
@@ -26,15 +29,23 @@ from engine.model.quantized_checkpoint import PACKED_NAME, QUANTIZED_SUFFIXES, r
 from engine.model.quantized_linear import QuantizedLinear, QuantPlan
 from engine.parallel.shard import HeadShard, shard_heads, weight_slices
 
+log = logging.getLogger(f"pdserve.{__name__}")
+
+SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+LFS_POINTER = b"version https://git-lfs"       # how a Git LFS pointer file starts
 
 
 def weight_files(model_dir: str) -> list[str]:
-    """The safetensors files of a directory: those the index names, or the single file."""
+    """The safetensors files of a directory, as transformers picks them: `model.safetensors`, else those the
+    index names, else every *.safetensors file. Others beside the first two (Mistral's
+    `consolidated.safetensors`, in its own tensor names) are not weights of the HF model."""
     index = os.path.join(model_dir, INDEX_FILE)
-    if os.path.isfile(index):
+    if os.path.isfile(os.path.join(model_dir, SINGLE_FILE)):
+        files = [os.path.join(model_dir, SINGLE_FILE)]
+    elif os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
             try:
                 weight_map = json.load(f)["weight_map"]
@@ -57,6 +68,18 @@ def weight_files(model_dir: str) -> list[str]:
     return files
 
 
+def open_safetensors(path: str):
+    """`safe_open(path)`; ValueError naming the file where it is not a safetensors file (a Git LFS pointer
+    left by a clone without git-lfs, a download cut short)."""
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as e:          # safetensors raises its own SafetensorError (no file name in it)
+        with open(path, "rb") as f:
+            lfs = f.read(len(LFS_POINTER)) == LFS_POINTER
+        hint = "a Git LFS pointer, not the weights: fetch them (git lfs pull)" if lfs else f"{e}"
+        raise ValueError(f"{path}: not a readable safetensors file ({hint})") from None
+
+
 class CheckpointTensors(Mapping):
     """The tensors of a directory's safetensors files by name, each read when it is looked up.
 
@@ -71,7 +94,7 @@ class CheckpointTensors(Mapping):
         self.files: dict[str, object] = {}       # path -> open safe_open handle
         self.where: dict[str, str] = {}          # tensor name -> path
         for path in weight_files(model_dir):
-            f = self.files[path] = safe_open(path, framework="pt")
+            f = self.files[path] = open_safetensors(path)
             for name in f.keys():
                 if name.endswith(QUANTIZED_SUFFIXES) and not quantized:
                     raise ValueError(f"{path}: tensor {name!r} belongs to a quantized checkpoint "
@@ -138,15 +161,20 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
     if scheme != "none" and plan is None:
         plan = kernel_choice.quantized_plan(cfg, scheme, group_size, dtype, device)
     quant = plan if scheme != "none" else None
+    checkpoint = cfg.quantization
+    src = CheckpointTensors(model_dir, quantized=checkpoint is not None,
+                            slices=lambda name: weight_slices(name, cfg, shard))
+    if cfg.tie_word_embeddings and not _head_is_embedding(src):     # every rank alike: each holds the whole head
+        if shard.rank == 0:
+            log.warning("%s: config.json ties the LM head to the embedding but lm_head.weight differs from "
+                        "model.embed_tokens.weight; serving the stored head untied, as transformers does", model_dir)
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions, torch.device("meta"), dtype, quant, quantize_lm_head, shard, reduce)
     model = model.to_empty(device=device)
     model.rope = type(model.rope)(cfg, max_positions, device, dtype)
     if cfg.tie_word_embeddings and isinstance(model.lm_head, Linear):
         model.lm_head.weight = model.embed_tokens.weight
-    checkpoint = cfg.quantization
-    src = CheckpointTensors(model_dir, quantized=checkpoint is not None,
-                            slices=lambda name: weight_slices(name, cfg, shard))
     taken: set[str] = set()
 
     def take(name: str) -> torch.Tensor:
@@ -238,6 +266,16 @@ def load_model(model_dir: str, cfg: ModelConfig, device: torch.device, dtype: to
     if unused:
         raise ValueError(f"{model_dir}: unexpected weights for {cfg.model_type}: {unused[:5]}")
     return model.eval()
+
+
+def _head_is_embedding(src: CheckpointTensors) -> bool:
+    """Whether a tied checkpoint's head is its embedding: no lm_head.weight stored, or one equal to it.
+    transformers (PreTrainedModel.tie_weights) unties a head that differs, and serves it as stored."""
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if head not in src or embed not in src:
+        return True
+    stored = src[head]
+    return torch.equal(stored, src[embed].to(stored.dtype))
 
 
 def fingerprint(model_dir: str, cfg: ModelConfig) -> str:

@@ -3,8 +3,9 @@
 `ChatTemplate.from_model_dir` reads ``tokenizer_config.json``: ``chat_template`` (a string, or a
 list of ``{"name", "template"}`` of which "default" is used), and the special tokens the template
 may name (``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``, ... as strings or as
-``{"content": ...}`` added-token objects). A ``chat_template.jinja`` file beside it wins, as in
-transformers. `ChatTemplate.render` is ``apply_chat_template(messages, tokenize=False,
+``{"content": ...}`` added-token objects). Template files, where there are any, win, as in
+transformers: ``chat_template.jinja`` beside it, and named ones (``tool_use``) in
+``additional_chat_templates/``. `ChatTemplate.render` is ``apply_chat_template(messages, tokenize=False,
 add_generation_prompt=True)``: an immutable sandboxed jinja environment with ``trim_blocks`` and
 ``lstrip_blocks``, the loop-control extension, ``raise_exception``, ``strftime_now``, and a
 ``tojson`` that does not HTML-escape (``json.dumps(..., ensure_ascii=False)``).
@@ -131,10 +132,9 @@ class ChatTemplate:
             special["additional_special_tokens"] = [t for t in map(_token_text, extra) if t is not None]
         source = _template_source(config.get("chat_template"))
         tool_source = _template_source(config.get("chat_template"), "tool_use")
-        jinja_path = os.path.join(model_dir, "chat_template.jinja") if model_dir else None
-        if jinja_path and os.path.isfile(jinja_path):
-            with open(jinja_path, encoding="utf-8") as f:
-                source = f.read()
+        files = _template_files(model_dir) if model_dir else {}
+        if files:           # as in transformers: template files, where there are any, replace the config's
+            source, tool_source = files.get("default"), files.get("tool_use")
         try:
             if source is None:
                 return cls(DEFAULT_CHAT_TEMPLATE, special, is_default=True)
@@ -179,6 +179,22 @@ class ChatTemplate:
             raise ChatTemplateError("continue_final_message: the final message's content is not in the "
                                     "rendered prompt, so it cannot be continued")
         return text[:end + len(final)]
+
+
+def _template_files(model_dir: str) -> dict[str, str]:
+    """Templates saved as files (transformers >= 4.50), by name: ``chat_template.jinja`` is "default",
+    ``additional_chat_templates/<name>.jinja`` the named ones (``tool_use``)."""
+    paths = {"default": os.path.join(model_dir, "chat_template.jinja")}
+    extra_dir = os.path.join(model_dir, "additional_chat_templates")
+    if os.path.isdir(extra_dir):
+        paths.update({n.removesuffix(".jinja"): os.path.join(extra_dir, n)
+                      for n in sorted(os.listdir(extra_dir)) if n.endswith(".jinja")})
+    files = {}
+    for name, path in paths.items():
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                files[name] = f.read()
+    return files
 
 
 def _template_source(value: object, name: str = "default") -> str | None:

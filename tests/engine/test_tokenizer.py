@@ -36,3 +36,16 @@ def test_encode_adds_the_bos_auto_tokenizer_adds(tiny_model_dir, tmp_path):
     assert tok.encode("hello world") == hf("hello world")["input_ids"]
     assert tok.encode("hello world", add_special_tokens=False) == bare == hf("hello world",
                                                                             add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("content,shown", [
+    ("version https://git-lfs.github.com/spec/v1\noid sha256:4d7a21\nsize 9085657\n", "a Git LFS pointer"),
+    ('{"version": "1.0", "model": {"type": "NoSuchModel"}}', "data did not match any variant"),
+])
+def test_unreadable_tokenizer_json_is_refused_naming_it(tiny_model_dir, tmp_path, content, shown):
+    model_dir = str(tmp_path / "tok")
+    shutil.copytree(tiny_model_dir, model_dir)
+    with open(os.path.join(model_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(content)
+    with pytest.raises(ValueError, match=f"tokenizer.json: not a readable tokenizer.json \\({shown}"):
+        Tokenizer(model_dir, (1,), 0)

@@ -165,3 +165,51 @@ def test_unsupported_architecture_fields_are_refused_naming_the_key(changes, sho
 def test_sliding_window_is_read_as_each_architecture_applies_it(changes, window):
     raw = {**_llama_config().to_dict(), "layer_types": None, **changes}
     assert ModelConfig.from_dict(raw).sliding_window == window
+
+
+@pytest.mark.parametrize("head", ["embedding", "different"])
+def test_tied_checkpoint_storing_lm_head_is_served_as_hf_serves_it(tmp_path, tiny_model_dir, head):
+    """tie_word_embeddings with an lm_head.weight stored too: equal to the embedding, the head stays tied;
+    different, transformers unties it and serves the stored head (PreTrainedModel.tie_weights)."""
+    cfg = _llama_config()
+    cfg.tie_word_embeddings = True
+    model_dir = write_checkpoint(str(tmp_path / "tied"), cfg, tiny_model_dir, seed=6)
+    path = os.path.join(model_dir, "model.safetensors")
+    weights = load_file(path)
+    embed = weights["model.embed_tokens.weight"]
+    weights["lm_head.weight"] = embed.clone() if head == "embedding" else torch.randn_like(embed)
+    save_file(weights, path, metadata={"format": "pt"})
+    engine = _engine(model_dir)
+    assert (engine.model.lm_head.weight is engine.model.embed_tokens.weight) == (head == "embedding")
+    ids = random_prompt(40, seed=2, vocab=VOCAB)
+    blocks = engine.block_manager.allocate(3)
+    torch.testing.assert_close(engine.runner.score(ids, blocks), hf_logits(hf_model(model_dir), ids),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_other_safetensors_beside_model_safetensors_are_not_loaded(plain_dir, tmp_path):
+    """Mistral's repos ship `consolidated.safetensors` (its own tensor names) beside the HF weights;
+    transformers reads model.safetensors alone, and so does the engine."""
+    model_dir = _copy(plain_dir, tmp_path)
+    save_file({"tok_embeddings.weight": torch.zeros(VOCAB, 64), "layers.0.attention.wq.weight": torch.zeros(64, 64)},
+              os.path.join(model_dir, "consolidated.safetensors"))
+    engine = _engine(model_dir)
+    ids = random_prompt(30, seed=3, vocab=VOCAB)
+    blocks = engine.block_manager.allocate(2)
+    torch.testing.assert_close(engine.runner.score(ids, blocks), hf_logits(hf_model(model_dir), ids),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("content,shown", [
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a21\nsize 2471645608\n", "a Git LFS pointer"),
+    (None, "Error while deserializing header"),      # None: the first half of the real file (a download cut short)
+])
+def test_unreadable_safetensors_file_is_refused_naming_it(plain_dir, tmp_path, content, shown):
+    model_dir = _copy(plain_dir, tmp_path)
+    path = os.path.join(model_dir, "model.safetensors")
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(content if content is not None else data[:len(data) // 2])
+    with pytest.raises(ValueError, match=f"model.safetensors: not a readable safetensors file \\({shown}"):
+        _engine(model_dir)

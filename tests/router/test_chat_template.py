@@ -3,6 +3,7 @@ add_generation_prompt=True) renders, from the same model directory's tokenizer_c
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -134,3 +135,22 @@ def test_sandbox_refuses_unsafe_attribute_access(tmp_path):
 def test_broken_template_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="does not compile"):
         ChatTemplate.from_model_dir(_model_dir(tmp_path, "{% for m in messages %}"))
+
+
+def test_template_files_saved_by_transformers_are_used_with_and_without_tools(tmp_path):
+    """transformers >= 4.50 saves named templates as chat_template.jinja + additional_chat_templates/tool_use.jinja
+    (and nothing in tokenizer_config.json); a request with tools renders the tool_use one, as apply_chat_template."""
+    saved = str(tmp_path / "saved")
+    tok = transformers.AutoTokenizer.from_pretrained(_model_dir(tmp_path, "FROM CONFIG"))
+    tok.chat_template = {"default": LLAMA3_STYLE,
+                         "tool_use": "TOOLS {{ tools | length }} {% for m in messages %}{{ m.content }}{% endfor %}"}
+    tok.save_pretrained(saved)
+    assert os.path.isfile(os.path.join(saved, "additional_chat_templates", "tool_use.jinja"))
+    template = ChatTemplate.from_model_dir(saved)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+    hf = transformers.AutoTokenizer.from_pretrained(saved)
+    for with_tools in (None, tools):
+        ours = template.render(CONVERSATION, tools=with_tools)
+        assert ours == hf.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True,
+                                              tools=with_tools)
+    assert template.render(CONVERSATION, tools=tools).startswith("TOOLS 1 ")
