@@ -35,7 +35,7 @@ class EngineArgs:
         chunk_size: most prompt tokens one request computes per step; None disables chunking.
         max_num_seqs: most requests in the running batch.
         enable_prefix_cache: reuse full blocks of earlier prompts.
-        max_model_len: context limit (default, and at most: the model's max_position_embeddings).
+        max_model_len: context limit (default, and at most: the model's context, `ModelConfig.context_limit`).
         attention: `compiled`: decode reads K/V through the block table in one Inductor kernel
             (compiled at start-up, cached on disk), prefill through SDPA; `eager` gathers the decode
             blocks and runs bmm; `flex`: prefill and decode both through `flex_attention` over the
@@ -113,10 +113,11 @@ class EngineArgs:
         return resolve_model(self.model)
 
     def context_length(self, config: ModelConfig | None = None) -> int:
-        """`max_model_len`, at most (and by default) the model's max_position_embeddings."""
+        """`max_model_len`, at most (and by default) the model's context: max_position_embeddings, or with YaRN
+        the original context times its factor (`ModelConfig.context_limit`)."""
         from engine.model.config import ModelConfig
         config = config or ModelConfig.from_dir(self.model_dir())
-        return min(self.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        return min(self.max_model_len or config.context_limit, config.context_limit)
 
     def load_tokenizer(self, config: ModelConfig | None = None,
                        generation: GenerationConfig | None = None) -> Tokenizer:

@@ -136,7 +136,7 @@ class SimEngine(Engine):
         self.device = torch.device("cpu")
         self.dtype = torch.uint8
         self.config = cfg
-        self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = args.context_length(cfg)
         self.tokenizer = SimTokenizer(cfg.vocab_size)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.vocab_size = cfg.vocab_size

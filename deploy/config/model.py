@@ -67,4 +67,4 @@ class ModelSection(Section):
         "tool_choice none).")
     max_model_len: Optional[Int] = Field(
         None, gt=0, description="Longest prompt + output in tokens; default: the model's "
-        "max_position_embeddings.")
+        "max_position_embeddings (with yarn RoPE: its original context × factor, when longer).")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from engine.model.quantized_checkpoint import CheckpointQuantization, parse_quantization_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+QWEN3_HEAD_DIM = 128         # a qwen3 config.json without head_dim means this
 # Architectures whose config.json `sliding_window` always applies (Qwen2/3 ask with use_sliding_window).
 _WINDOWED_BY_DEFAULT = ("mistral", "phi3")
 
@@ -63,6 +64,8 @@ class ModelConfig:
             raise ValueError(f"{source}: num_attention_heads ({num_heads}) must be a multiple "
                              f"of num_key_value_heads ({num_kv_heads})")
         head_dim = _integer(raw, "head_dim", source, None)
+        if head_dim is None and model_type == "qwen3":
+            head_dim = QWEN3_HEAD_DIM           # transformers' Qwen3Config default, not hidden / heads
         if head_dim is None:
             if raw["hidden_size"] % num_heads:
                 raise ValueError(f"{source}: hidden_size ({raw['hidden_size']}) must be a multiple of "
@@ -116,7 +119,9 @@ class ModelConfig:
             head_dim=head_dim,
             max_position_embeddings=_integer(raw, "max_position_embeddings", source, 2048),
             rms_norm_eps=_number(raw, "rms_norm_eps", source, 1e-6),
-            rope_theta=rope_theta or _number(rope_params, "rope_theta", source, 10000.0, "rope_parameters.rope_theta"),
+            # transformers 5 takes rope_parameters' theta over a top-level one
+            rope_theta=_number(rope_params, "rope_theta", source, None, "rope_parameters.rope_theta") or rope_theta
+            or 10000.0,
             rope_scaling=scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or attention_bias,
@@ -142,6 +147,16 @@ class ModelConfig:
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(raw, source=path)
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context the model serves: max_position_embeddings, or for YaRN the original context
+        times its factor when that is longer (what the scaling stretches RoPE to, as vLLM derives it)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) != "yarn":
+            return self.max_position_embeddings
+        original = scaling.get("original_max_position_embeddings", self.max_position_embeddings)
+        return max(self.max_position_embeddings, int(original * float(scaling["factor"])))
 
     @property
     def rotary_dim(self) -> int:

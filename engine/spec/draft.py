@@ -60,7 +60,7 @@ class DraftModel:
         self.cfg = cfg
         self.device = device
         self.block_size = block_size
-        self.model = load_model(model_dir, cfg, device, dtype, min(max_model_len, cfg.max_position_embeddings))
+        self.model = load_model(model_dir, cfg, device, dtype, min(max_model_len, cfg.context_limit))
         fmt = KVFormat("auto", cfg.num_hidden_layers, cfg.num_key_value_heads, block_size, cfg.head_dim, dtype)
         self.kv_cache = fmt.allocate(num_blocks, device)    # [L, NB, 2, Hkv, bs, D]
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache=False)
@@ -78,7 +78,7 @@ class DraftModel:
         active = []
         for req, room in zip(seqs, rooms):
             req.spec_token_ids, req.spec_draft_probs = [], None
-            if room <= 0 or req.num_tokens + room - 1 > self.cfg.max_position_embeddings:
+            if room <= 0 or req.num_tokens + room - 1 > self.cfg.context_limit:
                 continue
             state = req.spec_state if isinstance(req.spec_state, DraftState) else DraftState()
             req.spec_state = state

@@ -228,3 +228,31 @@ def test_yarn_configs_as_published_are_read():
     top = ModelConfig.from_dict({"model_type": "llama", **SMALL, "rope_scaling": _yarn(),
                                  "original_max_position_embeddings": 64})
     assert top.rope_scaling["original_max_position_embeddings"] == 64
+
+
+def test_yarn_serves_the_original_context_times_its_factor():
+    """As vLLM derives it: a Qwen2.5 card's yarn (32K x 4) serves 128K though max_position_embeddings says 32K;
+    other scalings, and a yarn that would shorten it, keep max_position_embeddings."""
+    qwen = ModelConfig.from_dict({"model_type": "qwen2", **SMALL, "max_position_embeddings": 32768, "rope_scaling": {
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}})
+    assert qwen.context_limit == 131072
+    assert EngineArgs("unused", max_model_len=200_000).context_length(qwen) == 131072
+    assert EngineArgs("unused", max_model_len=4096).context_length(qwen) == 4096
+    linear = ModelConfig.from_dict({"model_type": "llama", **SMALL, "max_position_embeddings": 512,
+                                    "rope_scaling": {"type": "linear", "factor": 4.0}})
+    assert linear.context_limit == 512
+    short = ModelConfig.from_dict({"model_type": "llama", **SMALL, "max_position_embeddings": 512,
+                                   "rope_scaling": _yarn(original_max_position_embeddings=64, factor=2.0)})
+    assert short.context_limit == 512
+
+
+def test_a_qwen3_config_reads_head_dim_and_rope_theta_as_transformers_does():
+    """Without head_dim a qwen3 config means 128 (Qwen3Config's default, not hidden / heads); with a theta both at
+    the top level and in rope_parameters, rope_parameters' wins."""
+    raw = {"model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 5000.0,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 7000.0}}
+    ours = ModelConfig.from_dict(raw)
+    theirs = transformers.Qwen3Config(**{k: v for k, v in raw.items() if k != "model_type"})
+    assert ours.head_dim == theirs.head_dim == 128
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"] == 7000.0
