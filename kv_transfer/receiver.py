@@ -363,6 +363,10 @@ class BaseReceiver(KVReceiver):
                 expired = [t.transfer_id for t in self._active.values() if t.deadline < now]
             for transfer_id in expired:
                 self._end(transfer_id, TransferStatus.EXPIRED, "deadline passed before all KV chunks arrived")
+            self._reap_transport(now)
+
+    def _reap_transport(self, now: float) -> None:
+        """A transport's own expiries, on the reaper thread (the gRPC receiver's calls open too long)."""
 
     # --- what the decode worker reads --------------------------------------
     def poll(self) -> list[TransferResult]:

@@ -268,8 +268,9 @@ class Dispatcher(Backend):
         d.view = None                   # released here; nothing left to release if no one takes it
         await self.admission.release(old, d.need_blocks)
         # another actor may be full now: wait for its room at the head of the queue, as long as a new request
-        # would wait; with no other actor to wait for, fail at once
-        others = any(v.healthy and not v.draining and v.actor_id not in d.lost for v in d.pool)
+        # would wait; with no other actor to wait for (none that could ever hold the request), fail at once
+        others = any(v.healthy and not v.draining and v.actor_id not in d.lost and v.kv_blocks_total >= d.need_blocks
+                     for v in d.pool)
         d.view = await self.admission.acquire(d.pool, d.need_blocks, self._admission_wait_s(d) if others else 0.0,
                                               exclude=d.lost, first=True, **self.placer.decode_choice(d.hashes))
         if d.view is None:

@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if "shared" in phases and "light" not in phases:
         p.error("--phases: shared compares with the light phase of the same run: add light")
     shape = ModelConfig.from_dir(resolve_model(cfg.model.name))
-    longest = min(cfg.model.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
+    longest = min(cfg.model.max_model_len or shape.context_limit, shape.context_limit)
     lengths = args.light_lengths or light_lengths(s_in, longest - LIGHT_TOKENS)
     if max(lengths) + LIGHT_TOKENS > longest:
         p.error(f"--light-lengths: {max(lengths)} + {LIGHT_TOKENS} generated tokens exceed the context ({longest})")

@@ -339,5 +339,5 @@ def build_cluster(cfg: PDServeConfig, model: StepTimeModel, sim_cfg: ModelConfig
 
 def context_of(cfg: PDServeConfig, shape: ModelConfig) -> int:
     """The tokens a request may span (prompt + output) in a simulated cluster of `cfg` over a model of `shape`:
-    the config's `model.max_model_len` within the model's positions, as the router and the engines take it."""
-    return min(cfg.model.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
+    the config's `model.max_model_len` within the model's context, as the router and the engines take it."""
+    return min(cfg.model.max_model_len or shape.context_limit, shape.context_limit)

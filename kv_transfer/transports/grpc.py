@@ -78,6 +78,7 @@ class GrpcReceiver(BaseReceiver):
 
     def __init__(self, layout, kv_cache, allocator, *, host: str = "127.0.0.1", port: int = 0, max_streams: int = 32,
                  max_calls: int = MAX_CALLS, decode_threads: int = 2, tls: InternalTLS | None = None, **kwargs):
+        self._calls: dict[object, float] = {}  # open PushKV calls' contexts -> when the reaper cancels each
         super().__init__(layout, kv_cache, allocator, **kwargs)
         self._decoders = futures.ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="kv-decode")
         gate = TokenGate(TOKEN_KEY, self.token, message="receiver rejected the cluster token ({reason})",
@@ -114,14 +115,23 @@ class GrpcReceiver(BaseReceiver):
 
     def _push(self, frames: Iterator[bytes], context) -> bytes:
         # A call carries one transfer, which ends within max_deadline_s of its first chunk: a call still open after
-        # CALL_DEADLINES of them (a silent peer that set no deadline of its own) is cancelled, freeing its thread.
-        watchdog = threading.Timer(CALL_DEADLINES * self.max_deadline_s, context.cancel)
-        watchdog.daemon = True
-        watchdog.start()
+        # CALL_DEADLINES of them (a silent peer that set no deadline of its own) is cancelled by the reaper, freeing
+        # its thread (the reaper's, not a timer thread per call).
+        with self._cond:
+            self._calls[context] = time.monotonic() + CALL_DEADLINES * self.max_deadline_s
         try:
             return self._receive(frames, context)
         finally:
-            watchdog.cancel()
+            with self._cond:
+                self._calls.pop(context, None)
+
+    def _reap_transport(self, now: float) -> None:
+        with self._cond:
+            expired = [context for context, cancel_at in self._calls.items() if cancel_at < now]
+            for context in expired:
+                del self._calls[context]           # cancelled once
+        for context in expired:
+            context.cancel()
 
     def _receive(self, frames: Iterator[bytes], context) -> bytes:
         transfer_id, nbytes = "", 0

@@ -17,13 +17,14 @@ from bench.simulate import cli
 from bench.simulate.clock import SimulationStalled, run_virtual
 from bench.simulate.measured import MeasuredModel
 from bench.simulate.run import simulate
-from bench.simulate.sim_cluster import build_cluster
+from bench.simulate.sim_cluster import build_cluster, context_of
 from bench.simulate.sim_engine import SimEngine
 from bench.simulate.sim_transport import SimNetwork, SimReceiver, SimSender
 from bench.simulate.step_time import Chunk, StepTimeModel
 from decode_worker.worker import DecodeWorker
 from deploy.config import load_config
 from engine.performance import MeasuredPerformance as Profile
+from engine.args import EngineArgs
 from engine.model.config import ModelConfig
 from engine.model.presets import resolve_model
 from engine.sampling.params import SamplingParams
@@ -631,3 +632,16 @@ def test_a_rate_sweep_writes_its_plot(tmp_path):
                      "20", "--sweep", "rate", "--sweep-values", "2,8", "--plot", str(plots), "--json", str(out)]) == 0
     path = json.loads(out.read_text())["plot"]
     assert path.startswith(str(plots)) and open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("max_model_len", [None, 100_000])
+def test_the_simulated_routers_context_is_the_engines_with_yarn(max_model_len):
+    """A yarn model serves original context x factor (ModelConfig.context_limit): the simulated router bounds
+    requests by the context the (simulated) engines take, not by max_position_embeddings alone."""
+    shape = ModelConfig.from_dict({
+        "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 32768,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}})
+    cfg = load_config(None, {"model.name": "tiny", "model.max_model_len": max_model_len})
+    engine_context = EngineArgs(model="tiny", max_model_len=max_model_len).context_length(shape)
+    assert context_of(cfg, shape) == engine_context == (max_model_len or 131072)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from engine.kv_cache.block_manager import blocks_needed
 from engine.sampling.params import SamplingParams
 from fake_actors import FakeCluster, expected_tokens, fake_cluster, text_of
 from proto.pdserve.v1 import generation_pb2 as pb, worker_pb2 as wpb
@@ -343,6 +344,24 @@ def test_a_migrating_request_gives_up_when_no_room_comes_in_time():
             await collect(d, request(max_tokens=8))
         assert e.value.code == "UNAVAILABLE" and "none had room in time" in e.value.message
         await d.admission.release(full, held)
+        assert_nothing_held(c)
+    run(main())
+
+
+def test_a_migrating_request_no_other_actor_could_ever_hold_fails_at_once():
+    """decode-1 holds fewer blocks in all than the request needs: nothing to wait for, so the request fails
+    at once instead of heading the admission queue (and holding up every request behind it) for
+    max_queue_wait_s."""
+    async def main():
+        c = fake_cluster(num_decode=2)
+        d = make(c, max_queue_wait_s=30.0)
+        need = blocks_needed(len(PROMPT), 8, 1, BLOCK_SIZE)
+        c.pools.decode[1].kv_blocks_total = need - 1
+        c.decode[0].faults = ["die_after:2"]
+        with pytest.raises(BackendError) as e:
+            await asyncio.wait_for(collect(d, request(max_tokens=8)), 5)
+        assert e.value.code == "UNAVAILABLE" and "no other decode actor can take the request" in e.value.message
+        assert not d.admission._waiters
         assert_nothing_held(c)
     run(main())
 

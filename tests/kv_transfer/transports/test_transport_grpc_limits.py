@@ -150,3 +150,34 @@ def test_calls_over_max_calls_are_refused(layout):
             push(iter([END_FRAME]), metadata=metadata, timeout=10)        # room again once they finished
     finally:
         receiver.close()
+
+
+def test_a_push_call_starts_no_thread_of_its_own(layout, monkeypatch):
+    """The bound on a call's life is kept by the receiver's one reaper thread, not by a timer thread per
+    PushKV call (a transfer makes one to num_streams calls)."""
+    pool = SimpleBlockPool(8)
+    receiver = make_receiver("grpc", layout, torch.zeros(layout.cache_shape(8)), pool, token=TOKEN, decode_threads=1)
+    sender = make_sender("grpc", layout, token=TOKEN)
+    started, start = [], threading.Thread.start
+
+    def record(thread):
+        started.append((threading.current_thread().name, thread.name))
+        start(thread)
+
+    def transfer(seed: int) -> None:
+        handle = sender.send(KVPiece(f"r{seed}", random_cache(layout, 3, seed), [0, 2]), receiver.endpoint)
+        assert handle.wait(30) == TransferStatus.DONE, handle
+        pool.free(receiver.wait(handle.transfer_id, 5).dst_block_ids)
+
+    try:
+        transfer(0)                                   # the pools' threads exist from here on
+        monkeypatch.setattr(threading.Thread, "start", record)
+        for seed in range(1, 4):
+            transfer(seed)
+        monkeypatch.undo()
+        assert [name for caller, name in started if caller.startswith("kv-grpc_")] == []   # the service's threads
+        assert_no_leak(pool)
+    finally:
+        monkeypatch.undo()
+        sender.close()
+        receiver.close()
