@@ -28,6 +28,9 @@ class GenerationConfig:
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in eos_ids):
             raise ValueError(f"{source}: eos_token_id must be a token id or a list of them, got {eos!r}")
         defaults = {name: raw[key] for key, name in _SAMPLING_KEYS.items() if raw.get(key) is not None}
+        for key, name in _SAMPLING_KEYS.items():     # refused at load, naming the key, not in every request
+            if name in defaults:
+                _check_default(key, name, defaults[name], source)
         return cls(eos_token_ids=eos_ids, sampling_defaults=defaults)
 
     @classmethod
@@ -42,3 +45,12 @@ class GenerationConfig:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(raw, source=path)
+
+
+def _check_default(key: str, name: str, value: object, source: str) -> None:
+    """A sampling default a request may take: what `SamplingParams.validate` accepts for its field."""
+    from engine.sampling.params import SamplingParams
+    try:
+        SamplingParams(**{name: value}).validate()
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{source}: {key} {value!r:.40} cannot be a sampling default ({e})") from None

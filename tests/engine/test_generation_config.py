@@ -44,6 +44,20 @@ def test_sampling_defaults_are_the_keys_vllm_takes():
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.5, 20, 64)
 
 
+@pytest.mark.parametrize("raw,said", [
+    ({"temperature": -0.5}, "temperature -0.5 cannot be a sampling default (temperature must be"),
+    ({"top_p": 1.5}, "top_p 1.5 cannot be a sampling default (top_p must be in (0, 1]"),
+    ({"top_k": -1}, "top_k -1 cannot be a sampling default"),
+    ({"top_k": "20"}, "top_k '20' cannot be a sampling default"),
+    ({"repetition_penalty": 0}, "repetition_penalty 0 cannot be a sampling default"),
+    ({"max_new_tokens": 0}, "max_new_tokens 0 cannot be a sampling default (max_tokens"),
+    ({"min_p": float("nan")}, "min_p nan cannot be a sampling default")])
+def test_a_sampling_default_no_request_could_take_is_refused_at_load(raw, said):
+    with pytest.raises(ValueError) as e:
+        GenerationConfig.from_dict(raw, source="gen.json")
+    assert str(e.value).startswith(f"gen.json: {said}"), str(e.value)
+
+
 @pytest.mark.parametrize("raw", [{"eos_token_id": "x"}, {"eos_token_id": [1, -2]}, [1, 2]])
 def test_bad_eos_ids_are_refused_naming_the_file(raw):
     with pytest.raises(ValueError, match="generation_config.json"):
