@@ -128,6 +128,7 @@ class Engine:
         self.model = load_model(self.model_dir, cfg, self.device, self.dtype, self.max_model_len,
                                 args.quantization, args.quantization_group_size,
                                 quantize_lm_head=args.quantize_lm_head, shard=shard, reduce=self.tp.group.all_reduce)
+        self.config = self.model.cfg       # as loaded (a tied head stored different from the embedding: untied)
         self.quantization = self.model.quantization       # none | int8 | int4 (a quantized checkpoint: int4)
         # Of the directory's weights, not of how they are stored: a decode actor running int4 and a
         # prefill actor running unquantized share it, and the KV handshake admits them (docs/engine.md).

@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from engine.model.quantized_checkpoint import CheckpointQuantization, parse_quantization_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-QWEN3_HEAD_DIM = 128         # a qwen3 config.json without head_dim means this
+# What an absent key means where the architecture's transformers config class differs from the defaults
+# below (Llama's): a hand-written config.json reads as transformers reads it.
+ARCHITECTURE_DEFAULTS = {
+    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072},
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+    "qwen3": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "head_dim": 128},
+    "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+}
 # Architectures whose config.json `sliding_window` always applies (Qwen2/3 ask with use_sliding_window).
 _WINDOWED_BY_DEFAULT = ("mistral", "phi3")
 
@@ -56,6 +63,7 @@ class ModelConfig:
             raise ValueError(
                 f"{source}: model_type {model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raw = {**ARCHITECTURE_DEFAULTS.get(model_type, {}), **raw}      # keys absent from the file
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             _integer(raw, key, source, _REQUIRED)
         num_heads = raw["num_attention_heads"]
@@ -64,8 +72,6 @@ class ModelConfig:
             raise ValueError(f"{source}: num_attention_heads ({num_heads}) must be a multiple "
                              f"of num_key_value_heads ({num_kv_heads})")
         head_dim = _integer(raw, "head_dim", source, None)
-        if head_dim is None and model_type == "qwen3":
-            head_dim = QWEN3_HEAD_DIM           # transformers' Qwen3Config default, not hidden / heads
         if head_dim is None:
             if raw["hidden_size"] % num_heads:
                 raise ValueError(f"{source}: hidden_size ({raw['hidden_size']}) must be a multiple of "

@@ -82,3 +82,18 @@ def test_simulate_refuses_a_bad_config_with_exit_2(tmp_path, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.strip() == f'error: {tmp_path / "config.json"}: num_key_value_heads must be a positive integer (got "8")'
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
+def test_absent_keys_mean_what_transformers_config_class_says(model_type):
+    """A hand-written config.json without num_key_value_heads, max_position_embeddings, rms_norm_eps or head_dim
+    reads as the architecture's transformers config class reads it (Mistral: 8 KV heads; Qwen3: head_dim 128;
+    Phi-3: eps 1e-5)."""
+    transformers = pytest.importorskip("transformers")
+    raw = {"vocab_size": 1000, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 2,
+           "num_attention_heads": 32}
+    ours = ModelConfig.from_dict({"model_type": model_type, **raw})
+    theirs = transformers.AutoConfig.for_model(model_type, **raw)
+    head_dim = getattr(theirs, "head_dim", None) or raw["hidden_size"] // raw["num_attention_heads"]
+    assert (ours.num_key_value_heads, ours.max_position_embeddings, ours.rms_norm_eps, ours.head_dim) == \
+        (theirs.num_key_value_heads, theirs.max_position_embeddings, theirs.rms_norm_eps, head_dim)

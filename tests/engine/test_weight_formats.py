@@ -181,6 +181,7 @@ def test_tied_checkpoint_storing_lm_head_is_served_as_hf_serves_it(tmp_path, tin
     save_file(weights, path, metadata={"format": "pt"})
     engine = _engine(model_dir)
     assert (engine.model.lm_head.weight is engine.model.embed_tokens.weight) == (head == "embedding")
+    assert engine.config.tie_word_embeddings == (head == "embedding")     # its parameter count too
     ids = random_prompt(40, seed=2, vocab=VOCAB)
     blocks = engine.block_manager.allocate(3)
     torch.testing.assert_close(engine.runner.score(ids, blocks), hf_logits(hf_model(model_dir), ids),
