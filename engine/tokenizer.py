@@ -18,12 +18,13 @@ import os
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from engine.unreadable_file import unreadable
+
 log = logging.getLogger(f"pdserve.{__name__}")
 
 GIL_FREE_CHARS = 4096   # texts this long are encoded with the GIL released (`Tokenizer.encode`)
 # tokenizer_config.json classes transformers loads from tokenizer.json unchanged.
 GENERIC_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
-LFS_POINTER = b"version https://git-lfs"       # how a Git LFS pointer file starts
 
 
 class Tokenizer:
@@ -113,10 +114,7 @@ def _from_file(path: str) -> _HFTokenizer:
     try:
         return _HFTokenizer.from_file(path)
     except Exception as e:          # tokenizers raises a bare Exception ("expected value at line 1 column 1")
-        with open(path, "rb") as f:
-            lfs = f.read(len(LFS_POINTER)) == LFS_POINTER
-        hint = "a Git LFS pointer, not the file: fetch it (git lfs pull)" if lfs else str(e)
-        raise ValueError(f"{path}: not a readable tokenizer.json ({hint})") from None
+        raise unreadable(path, "tokenizer.json", e) from None
 
 
 class IncrementalDetokenizer:

@@ -28,6 +28,7 @@ from engine.model.quantization import GROUP_SIZES, SCHEMES, concat, quantize
 from engine.model.quantized_checkpoint import PACKED_NAME, QUANTIZED_SUFFIXES, read_projection
 from engine.model.quantized_linear import QuantizedLinear, QuantPlan
 from engine.parallel.shard import HeadShard, shard_heads, weight_slices
+from engine.unreadable_file import unreadable
 
 log = logging.getLogger(f"pdserve.{__name__}")
 
@@ -35,7 +36,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-LFS_POINTER = b"version https://git-lfs"       # how a Git LFS pointer file starts
 
 
 def weight_files(model_dir: str) -> list[str]:
@@ -74,10 +74,7 @@ def open_safetensors(path: str):
     try:
         return safe_open(path, framework="pt")
     except Exception as e:          # safetensors raises its own SafetensorError (no file name in it)
-        with open(path, "rb") as f:
-            lfs = f.read(len(LFS_POINTER)) == LFS_POINTER
-        hint = "a Git LFS pointer, not the weights: fetch them (git lfs pull)" if lfs else f"{e}"
-        raise ValueError(f"{path}: not a readable safetensors file ({hint})") from None
+        raise unreadable(path, "safetensors file", e) from None
 
 
 class CheckpointTensors(Mapping):
