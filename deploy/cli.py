@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -44,6 +45,8 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
+    if args.config is not None and not args.config.strip():     # e.g. --config "$UNSET"
+        raise ConfigError("--config: empty path (leave --config out for the embedded default)")
     overrides = {key: getattr(args, dest, None) for dest, key in SERVE_FLAGS.items()}
     for item in args.set:
         key, value = parse_override(item)
@@ -153,11 +156,43 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return module.main(args.rest)
 
 
+def _search_flags_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with `pdserve plan`'s --devices, --tp, --allreduce-us and --allreduce-gbps, as one line; else
+    None."""
+    if args.devices < 1:
+        return f"--devices {args.devices}: the number of devices to plan for, at least 1"
+    try:
+        degrees = [int(d) for d in args.tp.split(",")]
+    except ValueError:
+        degrees = []
+    if not degrees or min(degrees) < 1:
+        return f"--tp {args.tp}: a comma-separated list of positive degrees, e.g. 1,2,4"
+    if not (math.isfinite(args.allreduce_us) and args.allreduce_us >= 0):
+        return f"--allreduce-us {args.allreduce_us:g}: a finite latency in µs, at least 0"
+    if not (math.isfinite(args.allreduce_gbps) and args.allreduce_gbps > 0):
+        return f"--allreduce-gbps {args.allreduce_gbps:g}: a finite bandwidth in GB/s, above 0"
+    return None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from deploy.plan_cli import run_plan
     from deploy.plan_cli import ParallelismSearch
     search = None
-    if args.devices is not None:
+    if args.devices is None:
+        given = [flag for flag, value in (("--tp", args.tp), ("--allreduce-us", args.allreduce_us),
+                                          ("--allreduce-gbps", args.allreduce_gbps)) if value is not None]
+        if given:
+            print(f"error: {given[0]}: tunes the parallelism search, which needs --devices N", file=sys.stderr)
+            return 2
+    else:
+        defaults = ParallelismSearch(args.devices)
+        args.tp = ",".join(map(str, defaults.degrees)) if args.tp is None else args.tp
+        args.allreduce_us = defaults.allreduce_us if args.allreduce_us is None else args.allreduce_us
+        args.allreduce_gbps = defaults.allreduce_gbps if args.allreduce_gbps is None else args.allreduce_gbps
+        problem = _search_flags_problem(args)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
         search = ParallelismSearch(args.devices, tuple(int(d) for d in args.tp.split(",")), args.allreduce_us,
                                    args.allreduce_gbps)
     return run_plan(args.cfg, as_json=args.json, profile_path=args.profile, local=args.local, search=search,
@@ -248,11 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--profile", help="profile file (default: profile this machine first)")
             p.add_argument("--devices", type=int, help="search each pool's tensor-parallel degree and count "
                            "within this many devices (DistServe-style: most goodput per device meeting the SLOs)")
-            p.add_argument("--tp", default="1,2,4", help="degrees to try with --devices (default 1,2,4)")
-            p.add_argument("--allreduce-us", type=float, default=30.0,
-                           help="latency of one all-reduce among a degree's ranks, µs (default 30)")
-            p.add_argument("--allreduce-gbps", type=float, default=100.0,
-                           help="all-reduce bandwidth among a degree's ranks, GB/s (default 100)")
+            p.add_argument("--tp", help="degrees to try with --devices (default 1,2,4)")
+            p.add_argument("--allreduce-us", type=float,
+                           help="with --devices: latency of one all-reduce among a degree's ranks, µs (default 30)")
+            p.add_argument("--allreduce-gbps", type=float,
+                           help="with --devices: all-reduce bandwidth among a degree's ranks, GB/s (default 100)")
             p.add_argument("--spec-acceptance", type=float, metavar="A",
                            help="with speculative decoding: the acceptance rate to size decode at (accepted / "
                            "proposed tokens, 0..1; default: the profile's measurement, else no speed-up)")

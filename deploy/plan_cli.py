@@ -151,6 +151,10 @@ def run_plan(cfg: PDServeConfig, as_json: bool = False, profile_path: str | None
         print(f"error: --spec-acceptance {spec_acceptance:g}: an acceptance rate (accepted / proposed tokens) "
               "between 0 and 1", file=sys.stderr)
         return 2
+    if spec_acceptance is not None and cfg.speculative.method == "off":
+        print(f"error: --spec-acceptance {spec_acceptance:g}: sizes speculative decoding, which is off (turn it on "
+              "with --speculative-method ngram|draft or config speculative.method)", file=sys.stderr)
+        return 2
     try:
         profile, source = obtain_profile(cfg, profile_path, local)
     except ValueError as e:

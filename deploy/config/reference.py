@@ -27,8 +27,8 @@ Every key of `deploy/pools.yaml`, generated from the schema (`deploy/config/`) b
 `python -m deploy.config.reference > docs/configuration.md`; a test fails when this page is
 stale. "Default" is what the embedded `deploy/pools.yaml` gives the key (a pool or section that
 file leaves out shows the schema's default). Set keys in a YAML file passed with `--config`, or
-one at a time with `--set KEY=VALUE`; an unknown key or a bad value is refused at start with a
-message naming the key.
+one at a time with `--set KEY=VALUE` (the value is read as YAML: `--set server.metrics_port=null` unsets a
+key the file sets); an unknown key or a bad value is refused at start with a message naming the key.
 """
 
 

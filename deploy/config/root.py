@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+from collections.abc import Hashable
 from typing import Any, Mapping, Optional
 
 import yaml
@@ -35,6 +36,20 @@ PATH_KEYS = ("model.name", "pools.*.model", "speculative.draft.model", "workload
              "security.tls_key", "security.tls_client_ca", "security.internal_tls_cert",
              "security.internal_tls_key", "security.internal_tls_ca")
 """Keys whose values are file paths (made absolute when given as overrides)."""
+
+
+class _Null:
+    """The value of an override that sets its key to null (``--set server.metrics_port=null``): a None
+    override means "flag not given" and is skipped."""
+
+    def __repr__(self) -> str:
+        return "NULL"
+
+    def __reduce__(self) -> str:       # unpickled as this module's NULL, so `is NULL` holds in worker processes
+        return "NULL"
+
+
+NULL = _Null()
 
 
 class PDServeConfig(Section):
@@ -147,6 +162,9 @@ def _mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dic
     seen: dict = {}
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, Hashable):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a key must be a name, got a {type(key).__name__}", key_node.start_mark)
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r}", key_node.start_mark)
@@ -156,12 +174,36 @@ def _mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dic
 
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
 
+MAX_YAML_VALUES = 100_000
+"""Most values (keys, scalars, lists, mappings) a config may hold once its YAML aliases are expanded: a
+"billion laughs" document is a few lines that expand to billions, which validation (and the repr of a bad
+value in its message) would walk."""
+
+
+def _too_many_values(value: Any) -> bool:
+    """True when ``value`` holds more than MAX_YAML_VALUES values, aliases expanded (stops counting there)."""
+    stack, num_values = [value], 0
+    while stack:
+        item = stack.pop()
+        num_values += 1
+        if num_values > MAX_YAML_VALUES:
+            return True
+        if isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
 
 def read_yaml(path: str) -> dict:
     """The mapping in YAML file ``path`` ({} when empty); ConfigError otherwise."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             raw = yaml.load(f, Loader=_Loader)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                          f"{exc.start})") from None
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except OSError as exc:
@@ -174,6 +216,8 @@ def read_yaml(path: str) -> dict:
         raise ConfigError(f"{path}: YAML error: {exc}") from None
     if raw is None:
         return {}
+    if _too_many_values(raw):
+        raise ConfigError(f"{path}: more than {MAX_YAML_VALUES} values once its YAML aliases are expanded")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     return raw
@@ -181,14 +225,18 @@ def read_yaml(path: str) -> dict:
 
 def parse_override(text: str) -> tuple[str, Any]:
     """``"pools.prefill.count=2"`` -> ``("pools.prefill.count", 2)``; the value
-    is parsed as YAML (``auto`` stays a string, ``{a: 1}`` becomes a dict)."""
+    is parsed as YAML (``auto`` stays a string, ``{a: 1}`` becomes a dict, ``null`` :data:`NULL`)."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"{text!r}: expected KEY=VALUE (e.g. pools.prefill.count=2)")
     try:
-        return key.strip(), yaml.safe_load(value) if value.strip() else ""
+        parsed = yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError:
         return key.strip(), value
+    if _too_many_values(parsed):
+        raise ConfigError(f"{key.strip()}: more than {MAX_YAML_VALUES} values once its YAML aliases are "
+                          "expanded", key.strip())
+    return key.strip(), NULL if parsed is None else parsed
 
 
 def _override_value(key: str, value: Any) -> Any:
@@ -201,7 +249,7 @@ def _override_value(key: str, value: Any) -> Any:
 
 def apply_overrides(raw: dict, overrides: Mapping[str, Any]) -> dict:
     """Set dotted ``overrides`` into the nested mapping ``raw`` (in place);
-    ``None`` values are skipped so unset CLI flags can be passed through."""
+    ``None`` values are skipped so unset CLI flags can be passed through; :data:`NULL` sets null."""
     for key, value in overrides.items():
         if value is None:
             continue
@@ -218,7 +266,7 @@ def apply_overrides(raw: dict, overrides: Mapping[str, Any]) -> dict:
                 raise ConfigError(f"{key}: cannot set a key under {prefix}, which is not a "
                                   "mapping", key)
             node = child
-        node[parts[-1]] = _override_value(key, value)
+        node[parts[-1]] = None if value is NULL else _override_value(key, value)
     return raw
 
 

@@ -5,7 +5,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator
 
-from deploy.config.base import Int, Section
+from deploy.config.base import Float, Int, Section
 
 
 class RoutingSection(Section):
@@ -32,7 +32,7 @@ class RoutingSection(Section):
         "pools.long_context (which must then be configured).")
     max_queue: Int = Field(1024, ge=1, description="Requests waiting in the router before "
                            "new ones get RESOURCE_EXHAUSTED.")
-    max_queue_wait_s: float = Field(30.0, gt=0, description="Longest admission wait (first come, first "
+    max_queue_wait_s: Float = Field(30.0, gt=0, description="Longest admission wait (first come, first "
                                     "served) of a request without a client deadline; then RESOURCE_EXHAUSTED.")
     max_prefill_backlog_tokens: Optional[Int] = Field(
         32768, gt=0, description="A request waits in admission while every prefill actor has more "
@@ -44,7 +44,7 @@ class RoutingSection(Section):
     decode_policy: Literal["kv_aware", "most_free_blocks"] = Field(
         "kv_aware", description="Admit where prompt + max_tokens fit; kv_aware: fewest prompt blocks to ship "
         "(cached prefix) + a weight per running request, then most free blocks; most_free_blocks: most free.")
-    kv_events_interval_s: float = Field(
+    kv_events_interval_s: Float = Field(
         0.2, ge=0.01, le=60, description="How often the router pulls every actor's prefix-cache events (each "
         "actor is also pulled when its prefill or request ends); at least 0.01 s, each pull asks every actor.")
 

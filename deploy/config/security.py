@@ -19,6 +19,11 @@ from proto.internal_auth import InternalTLS
 INTERNAL_TLS_FILES = ("internal_tls_cert", "internal_tls_key", "internal_tls_ca")
 
 
+def _sendable(token: str) -> bool:
+    """True when ``token`` survives an ``Authorization`` header (HTTP and gRPC metadata) as it is."""
+    return token == token.strip(" \t") and all(" " <= char <= "~" for char in token)
+
+
 class SecuritySection(Section):
     """Shared token (router and internal endpoints) and TLS files."""
 
@@ -55,6 +60,11 @@ class SecuritySection(Section):
             self.token = SecretStr(value)
         if self.token is not None and not self.token.get_secret_value():
             raise FieldProblem("token", "must not be empty")
+        if self.token is not None and not _sendable(self.token.get_secret_value()):
+            # a client could never present it: header values are printable ASCII, their edges' spaces stripped
+            raise FieldProblem("token_env" if self.token_env is not None else "token",
+                               "the token must be printable ASCII without leading or trailing spaces (clients "
+                               "send it in an Authorization header)")
         if (self.tls_cert is None) != (self.tls_key is None):
             missing = "tls_key" if self.tls_key is None else "tls_cert"
             other = "tls_cert" if missing == "tls_key" else "tls_key"

@@ -46,10 +46,18 @@ class ServerSection(Section):
     @field_validator("http_port", mode="before")
     @classmethod
     def _http_port_off(cls, value: object) -> object:
-        # "none" / off (from --http-port none, or --set server.http_port=none: a null override is
-        # skipped, and YAML reads off as false) = no HTTP server, like null in the file
+        # "none" / off (from --http-port none, or --set server.http_port=none; YAML reads off as
+        # false) = no HTTP server, like null
         if value is False or isinstance(value, str) and value.strip().lower() in ("none", "null", "off"):
             return None
+        return value
+
+    @field_validator("host")
+    @classmethod
+    def _host_given(cls, value: str) -> str:
+        # an empty host (e.g. --host "$UNSET") would bind every interface
+        if not value.strip():
+            raise ValueError("must not be empty (0.0.0.0 = every interface, 127.0.0.1 = this machine only)")
         return value
 
     @model_validator(mode="after")

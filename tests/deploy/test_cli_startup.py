@@ -68,3 +68,17 @@ def test_generate_against_a_closed_port_fails_in_one_line(capsys):
     assert main(["generate", "--address", f"127.0.0.1:{port}", "--timeout", "5", "hi"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: UNAVAILABLE"), err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--config", ""], "--config: empty path (leave --config out for the embedded default)"),
+    (["--config", "{tmp}/latin1.yaml"], "{tmp}/latin1.yaml: not UTF-8 text (byte 0xe9 at offset 17)"),
+    (["--address", ""], "ray.address: must not be empty (unset or none = a local Ray on 127.0.0.1; auto = join "
+     "the running cluster)"),
+    (["--host", " "], "server.host: must not be empty (0.0.0.0 = every interface, 127.0.0.1 = this machine only)"),
+])
+def test_an_unusable_config_flag_is_one_line_and_exit_2(capsys, tmp_path, flags, message):
+    (tmp_path / "latin1.yaml").write_bytes(b"model: {name: caf\xe9}\n")
+    flags = [flag.replace("{tmp}", str(tmp_path)) for flag in flags]
+    assert main(["serve", *flags]) == 2
+    assert capsys.readouterr().err == f"config error: {message.replace('{tmp}', str(tmp_path))}\n"

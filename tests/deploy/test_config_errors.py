@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from deploy.config import ConfigError, load_config
+from deploy.config import ConfigError, load_config, parse_override
 
 # (id, YAML text ({tmp} = the test's tmp dir), key, exact message or fragment after "key: ")
 BAD_CONFIGS = [
@@ -89,6 +89,16 @@ BAD_CONFIGS = [
      "pools.prefill.chunk_tokens", "must be <= pools.prefill.max_batch_tokens (512 > 256)"),
     ("missing-histogram", "workload: {histogram_file: lengths.jsonl}\n",
      "workload.histogram_file", "file not found: {tmp}/lengths.jsonl"),
+    ("empty-host", "server: {host: ''}\n", "server.host",
+     "must not be empty (0.0.0.0 = every interface, 127.0.0.1 = this machine only)"),
+    ("empty-ray-address", "ray: {address: ''}\n", "ray.address",
+     "must not be empty (unset or none = a local Ray on 127.0.0.1; auto = join the running cluster)"),
+    ("bool-as-seconds", "routing: {max_queue_wait_s: yes}\n", "routing.max_queue_wait_s",
+     "expected a number, got True"),
+    ("infinite-queue-wait", "routing: {max_queue_wait_s: .inf}\n", "routing.max_queue_wait_s",
+     "expected a finite number, got inf"),
+    ("bool-as-interval", "routing: {kv_events_interval_s: on}\n", "routing.kv_events_interval_s",
+     "expected a number, got True"),
     ("restarts-below-minus-one", "pools:\n  decode: {max_restarts: -2}\n",
      "pools.decode.max_restarts", "must be >= -1, got -2"),
 ]
@@ -141,6 +151,34 @@ def test_missing_file_and_non_mapping(write_yaml, tmp_path):
         load_config(missing)
     with pytest.raises(ConfigError, match="expected a mapping of sections"):
         load_config(write_yaml("- just\n- a list\n"))
+
+
+def test_non_utf8_file_is_one_line(write_yaml, tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"server:\n  host: caf\xe9\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: not UTF-8 text \(byte 0xe9 at offset 19\)$"):
+        load_config(str(path))
+
+
+def test_a_list_as_key_gives_file_and_line(write_yaml):
+    path = write_yaml("slo: {}\n? [ttft_p99_ms, tpot_p99_ms]\n: 100\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:2:3: YAML error: a key must be a name, got a list$"):
+        load_config(path)
+
+
+BILLION_LAUGHS = "".join(f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]\n"
+                         for prev, name in zip("abcdefgh", "bcdefghi"))    # 9 ** 8 values from 8 lines
+
+
+def test_alias_bomb_is_refused_before_validation_walks_it(write_yaml):
+    path = write_yaml(f"a: &a [x]\n{BILLION_LAUGHS}pools: {{prefill: {{count: *i}}}}\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: more than 100000 values once its YAML aliases are "
+                       r"expanded$"):
+        load_config(path)
+    levels = ["&a [x]"] + [f"&{name} [{', '.join([f'*{prev}'] * 9)}]" for prev, name in zip("abcdefgh", "bcdefghi")]
+    with pytest.raises(ConfigError, match=r"^pools\.prefill\.count: more than 100000 values once its YAML "
+                       r"aliases are expanded$"):
+        parse_override(f"pools.prefill.count=[{', '.join(levels)}]")
 
 
 def test_empty_file_is_the_default(write_yaml):

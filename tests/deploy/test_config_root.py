@@ -105,6 +105,26 @@ def test_cli_strings_are_coerced_or_rejected():
         parse_override("pools.prefill.count")
 
 
+def test_a_null_override_sets_null_where_an_unset_flag_is_skipped(write_yaml):
+    path = write_yaml("server: {metrics_port: 9100}\nrouting: {max_prefill_backlog_tokens: 4096}\n")
+    config = load_config(path, dict([parse_override("server.metrics_port=null"),
+                                     parse_override("routing.max_prefill_backlog_tokens=~"),
+                                     parse_override("server.http_port=null")]))
+    assert config.server.metrics_port is None and config.server.http_port is None
+    assert config.routing.max_prefill_backlog_tokens is None
+    assert load_config(path, {"server.metrics_port": None}).server.metrics_port == 9100    # flag not given
+    with pytest.raises(ConfigError, match=r"^pools\.prefill\.count: expected an integer or 'auto', got None$"):
+        load_config(None, dict([parse_override("pools.prefill.count=null")]))
+
+
+def test_ray_address_none_or_local_is_a_local_ray(write_yaml):
+    # --help says `--address none` is a local Ray on 127.0.0.1; Ray itself would dial "none"
+    for value in ("none", "local"):
+        assert load_config(None, {"ray.address": value}).ray.address is None
+    assert load_config(write_yaml("ray: {address: local}\n")).ray.address is None
+    assert load_config(None, {"ray.address": "auto"}).ray.address == "auto"
+
+
 def test_override_paths_are_relative_to_cwd(model_dir, monkeypatch):
     monkeypatch.chdir(os.path.dirname(model_dir))
     config = load_config(None, {"model.name": "my-model"})

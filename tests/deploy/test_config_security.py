@@ -1,6 +1,8 @@
 """The security section: token from the environment, TLS files, internal TLS files (deploy/config/security.py)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from deploy.config import ConfigError, load_config
@@ -42,3 +44,19 @@ def test_internal_tls_errors_name_the_key(pem_files, write_yaml, text, key, expe
     with pytest.raises(ConfigError) as info:
         load_config(write_yaml(f"security: {text}\n"))
     assert info.value.key == key and str(info.value).startswith(f"{key}: {expected}"), str(info.value)
+
+
+@pytest.mark.parametrize("token", [" s3cret", "s3cret ", "s3cret\t", "s3c\nret", "pässwort"])
+def test_a_token_no_client_could_send_is_refused_without_showing_it(monkeypatch, token):
+    # the router compares `Bearer <token>` with the header as received: spaces at its edges are stripped,
+    # and a header value is printable ASCII
+    message = ("the token must be printable ASCII without leading or trailing spaces (clients send it in an "
+               "Authorization header)")
+    with pytest.raises(ConfigError, match=rf"^security\.token: {re.escape(message)}$") as info:
+        load_config(None, {"security.token": token})
+    assert token.strip() not in str(info.value)
+    monkeypatch.setenv("MY_TOKEN", token)
+    with pytest.raises(ConfigError, match=rf"^security\.token_env: {re.escape(message)}$"):
+        load_config(None, {"security.token_env": "MY_TOKEN"})
+    sendable = "s3 cr-3t._~+/="
+    assert load_config(None, {"security.token": sendable}).security.token.get_secret_value() == sendable

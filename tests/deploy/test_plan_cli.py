@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from profile_support import synthetic, with_degree, with_speculation
 
 
@@ -84,3 +86,34 @@ def test_plan_sizes_decode_at_the_acceptance_given_else_measured_else_without_a_
     assert "speculative decoding (ngram, acceptance 0.80)" in capsys.readouterr().out
     assert main(["plan", *flags, "--profile", str(measured), "--spec-acceptance", "1.5"]) == 2
     assert "--spec-acceptance 1.5: an acceptance rate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--devices", "0"], "--devices 0: the number of devices to plan for, at least 1"),
+    (["--devices", "4", "--tp", "a,b"], "--tp a,b: a comma-separated list of positive degrees, e.g. 1,2,4"),
+    (["--devices", "4", "--tp", "0"], "--tp 0: a comma-separated list of positive degrees, e.g. 1,2,4"),
+    (["--devices", "4", "--tp", ""], "--tp : a comma-separated list of positive degrees, e.g. 1,2,4"),
+    (["--devices", "4", "--allreduce-us", "-5"], "--allreduce-us -5: a finite latency in µs, at least 0"),
+    (["--devices", "4", "--allreduce-gbps", "0"], "--allreduce-gbps 0: a finite bandwidth in GB/s, above 0"),
+    (["--devices", "4", "--allreduce-gbps", "nan"], "--allreduce-gbps nan: a finite bandwidth in GB/s, above 0"),
+])
+def test_plan_search_flags_out_of_range_are_one_line_and_exit_2(tmp_path, tiny_model_dir, capsys, flags, message):
+    from deploy.cli import main
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(synthetic()))
+    assert main(["plan", "--model", tiny_model_dir, "--profile", str(path), *flags]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tp", "1,2"], "--tp: tunes the parallelism search, which needs --devices N"),
+    (["--allreduce-gbps", "50"], "--allreduce-gbps: tunes the parallelism search, which needs --devices N"),
+    (["--spec-acceptance", "0.8"], "--spec-acceptance 0.8: sizes speculative decoding, which is off (turn it on "
+     "with --speculative-method ngram|draft or config speculative.method)"),
+])
+def test_plan_flags_that_would_change_nothing_are_refused(tmp_path, tiny_model_dir, capsys, flags, message):
+    from deploy.cli import main
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(synthetic()))
+    assert main(["plan", "--model", tiny_model_dir, "--profile", str(path), *flags]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
