@@ -17,6 +17,7 @@ ARCHITECTURE_DEFAULTS = {
     "qwen3": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "head_dim": 128},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
 }
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0     # yarn's ramp bounds (rotations) where the config gives none
 # Architectures whose config.json `sliding_window` always applies (Qwen2/3 ask with use_sliding_window).
 _WINDOWED_BY_DEFAULT = ("mistral", "phi3")
 
@@ -155,12 +156,17 @@ class ModelConfig:
         return cls.from_dict(raw, source=path)
 
     @property
+    def rope_type(self) -> str:
+        """The RoPE scaling's kind ("default" without one); configs spell its key `rope_type` or `type`."""
+        return rope_kind(self.rope_scaling or {}) or "default"
+
+    @property
     def context_limit(self) -> int:
         """The longest context the model serves: max_position_embeddings, or for YaRN the original context
         times its factor when that is longer (what the scaling stretches RoPE to, as vLLM derives it)."""
-        scaling = self.rope_scaling or {}
-        if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        if self.rope_type != "yarn":
             return self.max_position_embeddings
+        scaling = self.rope_scaling
         original = scaling.get("original_max_position_embeddings", self.max_position_embeddings)
         return max(self.max_position_embeddings, int(original * float(scaling["factor"])))
 
@@ -210,6 +216,11 @@ def _sliding_window(raw: dict, model_type: str, source: str) -> int | None:
 
 
 _REQUIRED = object()       # `_integer`'s default for a key that must be present
+
+
+def rope_kind(scaling: dict) -> str | None:
+    """A RoPE scaling's kind as config.json names it: `rope_type`, or the older `type`."""
+    return scaling.get("rope_type", scaling.get("type"))
 
 
 def _shown(value: object) -> str:
@@ -263,7 +274,7 @@ _YARN_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "facto
 def _check_rope_scaling(scaling: dict, key: str, raw: dict, source: str) -> dict:
     """A RoPE scaling the engine applies (engine/model/rope.py), with the numbers it reads checked; returned
     with config.json's top-level `original_max_position_embeddings` in it, which transformers puts first."""
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = rope_kind(scaling)
     if kind not in ("default", "linear", "llama3", "yarn"):
         raise ValueError(f"{source}: {key} type {kind!r} is not supported "
                          "(supported: linear, llama3, yarn; not dynamic/longrope/su)")
@@ -305,7 +316,7 @@ def _check_yarn(scaling: dict, key: str, source: str) -> None:
         one = "mscale" if given["mscale"] is not None else "mscale_all_dim"
         raise ValueError(f"{source}: {key}.{one} needs both mscale and mscale_all_dim "
                          "(transformers ignores either one alone)")
-    beta_fast, beta_slow = given["beta_fast"] or 32.0, given["beta_slow"] or 1.0
+    beta_fast, beta_slow = given["beta_fast"] or YARN_BETA_FAST, given["beta_slow"] or YARN_BETA_SLOW
     if beta_fast < beta_slow:
         raise ValueError(f"{source}: {key}.beta_fast ({beta_fast:g}) must be at least beta_slow ({beta_slow:g})")
     if "truncate" in scaling and not isinstance(scaling["truncate"], bool):

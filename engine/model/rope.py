@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from engine.model.config import ModelConfig
+from engine.model.config import YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig
 
 
 def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -18,7 +18,7 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
     dim = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = cfg.rope_type
     if kind == "linear":
         inv = inv / float(scaling["factor"])
     elif kind == "llama3":
@@ -31,9 +31,9 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
 def attention_factor(cfg: ModelConfig) -> float:
     """What cos and sin are multiplied by: YaRN's (`attention_factor`, else from `factor` and the
     `mscale` / `mscale_all_dim` pair); 1.0 for every other scaling."""
-    scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+    if cfg.rope_type != "yarn":
         return 1.0
+    scaling = cfg.rope_scaling
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
@@ -67,7 +67,7 @@ def _yarn_scale(inv: torch.Tensor, s: dict, base: float, dim: int, max_positions
     ramp over the pair index blends the two between `beta_fast` and `beta_slow` rotations."""
     factor = float(s["factor"])
     old_len = float(s.get("original_max_position_embeddings", max_positions))
-    beta_fast, beta_slow = float(s.get("beta_fast") or 32.0), float(s.get("beta_slow") or 1.0)
+    beta_fast, beta_slow = float(s.get("beta_fast") or YARN_BETA_FAST), float(s.get("beta_slow") or YARN_BETA_SLOW)
 
     def pair_turning(turns: float) -> float:
         """The (fractional) pair index whose frequency turns `turns` times over `old_len` positions."""
