@@ -205,10 +205,10 @@ class Autoscaler:
         if split.flip is None:
             return split, None
         if split.flip == TO_PREFILL:
-            open_ = [v for v in decode if v.healthy and not v.draining]
+            open_ = [v for v in decode if v.accepting]
             actor, role = min(open_, key=lambda v: v.running, default=None), "prefill"
         else:
-            open_ = [v for v in prefill if v.healthy and not v.draining]
+            open_ = [v for v in prefill if v.accepting]
             actor, role = min(open_, key=lambda v: v.queued_tokens, default=None), "decode"
         if actor is None:
             return split, None

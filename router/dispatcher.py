@@ -104,7 +104,7 @@ class Dispatcher(Backend):
 
     async def ready(self) -> bool:
         """Some decode actor can take requests (one down while it restarts is not an outage)."""
-        return any(v.healthy and not v.draining for v in self.pools.decode)
+        return any(v.accepting for v in self.pools.decode)
 
     async def stats(self, timeout_s: float = 2.0) -> list[ActorStats]:
         """Every actor's load; an actor that does not answer within `timeout_s` is left out."""
@@ -269,7 +269,7 @@ class Dispatcher(Backend):
         await self.admission.release(old, d.need_blocks)
         # another actor may be full now: wait for its room at the head of the queue, as long as a new request
         # would wait; with no other actor to wait for (none that could ever hold the request), fail at once
-        others = any(v.healthy and not v.draining and v.actor_id not in d.lost and v.kv_blocks_total >= d.need_blocks
+        others = any(v.accepting and v.actor_id not in d.lost and v.kv_blocks_total >= d.need_blocks
                      for v in d.pool)
         d.view = await self.admission.acquire(d.pool, d.need_blocks, self._admission_wait_s(d) if others else 0.0,
                                               exclude=d.lost, first=True, **self.placer.decode_choice(d.hashes))

@@ -38,6 +38,11 @@ class PrefillView:
     def busy(self) -> bool:
         return self.queued_tokens > 0
 
+    @property
+    def accepting(self) -> bool:
+        """Healthy and not draining: it may take new work."""
+        return self.healthy and not self.draining
+
 
 @dataclass(eq=False)
 class DecodeView:
@@ -80,6 +85,11 @@ class DecodeView:
     @property
     def busy(self) -> bool:
         return self.running > 0
+
+    @property
+    def accepting(self) -> bool:
+        """Healthy and not draining: it may take new work."""
+        return self.healthy and not self.draining
 
 
 def role_of(pool: str, view: PrefillView | DecodeView) -> int:

@@ -138,8 +138,8 @@ class Placer:
 
     def all_decode_running(self, pool: list[DecodeView], running: int) -> int:
         """A decode actor's batch were the prefill actors decoding too: spread over both pools' actors."""
-        num_decode = sum(1 for v in pool if v.healthy and not v.draining)
-        num_prefill = sum(1 for v in self.pools.prefill if v.healthy and not v.draining)
+        num_decode = sum(1 for v in pool if v.accepting)
+        num_prefill = sum(1 for v in self.pools.prefill if v.accepting)
         return round(running * num_decode / max(num_decode + num_prefill, 1)) if num_decode else running
 
     def local_tokens(self, view: DecodeView, hashes: list[bytes], num_tokens: int) -> int:

@@ -122,7 +122,7 @@ def pick_decode(views: list[DecodeView], need_blocks: int, exclude: set[str] = f
     cached blocks there, priced by tier (`KVIndex.priced_prefix_by_actor`). Quarantined actors (failing
     requests while alive) are skipped while any other actor of the pool is open, so a black hole is never
     the 'best' choice; when every actor is quarantined they are tried (half-open)."""
-    candidates = [v for v in views if v.healthy and not v.draining and v.actor_id not in exclude]
+    candidates = [v for v in views if v.accepting and v.actor_id not in exclude]
     open_ = [v for v in candidates if not v.quarantined]
     by_id = {v.actor_id: v for v in (open_ or candidates)}
     cached = cached or {}
